@@ -1,0 +1,23 @@
+"""Errors a user can cause. Each message says what was wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class OSDPError(Exception):
+    """Base class of every error osdp-fx raises for a problem in the user's input."""
+
+
+class CaptureError(OSDPError):
+    """The model could not be captured as a graph (neither torch.fx nor torch.export)."""
+
+
+class PlanError(OSDPError):
+    """A plan (strategy name, Plan object or plan file) is invalid for this model or world."""
+
+
+class PlanMismatchError(PlanError):
+    """Ranks compiled different plans; running them would hang or corrupt training."""
+
+
+class InputError(OSDPError):
+    """The model, its example inputs or an option passed to compile_osdp is invalid."""
