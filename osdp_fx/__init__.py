@@ -1,0 +1,11 @@
+"""osdp-fx: a torch.fx graph compiler for data-parallel training with per-operator sharding."""
+
+from __future__ import annotations
+
+from .api import OSDPModule, compile_osdp
+from .devices import Devices
+from .errors import OSDPError
+from .plan import Plan
+
+__all__ = ["compile_osdp", "Devices", "OSDPError", "OSDPModule", "Plan"]
+__version__ = "0.1.0"

@@ -1,0 +1,233 @@
+"""compile_osdp: capture, plan, shard and recompile a model for data-parallel training."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from .capture import Captured, as_input_tuple, capture
+from .devices import Devices
+from .errors import InputError, PlanMismatchError
+from .passes.aliases import annotate_aliases_pass
+from .passes.runner import run_passes
+from .passes.shard import make_shard, shard_parameters_pass
+from .plan import FULL_SHARD, REPLICATE, ParamSpec, Plan, resolve_plan
+from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
+from .runtime.params import _gather_full, step_context
+from .runtime.reducer import GradReducer
+from .units import parse_bytes
+
+log = logging.getLogger(__name__)
+
+
+def compile_osdp(
+    model: nn.Module,
+    example_inputs: Any,
+    devices: Devices | None = None,
+    *,
+    plan: str | os.PathLike[str] | Plan | None = None,
+    memory_limit: int | str | None = None,
+) -> OSDPModule:
+    """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
+
+    Args:
+        model: the model; it is not modified except that its parameters and buffers are
+            overwritten with rank 0's values (as DDP does). Drop your reference to it to free
+            its full-size parameters.
+        example_inputs: this rank's inputs for one step, a tuple of the forward's positional
+            arguments (a single tensor is accepted).
+        devices: the cluster; None means the current default process group (world size 1 when
+            torch.distributed is not initialised).
+        plan: ``"replicate"``, ``"full_shard"`` or ``"shard_grad_op"`` for every parameter, a
+            :class:`Plan`, or the path of a JSON plan file. None: ``"full_shard"`` (until the
+            search lands).
+        memory_limit: per-rank memory limit, bytes or a string such as ``"8GiB"``.
+
+    Collective: every rank of the world must call it with the same model and plan.
+    """
+    inputs = as_input_tuple(example_inputs)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else (
+        devices.memory_bytes if devices is not None else None)
+    world_size, rank = _world(devices)
+    captured = capture(model, inputs)
+    specs = [
+        ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
+                  element_size=torch.empty((), dtype=p.dtype).element_size(), aliases=p.aliases,
+                  trainable=p.trainable, frozen=not p.requires_grad)
+        for p in captured.params.values()
+    ]
+    resolved = resolve_plan(plan if plan is not None else FULL_SHARD, specs,
+                            world_size=world_size, memory_limit_bytes=limit)
+    _check_ranks_agree(resolved)
+    _broadcast_from_rank0(captured.gm)
+    gm = run_passes(captured.gm, [
+        ("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs)),
+        ("shard", lambda g: shard_parameters_pass(g, plan=resolved, world_size=world_size,
+                                                  rank=rank, group=WORLD)),
+    ])
+    return OSDPModule(gm, resolved, captured)
+
+
+def _world(devices: Devices | None) -> tuple[int, int]:
+    initialized = dist.is_available() and dist.is_initialized()
+    world = group_size(WORLD) if initialized else 1
+    if devices is not None and devices.world_size not in (1, world):
+        if not initialized:
+            raise InputError(
+                f"Devices(world_size={devices.world_size}) needs a process group of that many "
+                "ranks: launch with torchrun and call torch.distributed.init_process_group() "
+                "before compile_osdp (to plan offline for hardware you do not have, use "
+                "`python -m osdp_fx plan`)"
+            )
+        raise InputError(
+            f"Devices(world_size={devices.world_size}) does not match the process group's "
+            f"{world} ranks; describe the world you are running in"
+        )
+    return world, group_rank(WORLD) if initialized else 0
+
+
+def _check_ranks_agree(plan: Plan) -> None:
+    """Compare plan hashes across ranks before any other collective; raise on every rank."""
+    if group_size(WORLD) == 1:
+        return
+    mine = (plan.hash(), plan.counts())
+    everyone: list[Any] = [None] * group_size(WORLD)
+    dist.all_gather_object(everyone, mine)
+    if any(h != mine[0] for h, _ in everyone):
+        per_rank = "\n".join(f"  rank {r}: hash {h} {c}" for r, (h, c) in enumerate(everyone))
+        raise PlanMismatchError(
+            "ranks compiled different plans, so their collectives would not match:\n"
+            f"{per_rank}\nCall compile_osdp with the same model, plan and memory limit on "
+            "every rank (a searched plan must be computed from the same inputs everywhere)"
+        )
+
+
+def _broadcast_from_rank0(gm: fx.GraphModule) -> None:
+    with torch.no_grad():
+        for t in (*gm.parameters(), *gm.buffers()):
+            broadcast_(t.data, WORLD)
+
+
+class OSDPModule(nn.Module):
+    """A compiled model: called like the original, parameters are this rank's shards.
+
+    Parameter and buffer names are the model's own. ``parameters()`` yields the flat shard of a
+    sharded parameter and the full tensor of a replicated one; after ``backward()`` every
+    ``.grad`` holds the gradient averaged over ranks.
+    """
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, captured: Captured) -> None:
+        super().__init__()
+        object.__setattr__(self, "_gm", gm)
+        # Share the graph module's attributes so names are the model's own.
+        self._modules = gm._modules
+        self._parameters = gm._parameters
+        self._buffers = gm._buffers
+        self._plan = plan
+        self._captured_by = captured.method
+        self._state_keys = captured.state_keys
+        self._alias_to_name = captured.alias_to_name
+        replicated = [
+            gm.get_parameter(p.name) for p in plan.params
+            if p.strategy == REPLICATE and not p.note
+        ]
+        self._reducer = GradReducer(replicated, WORLD)
+
+    # ---- running ------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with step_context():
+            return self._gm(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> OSDPModule:
+        self._gm.training = mode
+        return super().train(mode)
+
+    # ---- inspection ---------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan in force; ``print(compiled.plan)`` shows it as a table."""
+        return self._plan
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The rewritten torch.fx GraphModule."""
+        return self._gm
+
+    @property
+    def code(self) -> str:
+        """Python code of the rewritten graph, with its collectives as calls."""
+        return self._gm.code
+
+    def print_readable(self, print_output: bool = True) -> str:
+        return self._gm.print_readable(print_output=print_output)
+
+    # ---- state --------------------------------------------------------------------------
+    def _full(self, name: str, *, grad: bool = False) -> torch.Tensor | None:
+        entry = self._plan[name]
+        local = self._gm.get_parameter(name)
+        if grad:
+            local = local.grad
+            if local is None:
+                return None
+        with torch.no_grad():
+            if entry.strategy == REPLICATE:
+                return local.detach().clone()
+            return _gather_full(local.detach(), entry.shape, WORLD).clone()
+
+    def full_state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """Full tensors under exactly the keys of the original ``model.state_dict()``.
+
+        Collective: every rank must call it. Tied parameters are one tensor under each name.
+        """
+        gathered: dict[str, torch.Tensor] = {}
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for key in self._state_keys:
+            canon = self._alias_to_name.get(key)
+            if canon is None:
+                out[key] = self._gm.get_buffer(key).detach().clone()
+                continue
+            if canon not in gathered:
+                gathered[canon] = self._full(canon)  # type: ignore[assignment]
+            out[key] = gathered[canon]
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Full averaged gradients by canonical parameter name (collective; for inspection)."""
+        return {p.name: self._full(p.name, grad=True) for p in self._plan.params}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (keys of the original ``model.state_dict()``) into this rank's shards."""
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if missing or unexpected:
+            raise InputError(
+                f"load_full_state_dict: state dict does not match the model (missing: "
+                f"{missing[:5]}, unexpected: {unexpected[:5]}); pass the dict returned by "
+                "full_state_dict() or the original model's state_dict()"
+            )
+        world, rank = group_size(WORLD), group_rank(WORLD)
+        with torch.no_grad():
+            for key in self._state_keys:
+                canon = self._alias_to_name.get(key)
+                if canon is None:
+                    self._gm.get_buffer(key).copy_(state_dict[key])
+                    continue
+                if key != canon:
+                    continue
+                entry = self._plan[canon]
+                full = state_dict[key]
+                if tuple(full.shape) != entry.shape:
+                    raise InputError(
+                        f"load_full_state_dict: {key!r} has shape {tuple(full.shape)}, the model "
+                        f"expects {entry.shape}"
+                    )
+                local = self._gm.get_parameter(canon)
+                if entry.strategy != REPLICATE:
+                    full = make_shard(full.to(local.dtype), world_size=world, rank=rank)
+                local.copy_(full)

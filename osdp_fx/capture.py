@@ -1,0 +1,253 @@
+"""Capture a model as a torch.fx graph and normalise it.
+
+Capture tries ``torch.fx.symbolic_trace`` first (a readable, module-level graph) and falls back to
+``torch.export.export(..., strict=False)`` (aten-level; the only way in for Hugging Face
+transformers 5.x models). Normalisation then gives every later pass one form to rely on:
+
+* each parameter of the model is read by exactly one ``get_attr`` node whose target is the
+  parameter's canonical name (its first name in ``model.named_parameters()``); tied parameters
+  (an embedding shared with an LM head) are therefore one node with several users;
+* consumers of parameters are ``call_function`` nodes (torch.nn modules that own parameters are
+  traced through, so ``nn.Linear`` becomes ``get_attr weight/bias`` + ``F.linear``);
+* the graph module owns every parameter and buffer of the model under its original name, and
+  nothing else (stale aliases such as ``lm_head.weight`` are removed), so replacing a parameter on
+  the graph module replaces it everywhere.
+
+Before::
+
+    fc = self.fc(x)                      # call_module Linear
+
+After::
+
+    fc_weight = self.fc.weight           # get_attr
+    fc_bias = self.fc.bias
+    linear = torch._C._nn.linear(x, fc_weight, fc_bias)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .errors import CaptureError, InputError
+from .meta import set_osdp_meta
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """One parameter group of the model: a parameter and every name it is reachable by."""
+
+    name: str
+    """Canonical name: the first name of the parameter in ``model.named_parameters()``."""
+    aliases: tuple[str, ...]
+    """Every other name of the same tensor (tied weights), in ``named_parameters`` order."""
+    shape: tuple[int, ...]
+    """Shape of the full parameter."""
+    dtype: torch.dtype
+    """Element type of the parameter."""
+    requires_grad: bool
+    """False for frozen parameters, which are never reduced."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def trainable(self) -> bool:
+        return self.requires_grad and self.dtype.is_floating_point
+
+
+@dataclasses.dataclass
+class Captured:
+    """The normalised graph of a model and what later passes need to know about the model."""
+
+    gm: fx.GraphModule
+    """The graph module; owns the model's parameters and buffers under their original names."""
+    method: str
+    """'symbolic_trace' or 'export'."""
+    params: dict[str, ParamInfo]
+    """Parameter groups by canonical name, in ``named_parameters`` order."""
+    state_keys: tuple[str, ...]
+    """Keys of ``model.state_dict()``, in order."""
+    alias_to_name: dict[str, str]
+    """Every parameter name (canonical or alias) to its canonical name."""
+
+
+class _ParamTracer(fx.Tracer):
+    """Traces through every module that owns parameters, so parameters become get_attr nodes."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        owns_params = next(m.parameters(recurse=False), None) is not None
+        return super().is_leaf_module(m, module_qualified_name) and not owns_params
+
+
+def as_input_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    """Accept a tuple/list of inputs or a single tensor."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise InputError(
+        f"example_inputs must be a tuple of the model's positional inputs or a single tensor, "
+        f"got {type(example_inputs).__name__}; wrap it: compile_osdp(model, (x,))"
+    )
+
+
+def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captured:
+    """Capture ``model`` on ``example_inputs`` and normalise it (see the module docstring)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(
+            f"compile_osdp needs a torch.nn.Module, got {type(model).__name__}; "
+            "wrap your function in an nn.Module whose parameters are attributes"
+        )
+    _check_inputs_accepted(model, example_inputs)
+    gm, method = _trace(model, example_inputs)
+    return _normalize(model, gm, method)
+
+
+def _check_inputs_accepted(model: nn.Module, example_inputs: tuple[Any, ...]) -> None:
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    except Exception as exc:  # the user's model rejected the user's inputs
+        raise InputError(
+            f"{type(model).__name__} rejected the example inputs "
+            f"({_describe(example_inputs)}): {type(exc).__name__}: {exc}. Pass example_inputs "
+            "as a tuple of the positional arguments the model's forward accepts, for one rank's "
+            "batch"
+        ) from exc
+
+
+def _describe(inputs: tuple[Any, ...]) -> str:
+    parts = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            parts.append(f"Tensor{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}")
+        else:
+            parts.append(type(x).__name__)
+    return ", ".join(parts) or "no inputs"
+
+
+def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> tuple[fx.GraphModule, str]:
+    try:
+        tracer = _ParamTracer()
+        graph = tracer.trace(model)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        return gm, "symbolic_trace"
+    except Exception as exc:
+        fx_reason = _reason(exc)
+        log.info("symbolic_trace failed (%s); trying torch.export", fx_reason)
+    try:
+        ep = torch.export.export(model, example_inputs, strict=False)
+        return ep.module(), "export"
+    except Exception as exc:
+        raise CaptureError(
+            f"could not capture {type(model).__name__} as a graph.\n"
+            f"  torch.fx.symbolic_trace: {fx_reason}\n"
+            f"  torch.export.export(strict=False): {_reason(exc)}\n"
+            "Make the failing line traceable (no Python control flow on tensor values, no "
+            "data-dependent shapes), or move it out of the model's forward."
+        ) from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """The exception and the innermost frame of user code where it was raised."""
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__)
+        if "/torch/" not in f.filename and "/osdp_fx/" not in f.filename
+    ]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first_line}{where}"
+
+
+def _normalize(model: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
+    named = list(model.named_parameters(remove_duplicate=False))
+    canonical_by_id: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in named:
+        canon = canonical_by_id.setdefault(id(p), name)
+        if canon != name:
+            aliases[canon].append(name)
+        else:
+            aliases[name] = []
+    alias_to_name = {name: canonical_by_id[id(p)] for name, p in named}
+    params = {
+        canon: ParamInfo(
+            name=canon, aliases=tuple(aliases[canon]), shape=tuple(p.shape), dtype=p.dtype,
+            requires_grad=p.requires_grad,
+        )
+        for canon, p in ((c, model.get_parameter(c)) for c in aliases)
+    }
+
+    # One get_attr node per parameter group, targeting the canonical name.
+    kept: dict[str, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or node.target not in alias_to_name:
+            continue
+        canon = alias_to_name[node.target]
+        if canon in kept:
+            node.replace_all_uses_with(kept[canon])
+            gm.graph.erase_node(node)
+        elif not node.users:
+            gm.graph.erase_node(node)
+        else:
+            node.target = canon
+            kept[canon] = node
+            set_osdp_meta(node, role="param", param=canon)
+
+    # The graph module owns exactly the model's parameters and buffers, under original names.
+    for module in gm.modules():
+        for pname in list(module._parameters):
+            del module._parameters[pname]
+    for canon in params:
+        set_attr(gm, canon, model.get_parameter(canon))
+    for bname, buf in model.named_buffers():
+        if not _has_attr(gm, bname):
+            set_attr(gm, bname, buf, buffer=True)
+
+    gm.graph.lint()
+    gm.recompile()
+    log.info(
+        "captured %s with %s: %d nodes, %d parameter groups (%d tied)", type(model).__name__,
+        method, len(gm.graph.nodes), len(params), sum(bool(p.aliases) for p in params.values()),
+    )
+    return Captured(
+        gm=gm, method=method, params=params, state_keys=tuple(model.state_dict().keys()),
+        alias_to_name=alias_to_name,
+    )
+
+
+def _has_attr(root: nn.Module, qualname: str) -> bool:
+    obj: Any = root
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def set_attr(root: nn.Module, qualname: str, value: torch.Tensor, *, buffer: bool = False) -> None:
+    """Set ``root.<qualname>`` to a parameter or buffer, creating empty parent modules."""
+    *path, leaf = qualname.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(value, nn.Parameter):
+        module._parameters[leaf] = value
+    elif buffer:
+        module.register_buffer(leaf, value)
+    else:
+        setattr(module, leaf, value)

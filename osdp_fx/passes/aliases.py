@@ -1,0 +1,47 @@
+"""Analysis pass: which nodes' outputs share storage with which parameters.
+
+The sharding pass frees a gathered full_shard parameter after the last forward use of the
+parameter *or any view of it* (``W.t()``, ``W.view(...)``, ``W[idx]`` in an export graph); this
+pass finds those views by running the graph once on the example inputs and comparing storages.
+It writes ``osdp_meta(node).aliases`` and never changes the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
+from torch.utils._pytree import tree_leaves
+
+from ..meta import osdp_meta, set_osdp_meta
+
+
+class _AliasInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, storages: dict[int, str]) -> None:
+        super().__init__(gm)
+        self.storages = storages
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        names = frozenset(
+            self.storages[key]
+            for leaf in tree_leaves(result)
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+            and (key := leaf.untyped_storage()._cdata) in self.storages
+        )
+        if names:
+            set_osdp_meta(n, aliases=names)
+        return result
+
+
+def annotate_aliases_pass(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> PassResult:
+    """Annotate every node with the parameters its output aliases (see module docstring)."""
+    storages = {
+        gm.get_parameter(n.target).untyped_storage()._cdata: n.target
+        for n in gm.graph.nodes if n.op == "get_attr" and osdp_meta(n).role == "param"
+    }
+    with torch.no_grad():
+        _AliasInterpreter(gm, storages).run(*example_inputs)
+    return PassResult(gm, False)

@@ -1,0 +1,96 @@
+"""Rewriting pass: insert the collectives of a plan as explicit graph nodes.
+
+For every parameter group the plan shards (``shard_grad_op`` or ``full_shard``):
+
+* the parameter on the graph module is replaced by this rank's flat, zero-padded 1/N shard (a
+  plain leaf ``nn.Parameter``, so optimizers and their state see only the shard);
+* its ``get_attr`` node moves to just before the parameter's first use and feeds an
+  ``all_gather_param`` node, whose result replaces the parameter everywhere (its backward
+  reduce-scatters the gradient into the shard);
+* for ``full_shard``, a ``free_param`` node follows the last forward use of the gathered tensor
+  and of every view of it (from ``annotate_aliases_pass``); backward re-gathers it.
+
+Replicated parameters are left as they are; the runtime all-reduces their gradients.
+
+Before::
+
+    fc_weight = self.fc.weight
+    linear = torch._C._nn.linear(x, fc_weight, None)
+    relu = torch.relu(linear)
+
+After (full_shard)::
+
+    fc_weight = self.fc.weight                      # flat shard, shape (ceil(numel/N),)
+    all_gather_param = osdp_fx_runtime_params_all_gather_param(fc_weight, (64, 32), 'full_shard', 'world')
+    linear = torch._C._nn.linear(x, all_gather_param, None)
+    free_param = osdp_fx_runtime_params_free_param(all_gather_param)
+    relu = torch.relu(linear)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..capture import set_attr
+from ..meta import osdp_meta, set_osdp_meta
+from ..plan import FULL_SHARD, SHARDED, Plan
+from ..runtime.collectives import WORLD, pad_flat, shard_numel
+from ..runtime.params import all_gather_param, free_param
+
+log = logging.getLogger(__name__)
+
+
+def make_shard(full: torch.Tensor, *, world_size: int, rank: int) -> nn.Parameter:
+    """This rank's flat zero-padded shard of ``full`` as a new leaf parameter."""
+    n = shard_numel(full.numel(), world_size)
+    flat = pad_flat(full.detach(), n * world_size)
+    return nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=full.requires_grad)
+
+
+def shard_parameters_pass(
+    gm: fx.GraphModule, *, plan: Plan, world_size: int, rank: int, group: str = WORLD
+) -> PassResult:
+    """Shard the parameters the plan shards and insert their collectives (module docstring)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    param_nodes = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == "param"]
+    n_gathers = n_frees = 0
+    for node in param_nodes:
+        entry = plan[node.target]
+        if entry.strategy not in SHARDED:
+            continue
+        full = gm.get_parameter(node.target)
+        set_attr(gm, node.target, make_shard(full, world_size=world_size, rank=rank))
+
+        views = [n for n in graph.nodes if node.target in osdp_meta(n).aliases and n is not node]
+        first_user = min(node.users, key=order.__getitem__)
+        first_user.prepend(node)
+        with graph.inserting_after(node):
+            gathered = graph.call_function(
+                all_gather_param, (node, entry.shape, entry.strategy, group)
+            )
+        set_osdp_meta(gathered, role="all_gather", param=node.target, aliases=frozenset())
+        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+        n_gathers += 1
+
+        if entry.strategy != FULL_SHARD:
+            continue
+        uses = [u for v in [gathered, *views] for u in v.users]
+        if any(u.op == "output" for u in uses):
+            log.info("not freeing %s in forward: the model returns it or a view of it", node.target)
+            continue
+        last_use = max(uses, key=lambda u: order.get(u, -1))
+        with graph.inserting_after(last_use):
+            freed = graph.call_function(free_param, (gathered,))
+        set_osdp_meta(freed, role="free", param=node.target)
+        n_frees += 1
+
+    graph.lint()
+    gm.recompile()
+    log.info("shard pass: %d parameters gathered, %d freed after last forward use",
+             n_gathers, n_frees)
+    return PassResult(gm, n_gathers > 0)

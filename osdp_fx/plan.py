@@ -1,0 +1,374 @@
+"""Plan: which strategy every parameter group runs under, printable, hashable, JSON round-trip.
+
+A plan names each parameter group (a parameter and every name tied to it) by its canonical name
+and gives its strategy:
+
+============== ================== ======================== ==============================
+strategy       forward            between fwd and bwd      backward
+============== ================== ======================== ==============================
+replicate      full parameter     kept                     all-reduce gradient (bucketed)
+shard_grad_op  all-gather         gathered tensor kept     reduce-scatter gradient
+full_shard     all-gather, free   freed                    re-gather, reduce-scatter grad
+============== ================== ======================== ==============================
+
+The JSON form (``docs/plan-format.md``) is versioned and meant to be edited by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tabulate import tabulate
+
+from .errors import PlanError
+from .units import format_bytes
+
+REPLICATE = "replicate"
+SHARD_GRAD_OP = "shard_grad_op"
+FULL_SHARD = "full_shard"
+STRATEGIES = (REPLICATE, SHARD_GRAD_OP, FULL_SHARD)
+SHARDED = (SHARD_GRAD_OP, FULL_SHARD)
+
+PLAN_FORMAT = "osdp-fx-plan"
+PLAN_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    """The decision for one parameter group."""
+
+    name: str
+    """Canonical parameter name (first name in ``model.named_parameters()``)."""
+    strategy: str
+    """One of STRATEGIES."""
+    shape: tuple[int, ...]
+    """Shape of the full parameter."""
+    dtype: str
+    """Element type, e.g. 'float32'."""
+    element_size: int
+    """Bytes per element."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the same tensor (tied weights)."""
+    note: str = ""
+    """Why the strategy differs from what was asked, if it does (e.g. 'frozen')."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+    def padded_bytes(self, world_size: int) -> int:
+        """Bytes of the gathered flat buffer: the shard size times the world size."""
+        return -(-self.numel // world_size) * world_size * self.element_size
+
+    def collectives(self, world_size: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """(forward, backward) collectives of one step, each as (name, bytes of the full buffer)."""
+        if world_size == 1 or (self.strategy == REPLICATE and self.note):
+            return [], []
+        full = self.padded_bytes(world_size)
+        if self.strategy == REPLICATE:
+            return [], [("all_reduce", self.nbytes)]
+        if self.strategy == SHARD_GRAD_OP:
+            return [("all_gather", full)], [("reduce_scatter", full)]
+        return [("all_gather", full)], [("all_gather", full), ("reduce_scatter", full)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Strategies for every parameter group of one model at one world size."""
+
+    params: tuple[ParamPlan, ...]
+    """One entry per parameter group, in the model's parameter order."""
+    world_size: int
+    """Ranks the plan was made for."""
+    memory_limit_bytes: int | None = None
+    """Per-rank memory limit the plan was made under, if any."""
+    source: str = ""
+    """How the plan was made: a strategy name, 'file:<path>', 'search', or 'user'."""
+
+    def __post_init__(self) -> None:
+        for p in self.params:
+            if p.strategy not in STRATEGIES:
+                raise PlanError(
+                    f"unknown strategy {p.strategy!r} for parameter {p.name!r}; "
+                    f"use one of {', '.join(STRATEGIES)}"
+                )
+
+    # ---- lookup -------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name or name in p.aliases:
+                return p
+        raise KeyError(name)
+
+    def strategy_of(self, name: str) -> str:
+        return self[name].strategy
+
+    def counts(self) -> dict[str, int]:
+        """Number of parameter groups per strategy."""
+        out = {s: 0 for s in STRATEGIES}
+        for p in self.params:
+            out[p.strategy] += 1
+        return out
+
+    def persistent_param_bytes(self) -> int:
+        """Bytes of parameters (shards or full tensors) each rank holds."""
+        return sum(
+            p.nbytes if p.strategy == REPLICATE else p.padded_bytes(self.world_size) // self.world_size
+            for p in self.params
+        )
+
+    # ---- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "world_size": self.world_size,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "params": {
+                p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
+                         **({"aliases": list(p.aliases)} if p.aliases else {}),
+                         **({"note": p.note} if p.note else {})}
+                for p in self.params
+            },
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+    def hash(self) -> str:
+        """Digest of everything that must agree across ranks (strategies, shapes, world)."""
+        data = self.to_dict()
+        data.pop("memory_limit_bytes")
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    # ---- printing -----------------------------------------------------------------------
+    def table(self) -> str:
+        rows = []
+        for p in self.params:
+            fwd, bwd = p.collectives(self.world_size)
+            shard = p.nbytes if p.strategy == REPLICATE else p.padded_bytes(self.world_size) // self.world_size
+            rows.append([
+                p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else ""),
+                "x".join(map(str, p.shape)) or "()",
+                p.strategy + (f" ({p.note})" if p.note else ""),
+                format_bytes(shard),
+                _describe_collectives(fwd),
+                _describe_collectives(bwd),
+            ])
+        head = ["parameter", "shape", "strategy", "param bytes/rank", "forward", "backward"]
+        counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
+        return (
+            f"Plan for world size {self.world_size} ({counts}; source: {self.source or 'user'}; "
+            f"hash {self.hash()})\n"
+            + tabulate(rows, headers=head)
+            + f"\nparameters per rank: {format_bytes(self.persistent_param_bytes())}"
+            + (f"; memory limit {format_bytes(self.memory_limit_bytes)}"
+               if self.memory_limit_bytes is not None else "")
+        )
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def explain(self, name: str) -> str:
+        """Why one parameter group runs the way it does, and what that costs per step."""
+        p = self[name]
+        fwd, bwd = p.collectives(self.world_size)
+        lines = [
+            f"{p.name}: {p.strategy}" + (f" ({p.note})" if p.note else ""),
+            f"  shape {tuple(p.shape)} {p.dtype}, {format_bytes(p.nbytes)} full",
+            f"  forward:  {_describe_collectives(fwd)}",
+            f"  backward: {_describe_collectives(bwd)}",
+        ]
+        if p.aliases:
+            lines.append(f"  tied to: {', '.join(p.aliases)}")
+        return "\n".join(lines)
+
+
+def _describe_collectives(colls: list[tuple[str, int]]) -> str:
+    return ", ".join(f"{name} {format_bytes(n)}" for name, n in colls) or "-"
+
+
+def load_plan_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a plan file, raising PlanError with the fix when it is missing or malformed."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError as exc:
+        raise PlanError(
+            f"plan file {os.fspath(path)!r} does not exist; pass a strategy name "
+            f"({', '.join(STRATEGIES)}), a Plan, or the path of a JSON plan saved with Plan.save"
+        ) from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(
+            f"plan file {os.fspath(path)!r} is not valid JSON ({exc}); see docs/plan-format.md"
+        ) from exc
+    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+        raise PlanError(
+            f"plan file {os.fspath(path)!r} is not an osdp-fx plan: it needs "
+            f'"format": "{PLAN_FORMAT}" and a "params" mapping; see docs/plan-format.md'
+        )
+    if data.get("version") != PLAN_VERSION:
+        raise PlanError(
+            f"plan file {os.fspath(path)!r} has version {data.get('version')!r}; this osdp-fx "
+            f"reads version {PLAN_VERSION}: re-save the plan with this version"
+        )
+    if not isinstance(data.get("params", {}), Mapping):
+        raise PlanError(f"plan file {os.fspath(path)!r}: \"params\" must map parameter names to "
+                        'strategies, e.g. {"fc.weight": "full_shard"}')
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """What the plan needs to know about one parameter group of the model."""
+
+    name: str
+    """Canonical name."""
+    shape: tuple[int, ...]
+    """Full shape."""
+    dtype: str
+    """Element type name, e.g. 'float32'."""
+    element_size: int
+    """Bytes per element."""
+    aliases: tuple[str, ...]
+    """Tied names."""
+    trainable: bool
+    """False for frozen or non-float parameters, which always stay replicated."""
+    frozen: bool
+    """requires_grad is False."""
+
+
+def build_plan(
+    requested: Mapping[str, str],
+    specs: list[ParamSpec],
+    *,
+    world_size: int,
+    memory_limit_bytes: int | None = None,
+    source: str = "",
+) -> Plan:
+    """A Plan giving each parameter group its requested strategy (keyed by canonical name).
+
+    Frozen and non-float parameters stay replicated whatever was asked; the plan notes why.
+    """
+    entries = []
+    for s in specs:
+        strategy = requested[s.name]
+        note = ""
+        if strategy != REPLICATE and not s.trainable:
+            strategy, note = REPLICATE, "frozen" if s.frozen else f"{s.dtype}, not float"
+        entries.append(ParamPlan(
+            name=s.name, strategy=strategy, shape=s.shape, dtype=s.dtype,
+            element_size=s.element_size, aliases=s.aliases, note=note,
+        ))
+    return Plan(params=tuple(entries), world_size=world_size,
+                memory_limit_bytes=memory_limit_bytes, source=source)
+
+
+def resolve_plan(
+    spec: str | os.PathLike[str] | Plan,
+    specs: list[ParamSpec],
+    *,
+    world_size: int,
+    memory_limit_bytes: int | None = None,
+) -> Plan:
+    """Turn what the user passed as ``plan=`` into a Plan for this model and world."""
+    by_any_name = {n: s.name for s in specs for n in (s.name, *s.aliases)}
+    if isinstance(spec, Plan):
+        requested = _requested_from_mapping(
+            {p.name: p.strategy for p in spec.params}, by_any_name, None, "the Plan",
+        )
+        if spec.world_size != world_size:
+            raise PlanError(
+                f"the Plan was made for world size {spec.world_size} but this world has "
+                f"{world_size} ranks; make a plan for {world_size} ranks"
+            )
+        return build_plan(requested, specs, world_size=world_size,
+                          memory_limit_bytes=memory_limit_bytes, source=spec.source or "user")
+    if isinstance(spec, str) and spec in STRATEGIES:
+        return build_plan({s.name: spec for s in specs}, specs, world_size=world_size,
+                          memory_limit_bytes=memory_limit_bytes, source=spec)
+    if isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        if not path.endswith(".json") and not os.path.exists(path):
+            raise PlanError(
+                f"unknown strategy {path!r}: use one of {', '.join(STRATEGIES)}, a Plan, or "
+                "the path of a JSON plan file (ending in .json)"
+            )
+        data = load_plan_dict(path)
+        file_world = data.get("world_size")
+        if file_world is not None and file_world != world_size:
+            raise PlanError(
+                f"plan file {path!r} was made for world size {file_world} but this world has "
+                f"{world_size} ranks; edit its \"world_size\" or remove it to use the plan at "
+                "any world size"
+            )
+        requested = _requested_from_mapping(
+            data.get("params", {}), by_any_name, data.get("default"), f"plan file {path!r}",
+            shapes={s.name: s.shape for s in specs},
+        )
+        return build_plan(requested, specs, world_size=world_size,
+                          memory_limit_bytes=memory_limit_bytes, source=f"file:{path}")
+    raise PlanError(
+        f"plan must be a strategy name ({', '.join(STRATEGIES)}), a Plan, or a path to a JSON "
+        f"plan file; got {type(spec).__name__}"
+    )
+
+
+def _requested_from_mapping(
+    entries: Mapping[str, Any],
+    by_any_name: dict[str, str],
+    default: str | None,
+    where: str,
+    *,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, str]:
+    unknown = [n for n in entries if n not in by_any_name]
+    if unknown:
+        known = ", ".join(list(dict.fromkeys(by_any_name.values()))[:8])
+        raise PlanError(
+            f"{where} names parameters the model does not have: {', '.join(unknown[:8])}; "
+            f"the model's parameters are named like: {known} ..."
+        )
+    requested: dict[str, str] = {}
+    for name, entry in entries.items():
+        strategy = entry.get("strategy") if isinstance(entry, Mapping) else entry
+        if strategy not in STRATEGIES:
+            raise PlanError(f"{where}: parameter {name!r} has unknown strategy {strategy!r}; "
+                            f"use one of {', '.join(STRATEGIES)}")
+        canon = by_any_name[name]
+        if isinstance(entry, Mapping) and shapes is not None and "shape" in entry:
+            if tuple(entry["shape"]) != shapes[canon]:
+                raise PlanError(
+                    f"{where}: parameter {name!r} has shape {tuple(entry['shape'])} in the plan "
+                    f"but {shapes[canon]} in the model; re-plan for this model"
+                )
+        if requested.get(canon, strategy) != strategy:
+            raise PlanError(f"{where} gives tied names of {canon!r} different strategies; "
+                            "tied parameters share one decision: give them the same strategy")
+        requested[canon] = strategy
+    if default is not None and default not in STRATEGIES:
+        raise PlanError(f"{where}: default strategy {default!r} is unknown; "
+                        f"use one of {', '.join(STRATEGIES)}")
+    missing = [n for n in dict.fromkeys(by_any_name.values()) if n not in requested]
+    if missing and default is None:
+        raise PlanError(
+            f"{where} gives no strategy for {len(missing)} parameters ({', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}); list them or add \"default\": \"full_shard\""
+        )
+    return {n: requested.get(n, default) for n in dict.fromkeys(by_any_name.values())}  # type: ignore[misc]

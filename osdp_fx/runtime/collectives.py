@@ -1,0 +1,101 @@
+"""Collectives on flat 1-D buffers, with the process group named by a string.
+
+Graph nodes cannot carry a ProcessGroup object (the generated code prints its arguments), so
+groups are named: ``"world"`` is the default group. gloo rejects stacked all-gather outputs, so
+every collective here works on flat contiguous buffers. torch renamed the tensor collectives
+(``all_gather_single``/``reduce_scatter_single`` in 2.13, the old names warn); both are detected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+WORLD = "world"
+
+_named_groups: dict[str, Any] = {}
+
+_all_gather_flat_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat_impl = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+
+def register_group(name: str, group: Any) -> None:
+    """Make ``group`` reachable from graph nodes under ``name``."""
+    _named_groups[name] = group
+
+
+def resolve_group(name: str) -> Any:
+    """The ProcessGroup named ``name`` (None, meaning the default group, for ``"world"``)."""
+    if name == WORLD:
+        return None
+    return _named_groups[name]
+
+
+def group_size(name: str) -> int:
+    """Ranks in the named group; 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(resolve_group(name))
+
+
+def group_rank(name: str) -> int:
+    """This process's rank in the named group; 0 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(resolve_group(name))
+
+
+def shard_numel(numel: int, world: int) -> int:
+    """Elements of each rank's flat shard of a ``numel``-element tensor (padded up)."""
+    return -(-numel // world)
+
+
+def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
+    """Concatenate every rank's flat ``shard`` (rank order) into a new flat tensor."""
+    world = group_size(group)
+    out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+    if world == 1:
+        return out.copy_(shard.reshape(-1))
+    _all_gather_flat_impl(out, shard.reshape(-1).contiguous(), group=resolve_group(group))
+    return out
+
+
+def reduce_scatter_flat(full: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum ``full`` (flat, divisible by the group size) over ranks; return this rank's chunk."""
+    world = group_size(group)
+    if world == 1:
+        return full.clone()
+    out = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
+    _reduce_scatter_flat_impl(out, full.contiguous(), op=dist.ReduceOp.SUM,
+                              group=resolve_group(group))
+    return out
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum ``tensor`` over ranks in place."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=resolve_group(group))
+    return tensor
+
+
+def broadcast_(tensor: torch.Tensor, group: str, *, src_rank: int = 0) -> torch.Tensor:
+    """Overwrite ``tensor`` with the group's rank ``src_rank``'s copy, in place."""
+    if group_size(group) > 1:
+        pg = resolve_group(group)
+        src = src_rank if pg is None else dist.get_global_rank(pg, src_rank)
+        dist.broadcast(tensor, src=src, group=pg)
+    return tensor
+
+
+def pad_flat(tensor: torch.Tensor, padded_numel: int) -> torch.Tensor:
+    """``tensor`` flattened and zero-padded to ``padded_numel`` elements."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == padded_numel:
+        return flat
+    out = flat.new_zeros(padded_numel)
+    out[: flat.numel()] = flat
+    return out
