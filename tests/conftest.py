@@ -1,0 +1,30 @@
+"""Shared fixtures: persistent multi-process gloo worlds, reused across test cases."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from harness.world import World  # noqa: E402
+
+_worlds: dict[int, World] = {}
+
+
+def get_world(size: int) -> World:
+    """A live world of ``size`` gloo ranks, started on first use and kept for the session."""
+    world = _worlds.get(size)
+    if world is None or not world.alive():
+        world = _worlds[size] = World(size)
+    return world
+
+
+@pytest.fixture(scope="session")
+def worlds():
+    yield get_world
+    for world in _worlds.values():
+        world.close()
+    _worlds.clear()

@@ -1,0 +1,53 @@
+"""Models and data for tests: built deterministically from a seed in any process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from osdp_fx.examples import MLP, TinyGPT, lm_loss
+
+Batch = tuple[torch.Tensor, ...]
+
+
+def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[Any, Batch], torch.Tensor]]:
+    """(model, loss_fn(output, batch)) for a model name; identical in every process."""
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP((24, 40, 33, 8)), lambda out, batch: F.mse_loss(out, batch[1])
+    if name == "gpt":
+        return TinyGPT(vocab=67, dim=32, depth=2, heads=4, max_seq=16), _lm_loss
+    if name == "hf_gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=67, n_positions=16,
+                         use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(cfg), lambda out, batch: lm_loss(out.logits, batch[0])
+    raise ValueError(name)
+
+
+def _lm_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
+    return lm_loss(out, batch[0])
+
+
+def batches(name: str, *, global_batch: int, steps: int, seed: int = 1) -> list[Batch]:
+    """``steps`` global batches; the model's inputs come first, then targets."""
+    gen = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        return [(torch.randn(global_batch, 24, generator=gen),
+                 torch.randn(global_batch, 8, generator=gen)) for _ in range(steps)]
+    return [(torch.randint(0, 67, (global_batch, 12), generator=gen),) for _ in range(steps)]
+
+
+def local(batch: Batch, rank: int, world: int) -> Batch:
+    """This rank's equal slice of a global batch."""
+    n = batch[0].shape[0] // world
+    return tuple(t[rank * n:(rank + 1) * n] for t in batch)
+

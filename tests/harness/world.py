@@ -1,0 +1,116 @@
+"""A persistent world of gloo ranks that runs test cases on demand.
+
+Starting a world costs seconds, so one world serves many cases: each rank is a spawned process
+that waits for tasks (an importable function and its arguments), runs them, and writes the
+result to a file. A task that does not finish in time kills the world (the next use starts a
+fresh one) and fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import shutil
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from osdp_fx.runtime.launch import free_port, init_world
+
+
+class CaseFailed(AssertionError):
+    """A case raised on some rank; carries each failing rank's traceback."""
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, done: Any, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_world(rank, world_size, port, timeout_s=60.0)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        path = os.path.join(out_dir, f"{task_id}.rank{rank}.pt")
+        try:
+            torch.save({"ok": True, "result": fn(rank, world_size, *args, **kwargs)}, path)
+        except BaseException as exc:
+            torch.save({"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                        "type": type(exc).__name__, "traceback": traceback.format_exc()}, path)
+        done.put((task_id, rank))
+
+
+class World:
+    """``size`` ranks of a gloo world; ``run(fn, ...)`` calls ``fn(rank, size, ...)`` on each."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix=f"osdp-world{size}-")
+        self._tasks = [self._ctx.SimpleQueue() for _ in range(size)]
+        self._done = self._ctx.Queue()
+        port = free_port()
+        self._procs = [
+            self._ctx.Process(target=_worker, args=(r, size, port, self._tasks[r], self._done,
+                                                    self._dir), daemon=True)
+            for r in range(size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._ids = itertools.count()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 240.0,
+            **kwargs: Any) -> list[Any]:
+        """Run ``fn`` on every rank; return the per-rank results or raise CaseFailed."""
+        task_id = next(self._ids)
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        finished = set()
+        while len(finished) < self.size:
+            try:
+                tid, rank = self._done.get(timeout=timeout_s)
+            except queue.Empty:
+                self.close()
+                raise CaseFailed(f"{fn.__name__} did not finish on ranks "
+                                 f"{sorted(set(range(self.size)) - finished)} in {timeout_s} s")
+            assert tid == task_id, (tid, task_id)
+            finished.add(rank)
+        reports = [torch.load(os.path.join(self._dir, f"{task_id}.rank{r}.pt"), weights_only=False)
+                   for r in range(self.size)]
+        failed = [(r, rep) for r, rep in enumerate(reports) if not rep["ok"]]
+        if failed:
+            if len(failed) < self.size:  # the others may be out of step in their collectives
+                self.close()
+            raise CaseFailed("\n".join(f"rank {r}: {rep['traceback']}" for r, rep in failed),
+                             {r: rep for r, rep in failed})
+        return [rep["result"] for rep in reports]
+
+    def run_expecting_error(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, dict]:
+        """Run ``fn``, which must fail on every rank; return each rank's error report."""
+        try:
+            self.run(fn, *args, **kwargs)
+        except CaseFailed as exc:
+            if len(exc.args) > 1 and len(exc.args[1]) == self.size:
+                return exc.args[1]
+            raise
+        raise AssertionError(f"{fn.__name__} succeeded on every rank; expected an error")
+
+    def close(self) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
