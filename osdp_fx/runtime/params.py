@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .collectives import all_gather_flat, group_size, pad_flat, reduce_scatter_flat
+from .memory import note_resized
 
 FULL_SHARD = "full_shard"
 SHARD_GRAD_OP = "shard_grad_op"
@@ -151,4 +152,6 @@ def free_param(full: torch.Tensor) -> None:
     """Release the storage of a gathered full_shard parameter after its last forward use."""
     ctx = _active()
     if ctx is not None and ctx.release(full):
-        full.untyped_storage().resize_(0)
+        storage = full.untyped_storage()
+        storage.resize_(0)
+        note_resized(storage)

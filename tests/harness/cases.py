@@ -47,3 +47,28 @@ def reference_train(model: str, *, world: int, steps: int = 5, lr: float = 0.05,
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return {"losses": losses, "state": net.state_dict()}
+
+
+def memory_profile(rank: int, world: int, *, plan: str, width: int = 512, depth: int = 4,
+                   batch: int = 8) -> dict[str, int]:
+    """Live tensor bytes after forward and peaks of forward and backward, for a Linear stack."""
+    from osdp_fx.examples import MLP
+    from osdp_fx.runtime.memory import LiveTensorTracker
+
+    torch.manual_seed(0)
+    net = MLP((width,) * (depth + 1), bias=False)
+    x = torch.randn(batch, width)
+    compiled = compile_osdp(net, (x,), plan=plan)
+    del net
+    tracker = LiveTensorTracker()
+    with tracker:
+        out = compiled(x)
+        loss = out.square().mean()
+        after_forward = tracker.settle(below_bytes=width * width * 4 // 2)
+        forward_peak = tracker.peak_bytes
+        tracker.reset_peak()
+        loss.backward()
+        del out, loss
+        backward_peak = tracker.peak_bytes
+    return {"after_forward": after_forward, "forward_peak": forward_peak,
+            "backward_peak": backward_peak}

@@ -13,6 +13,7 @@ import os
 import queue
 import shutil
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -72,14 +73,19 @@ class World:
         task_id = next(self._ids)
         for q in self._tasks:
             q.put((task_id, fn, args, kwargs))
-        finished = set()
+        finished: set[int] = set()
+        deadline = time.monotonic() + timeout_s
         while len(finished) < self.size:
             try:
-                tid, rank = self._done.get(timeout=timeout_s)
+                tid, rank = self._done.get(timeout=1.0)
             except queue.Empty:
-                self.close()
-                raise CaseFailed(f"{fn.__name__} did not finish on ranks "
-                                 f"{sorted(set(range(self.size)) - finished)} in {timeout_s} s")
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"ranks {dead} died" if dead else f"not finished in {timeout_s} s"
+                    raise CaseFailed(f"{fn.__name__} on ranks "
+                                     f"{sorted(set(range(self.size)) - finished)}: {why}")
+                continue
             assert tid == task_id, (tid, task_id)
             finished.add(rank)
         reports = [torch.load(os.path.join(self._dir, f"{task_id}.rank{r}.pt"), weights_only=False)
