@@ -1,11 +1,26 @@
-"""Devices: what the cluster looks like, for planning and cost models."""
+"""Devices: what the cluster looks like, for planning and cost models.
+
+A :class:`Devices` is written by hand (or loaded with :meth:`Devices.from_json`) to plan for
+hardware one does not have, or measured on the running process group with
+:meth:`Devices.detect`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
 from .errors import InputError
 from .units import parse_bytes
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 """Memory limit per rank assumed on CPU when none is given (documented in docs/)."""
@@ -50,3 +65,270 @@ class Devices:
     @property
     def num_nodes(self) -> int:
         return self.world_size // (self.ranks_per_node or self.world_size)
+
+    @classmethod
+    def detect(
+        cls,
+        *,
+        memory_limit: int | str | None = None,
+        group: Any = None,
+        ranks_per_node: int | None = None,
+    ) -> Devices:
+        """Measure the devices of the running process group by microbenchmarks.
+
+        Every rank of ``group`` (default: the world) must call it, since it runs collectives;
+        every rank returns the same Devices (timings are reduced to the slowest rank first).
+        Measured: dense matmul FLOP/s, memory bandwidth from a large copy, and, by a fit of the
+        ring alpha-beta model to all-gather, reduce-scatter and all-reduce over a few sizes,
+        bandwidth and latency inside a node (ranks sharing a host name) and across nodes.
+        Figures that cannot be measured (inter-node on one node, all collectives without an
+        initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
+        defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
+        ``ranks_per_node`` overrides the node layout found from host names.
+        """
+        return _detect(cls, memory_limit=memory_limit, group=group, ranks_per_node=ranks_per_node)
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write these figures as a JSON object (one key per field) to ``path``."""
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Devices:
+        """Read a Devices written by :meth:`to_json` (or by hand; missing keys keep defaults)."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise InputError(f"cannot read devices file {os.fspath(path)!r}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise InputError(f"devices file {os.fspath(path)!r} is not valid JSON: {e}") from e
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict):
+            raise InputError(
+                f"devices file {os.fspath(path)!r} must hold a JSON object with keys among "
+                f"{', '.join(names)}"
+            )
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise InputError(
+                f"devices file {os.fspath(path)!r} has unknown keys {unknown}; valid keys are "
+                f"{', '.join(names)}"
+            )
+        return cls(**data)
+
+
+_COLLECTIVE_SIZES_BYTES = (2**12, 2**16, 2**20, 2**22)
+"""Message sizes of the collective benchmarks: small ones give latency, large ones bandwidth."""
+_REPEATS = 5
+"""Timed runs per benchmark (after one warmup); the median is kept."""
+
+
+def _detect(
+    cls: type[Devices], *, memory_limit: int | str | None, group: Any, ranks_per_node: int | None
+) -> Devices:
+    import torch
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if group is not None and not distributed:
+        raise InputError(
+            "Devices.detect(group=...) needs an initialized process group: call "
+            "torch.distributed.init_process_group first, or omit group to measure one process"
+        )
+    world_size = dist.get_world_size(group) if distributed else 1
+    device = _benchmark_device(group) if distributed else torch.device("cpu")
+    if ranks_per_node is None:
+        ranks_per_node = _ranks_per_node_from_hosts(group) if world_size > 1 else 1
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise InputError(
+            f"ranks_per_node={ranks_per_node} must divide the group's {world_size} ranks"
+        )
+    barrier = (lambda: dist.barrier(group=group)) if world_size > 1 else None
+
+    figures: dict[str, Any] = {}
+    if barrier is not None:
+        barrier()  # ranks share the machine's cores while they measure, as when training
+    flops_per_s = _matmul_flops_per_s(device)
+    bandwidth = _copy_bandwidth_bytes_per_s(device)
+    memory_bytes = (
+        parse_bytes(memory_limit) if memory_limit is not None else _device_memory_bytes(device)
+    )
+    # The slowest rank bounds a synchronous step, and every rank must plan with the same figures.
+    flops_per_s, bandwidth, memory_bytes_f = _all_reduce_floats(
+        [flops_per_s, bandwidth, float(memory_bytes)], "min", group, device, distributed
+    )
+    figures.update(
+        compute_flops_per_s=flops_per_s,
+        memory_bandwidth_bytes_per_s=bandwidth,
+        memory_bytes=int(memory_bytes_f),
+    )
+    if world_size > 1:
+        figures.update(_measure_links(group, device, world_size, ranks_per_node))
+    devices = cls(
+        world_size=world_size,
+        ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
+        **figures,
+    )
+    log.info("detected %s", devices)
+    return devices
+
+
+def _benchmark_device(group: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _ranks_per_node_from_hosts(group: Any) -> int:
+    """Ranks per host name; the ranks of one node are expected to be consecutive."""
+    import torch.distributed as dist
+
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    counts = {h: hosts.count(h) for h in hosts}
+    if len(set(counts.values())) != 1:
+        raise InputError(
+            f"nodes run different numbers of ranks ({counts}); osdp-fx needs the same number on "
+            f"every node: launch evenly, or pass Devices.detect(ranks_per_node=...)"
+        )
+    per_node = next(iter(counts.values()))
+    if any(hosts[i] != hosts[i - i % per_node] for i in range(len(hosts))):
+        log.warning(
+            "ranks of one host are not consecutive (%s); cost models assume node-major rank "
+            "order, so inter-node estimates may be off", hosts,
+        )
+    return per_node
+
+
+def _synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time_s(
+    fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None
+) -> float:
+    times = []
+    for i in range(1 + _REPEATS):
+        if barrier is not None:
+            barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_flops_per_s(device: Any) -> float:
+    """Dense matmul throughput in the default dtype."""
+    import torch
+
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    return 2 * n**3 / _median_time_s(lambda: torch.mm(a, b), device)
+
+
+def _copy_bandwidth_bytes_per_s(device: Any) -> float:
+    """Bytes read plus written per second by a copy much larger than caches."""
+    import torch
+
+    nbytes = (256 if device.type == "cuda" else 64) * 2**20
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_time_s(lambda: dst.copy_(src), device)
+
+
+def _device_memory_bytes(device: Any) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return DEFAULT_CPU_MEMORY_BYTES
+
+
+def _all_reduce_floats(
+    values: list[float], op: str, group: Any, device: Any, distributed: bool
+) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    if not distributed or dist.get_world_size(group) == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, float]:
+    """Fit intra-node figures on this node's ranks and inter-node figures on the whole group."""
+    import torch.distributed as dist
+
+    from .cost_models.communication import CollectiveSample, fit_link
+
+    measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (figure prefix, ranks, keys)
+    times: list[float] = []
+    if ranks_per_node > 1:
+        node_group = group
+        if ranks_per_node < world_size:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            first = dist.get_rank(group) // ranks_per_node * ranks_per_node
+            node_group = dist.new_group(
+                ranks[first:first + ranks_per_node], use_local_synchronization=True
+            )
+        keys, node_times = _time_collectives(node_group, device)
+        if node_group is not group:
+            dist.destroy_process_group(node_group)
+        measured.append(("intra_node", ranks_per_node, keys))
+        times += node_times
+    if ranks_per_node < world_size:
+        keys, world_times = _time_collectives(group, device)
+        measured.append(("inter_node", world_size, keys))
+        times += world_times
+    times = _all_reduce_floats(times, "max", group, device, True)
+
+    figures: dict[str, float] = {}
+    for prefix, size, keys in measured:
+        samples = [
+            CollectiveSample(collective, nbytes, size, times.pop(0))  # type: ignore[arg-type]
+            for collective, nbytes in keys
+        ]
+        link = fit_link(samples)
+        figures[f"{prefix}_bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
+        figures[f"{prefix}_latency_s"] = link.latency_s
+        log.debug("%s link fitted to %s: %s", prefix, samples, link)
+    return figures
+
+
+def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], list[float]]:
+    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size."""
+    import torch
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    keys: list[tuple[str, int]] = []
+    times: list[float] = []
+    for nbytes in _COLLECTIVE_SIZES_BYTES:
+        numel = max(size, nbytes // 4 // size * size)
+        full = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // size, device=device)
+        runs: dict[str, Callable[[], object]] = {
+            "all_gather": lambda: all_gather(full, shard, group=group),
+            "reduce_scatter": lambda: reduce_scatter(shard, full, group=group),
+            "all_reduce": lambda: dist.all_reduce(full, group=group),
+        }
+        for collective, run in runs.items():
+            keys.append((collective, numel * 4))
+            times.append(_median_time_s(run, device, barrier=lambda: dist.barrier(group=group)))
+    return keys, times

@@ -1,0 +1,238 @@
+"""Communication cost model: alpha-beta (latency-bandwidth) times of ring collectives.
+
+A ring collective over ``p`` ranks moves a message of ``n`` bytes in ``p - 1`` steps; each step
+sends ``n / p`` bytes per rank over a link of bandwidth ``B`` (bytes/s) and pays a fixed latency
+``alpha`` (s):
+
+- all-gather (each rank has ``n / p``, all end with ``n``):  ``(p-1)/p * n / B + (p-1) * alpha``
+- reduce-scatter (each rank has ``n``, ends with its ``n / p``): the same
+- all-reduce = reduce-scatter + all-gather:  ``2 (p-1)/p * n / B + 2 (p-1) * alpha``
+
+``n`` is always the *total* (unsharded, padded) size of the tensor in bytes. ``B`` is the bus
+bandwidth one rank sees; a ring over ranks on several nodes goes as fast as its slowest link, so
+a group spanning nodes uses the inter-node figures of :class:`~osdp_fx.devices.Devices`.
+
+All functions are pure; :func:`fit_link` inverts the model to turn measured collective times into
+a :class:`Link` (used by ``Devices.detect``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, get_args
+
+from ..errors import InputError
+
+if TYPE_CHECKING:
+    from ..devices import Devices
+
+__all__ = [
+    "COLLECTIVES",
+    "Collective",
+    "CollectiveSample",
+    "Link",
+    "all_gather_time_s",
+    "all_reduce_time_s",
+    "collective_time_s",
+    "fit_link",
+    "group_link",
+    "reduce_scatter_time_s",
+]
+
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce"]
+COLLECTIVES: tuple[str, ...] = get_args(Collective)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Figures of the links a collective runs over."""
+
+    bandwidth_bytes_per_s: float
+    """Per-rank bus bandwidth B."""
+    latency_s: float
+    """Fixed cost alpha of one ring step."""
+
+
+def _check(total_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_s: float) -> None:
+    if group_size < 1:
+        raise InputError(f"a collective needs a group of at least 1 rank, got group_size={group_size}")
+    if total_bytes < 0:
+        raise InputError(f"a collective cannot move a negative number of bytes ({total_bytes})")
+    if not bandwidth_bytes_per_s > 0 or not math.isfinite(bandwidth_bytes_per_s):
+        raise InputError(
+            f"collective bandwidth must be a positive finite number of bytes/s, got "
+            f"{bandwidth_bytes_per_s!r}: fix the *_bandwidth_bytes_per_s fields of Devices"
+        )
+    if not latency_s >= 0 or not math.isfinite(latency_s):
+        raise InputError(
+            f"collective latency must be a non-negative finite number of seconds, got "
+            f"{latency_s!r}: fix the *_latency_s fields of Devices"
+        )
+
+
+def _ring_steps_time_s(
+    total_bytes: float, group_size: int, *, phases: int,
+    bandwidth_bytes_per_s: float, latency_s: float,
+) -> float:
+    _check(total_bytes, group_size, bandwidth_bytes_per_s, latency_s)
+    p = group_size
+    if p == 1:
+        return 0.0
+    return phases * ((p - 1) / p * total_bytes / bandwidth_bytes_per_s + (p - 1) * latency_s)
+
+
+def all_gather_time_s(
+    total_bytes: float, group_size: int, *, bandwidth_bytes_per_s: float, latency_s: float
+) -> float:
+    """Ring all-gather of a tensor of ``total_bytes`` bytes (gathered size) over ``group_size`` ranks.
+
+    ``T = (p-1)/p * n / B + (p-1) * alpha``; 0 for a group of one rank.
+    """
+    return _ring_steps_time_s(
+        total_bytes, group_size, phases=1,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s,
+    )
+
+
+def reduce_scatter_time_s(
+    total_bytes: float, group_size: int, *, bandwidth_bytes_per_s: float, latency_s: float
+) -> float:
+    """Ring reduce-scatter of a tensor of ``total_bytes`` bytes (unsharded input size).
+
+    ``T = (p-1)/p * n / B + (p-1) * alpha``: the all-gather's steps in reverse (the reduction's
+    arithmetic is neglected).
+    """
+    return all_gather_time_s(
+        total_bytes, group_size, bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s
+    )
+
+
+def all_reduce_time_s(
+    total_bytes: float, group_size: int, *, bandwidth_bytes_per_s: float, latency_s: float
+) -> float:
+    """Ring all-reduce of ``total_bytes`` bytes: a reduce-scatter followed by an all-gather.
+
+    ``T = 2 (p-1)/p * n / B + 2 (p-1) * alpha``.
+    """
+    return _ring_steps_time_s(
+        total_bytes, group_size, phases=2,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s,
+    )
+
+
+_TIME_FUNCTIONS = {
+    "all_gather": all_gather_time_s,
+    "reduce_scatter": reduce_scatter_time_s,
+    "all_reduce": all_reduce_time_s,
+}
+
+
+def group_link(
+    devices: Devices, *, group_size: int | None = None, spans_nodes: bool | None = None
+) -> Link:
+    """The link figures a collective over ``group_size`` ranks of ``devices`` runs at.
+
+    ``group_size`` defaults to the whole world. Ranks are assumed placed node by node, so a group
+    of consecutive ranks spans nodes when it is larger than ``devices.ranks_per_node``; pass
+    ``spans_nodes`` to say so explicitly (e.g. True for the ranks with the same local index on
+    every node, as in the cross-group all-reduce of hybrid sharding).
+    """
+    size = devices.world_size if group_size is None else group_size
+    if spans_nodes is None:
+        spans_nodes = devices.ranks_per_node is not None and size > devices.ranks_per_node
+    if spans_nodes:
+        return Link(devices.inter_node_bandwidth_bytes_per_s, devices.inter_node_latency_s)
+    return Link(devices.intra_node_bandwidth_bytes_per_s, devices.intra_node_latency_s)
+
+
+def collective_time_s(
+    collective: Collective,
+    total_bytes: float,
+    devices: Devices,
+    *,
+    group_size: int | None = None,
+    spans_nodes: bool | None = None,
+) -> float:
+    """Predicted time of ``collective`` on ``total_bytes`` bytes over a group of ``devices``.
+
+    ``group_size`` (default: the world) and ``spans_nodes`` choose intra- or inter-node figures
+    as in :func:`group_link`.
+    """
+    if collective not in _TIME_FUNCTIONS:
+        raise InputError(
+            f"unknown collective {collective!r}: use one of {', '.join(COLLECTIVES)}"
+        )
+    size = devices.world_size if group_size is None else group_size
+    link = group_link(devices, group_size=size, spans_nodes=spans_nodes)
+    return _TIME_FUNCTIONS[collective](
+        total_bytes, size,
+        bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, latency_s=link.latency_s,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSample:
+    """One measured collective, an input of :func:`fit_link`."""
+
+    collective: Collective
+    """Which collective ran: 'all_gather', 'reduce_scatter' or 'all_reduce'."""
+    total_bytes: float
+    """Total (unsharded) message size n in bytes."""
+    group_size: int
+    """Ranks p in the group (at least 2 to carry information)."""
+    time_s: float
+    """Measured time (median over repeats, slowest rank)."""
+
+
+_MIN_LATENCY_S = 1e-7
+"""Floor of a fitted latency: a fit on noisy data may otherwise give 0 or less."""
+
+
+def fit_link(samples: Sequence[CollectiveSample]) -> Link:
+    """Fit ``B`` and ``alpha`` of the ring model to measured collective times.
+
+    Each sample gives ``t = a * n / B + l * alpha`` with ``(a, l) = ((p-1)/p, p-1)`` for
+    all-gather and reduce-scatter and twice that for all-reduce. The fit is a least-squares fit
+    of ``(1/B, alpha)`` on *relative* errors (rows divided by ``t``) so small messages, which
+    carry the latency, count as much as large ones; both unknowns are kept positive.
+    """
+    rows: list[tuple[float, float]] = []
+    for s in samples:
+        if s.group_size < 2 or s.time_s <= 0 or s.total_bytes <= 0:
+            continue
+        phases = 2 if s.collective == "all_reduce" else 1
+        p = s.group_size
+        rows.append((phases * (p - 1) / p * s.total_bytes / s.time_s, phases * (p - 1) / s.time_s))
+    if len(rows) < 2:
+        raise InputError(
+            "fitting link bandwidth and latency needs at least two collective timings of "
+            "positive size and time over groups of 2 or more ranks"
+        )
+    inverse_bandwidth, latency = _nonnegative_least_squares_2(rows)
+    if inverse_bandwidth <= 0:  # all time explained by latency: take the best rate observed
+        inverse_bandwidth = 1.0 / max(r[0] for r in rows)
+    return Link(bandwidth_bytes_per_s=1.0 / inverse_bandwidth, latency_s=max(latency, _MIN_LATENCY_S))
+
+
+def _nonnegative_least_squares_2(rows: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """argmin over x, y >= 0 of sum (a x + b y - 1)^2 for rows (a, b)."""
+    saa = sum(a * a for a, _ in rows)
+    sbb = sum(b * b for _, b in rows)
+    sab = sum(a * b for a, b in rows)
+    sa = sum(a for a, _ in rows)
+    sb = sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    if det > 0:
+        x = (sa * sbb - sb * sab) / det
+        y = (saa * sb - sab * sa) / det
+        if x >= 0 and y >= 0:
+            return x, y
+    # The optimum lies on a boundary: fit one unknown with the other at zero, keep the better.
+    candidates = [(sa / saa, 0.0), (0.0, sb / sbb)]
+
+    def residual(xy: tuple[float, float]) -> float:
+        return sum((a * xy[0] + b * xy[1] - 1) ** 2 for a, b in rows)
+
+    return min(candidates, key=residual)

@@ -1,0 +1,103 @@
+"""Compute cost model: time of a node's forward and backward on one device.
+
+Where the profile pass measured a node (``NodeProfile.fwd_time_s``/``bwd_time_s`` not None) the
+measurement is used; otherwise (``fake=True`` profiles, or hardware one plans for but does not
+have) a roofline::
+
+    time_s = max(flops / devices.compute_flops_per_s, bytes / devices.memory_bandwidth_bytes_per_s)
+
+with the bytes a node moves estimated from its profile:
+
+- forward: inputs read + outputs written (0 for a view, which moves nothing);
+- backward: output gradients read + tensors saved for it read + input gradients written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..errors import InputError
+
+if TYPE_CHECKING:
+    from ..devices import Devices
+    from ..passes.profile import NodeProfile
+
+__all__ = [
+    "ComputeTime",
+    "backward_bytes",
+    "forward_bytes",
+    "node_compute_time_s",
+    "roofline_time_s",
+    "total_compute_time_s",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeTime:
+    """Predicted compute time of one node (or a sum of nodes) for one training step."""
+
+    fwd_s: float
+    """Forward time."""
+    bwd_s: float
+    """Backward time."""
+    measured: bool
+    """True when both times come from measurement, False when any is a roofline estimate."""
+
+    @property
+    def step_s(self) -> float:
+        """Forward plus backward."""
+        return self.fwd_s + self.bwd_s
+
+
+def roofline_time_s(flops: float, bytes_moved: float, devices: Devices) -> float:
+    """``max(flops / compute throughput, bytes / memory bandwidth)`` on one device of ``devices``."""
+    if devices.compute_flops_per_s <= 0 or devices.memory_bandwidth_bytes_per_s <= 0:
+        raise InputError(
+            f"Devices.compute_flops_per_s ({devices.compute_flops_per_s}) and "
+            f"memory_bandwidth_bytes_per_s ({devices.memory_bandwidth_bytes_per_s}) must be "
+            f"positive: fix them, or measure them with Devices.detect()"
+        )
+    return max(flops / devices.compute_flops_per_s, bytes_moved / devices.memory_bandwidth_bytes_per_s)
+
+
+def forward_bytes(profile: NodeProfile) -> int:
+    """Bytes the node's forward moves: inputs read and outputs written; 0 for a view."""
+    if profile.output_is_view:
+        return 0
+    return profile.input_bytes + profile.output_bytes
+
+
+def backward_bytes(profile: NodeProfile) -> int:
+    """Bytes the node's backward moves: output grads and saved tensors read, input grads written."""
+    if profile.output_is_view or (profile.grad_input_bytes == 0 and profile.bwd_flops == 0):
+        return 0
+    return profile.output_bytes + profile.saved_bytes + profile.grad_input_bytes
+
+
+def node_compute_time_s(profile: NodeProfile | None, devices: Devices) -> ComputeTime:
+    """Forward and backward time of a profiled node: measured where known, roofline otherwise."""
+    if profile is None:
+        raise InputError(
+            "a node has no profile: run passes.profile.profile_graph_pass on the graph before "
+            "asking the compute cost model for its time"
+        )
+    fwd_s = profile.fwd_time_s
+    bwd_s = profile.bwd_time_s
+    measured = fwd_s is not None and bwd_s is not None
+    if fwd_s is None:
+        fwd_s = roofline_time_s(profile.fwd_flops, forward_bytes(profile), devices)
+    if bwd_s is None:
+        bwd_s = roofline_time_s(profile.bwd_flops, backward_bytes(profile), devices)
+    return ComputeTime(fwd_s=fwd_s, bwd_s=bwd_s, measured=measured)
+
+
+def total_compute_time_s(profiles: Iterable[NodeProfile | None], devices: Devices) -> ComputeTime:
+    """Sum of :func:`node_compute_time_s` over nodes (a step that overlaps nothing)."""
+    times = [node_compute_time_s(p, devices) for p in profiles]
+    return ComputeTime(
+        fwd_s=sum(t.fwd_s for t in times),
+        bwd_s=sum(t.bwd_s for t in times),
+        measured=all(t.measured for t in times),
+    )

@@ -1,0 +1,139 @@
+"""Memory cost model: bytes per rank of one parameter group under each strategy.
+
+For a group of ``numel`` elements of ``element_size`` bytes over ``N`` ranks, with
+``P = numel * element_size`` (parameter), ``G = P`` (gradient, same dtype) and ``O`` the
+optimizer state (fp32: ``states * numel * 4``), the persistent bytes per rank are
+
+=================  =======================  ================================================
+strategy           persistent per rank      notes
+=================  =======================  ================================================
+``replicate``      ``P + G + O``            gradients all-reduced
+``shard_grad_op``  ``P + (G + O) / N``      full parameter kept from forward to backward
+``full_shard``     ``(P + G + O) / N``      gathered before use, freed after
+=================  =======================  ================================================
+
+where ``X / N`` is one shard: ``ceil(numel / N)`` elements (a flat shard padded so every rank
+holds the same size). A sharded group also needs, for a while, the gathered (padded) parameter:
+:func:`gathered_param_bytes`; and its full gradient before the reduce-scatter:
+:func:`unsharded_grad_bytes`. Where these transients fall on the step's memory timeline is the
+search's business; this module only prices them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+from ..errors import InputError, PlanError
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "STRATEGIES",
+    "ParamMemory",
+    "Strategy",
+    "gathered_param_bytes",
+    "optimizer_state_bytes",
+    "param_memory",
+    "persistent_bytes",
+    "shard_numel",
+    "unsharded_grad_bytes",
+]
+
+Strategy = Literal["replicate", "shard_grad_op", "full_shard"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+"""fp32 tensors of optimizer state per parameter, by optimizer kind."""
+
+_STATE_ELEMENT_SIZE = 4  # optimizer state is kept in fp32
+
+
+def _check_sizes(numel: int, world_size: int) -> None:
+    if numel < 0:
+        raise InputError(f"a parameter group cannot have {numel} elements")
+    if world_size < 1:
+        raise InputError(f"world_size must be at least 1, got {world_size}")
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements of one rank's shard: ``ceil(numel / world_size)`` (the last shard is padded)."""
+    _check_sizes(numel, world_size)
+    return -(-numel // world_size)
+
+
+def optimizer_state_bytes(numel: int, *, optimizer: str) -> int:
+    """Bytes of optimizer state for ``numel`` parameter elements ('sgd': 0, 'sgd_momentum':
+    one fp32 copy, 'adam'/'adamw': two)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise InputError(
+            f"unknown optimizer kind {optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}"
+        )
+    return OPTIMIZER_STATES[optimizer] * numel * _STATE_ELEMENT_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMemory:
+    """Bytes one rank holds for one parameter group under one strategy."""
+
+    param_bytes: int
+    """Parameter (full, or one shard) kept across steps."""
+    grad_bytes: int
+    """Gradient (full, or one shard) kept after backward until the optimizer step."""
+    optimizer_bytes: int
+    """Optimizer state (full, or one shard)."""
+    gathered_bytes: int
+    """Transient: the gathered (padded) parameter while in use; 0 when replicated."""
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Parameter + gradient + optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def param_memory(
+    numel: int,
+    *,
+    element_size: int = 4,
+    strategy: str,
+    world_size: int,
+    optimizer: str = "adamw",
+) -> ParamMemory:
+    """Memory per rank of a group of ``numel`` elements under ``strategy`` (see module table)."""
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    shard = shard_numel(numel, world_size)
+    full_bytes = numel * element_size
+    shard_bytes = shard * element_size
+    full_state = optimizer_state_bytes(numel, optimizer=optimizer)
+    shard_state = optimizer_state_bytes(shard, optimizer=optimizer)
+    if strategy == "replicate":
+        return ParamMemory(full_bytes, full_bytes, full_state, 0)
+    gathered = gathered_param_bytes(numel, element_size=element_size, world_size=world_size)
+    if strategy == "shard_grad_op":
+        return ParamMemory(full_bytes, shard_bytes, shard_state, gathered)
+    return ParamMemory(shard_bytes, shard_bytes, shard_state, gathered)
+
+
+def persistent_bytes(
+    numel: int,
+    *,
+    element_size: int = 4,
+    strategy: str,
+    world_size: int,
+    optimizer: str = "adamw",
+) -> int:
+    """Persistent bytes per rank (parameter + gradient + optimizer state) under ``strategy``."""
+    return param_memory(
+        numel, element_size=element_size, strategy=strategy, world_size=world_size,
+        optimizer=optimizer,
+    ).persistent_bytes
+
+
+def gathered_param_bytes(numel: int, *, element_size: int = 4, world_size: int) -> int:
+    """Bytes of a gathered parameter: ``world_size`` padded shards."""
+    return world_size * shard_numel(numel, world_size) * element_size
+
+
+def unsharded_grad_bytes(numel: int, *, element_size: int = 4, world_size: int) -> int:
+    """Bytes of a sharded group's full gradient before it is reduce-scattered (padded)."""
+    return gathered_param_bytes(numel, element_size=element_size, world_size=world_size)

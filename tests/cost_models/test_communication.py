@@ -1,0 +1,104 @@
+"""Communication cost model: closed-form ring times, intra/inter-node link choice, fitting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from osdp_fx.cost_models.communication import (
+    CollectiveSample,
+    Link,
+    all_gather_time_s,
+    all_reduce_time_s,
+    collective_time_s,
+    fit_link,
+    group_link,
+    reduce_scatter_time_s,
+)
+from osdp_fx.devices import Devices
+from osdp_fx.errors import InputError
+
+LINK = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-5}
+
+
+def test_ring_all_gather_and_reduce_scatter_closed_form() -> None:
+    n, p = 8e6, 4
+    expected = 3 / 4 * n / 1e9 + 3 * 1e-5
+    assert all_gather_time_s(n, p, **LINK) == pytest.approx(expected, rel=1e-12)
+    assert reduce_scatter_time_s(n, p, **LINK) == pytest.approx(expected, rel=1e-12)
+
+
+def test_all_reduce_is_reduce_scatter_plus_all_gather() -> None:
+    n, p = 3e6, 8
+    assert all_reduce_time_s(n, p, **LINK) == pytest.approx(
+        reduce_scatter_time_s(n, p, **LINK) + all_gather_time_s(n, p, **LINK), rel=1e-12
+    )
+    assert all_reduce_time_s(n, p, **LINK) == pytest.approx(2 * (7 / 8 * n / 1e9 + 7e-5))
+
+
+def test_one_rank_costs_nothing() -> None:
+    assert all_gather_time_s(1e9, 1, **LINK) == 0.0
+    assert all_reduce_time_s(1e9, 1, **LINK) == 0.0
+
+
+def test_group_link_chooses_intra_or_inter_node() -> None:
+    devices = Devices(world_size=8, ranks_per_node=4, intra_node_bandwidth_bytes_per_s=1e11,
+                      intra_node_latency_s=1e-6, inter_node_bandwidth_bytes_per_s=1e10,
+                      inter_node_latency_s=1e-5)
+    intra, inter = Link(1e11, 1e-6), Link(1e10, 1e-5)
+    assert group_link(devices) == inter  # the world spans both nodes
+    assert group_link(devices, group_size=4) == intra
+    assert group_link(devices, group_size=2, spans_nodes=True) == inter
+    assert group_link(Devices(world_size=8), group_size=8) == Link(
+        Devices().intra_node_bandwidth_bytes_per_s, Devices().intra_node_latency_s)
+    n = 64e6
+    assert collective_time_s("all_gather", n, devices) == pytest.approx(
+        all_gather_time_s(n, 8, bandwidth_bytes_per_s=1e10, latency_s=1e-5))
+    assert collective_time_s("all_reduce", n, devices, group_size=4) == pytest.approx(
+        all_reduce_time_s(n, 4, bandwidth_bytes_per_s=1e11, latency_s=1e-6))
+    # a spanning group is slower than a node-local one of the same size
+    assert collective_time_s("reduce_scatter", n, devices, group_size=4, spans_nodes=True) > \
+        collective_time_s("reduce_scatter", n, devices, group_size=4)
+
+
+def test_bad_inputs_are_user_errors() -> None:
+    with pytest.raises(InputError, match="unknown collective 'broadcast'"):
+        collective_time_s("broadcast", 1e6, Devices(world_size=2))  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="bandwidth"):
+        all_gather_time_s(1e6, 2, bandwidth_bytes_per_s=0.0, latency_s=0.0)
+    with pytest.raises(InputError, match="group_size=0"):
+        all_gather_time_s(1e6, 0, **LINK)
+    with pytest.raises(InputError, match="at least two"):
+        fit_link([CollectiveSample("all_gather", 1e6, 2, 1e-3)])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    bandwidth=st.floats(1e7, 1e12),
+    latency=st.floats(1e-7, 1e-3),
+    group_size=st.integers(2, 64),
+)
+def test_fit_recovers_exact_link(bandwidth: float, latency: float, group_size: int) -> None:
+    link = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency}
+    functions = {"all_gather": all_gather_time_s, "reduce_scatter": reduce_scatter_time_s,
+                 "all_reduce": all_reduce_time_s}
+    samples = [CollectiveSample(name, n, group_size, fn(n, group_size, **link))
+               for n in (4e3, 6.4e4, 1e6, 4e6) for name, fn in functions.items()]
+    fitted = fit_link(samples)
+    assert fitted.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
+    assert fitted.latency_s == pytest.approx(latency, rel=1e-6)
+
+
+def test_fit_stays_positive_on_noisy_data() -> None:
+    # constant times: no size dependence, so all time is latency and bandwidth is bounded
+    flat = [CollectiveSample("all_gather", n, 2, 1e-3) for n in (4e3, 1e6, 4e6)]
+    link = fit_link(flat)
+    assert link.latency_s > 0 and math.isfinite(link.bandwidth_bytes_per_s)
+    assert link.bandwidth_bytes_per_s > 0
+    # times falling with size (noise): latency is floored, bandwidth stays positive
+    falling = [CollectiveSample("all_reduce", n, 2, t) for n, t in ((4e3, 2e-3), (4e6, 1e-3))]
+    link = fit_link(falling)
+    assert link.latency_s > 0 and link.bandwidth_bytes_per_s > 0

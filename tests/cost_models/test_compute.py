@@ -1,0 +1,65 @@
+"""Compute cost model: measured times where profiled, roofline where not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from osdp_fx.cost_models.compute import (
+    backward_bytes,
+    forward_bytes,
+    node_compute_time_s,
+    roofline_time_s,
+    total_compute_time_s,
+)
+from osdp_fx.devices import Devices
+from osdp_fx.errors import InputError
+from osdp_fx.passes.profile import NodeProfile
+
+DEVICES = Devices(compute_flops_per_s=1e12, memory_bandwidth_bytes_per_s=1e11)
+LINEAR = NodeProfile(fwd_flops=2 * 10**9, bwd_flops=4 * 10**9, input_bytes=10**6,
+                     output_bytes=2 * 10**6, output_is_view=False, saved_bytes=10**6,
+                     saved_inputs=("x",), grad_input_bytes=10**6, param_bytes=0,
+                     fwd_time_s=None, bwd_time_s=None)
+
+
+def test_roofline_takes_the_slower_of_compute_and_memory() -> None:
+    assert roofline_time_s(1e12, 1e3, DEVICES) == pytest.approx(1.0)  # compute-bound
+    assert roofline_time_s(1e3, 1e11, DEVICES) == pytest.approx(1.0)  # memory-bound
+
+
+def test_unmeasured_node_uses_roofline() -> None:
+    t = node_compute_time_s(LINEAR, DEVICES)
+    assert not t.measured
+    assert t.fwd_s == pytest.approx(2e9 / 1e12)
+    assert t.bwd_s == pytest.approx(4e9 / 1e12)
+    assert forward_bytes(LINEAR) == 3 * 10**6
+    assert backward_bytes(LINEAR) == 4 * 10**6
+    relu = dataclasses.replace(LINEAR, fwd_flops=0, bwd_flops=0)
+    assert node_compute_time_s(relu, DEVICES).fwd_s == pytest.approx(3e6 / 1e11)
+
+
+def test_measured_node_uses_measurement() -> None:
+    measured = dataclasses.replace(LINEAR, fwd_time_s=0.25, bwd_time_s=0.5)
+    t = node_compute_time_s(measured, DEVICES)
+    assert (t.fwd_s, t.bwd_s, t.measured, t.step_s) == (0.25, 0.5, True, 0.75)
+
+
+def test_views_cost_nothing() -> None:
+    view = NodeProfile.zero(output_bytes=10**6, output_is_view=True, timed=False)
+    assert node_compute_time_s(view, DEVICES).step_s == 0.0
+
+
+def test_total_sums_nodes() -> None:
+    measured = dataclasses.replace(LINEAR, fwd_time_s=0.25, bwd_time_s=0.5)
+    total = total_compute_time_s([LINEAR, measured], DEVICES)
+    assert total.fwd_s == pytest.approx(0.25 + 2e-3)
+    assert not total.measured
+
+
+def test_missing_profile_and_bad_devices_are_user_errors() -> None:
+    with pytest.raises(InputError, match="profile_graph_pass"):
+        node_compute_time_s(None, DEVICES)
+    with pytest.raises(InputError, match="compute_flops_per_s"):
+        roofline_time_s(1.0, 1.0, Devices(compute_flops_per_s=0.0))

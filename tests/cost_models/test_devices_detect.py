@@ -1,0 +1,93 @@
+"""Devices: JSON round trip, detection in one process and on a real 2-rank gloo world."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from osdp_fx.devices import Devices
+from osdp_fx.errors import InputError
+
+MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s")
+
+
+def _positive_finite(devices: Devices, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(devices, name)
+        assert value > 0 and math.isfinite(value), (name, value)
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    devices = Devices(world_size=8, ranks_per_node=4, memory_bytes="16GiB",
+                      inter_node_latency_s=2e-5)
+    devices.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json") == devices
+
+
+def test_json_errors_name_the_problem(tmp_path: Path) -> None:
+    path = tmp_path / "devices.json"
+    path.write_text(json.dumps({"world_size": 2, "gpus": 8}))
+    with pytest.raises(InputError, match=r"unknown keys \['gpus'\]"):
+        Devices.from_json(path)
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        Devices.from_json(path)
+    with pytest.raises(InputError, match="cannot read"):
+        Devices.from_json(tmp_path / "missing.json")
+
+
+def test_detect_without_process_group() -> None:
+    devices = Devices.detect(memory_limit="2GiB")
+    assert devices.world_size == 1 and devices.memory_bytes == 2 * 2**30
+    _positive_finite(devices, MEASURED)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _detect_on_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        Devices.detect(memory_limit="1GiB").to_json(os.path.join(out_dir, f"node.{rank}.json"))
+        # the same host treated as one node per rank: measures the inter-node figures
+        Devices.detect(ranks_per_node=1).to_json(os.path.join(out_dir, f"nodes.{rank}.json"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_detect_on_two_rank_gloo_world(tmp_path: Path) -> None:
+    mp.spawn(_detect_on_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    one_node = [Devices.from_json(tmp_path / f"node.{r}.json") for r in range(2)]
+    two_nodes = [Devices.from_json(tmp_path / f"nodes.{r}.json") for r in range(2)]
+    # every rank derives the same figures, so every rank makes the same plan
+    assert one_node[0] == one_node[1] and two_nodes[0] == two_nodes[1]
+    intra = ("intra_node_bandwidth_bytes_per_s", "intra_node_latency_s")
+    inter = ("inter_node_bandwidth_bytes_per_s", "inter_node_latency_s")
+    defaults = Devices()
+
+    node = one_node[0]
+    assert (node.world_size, node.ranks_per_node, node.memory_bytes) == (2, None, 2**30)
+    _positive_finite(node, MEASURED + intra)
+    assert node.intra_node_bandwidth_bytes_per_s != defaults.intra_node_bandwidth_bytes_per_s
+    assert [getattr(node, f) for f in inter] == [getattr(defaults, f) for f in inter]
+
+    nodes = two_nodes[0]
+    assert (nodes.world_size, nodes.ranks_per_node, nodes.num_nodes) == (2, 1, 2)
+    _positive_finite(nodes, MEASURED + inter)
+    assert nodes.inter_node_bandwidth_bytes_per_s != defaults.inter_node_bandwidth_bytes_per_s
+    assert [getattr(nodes, f) for f in intra] == [getattr(defaults, f) for f in intra]

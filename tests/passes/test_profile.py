@@ -1,0 +1,326 @@
+"""Profile pass: closed-form FLOPs and bytes per node, sums equal to whole-model FlopCounterMode,
+fake mode equal to real mode, graph unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+from osdp_fx.errors import InputError
+from osdp_fx.meta import osdp_meta
+from osdp_fx.passes import profile as profile_module
+from osdp_fx.passes.profile import NodeProfile, profile_graph_pass, summarize_profile
+
+FAST = {"warmup": 0, "repeats": 1}
+F32 = 4
+
+
+# -- graphs in the canonical form: parameters read by get_attr, consumed by call_function -------
+
+class _FunctionalTracer(fx.Tracer):
+    """Keeps only parameter-free torch.nn modules as call_module; traces through the others."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return super().is_leaf_module(m, qualname) and not any(True for _ in m.parameters())
+
+
+def trace(model: nn.Module) -> fx.GraphModule:
+    return fx.GraphModule(model, _FunctionalTracer().trace(model))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 48), nn.Linear(48, 8)
+        self.act, self.drop = nn.ReLU(inplace=True), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v),
+                                           is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, d = t.shape
+        return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+
+class TinyGPT(nn.Module):
+    """Two blocks, SDPA attention, lm_head tied to the token embedding."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, seq: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList([Block(dim, heads), Block(dim, heads)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class Params(nn.Module):
+    """Holds parameters for the one-operator modules below."""
+
+    def __init__(self, **params: torch.Tensor) -> None:
+        super().__init__()
+        for name, value in params.items():
+            self.register_parameter(name, nn.Parameter(value))
+
+
+class Linear(Params):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w, self.b)
+
+
+class MatMul(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, b)
+
+
+class Embedding(Params):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.w)
+
+
+class Attention(nn.Module):
+    def __init__(self, *, is_causal: bool) -> None:
+        super().__init__()
+        self.is_causal = is_causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal)
+
+
+class Transpose(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)
+
+
+def profiles_by_target(gm: fx.GraphModule) -> dict[str, NodeProfile]:
+    return {str(n.target) if n.op in ("get_attr", "placeholder") else n.name: osdp_meta(n).profile
+            for n in gm.graph.nodes}
+
+
+def compute_node(gm: fx.GraphModule) -> NodeProfile:
+    (node,) = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    return osdp_meta(node).profile
+
+
+# -- closed-form expectations ------------------------------------------------------------------
+
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_linear_flops_and_bytes(x_requires_grad: bool) -> None:
+    m, k, n = 8, 12, 20
+    gm = trace(Linear(w=torch.randn(n, k), b=torch.randn(n)))
+    x = torch.randn(m, k, requires_grad=x_requires_grad)
+    profile_graph_pass(gm, (x,), **FAST)
+    p = compute_node(gm)
+    assert p.fwd_flops == 2 * m * n * k
+    assert p.bwd_flops == (4 if x_requires_grad else 2) * m * n * k  # grad of x, grad of W
+    assert p.output_bytes == m * n * F32
+    assert p.saved_bytes == m * k * F32  # x; the saved weight is parameter memory
+    assert p.saved_inputs == ("x",)
+    assert p.input_bytes == (m * k + n * k + n) * F32
+    assert p.grad_input_bytes == ((m * k if x_requires_grad else 0) + n * k + n) * F32
+    params = profiles_by_target(gm)
+    assert params["w"].param_bytes == n * k * F32 and params["b"].param_bytes == n * F32
+    assert params["x"].param_bytes == 0 and params["x"].output_bytes == m * k * F32
+    assert p.fwd_time_s > 0 and p.bwd_time_s > 0
+
+
+def test_matmul_flops_and_bytes() -> None:
+    m, k, n = 6, 10, 14
+    gm = trace(MatMul())
+    a, b = torch.randn(m, k, requires_grad=True), torch.randn(k, n, requires_grad=True)
+    profile_graph_pass(gm, (a, b), **FAST)
+    p = compute_node(gm)
+    assert (p.fwd_flops, p.bwd_flops) == (2 * m * n * k, 4 * m * n * k)
+    assert p.saved_bytes == (m * k + k * n) * F32
+    assert p.saved_inputs == ("a", "b")
+    assert p.output_bytes == m * n * F32 and not p.output_is_view
+
+
+def test_embedding_has_no_flops_and_counts_bytes() -> None:
+    vocab, dim, batch, seq = 30, 8, 3, 5
+    gm = trace(Embedding(w=torch.randn(vocab, dim)))
+    idx = torch.randint(0, vocab, (batch, seq))
+    profile_graph_pass(gm, (idx,), **FAST)
+    p = compute_node(gm)
+    assert (p.fwd_flops, p.bwd_flops) == (0, 0)
+    assert p.output_bytes == batch * seq * dim * F32
+    assert p.saved_bytes == batch * seq * idx.element_size()  # the indices, not the table
+    assert p.grad_input_bytes == vocab * dim * F32
+    assert profiles_by_target(gm)["w"].param_bytes == vocab * dim * F32
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cpu_sdpa_flops_follow_torch_formula(is_causal: bool) -> None:
+    b, h, s, d = 2, 3, 16, 8
+    gm = trace(Attention(is_causal=is_causal))
+    qkv = [torch.randn(b, h, s, d, requires_grad=True) for _ in range(3)]
+    profile_graph_pass(gm, tuple(qkv), **FAST)
+    p = compute_node(gm)
+    shape = (b, h, s, d)
+    # torch's formula counts both bmms (QK^T and PV) and ignores causality
+    assert p.fwd_flops == flop_counter.sdpa_flop_count(shape, shape, shape) == 4 * b * h * s * s * d
+    assert p.bwd_flops == flop_counter.sdpa_backward_flop_count(shape, shape, shape, shape)
+    assert p.bwd_flops == 10 * b * h * s * s * d
+    # q, k, v, the output and the per-row logsumexp are kept for backward
+    assert p.saved_bytes == 4 * b * h * s * d * F32 + b * h * s * F32
+    assert p.saved_inputs == ("k", "q", "v")
+
+
+def test_cpu_sdpa_formula_registration_is_idempotent() -> None:
+    profile_module._register_cpu_sdpa_flop_formulas()
+    cpu_sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    assert cpu_sdpa in flop_counter.flop_registry
+    assert cpu_sdpa.default._schema.name == "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def test_view_node_allocates_nothing() -> None:
+    gm = trace(Transpose())
+    profile_graph_pass(gm, (torch.randn(4, 5, requires_grad=True),), **FAST)
+    p = compute_node(gm)
+    assert p.output_is_view and p.saved_bytes == 0 and p.fwd_flops == 0
+
+
+# -- whole models: per-node sums equal FlopCounterMode on the model ----------------------------
+
+def whole_model_flops(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    with FlopCounterMode(display=False) as fwd:
+        out = gm(*inputs)
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    with FlopCounterMode(display=False) as bwd:
+        out.sum().backward()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2() -> tuple[fx.GraphModule, tuple[torch.Tensor, ...]]:
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100,
+                                     n_positions=16, use_cache=False, bos_token_id=0,
+                                     eos_token_id=0)
+    ids = torch.randint(0, 100, (2, 8))
+    model = transformers.GPT2LMHeadModel(config)
+    return torch.export.export(model, (ids,), strict=False).module(), (ids,)
+
+
+def _models(hf_gpt2):
+    torch.manual_seed(0)
+    return {
+        "mlp": lambda: (trace(MLP()), (torch.randn(4, 16),)),
+        "gpt": lambda: (trace(TinyGPT()), (torch.randint(0, 50, (2, 16)),)),
+        "hf_gpt2": lambda: hf_gpt2,
+    }
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "hf_gpt2"])
+def test_node_flops_sum_to_whole_model(name: str, request: pytest.FixtureRequest) -> None:
+    hf = request.getfixturevalue("hf_gpt2") if name == "hf_gpt2" else None
+    gm, inputs = _models(hf)[name]()
+    before = str(gm.graph)
+    result = profile_graph_pass(gm, inputs, **FAST)
+    assert result.graph_module is gm and not result.modified
+    assert str(gm.graph) == before
+    summary = summarize_profile(gm)
+    fwd, bwd = whole_model_flops(gm, inputs)
+    assert fwd > 0 and bwd > 0
+    assert (summary.fwd_flops, summary.bwd_flops) == (fwd, bwd)
+    assert summary.num_nodes == len(gm.graph.nodes)
+    assert summary.fwd_time_s > 0 and summary.bwd_time_s > 0
+    # tied weights (TinyGPT tok/head, GPT-2 wte/lm_head) count once
+    assert summary.param_bytes == sum(p.numel() * p.element_size() for p in gm.parameters())
+
+    # fake mode: same FLOPs and bytes on every node, no times
+    real = {n.name: osdp_meta(n).profile for n in gm.graph.nodes}
+    profile_graph_pass(gm, inputs, fake=True)
+    for node in gm.graph.nodes:
+        fake = osdp_meta(node).profile
+        assert fake.fwd_time_s is None and fake.bwd_time_s is None, node.name
+        untimed = {"fwd_time_s": None, "bwd_time_s": None}
+        assert fake == NodeProfile(**{**real[node.name].__dict__, **untimed}), node.format_node()
+    assert str(gm.graph) == before
+
+
+def test_gpt_attention_is_counted() -> None:
+    gm = trace(TinyGPT())
+    profile_graph_pass(gm, (torch.randint(0, 50, (2, 16)),), **FAST)
+    attention = [osdp_meta(n).profile for n in gm.graph.nodes
+                 if n.target is F.scaled_dot_product_attention]
+    assert len(attention) == 2
+    assert all(p.fwd_flops == 4 * 2 * 4 * 16 * 16 * 8 for p in attention)
+
+
+def test_fake_mode_on_meta_model() -> None:
+    with torch.device("meta"):
+        model = TinyGPT()
+    gm = trace(model)
+    profile_graph_pass(gm, (torch.randint(0, 50, (2, 16), device="meta"),), fake=True)
+    summary = summarize_profile(gm)
+    reference = trace(TinyGPT())
+    profile_graph_pass(reference, (torch.randint(0, 50, (2, 16)),), **FAST)
+    expected = summarize_profile(reference)
+    assert (summary.fwd_flops, summary.bwd_flops) == (expected.fwd_flops, expected.bwd_flops)
+    assert summary.saved_bytes == expected.saved_bytes
+    assert summary.fwd_time_s is None
+
+
+def test_outputs_unchanged_after_profiling() -> None:
+    torch.manual_seed(0)
+    gm = trace(TinyGPT())
+    idx = torch.randint(0, 50, (2, 16))
+    expected = gm(idx)
+    profile_graph_pass(gm, (idx,), **FAST)
+    torch.testing.assert_close(gm(idx), expected, rtol=0, atol=0)
+
+
+# -- user errors -------------------------------------------------------------------------------
+
+def test_module_with_parameters_is_rejected() -> None:
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(InputError, match="owns parameters"):
+        profile_graph_pass(gm, (torch.randn(2, 4),), **FAST)
+
+
+def test_wrong_number_of_inputs_is_rejected() -> None:
+    gm = trace(MLP())
+    with pytest.raises(InputError, match="2 example inputs for a graph with 1 placeholders"):
+        profile_graph_pass(gm, (torch.randn(4, 16), torch.randn(4, 16)), **FAST)
+
+
+def test_meta_inputs_need_fake_mode() -> None:
+    gm = trace(MLP())
+    with pytest.raises(InputError, match="fake=True"):
+        profile_graph_pass(gm, (torch.randn(4, 16, device="meta"),), **FAST)
+
+
+def test_summary_needs_a_profile() -> None:
+    with pytest.raises(InputError, match="run profile_graph_pass"):
+        summarize_profile(trace(MLP()))
