@@ -270,7 +270,7 @@ def build_plan(
     for s in specs:
         strategy = requested[s.name]
         note = ""
-        if strategy != REPLICATE and not s.trainable:
+        if not s.trainable:
             strategy, note = REPLICATE, "frozen" if s.frozen else f"{s.dtype}, not float"
         entries.append(ParamPlan(
             name=s.name, strategy=strategy, shape=s.shape, dtype=s.dtype,

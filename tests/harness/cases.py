@@ -72,3 +72,32 @@ def memory_profile(rank: int, world: int, *, plan: str, width: int = 512, depth:
         backward_peak = tracker.peak_bytes
     return {"after_forward": after_forward, "forward_peak": forward_peak,
             "backward_peak": backward_peak}
+
+
+class FrozenAndBuffers(torch.nn.Module):
+    """A frozen layer, a trainable layer, a float buffer and an integer parameter."""
+
+    def __init__(self, buffer_value: float) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.full((4,), buffer_value))
+        self.offset = torch.nn.Parameter(torch.tensor([3, 5]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(x)) * self.scale + self.offset.sum()
+
+
+def frozen_and_buffers(rank: int, world: int, *, plan: str) -> dict[str, Any]:
+    """Every rank starts from different values; compile must make them rank 0's."""
+    torch.manual_seed(rank)
+    net = FrozenAndBuffers(buffer_value=float(rank + 1))
+    x = torch.randn(2, 8)
+    compiled = compile_osdp(net, (x,), plan=plan)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    compiled(x).sum().backward()
+    frozen_grads = [compiled.get_parameter(n).grad for n in ("frozen.weight", "frozen.bias")]
+    opt.step()
+    return {"state": compiled.full_state_dict(), "plan": compiled.plan.to_dict(),
+            "frozen_grads_none": all(g is None for g in frozen_grads)}

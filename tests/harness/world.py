@@ -25,7 +25,10 @@ from osdp_fx.runtime.launch import free_port, init_world
 
 
 class CaseFailed(AssertionError):
-    """A case raised on some rank; carries each failing rank's traceback."""
+    """A case raised on some rank; ``args[1]`` maps each failing rank to its error report."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, done: Any, out_dir: str) -> None:
