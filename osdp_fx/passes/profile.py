@@ -121,6 +121,10 @@ class NodeProfile:
     """Median measured forward time (autograd recording on); None when profiled with fake=True."""
     bwd_time_s: float | None
     """Median measured backward time; None when profiled with fake=True."""
+    saved_params: tuple[str, ...] = ()
+    """Names of the parameter (get_attr) argument nodes whose tensors autograd saves."""
+    saved_output_bytes: int = 0
+    """Bytes of the node's own outputs among the saved storages (counted in saved_bytes too)."""
 
     @classmethod
     def zero(cls, *, output_bytes: int = 0, param_bytes: int = 0, output_is_view: bool = False,
@@ -449,6 +453,7 @@ class _NodeProfiler(fx.Interpreter):
                 )
 
         saved_storages = {k: v for k, v in saved.items() if k not in self._param_storages}
+        output_storages = {_storage_key(t) for t in outputs}
         profile = NodeProfile(
             fwd_flops=fwd_counter.get_total_flops(),
             bwd_flops=bwd_flops,
@@ -463,6 +468,10 @@ class _NodeProfiler(fx.Interpreter):
             param_bytes=0,
             fwd_time_s=fwd_time_s,
             bwd_time_s=bwd_time_s,
+            saved_params=tuple(sorted({inputs.storages[k] for k in saved
+                                       if k in self._param_storages and k in inputs.storages})),
+            saved_output_bytes=sum(v for k, v in saved_storages.items()
+                                   if k in output_storages and k not in input_storages),
         )
         return self._detached(result), profile
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,21 @@ from .collectives import all_reduce_sum_, group_size
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[list[int]]:
+    """Group tensors, given as (dtype, bytes) in order, into buckets of one dtype and at most
+    ``bucket_bytes`` (a larger tensor gets a bucket of its own). Returns index lists."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[Any, tuple[list[int], int]] = {}
+    for i, (dtype, nbytes) in enumerate(sizes):
+        bucket, filled = open_bucket.get(dtype, (None, 0))
+        if bucket is None or filled + nbytes > bucket_bytes:
+            bucket, filled = [], 0
+            buckets.append(bucket)
+        bucket.append(i)
+        open_bucket[dtype] = (bucket, filled + nbytes)
+    return buckets
 
 
 class GradReducer:
@@ -40,18 +56,10 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce_all)
 
     def _buckets(self) -> list[list[nn.Parameter]]:
-        buckets: list[list[nn.Parameter]] = []
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self.params:
-            if p.grad is None:
-                continue
-            bucket = by_dtype.get(p.dtype)
-            size = p.numel() * p.element_size()
-            if bucket is None or sum(q.numel() for q in bucket) * p.element_size() + size > self.bucket_bytes:
-                bucket = by_dtype[p.dtype] = []
-                buckets.append(bucket)
-            bucket.append(p)
-        return buckets
+        with_grad = [p for p in self.params if p.grad is not None]
+        groups = plan_buckets([(p.dtype, p.numel() * p.element_size()) for p in with_grad],
+                              self.bucket_bytes)
+        return [[with_grad[i] for i in group] for group in groups]
 
     def _reduce_all(self) -> None:
         self._queued = False
