@@ -51,6 +51,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import InputError
 from ..meta import osdp_meta, set_osdp_meta
+from ..runtime.memory import LiveTensorTracker
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,12 @@ class NodeProfile:
     """Names of the parameter (get_attr) argument nodes whose tensors autograd saves."""
     saved_output_bytes: int = 0
     """Bytes of the node's own outputs among the saved storages (counted in saved_bytes too)."""
+    saved_input_bytes: int = 0
+    """Bytes of the saved storages that are the node's (non-parameter) inputs."""
+    fwd_transient_bytes: int = 0
+    """Peak bytes the forward allocates beyond what it leaves alive (workspaces); 0 if fake."""
+    bwd_transient_bytes: int = 0
+    """Peak bytes the backward allocates beyond the gradients it returns; 0 if fake."""
 
     @classmethod
     def zero(cls, *, output_bytes: int = 0, param_bytes: int = 0, output_is_view: bool = False,
@@ -382,10 +389,17 @@ class _NodeProfiler(fx.Interpreter):
             if id(t) in memo:
                 return memo[id(t)]
             needs_grad = t.requires_grad and _differentiable(t)
-            leaf = t.detach().requires_grad_(needs_grad)
+            if _storage_key(t) in self._param_storages or t.is_contiguous():
+                leaf = t.detach().requires_grad_(needs_grad)
+                fresh = leaf if _storage_key(t) in self._param_storages else leaf.clone()
+            else:  # keep the exact strides: ops such as reshape copy only non-contiguous inputs
+                with torch.no_grad():
+                    buffer = torch.empty(t.untyped_storage().nbytes() // t.element_size(),
+                                         dtype=t.dtype, device=t.device)
+                    leaf = buffer.as_strided(t.size(), t.stride(), t.storage_offset()).copy_(t)
+                fresh = leaf.requires_grad_(needs_grad)
             if needs_grad:
                 leaves.append(leaf)
-            fresh = leaf if _storage_key(t) in self._param_storages else leaf.clone()
             if id(t) in names:
                 storages[_storage_key(fresh)] = names[id(t)]
             memo[id(t)] = fresh
@@ -393,6 +407,10 @@ class _NodeProfiler(fx.Interpreter):
 
         new_args, new_kwargs = pytree.tree_map(prepare, (tuple(args), dict(kwargs)))
         return _PreparedInputs(new_args, new_kwargs, leaves, storages)
+
+    def _tracker(self) -> Any:
+        """A live-tensor tracker for real runs (nothing to count under fake mode)."""
+        return LiveTensorTracker() if self.fake_mode is None else contextlib.nullcontext()
 
     def _call(self, n: fx.Node, inputs: _PreparedInputs) -> Any:
         with torch.enable_grad():
@@ -416,7 +434,8 @@ class _NodeProfiler(fx.Interpreter):
             saved.setdefault(_storage_key(t), t.untyped_storage().nbytes())
             return t
 
-        with FlopCounterMode(display=False) as fwd_counter:
+        fwd_tracker = self._tracker()
+        with FlopCounterMode(display=False) as fwd_counter, fwd_tracker:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 result = self._call(n, inputs)
         outputs = _tensors(result)
@@ -428,13 +447,15 @@ class _NodeProfiler(fx.Interpreter):
 
         grad_outputs = self._grad_outputs(n, result)
         seeds = [torch.ones_like(t) for t in grad_outputs]
-        bwd_flops, grad_input_bytes = 0, 0
+        bwd_flops, grad_input_bytes, bwd_transient_bytes = 0, 0, 0
         has_backward = bool(grad_outputs and inputs.leaves)
         if has_backward:
-            with FlopCounterMode(display=False) as bwd_counter:
+            bwd_tracker = self._tracker()
+            with FlopCounterMode(display=False) as bwd_counter, bwd_tracker:
                 grads = torch.autograd.grad(
                     grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
                 )
+            bwd_transient_bytes = _transient_bytes(bwd_tracker)
             bwd_flops = bwd_counter.get_total_flops()
             grad_input_bytes = _tensor_bytes([g for g in grads if g is not None])
 
@@ -472,6 +493,9 @@ class _NodeProfiler(fx.Interpreter):
                                        if k in self._param_storages and k in inputs.storages})),
             saved_output_bytes=sum(v for k, v in saved_storages.items()
                                    if k in output_storages and k not in input_storages),
+            saved_input_bytes=sum(v for k, v in saved_storages.items() if k in inputs.storages),
+            fwd_transient_bytes=_transient_bytes(fwd_tracker),
+            bwd_transient_bytes=bwd_transient_bytes,
         )
         return self._detached(result), profile
 
@@ -499,6 +523,13 @@ class _NodeProfiler(fx.Interpreter):
                 times.append(elapsed)
             del out, state
         return statistics.median(times)
+
+
+def _transient_bytes(tracker: Any) -> int:
+    """Peak minus what stayed alive, for a LiveTensorTracker (0 for a null context)."""
+    if not isinstance(tracker, LiveTensorTracker):
+        return 0
+    return max(0, tracker.peak_bytes - tracker.live_bytes)
 
 
 def _synchronize() -> None:

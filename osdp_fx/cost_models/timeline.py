@@ -1,0 +1,283 @@
+"""Peak memory of one training step, predicted by walking the step's timeline.
+
+The peak of a step is not the sum of each part's maximum: parameters gathered for one operator
+are freed before the next is gathered, activations pile up in forward and drain in backward,
+gradients appear in backward and stay until the optimizer step. This module replays one
+steady-state step (optimizer state already allocated, gradients set to None by the previous
+``zero_grad``) over a profiled, normalised graph (``profile_graph_pass``) under a plan, and
+reports the largest live total.
+
+Time points: forward of node ``i`` is ``t = i``; backward of node ``i`` is ``t = 2N - 1 - i``
+(reverse order), and a reduce-scatter that follows it ``t + 0.5``; the end-of-backward gradient all-reduce is ``t = 2N``; the optimizer step is
+``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
+
+What is alive, per rank (N ranks, P bytes of a parameter, Pp = N * ceil(numel / N) elements
+padded):
+
+* always: local parameters (shard Pp/N or full P) and optimizer state (by optimizer kind);
+* activations: a node's new output from its forward until its last forward use or, when autograd
+  saves it (or a view of it), until the backward of the earliest node in graph order that saves
+  it; tensors a node saves that are not its inputs or outputs (e.g. LayerNorm statistics) from
+  its forward to its backward;
+* gathered parameters (sharded): Pp from the first forward use; ``full_shard`` frees after the
+  last forward use of the parameter or a view of it and re-gathers Pp for the backward of each
+  node that saved it; ``shard_grad_op`` keeps it until the backward of the earliest saver;
+* gradients of activations: from the backward of a node's last user to the node's own backward;
+* parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
+  the full gradient P until the backward of the first use in graph order, then the reduce-scatter
+  (a padded copy when Pp != numel, and the Pp/N result), then the Pp/N shard gradient to the end;
+* gradient all-reduce: flat buckets of the replicated gradients, two alive at a switch;
+* optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter.
+
+Every activation-related term scales with the batch size; parameter terms do not. The prediction
+is therefore also returned as a function of the batch size (``peak_bytes_expr``: a sympy ``Max``
+of lines in ``b``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping
+
+import sympy
+from torch import fx
+
+from ..meta import osdp_meta
+from ..runtime.reducer import DEFAULT_BUCKET_BYTES, plan_buckets
+from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
+
+BATCH = sympy.Symbol("b", positive=True, integer=True)
+"""The per-rank batch size in ``MemoryPrediction.peak_bytes_expr``."""
+
+REPLICATE, SHARD_GRAD_OP, FULL_SHARD = "replicate", "shard_grad_op", "full_shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamState:
+    """What the timeline needs about one parameter group."""
+
+    numel: int
+    """Elements of the full parameter."""
+    element_size: int
+    """Bytes per element."""
+    strategy: str
+    """replicate, shard_grad_op or full_shard."""
+    trainable: bool
+    """Whether it gets a gradient and optimizer state."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted memory of one steady-state training step on one rank."""
+
+    peak_bytes: int
+    """Peak live bytes at the profiled batch size."""
+    peak_at: str
+    """Where the peak happens, e.g. 'backward of linear_3'."""
+    persistent_bytes: int
+    """Parameters (shards or full) and optimizer state, alive for the whole step."""
+    peak_bytes_expr: sympy.Expr
+    """Peak as a function of the per-rank batch size ``BATCH``."""
+    profiled_batch: int
+    """Per-rank batch size the graph was profiled at."""
+
+    def peak_bytes_at(self, batch: int) -> int:
+        """Predicted peak at another per-rank batch size."""
+        return int(self.peak_bytes_expr.subs(BATCH, batch))
+
+
+class _Timeline:
+    """Allocation events on integer time points; each amount is (batch-scaled, fixed) bytes."""
+
+    def __init__(self) -> None:
+        self.allocs: dict[float, list[tuple[int, int]]] = defaultdict(list)
+        self.frees: dict[float, list[tuple[int, int]]] = defaultdict(list)
+
+    def alive(self, start: float, end: float, nbytes: int, *, scaled: bool) -> None:
+        """``nbytes`` allocated at ``start`` and freed after ``end`` (``end >= start``)."""
+        if nbytes <= 0:
+            return
+        amount = (nbytes, 0) if scaled else (0, nbytes)
+        self.allocs[start].append(amount)
+        self.frees[max(start, end)].append(amount)
+
+    def sweep(self, base: int) -> list[tuple[float, int, int]]:
+        """(time, scaled, fixed) live totals after each time point's allocations."""
+        points = []
+        scaled, fixed = 0, base
+        for t in sorted(set(self.allocs) | set(self.frees)):
+            for s, f in self.allocs.get(t, ()):
+                scaled, fixed = scaled + s, fixed + f
+            points.append((t, scaled, fixed))
+            for s, f in self.frees.get(t, ()):
+                scaled, fixed = scaled - s, fixed - f
+        return points
+
+
+def predict_step_memory(
+    gm: fx.GraphModule,
+    params: Mapping[str, ParamState],
+    *,
+    world_size: int,
+    optimizer: str = "adamw",
+    profiled_batch: int = 1,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> MemoryPrediction:
+    """Predict the peak memory of one training step of ``gm`` under the given strategies.
+
+    ``gm`` is the normalised graph (parameters as ``get_attr`` nodes whose ``osdp_meta.param``
+    names the group), profiled by ``profile_graph_pass``; ``params`` maps each parameter group to
+    its size and strategy.
+    """
+    nodes = list(gm.graph.nodes)
+    n_nodes = len(nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+
+    def bwd(i: int) -> int:
+        return 2 * n_nodes - 1 - i
+
+    grad_sync, optim_t = 2 * n_nodes, 2 * n_nodes + 1
+    prof = {n: osdp_meta(n).profile for n in nodes}
+
+    # Storage roots: a view's storage is its first tensor input's.
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        p = prof[n]
+        inputs = [a for a in n.all_input_nodes if prof[a].output_bytes > 0]
+        root[n] = root[inputs[0]] if p.output_is_view and inputs and n.op != "get_attr" else n
+    param_of = {n: osdp_meta(n).param for n in nodes if n.op == "get_attr" and osdp_meta(n).param}
+
+    requires_grad: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n in param_of:
+            requires_grad[n] = params[param_of[n]].trainable
+        else:
+            requires_grad[n] = (
+                n.op not in ("placeholder", "get_attr") and prof[n].output_bytes > 0
+                and any(requires_grad[a] for a in n.all_input_nodes))
+
+    members: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        members[root[n]].append(n)
+    users_of_root = {r: [u for m in ms for u in m.users] for r, ms in members.items()}
+    savers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for j in nodes:
+        p = prof[j]
+        for name in (*p.saved_inputs, *p.saved_params):
+            savers[root[by_name[name]]].append(j)
+        if p.saved_output_bytes:
+            savers[root[j]].append(j)
+
+    tl = _Timeline()
+
+    # Activations and what nodes save for backward.
+    for r, users in users_of_root.items():
+        if r.op in ("placeholder", "get_attr") or prof[r].output_is_view:
+            continue
+        last_use = max((pos[u] if u.op != "output" else grad_sync for u in users), default=pos[r])
+        end = bwd(min(pos[s] for s in savers[r])) if savers.get(r) else last_use
+        tl.alive(pos[r], max(end, last_use), prof[r].output_bytes, scaled=True)
+    for j in nodes:
+        p = prof[j]
+        internal = p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes
+        tl.alive(pos[j], bwd(pos[j]), internal, scaled=True)
+        tl.alive(pos[j], pos[j], p.fwd_transient_bytes, scaled=True)
+        tl.alive(bwd(pos[j]), bwd(pos[j]), p.bwd_transient_bytes, scaled=True)
+
+    # Gradients of activations: from the backward of the last user to the node's own backward.
+    for n in nodes:
+        if not requires_grad[n] or n in param_of or prof[n].output_is_view or n.op == "output":
+            continue
+        grad_users = [u for u in n.users if u.op != "output" and requires_grad[u]]
+        if grad_users:
+            tl.alive(bwd(max(pos[u] for u in grad_users)), bwd(pos[n]), prof[n].output_bytes,
+                     scaled=True)
+
+    # Parameters: gathered copies and gradients.
+    base = 0
+    local_bytes: list[int] = []
+    replicated_grads: list[int] = []
+    for node, name in param_of.items():
+        state = params[name]
+        full = state.numel * state.element_size
+        padded = gathered_param_bytes(state.numel, element_size=state.element_size,
+                                      world_size=world_size)
+        local = full if state.strategy == REPLICATE else padded // world_size
+        local_numel = state.numel if state.strategy == REPLICATE else shard_numel(
+            state.numel, world_size)
+        base += local
+        if state.trainable:
+            base += optimizer_state_bytes(local_numel, optimizer=optimizer)
+            local_bytes.append(local)
+        uses = [u for u in users_of_root[node] if u.op != "output" and root[u] is not node]
+        uses = [u for m in members[node] for u in m.users if root[u] is not node or u is not m]
+        uses = [u for u in uses if root[u] is not node]
+        if not uses:
+            continue
+        first, last = min(pos[u] for u in uses), max(pos[u] for u in uses)
+        saved_by = savers.get(node, [])
+        if state.strategy == FULL_SHARD:
+            tl.alive(first, last, padded, scaled=False)
+            for j in saved_by:
+                tl.alive(bwd(pos[j]), bwd(pos[j]), padded, scaled=False)
+        elif state.strategy == SHARD_GRAD_OP:
+            end = bwd(min(pos[j] for j in saved_by)) if saved_by else last
+            tl.alive(first, max(end, last), padded, scaled=False)
+        if not state.trainable:
+            continue
+        grad_uses = [u for u in uses if requires_grad[u]]
+        if not grad_uses:
+            continue
+        grad_start, grad_done = bwd(max(pos[u] for u in grad_uses)), bwd(min(pos[u] for u in grad_uses))
+        if state.strategy == REPLICATE:
+            tl.alive(grad_start, optim_t, full, scaled=False)
+            replicated_grads.append(full)
+        else:
+            # The reduce-scatter runs after the first use's backward has released what it
+            # unpacked (half a step later).
+            scatter = grad_done + 0.5
+            tl.alive(grad_start, scatter, full, scaled=False)
+            if padded != full:
+                tl.alive(scatter, scatter, padded, scaled=False)
+            tl.alive(scatter, optim_t, padded // world_size, scaled=False)
+
+    if world_size > 1 and replicated_grads:
+        buckets = [sum(replicated_grads[i] for i in b)
+                   for b in plan_buckets([(None, g) for g in replicated_grads], bucket_bytes)]
+        tl.alive(grad_sync, grad_sync, max(a + b for a, b in zip([0, *buckets], buckets)),
+                 scaled=False)
+    if OPTIMIZER_STATES[optimizer] == 2 and local_bytes:
+        tl.alive(optim_t, optim_t, 2 * max(local_bytes), scaled=False)
+
+    points = tl.sweep(base)
+    t_peak, s_peak, f_peak = max(points, key=lambda p: (p[1] + p[2], -p[0]))
+    return MemoryPrediction(
+        peak_bytes=s_peak + f_peak,
+        peak_at=_describe_time(t_peak, nodes),
+        persistent_bytes=base,
+        peak_bytes_expr=_envelope(points, profiled_batch),
+        profiled_batch=profiled_batch,
+    )
+
+
+def _describe_time(t: float, nodes: list[fx.Node]) -> str:
+    n = len(nodes)
+    if t < n:
+        return f"forward of {nodes[int(t)].name}"
+    if t < 2 * n:
+        node = nodes[2 * n - 1 - int(t)].name
+        return f"reduce-scatter after backward of {node}" if t % 1 else f"backward of {node}"
+    return "gradient all-reduce" if t == 2 * n else "optimizer step"
+
+
+def _envelope(points: list[tuple[float, int, int]], profiled_batch: int) -> sympy.Expr:
+    """``Max`` over time points of ``scaled * b / profiled_batch + fixed``, dominated ones dropped."""
+    pairs = sorted({(s, f) for _, s, f in points}, reverse=True)
+    kept: list[tuple[int, int]] = []
+    for s, f in pairs:
+        if not any(ks >= s and kf >= f for ks, kf in kept):
+            kept.append((s, f))
+    lines = [sympy.Rational(s, profiled_batch) * BATCH + f for s, f in kept]
+    return sympy.Max(*lines) if len(lines) > 1 else lines[0]
