@@ -389,7 +389,8 @@ class _NodeProfiler(fx.Interpreter):
             if id(t) in memo:
                 return memo[id(t)]
             needs_grad = t.requires_grad and _differentiable(t)
-            if _storage_key(t) in self._param_storages or t.is_contiguous():
+            overlaps = any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.size()))
+            if _storage_key(t) in self._param_storages or t.is_contiguous() or overlaps:
                 leaf = t.detach().requires_grad_(needs_grad)
                 fresh = leaf if _storage_key(t) in self._param_storages else leaf.clone()
             else:  # keep the exact strides: ops such as reshape copy only non-contiguous inputs

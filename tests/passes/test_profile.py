@@ -258,13 +258,14 @@ def test_node_flops_sum_to_whole_model(name: str, request: pytest.FixtureRequest
     # tied weights (TinyGPT tok/head, GPT-2 wte/lm_head) count once
     assert summary.param_bytes == sum(p.numel() * p.element_size() for p in gm.parameters())
 
-    # fake mode: same FLOPs and bytes on every node, no times
+    # fake mode: same FLOPs and bytes on every node, no times and no measured transients
     real = {n.name: osdp_meta(n).profile for n in gm.graph.nodes}
     profile_graph_pass(gm, inputs, fake=True)
     for node in gm.graph.nodes:
         fake = osdp_meta(node).profile
         assert fake.fwd_time_s is None and fake.bwd_time_s is None, node.name
-        untimed = {"fwd_time_s": None, "bwd_time_s": None}
+        untimed = {"fwd_time_s": None, "bwd_time_s": None, "fwd_transient_bytes": 0,
+                   "bwd_transient_bytes": 0}
         assert fake == NodeProfile(**{**real[node.name].__dict__, **untimed}), node.format_node()
     assert str(gm.graph) == before
 
