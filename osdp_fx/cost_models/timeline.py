@@ -39,10 +39,12 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
+from typing import Any
 
 import sympy
 from torch import fx
 
+from ..errors import InputError
 from ..meta import osdp_meta
 from ..runtime.reducer import DEFAULT_BUCKET_BYTES, plan_buckets
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
@@ -85,6 +87,69 @@ class MemoryPrediction:
     def peak_bytes_at(self, batch: int) -> int:
         """Predicted peak at another per-rank batch size."""
         return int(self.peak_bytes_expr.subs(BATCH, batch))
+
+
+@dataclasses.dataclass
+class GraphFacts:
+    """Storage roots, savers and gradient flow of a profiled, normalised graph."""
+
+    nodes: list[fx.Node]
+    """Nodes in graph order."""
+    pos: dict[fx.Node, int]
+    """Index of each node."""
+    profile: dict[fx.Node, Any]
+    """Each node's NodeProfile."""
+    root: dict[fx.Node, fx.Node]
+    """The node whose output storage each node's output shares (itself if new)."""
+    members: dict[fx.Node, list[fx.Node]]
+    """Nodes sharing each root's storage."""
+    savers: dict[fx.Node, list[fx.Node]]
+    """Nodes that save (a view of) each root's storage for backward."""
+    requires_grad: dict[fx.Node, bool]
+    """Whether each node's output takes part in backward."""
+    param_of: dict[fx.Node, str]
+    """Parameter get_attr nodes and their group names."""
+
+    def param_uses(self, node: fx.Node) -> list[fx.Node]:
+        """Nodes that read parameter node ``node`` or a view of it (excluding the views)."""
+        return [u for m in self.members[node] for u in m.users if self.root[u] is not node]
+
+
+def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts:
+    """Analyse ``gm`` (profiled by ``profile_graph_pass``); ``trainable`` by parameter group."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    prof = {n: osdp_meta(n).profile for n in nodes}
+    missing = [n for n in nodes if prof[n] is None]
+    if missing:
+        raise InputError(f"node {missing[0].format_node()} has no profile: run "
+                         "profile_graph_pass on the graph first")
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        inputs = [a for a in n.all_input_nodes if prof[a].output_bytes > 0]
+        view = prof[n].output_is_view and inputs and n.op != "get_attr"
+        root[n] = root[inputs[0]] if view else n
+    param_of = {n: osdp_meta(n).param for n in nodes if n.op == "get_attr" and osdp_meta(n).param}
+    requires_grad: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n in param_of:
+            requires_grad[n] = trainable[param_of[n]]
+        else:
+            requires_grad[n] = (
+                n.op not in ("placeholder", "get_attr") and prof[n].output_bytes > 0
+                and any(requires_grad[a] for a in n.all_input_nodes))
+    members: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        members[root[n]].append(n)
+    savers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for j in nodes:
+        p = prof[j]
+        for name in (*p.saved_inputs, *p.saved_params):
+            savers[root[by_name[name]]].append(j)
+        if p.saved_output_bytes:
+            savers[root[j]].append(j)
+    return GraphFacts(nodes, pos, prof, root, members, savers, requires_grad, param_of)
 
 
 class _Timeline:
@@ -130,45 +195,17 @@ def predict_step_memory(
     names the group), profiled by ``profile_graph_pass``; ``params`` maps each parameter group to
     its size and strategy.
     """
-    nodes = list(gm.graph.nodes)
+    facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
+    nodes, pos, prof, root = facts.nodes, facts.pos, facts.profile, facts.root
     n_nodes = len(nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    by_name = {n.name: n for n in nodes}
+    requires_grad, members, savers = facts.requires_grad, facts.members, facts.savers
+    param_of = facts.param_of
+    users_of_root = {r: [u for m in ms for u in m.users] for r, ms in members.items()}
 
     def bwd(i: int) -> int:
         return 2 * n_nodes - 1 - i
 
     grad_sync, optim_t = 2 * n_nodes, 2 * n_nodes + 1
-    prof = {n: osdp_meta(n).profile for n in nodes}
-
-    # Storage roots: a view's storage is its first tensor input's.
-    root: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        p = prof[n]
-        inputs = [a for a in n.all_input_nodes if prof[a].output_bytes > 0]
-        root[n] = root[inputs[0]] if p.output_is_view and inputs and n.op != "get_attr" else n
-    param_of = {n: osdp_meta(n).param for n in nodes if n.op == "get_attr" and osdp_meta(n).param}
-
-    requires_grad: dict[fx.Node, bool] = {}
-    for n in nodes:
-        if n in param_of:
-            requires_grad[n] = params[param_of[n]].trainable
-        else:
-            requires_grad[n] = (
-                n.op not in ("placeholder", "get_attr") and prof[n].output_bytes > 0
-                and any(requires_grad[a] for a in n.all_input_nodes))
-
-    members: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-    for n in nodes:
-        members[root[n]].append(n)
-    users_of_root = {r: [u for m in ms for u in m.users] for r, ms in members.items()}
-    savers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-    for j in nodes:
-        p = prof[j]
-        for name in (*p.saved_inputs, *p.saved_params):
-            savers[root[by_name[name]]].append(j)
-        if p.saved_output_bytes:
-            savers[root[j]].append(j)
 
     tl = _Timeline()
 
@@ -211,9 +248,7 @@ def predict_step_memory(
         if state.trainable:
             base += optimizer_state_bytes(local_numel, optimizer=optimizer)
             local_bytes.append(local)
-        uses = [u for u in users_of_root[node] if u.op != "output" and root[u] is not node]
-        uses = [u for m in members[node] for u in m.users if root[u] is not node or u is not m]
-        uses = [u for u in uses if root[u] is not node]
+        uses = facts.param_uses(node)
         if not uses:
             continue
         first, last = min(pos[u] for u in uses), max(pos[u] for u in uses)
