@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import OrderedDict
@@ -12,12 +13,13 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from .capture import Captured, as_input_tuple, capture
-from .devices import Devices
+from .devices import DEFAULT_CPU_MEMORY_BYTES, Devices
 from .errors import InputError, PlanMismatchError
 from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
 from .passes.shard import make_shard, shard_parameters_pass
-from .plan import FULL_SHARD, REPLICATE, ParamSpec, Plan, resolve_plan
+from .plan import REPLICATE, ParamSpec, Plan, build_plan, resolve_plan
+from .planner import OPTIMIZERS, analyze, predict, search_strategies
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.params import _gather_full, step_context
 from .runtime.reducer import GradReducer
@@ -33,6 +35,7 @@ def compile_osdp(
     *,
     plan: str | os.PathLike[str] | Plan | None = None,
     memory_limit: int | str | None = None,
+    optimizer: str = "adamw",
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -45,15 +48,22 @@ def compile_osdp(
         devices: the cluster; None means the current default process group (world size 1 when
             torch.distributed is not initialised).
         plan: ``"replicate"``, ``"full_shard"`` or ``"shard_grad_op"`` for every parameter, a
-            :class:`Plan`, or the path of a JSON plan file. None: ``"full_shard"`` (until the
-            search lands).
-        memory_limit: per-rank memory limit, bytes or a string such as ``"8GiB"``.
+            :class:`Plan`, or the path of a JSON plan file. None: the search chooses, per
+            parameter group, the strategies with the least predicted step time whose predicted
+            peak memory fits the memory limit.
+        memory_limit: per-rank memory limit, bytes or a string such as ``"8GiB"``; default:
+            ``devices.memory_bytes``, else the detected device memory (GPU) or
+            ``DEFAULT_CPU_MEMORY_BYTES`` (4 GiB, CPU).
+        optimizer: the optimizer kind the memory and time predictions assume: ``"sgd"``,
+            ``"sgd_momentum"``, ``"adam"`` or ``"adamw"``.
 
     Collective: every rank of the world must call it with the same model and plan.
     """
     inputs = as_input_tuple(example_inputs)
-    limit = parse_bytes(memory_limit) if memory_limit is not None else (
-        devices.memory_bytes if devices is not None else None)
+    if optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer {optimizer!r} is not a kind the cost models know; use one "
+                         f"of {', '.join(OPTIMIZERS)} (the closest to your optimizer)")
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
     captured = capture(model, inputs)
     specs = [
@@ -62,16 +72,44 @@ def compile_osdp(
                   trainable=p.trainable, frozen=not p.requires_grad)
         for p in captured.params.values()
     ]
-    resolved = resolve_plan(plan if plan is not None else FULL_SHARD, specs,
-                            world_size=world_size, memory_limit_bytes=limit)
+    if plan is not None:
+        resolved = resolve_plan(plan, specs, world_size=world_size, memory_limit_bytes=limit)
+    run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
+    analysis = analyze(captured, inputs)
+    if plan is None:
+        devices = _devices_for_search(devices, world_size, limit)
+        limit = devices.memory_bytes
+        strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
+                                       optimizer=optimizer)
+        resolved = build_plan(_from_rank0(strategies), specs, world_size=world_size,
+                              memory_limit_bytes=limit, source="search")
+    elif devices is None or devices.world_size != world_size:
+        devices = dataclasses.replace(devices or Devices(), world_size=world_size)
+    resolved = predict(analysis, resolved, devices=devices, optimizer=optimizer)
     _check_ranks_agree(resolved)
     _broadcast_from_rank0(captured.gm)
     gm = run_passes(captured.gm, [
-        ("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs)),
         ("shard", lambda g: shard_parameters_pass(g, plan=resolved, world_size=world_size,
                                                   rank=rank, group=WORLD)),
     ])
     return OSDPModule(gm, resolved, captured)
+
+
+def _devices_for_search(devices: Devices | None, world_size: int, limit: int | None) -> Devices:
+    """The Devices the search plans for, with its memory limit filled in."""
+    if devices is None:
+        devices = Devices.detect(memory_limit=limit) if world_size > 1 else Devices()
+    memory = limit or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
+    return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory)
+
+
+def _from_rank0(strategies: dict[str, str]) -> dict[str, str]:
+    """Rank 0's search result on every rank (measured costs differ slightly between ranks)."""
+    if group_size(WORLD) == 1:
+        return strategies
+    box = [strategies]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _world(devices: Devices | None) -> tuple[int, int]:

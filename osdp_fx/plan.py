@@ -56,6 +56,10 @@ class ParamPlan:
     """Other names of the same tensor (tied weights)."""
     note: str = ""
     """Why the strategy differs from what was asked, if it does (e.g. 'frozen')."""
+    compute_s: float | None = None
+    """Predicted forward + backward time of the operators attributed to this group."""
+    comm_s: float | None = None
+    """Predicted time of this group's collectives per step."""
 
     @property
     def numel(self) -> int:
@@ -85,6 +89,38 @@ class ParamPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What the cost models predict for one training step of a plan, per rank."""
+
+    step_time_s: float
+    """Compute + communication + optimizer time of one step."""
+    compute_s: float
+    """Forward and backward of every operator."""
+    comm_s: float
+    """Collectives (not overlapped)."""
+    optim_s: float
+    """Optimizer step."""
+    peak_memory_bytes: int
+    """Peak live bytes over the step's timeline."""
+    peak_at: str
+    """Where on the timeline the peak happens."""
+    optimizer: str
+    """Optimizer kind the memory and time assume (sgd, sgd_momentum, adam, adamw)."""
+    batch_size: int
+    """Per-rank batch size the model was profiled at."""
+    step_time_expr: Any = None
+    """Step time as a sympy expression of the per-rank batch size ``b``."""
+    peak_memory_expr: Any = None
+    """Peak memory as a sympy expression of the per-rank batch size ``b``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["step_time_expr"] = str(self.step_time_expr)
+        out["peak_memory_expr"] = str(self.peak_memory_expr)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """Strategies for every parameter group of one model at one world size."""
 
@@ -96,6 +132,8 @@ class Plan:
     """Per-rank memory limit the plan was made under, if any."""
     source: str = ""
     """How the plan was made: a strategy name, 'file:<path>', 'search', or 'user'."""
+    prediction: Prediction | None = None
+    """Predicted step time and peak memory per rank (None when the model was not profiled)."""
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -122,6 +160,16 @@ class Plan:
             out[p.strategy] += 1
         return out
 
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """Predicted peak memory per rank (None without a profile)."""
+        return self.prediction.peak_memory_bytes if self.prediction else None
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Predicted time of one training step (None without a profile)."""
+        return self.prediction.step_time_s if self.prediction else None
+
     def persistent_param_bytes(self) -> int:
         """Bytes of parameters (shards or full tensors) each rank holds."""
         return sum(
@@ -139,9 +187,12 @@ class Plan:
             "params": {
                 p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
                          **({"aliases": list(p.aliases)} if p.aliases else {}),
-                         **({"note": p.note} if p.note else {})}
+                         **({"note": p.note} if p.note else {}),
+                         **({"predicted_compute_s": p.compute_s, "predicted_comm_s": p.comm_s}
+                            if p.compute_s is not None else {})}
                 for p in self.params
             },
+            **({"predicted": self.prediction.to_dict()} if self.prediction else {}),
         }
 
     def to_json(self) -> str:
@@ -155,32 +206,51 @@ class Plan:
         """Digest of everything that must agree across ranks (strategies, shapes, world)."""
         data = self.to_dict()
         data.pop("memory_limit_bytes")
+        data.pop("predicted", None)
+        for entry in data["params"].values():
+            entry.pop("predicted_compute_s", None)
+            entry.pop("predicted_comm_s", None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     # ---- printing -----------------------------------------------------------------------
     def table(self) -> str:
         rows = []
+        predicted = self.prediction is not None
         for p in self.params:
             fwd, bwd = p.collectives(self.world_size)
             shard = p.nbytes if p.strategy == REPLICATE else p.padded_bytes(self.world_size) // self.world_size
-            rows.append([
+            row = [
                 p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else ""),
                 "x".join(map(str, p.shape)) or "()",
                 p.strategy + (f" ({p.note})" if p.note else ""),
                 format_bytes(shard),
                 _describe_collectives(fwd),
                 _describe_collectives(bwd),
-            ])
+            ]
+            if predicted:
+                row += [_ms(p.compute_s), _ms(p.comm_s)]
+            rows.append(row)
         head = ["parameter", "shape", "strategy", "param bytes/rank", "forward", "backward"]
+        if predicted:
+            head += ["compute ms", "comm ms"]
         counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
-        return (
+        lines = [
             f"Plan for world size {self.world_size} ({counts}; source: {self.source or 'user'}; "
-            f"hash {self.hash()})\n"
-            + tabulate(rows, headers=head)
-            + f"\nparameters per rank: {format_bytes(self.persistent_param_bytes())}"
+            f"hash {self.hash()})",
+            tabulate(rows, headers=head, disable_numparse=True),
+            f"parameters per rank: {format_bytes(self.persistent_param_bytes())}"
             + (f"; memory limit {format_bytes(self.memory_limit_bytes)}"
-               if self.memory_limit_bytes is not None else "")
-        )
+               if self.memory_limit_bytes is not None else ""),
+        ]
+        if self.prediction is not None:
+            pr = self.prediction
+            lines.append(
+                f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}): step "
+                f"{pr.step_time_s * 1e3:.2f} ms (compute {pr.compute_s * 1e3:.2f}, communication "
+                f"{pr.comm_s * 1e3:.2f}, optimizer {pr.optim_s * 1e3:.2f}); peak memory "
+                f"{format_bytes(pr.peak_memory_bytes)} at {pr.peak_at}"
+            )
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
@@ -198,6 +268,10 @@ class Plan:
         if p.aliases:
             lines.append(f"  tied to: {', '.join(p.aliases)}")
         return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
 def _describe_collectives(colls: list[tuple[str, int]]) -> str:

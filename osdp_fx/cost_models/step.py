@@ -1,0 +1,161 @@
+"""Step cost model: time and memory of every strategy of every parameter group, and of a plan.
+
+Per parameter group ``g`` with ``P`` bytes (``Pp`` padded to the world size ``N``) and strategy
+``s``, on one rank:
+
+* communication time ``comm_s(g, s)``: replicate: all-reduce of ``P``; shard_grad_op: all-gather
+  and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
+  re-gathers the parameter (some operator saved it);
+* optimizer time ``optim_s(g, s)``: memory-bound, ``bytes_per_element(optimizer) * local numel /
+  memory bandwidth``;
+* compute time (forward + backward of the operators that read the group; the same for every
+  strategy, attributed to the largest group an operator reads, for display);
+* search memory: ``persistent`` = local parameter + local gradient + local optimizer state (plus
+  the gathered ``Pp`` for shard_grad_op, which is alive from forward to backward); ``transient``
+  = ``2 Pp`` for full_shard (a re-gathered parameter and its full gradient in backward), ``Pp``
+  for shard_grad_op (the full gradient before its reduce-scatter).
+
+A plan's predicted step time is total compute + the communication of every group (today's runtime
+overlaps nothing) + the optimizer; its peak memory comes from :mod:`.timeline`. Both are also
+given as functions of the per-rank batch size ``b`` (compute and activations scale with ``b``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import sympy
+from torch import fx
+
+from ..devices import Devices
+from .communication import collective_time_s
+from .compute import node_compute_time_s
+from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
+from .timeline import BATCH, FULL_SHARD, REPLICATE, SHARD_GRAD_OP, GraphFacts, ParamState
+
+OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
+"""Bytes one optimizer step moves per fp32 element: reads and writes of the parameter, gradient
+and state, plus Adam's sqrt/div temporaries."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCost:
+    """Predicted per-step costs of one parameter group under one strategy, on one rank."""
+
+    strategy: str
+    """The strategy these costs are for."""
+    compute_s: float
+    """Forward + backward time of the operators attributed to the group."""
+    comm_s: float
+    """Time of the group's collectives (not overlapped)."""
+    comm_bytes: int
+    """Bytes of the buffers the group's collectives move (sum over collectives)."""
+    optim_s: float
+    """Optimizer step time for this rank's part of the group."""
+    persistent_bytes: int
+    """Search memory held for the whole step (see module docstring)."""
+    transient_bytes: int
+    """Search memory held while the group's operators run."""
+
+
+def regathered_params(facts: GraphFacts) -> set[str]:
+    """Groups some operator saves for backward, so full_shard re-gathers them."""
+    return {name for node, name in facts.param_of.items() if facts.savers.get(node)}
+
+
+def attributed_compute_s(facts: GraphFacts, devices: Devices) -> tuple[dict[str, float], float]:
+    """(compute seconds per group, seconds of operators that read no parameter)."""
+    per_group: dict[str, float] = {}
+    sizes = {name: facts.profile[node].param_bytes for node, name in facts.param_of.items()}
+    other = 0.0
+    for n in facts.nodes:
+        if n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        t = node_compute_time_s(facts.profile[n], devices).step_s
+        groups = {facts.param_of[facts.root[a]] for a in n.all_input_nodes
+                  if facts.root[a] in facts.param_of}
+        if groups:
+            owner = max(sorted(groups), key=lambda g: sizes[g])
+            per_group[owner] = per_group.get(owner, 0.0) + t
+        else:
+            other += t
+    return per_group, other
+
+
+def group_cost(
+    state: ParamState, *, regathered: bool, compute_s: float, devices: Devices, optimizer: str
+) -> GroupCost:
+    """Costs of one group under ``state.strategy`` (see the module docstring)."""
+    world = devices.world_size
+    full = state.numel * state.element_size
+    padded = gathered_param_bytes(state.numel, element_size=state.element_size, world_size=world)
+    local_numel = state.numel if state.strategy == REPLICATE else shard_numel(state.numel, world)
+    local = local_numel * state.element_size
+    collectives: list[tuple[str, int]] = []
+    if world > 1 and state.trainable:
+        if state.strategy == REPLICATE:
+            collectives = [("all_reduce", full)]
+        elif state.strategy == SHARD_GRAD_OP:
+            collectives = [("all_gather", padded), ("reduce_scatter", padded)]
+        else:
+            collectives = [("all_gather", padded)] * (2 if regathered else 1)
+            collectives.append(("reduce_scatter", padded))
+    comm_s = sum(collective_time_s(c, n, devices) for c, n in collectives)
+    persistent, transient, optim_s = local, 0, 0.0
+    if state.trainable:
+        persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
+        optim_s = (OPTIMIZER_BYTES_PER_ELEMENT[optimizer] * local_numel
+                   / devices.memory_bandwidth_bytes_per_s)
+    if state.strategy == SHARD_GRAD_OP:
+        persistent += padded
+        transient = padded
+    elif state.strategy == FULL_SHARD:
+        transient = 2 * padded
+    return GroupCost(
+        strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
+        comm_bytes=sum(n for _, n in collectives), optim_s=optim_s,
+        persistent_bytes=persistent, transient_bytes=transient,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted time of one training step on one rank."""
+
+    compute_s: float
+    """Forward + backward of every operator."""
+    comm_s: float
+    """Collectives (none overlapped today)."""
+    optim_s: float
+    """Optimizer step."""
+    step_time_expr: sympy.Expr
+    """Step time as a function of the per-rank batch size ``BATCH``."""
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.optim_s
+
+
+def predict_step_time(
+    gm: fx.GraphModule,
+    params: Mapping[str, ParamState],
+    facts: GraphFacts,
+    *,
+    devices: Devices,
+    optimizer: str,
+    profiled_batch: int,
+) -> tuple[StepTime, dict[str, GroupCost]]:
+    """Step time of ``gm`` under the strategies in ``params``, and each group's costs."""
+    per_group, other_s = attributed_compute_s(facts, devices)
+    regathered = regathered_params(facts)
+    costs = {
+        name: group_cost(state, regathered=name in regathered, compute_s=per_group.get(name, 0.0),
+                         devices=devices, optimizer=optimizer)
+        for name, state in params.items()
+    }
+    compute_s = other_s + sum(per_group.values())
+    comm_s = sum(c.comm_s for c in costs.values())
+    optim_s = sum(c.optim_s for c in costs.values())
+    expr = sympy.Float(compute_s) * BATCH / profiled_batch + sympy.Float(comm_s + optim_s)
+    return StepTime(compute_s, comm_s, optim_s, expr), costs

@@ -1,0 +1,152 @@
+"""Planning: profile a captured model, predict what a plan costs, and search for the best plan.
+
+``compile_osdp`` and ``python -m osdp_fx plan`` both go through here:
+
+1. :func:`analyze` profiles the normalised graph (``profile_graph_pass``; on the meta device or
+   under ``fake=True`` without running it) and derives its storage and gradient facts;
+2. :func:`predict` attaches to a Plan the step time and the peak memory per rank that the cost
+   models predict (``cost_models.step``, ``cost_models.timeline``);
+3. :func:`search_strategies` chooses a strategy per parameter group that minimises the predicted
+   step time under a memory limit: it builds each group's options from ``cost_models.step``,
+   solves the exact problem of ``passes.search`` with the activation memory as its base, checks
+   the answer against the timeline's peak, and tightens the limit by any excess until the
+   timeline agrees (the search's separable memory model is an approximation of the timeline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .capture import Captured
+from .cost_models.step import group_cost, predict_step_time, regathered_params
+from .cost_models.timeline import (
+    REPLICATE,
+    GraphFacts,
+    ParamState,
+    graph_facts,
+    predict_step_memory,
+)
+from .devices import Devices
+from .errors import PlanError
+from .passes.profile import profile_graph_pass
+from .passes.search import solve_min_time
+from .plan import STRATEGIES, Plan, Prediction
+from .units import format_bytes
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+_MAX_TIGHTENINGS = 8
+
+
+@dataclasses.dataclass
+class Analysis:
+    """A captured model with its profile."""
+
+    captured: Captured
+    """The normalised graph and the model's parameter groups."""
+    facts: GraphFacts
+    """Storage roots, savers and gradient flow of the profiled graph."""
+    batch_size: int
+    """Per-rank batch size of the profiled inputs (first dimension of the first tensor)."""
+
+
+def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
+            warmup: int = 1, repeats: int = 3) -> Analysis:
+    """Profile ``captured.gm`` on ``example_inputs``."""
+    fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
+    profile_graph_pass(captured.gm, example_inputs, warmup=warmup, repeats=repeats, fake=fake)
+    trainable = {name: p.trainable for name, p in captured.params.items()}
+    batch = next((int(x.shape[0]) for x in example_inputs
+                  if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
+    return Analysis(captured, graph_facts(captured.gm, trainable), batch)
+
+
+def _state(analysis: Analysis, name: str, strategy: str) -> ParamState:
+    p = analysis.captured.params[name]
+    return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,
+                      trainable=p.trainable)
+
+
+def _states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, ParamState]:
+    return {name: _state(analysis, name, strategies[name]) for name in analysis.captured.params}
+
+
+def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str) -> Plan:
+    """``plan`` with the predicted step time, peak memory and per-group costs attached."""
+    states = _states(analysis, {p.name: p.strategy for p in plan.params})
+    step, costs = predict_step_time(analysis.captured.gm, states, analysis.facts, devices=devices,
+                                    optimizer=optimizer, profiled_batch=analysis.batch_size)
+    memory = predict_step_memory(analysis.captured.gm, states, world_size=devices.world_size,
+                                 optimizer=optimizer, profiled_batch=analysis.batch_size)
+    prediction = Prediction(
+        step_time_s=step.step_s, compute_s=step.compute_s, comm_s=step.comm_s,
+        optim_s=step.optim_s, peak_memory_bytes=memory.peak_bytes, peak_at=memory.peak_at,
+        optimizer=optimizer, batch_size=analysis.batch_size,
+        step_time_expr=step.step_time_expr, peak_memory_expr=memory.peak_bytes_expr,
+    )
+    params = tuple(
+        dataclasses.replace(p, compute_s=costs[p.name].compute_s, comm_s=costs[p.name].comm_s)
+        for p in plan.params
+    )
+    return dataclasses.replace(plan, params=params, prediction=prediction)
+
+
+def search_strategies(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str
+) -> dict[str, str]:
+    """The per-group strategies with the least predicted step time whose predicted peak memory
+    (timeline) fits ``memory_limit_bytes``. Raises PlanError when none does."""
+    names = list(analysis.captured.params)
+    trainable = {n: analysis.captured.params[n].trainable for n in names}
+    sharding_helps = devices.world_size > 1
+    options = {n: list(STRATEGIES) if trainable[n] and sharding_helps else [REPLICATE]
+               for n in names}
+    regathered = regathered_params(analysis.facts)
+    table = {
+        n: [group_cost(_state(analysis, n, s), regathered=n in regathered, compute_s=0.0,
+                       devices=devices, optimizer=optimizer) for s in options[n]]
+        for n in names
+    }
+    # Activation memory, the base of the search: the timeline's peak under all-full_shard minus
+    # what the search itself accounts for.
+    lowest = {n: options[n][-1] for n in names}
+    lowest_peak = predict_step_memory(
+        analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
+        optimizer=optimizer, profiled_batch=analysis.batch_size).peak_bytes
+    chosen_costs = [table[n][-1] for n in names]
+    base = max(0, lowest_peak - sum(c.persistent_bytes for c in chosen_costs)
+               - max((c.transient_bytes for c in chosen_costs), default=0))
+    limit = memory_limit_bytes
+    for _ in range(_MAX_TIGHTENINGS):
+        result = solve_min_time(
+            [[c.comm_s + c.optim_s for c in table[n]] for n in names],
+            [[c.persistent_bytes for c in table[n]] for n in names],
+            [[c.transient_bytes for c in table[n]] for n in names],
+            limit_bytes=limit, base_bytes=base, names=names,
+        )
+        strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
+        peak = predict_step_memory(
+            analysis.captured.gm, _states(analysis, strategies), world_size=devices.world_size,
+            optimizer=optimizer, profiled_batch=analysis.batch_size).peak_bytes
+        if peak <= memory_limit_bytes:
+            counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
+            log.info("search: %s, predicted peak %s of %s", counts, format_bytes(peak),
+                     format_bytes(memory_limit_bytes))
+            return strategies
+        limit -= peak - memory_limit_bytes
+        if limit <= base:
+            break
+    raise PlanError(
+        f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank: even "
+        f"with every parameter group sharded (full_shard) a step needs "
+        f"{format_bytes(lowest_peak)} ({format_bytes(lowest_peak - base)} parameters, gradients "
+        f"and optimizer state, the rest activations). Raise the memory limit, use more ranks, "
+        f"or use a smaller batch"
+    )
+
