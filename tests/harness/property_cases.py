@@ -88,6 +88,46 @@ def equivalence(rank: int, world: int, *, spec: dict[str, Any], plan: str) -> di
     }
 
 
+# ---- tiny models for the pass tests --------------------------------------------------------
+
+
+def tiny_mlp() -> tuple[nn.Module, tuple[Any, ...]]:
+    torch.manual_seed(0)
+    return MLP((6, 7, 5, 3)), (torch.randn(4, 6),)
+
+
+def tiny_gpt() -> tuple[nn.Module, tuple[Any, ...]]:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=19, dim=16, depth=2, heads=4, max_seq=8), (torch.randint(0, 19, (2, 6)),)
+
+
+def tiny_hf_gpt2() -> tuple[nn.Module, tuple[Any, ...]]:
+    """A random-init 2-layer GPT2LMHeadModel (no download), in eval mode: dropout off, so its
+    graph and the model compute exactly the same thing."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=67, n_positions=16,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval(), (torch.randint(0, 67, (2, 8)),)
+
+
+PASS_MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple[Any, ...]]], str,
+                             dict[str, str]]] = {
+    # name: (builder, capture method, {tied alias: canonical name})
+    "mlp": (tiny_mlp, "symbolic_trace", {}),
+    "tiny_gpt": (tiny_gpt, "symbolic_trace", {"head.weight": "tok.weight"}),
+    "hf_gpt2": (tiny_hf_gpt2, "export", {"lm_head.weight": "transformer.wte.weight"}),
+}
+
+
+def logits(out: Any) -> torch.Tensor:
+    """The tensor output of a model (a Hugging Face model returns an output object)."""
+    return out.logits if hasattr(out, "logits") else out
+
+
 # ---- error cases --------------------------------------------------------------------------
 
 
@@ -129,6 +169,24 @@ class WithBuffer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.fc(x))
+
+
+def batch_norm_model() -> tuple[WithBuffer, torch.Tensor]:
+    """A WithBuffer model and an input whose batch statistics move the running ones."""
+    torch.manual_seed(0)
+    return WithBuffer(), torch.randn(8, 4) + 3
+
+
+def snapshot(named: Iterator[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]
+             ) -> dict[str, torch.Tensor]:
+    items = named.items() if isinstance(named, dict) else named
+    return {k: v.detach().clone() for k, v in items}
+
+
+def assert_unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+    assert after.keys() == before.keys()
+    for key, value in after.items():
+        torch.testing.assert_close(value, before[key], atol=0, rtol=0, msg=key)
 
 
 def small_mlp() -> MLP:
