@@ -26,9 +26,11 @@ After::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -84,7 +86,13 @@ class Captured:
 
 
 class _ParamTracer(fx.Tracer):
-    """Traces through every module that owns parameters, so parameters become get_attr nodes."""
+    """Traces through every module that owns parameters, so parameters become get_attr nodes.
+
+    Buffers are proxied too, so an expression on a buffer stays in the graph instead of being
+    frozen into a constant.
+    """
+
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         owns_params = next(m.parameters(recurse=False), None) is not None
@@ -115,9 +123,23 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captured:
     return _normalize(model, gm, method)
 
 
+@contextlib.contextmanager
+def unchanged_state(module: nn.Module) -> Iterator[None]:
+    """Run trial forwards without a trace: restore buffers (BatchNorm statistics) and the RNG."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(rng)
+
+
 def _check_inputs_accepted(model: nn.Module, example_inputs: tuple[Any, ...]) -> None:
     try:
-        with torch.no_grad():
+        with torch.no_grad(), unchanged_state(model):
             model(*example_inputs)
     except Exception as exc:  # the user's model rejected the user's inputs
         raise InputError(
@@ -148,7 +170,8 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> tuple[fx.GraphM
         fx_reason = _reason(exc)
         log.info("symbolic_trace failed (%s); trying torch.export", fx_reason)
     try:
-        ep = torch.export.export(model, example_inputs, strict=False)
+        with unchanged_state(model):
+            ep = torch.export.export(model, example_inputs, strict=False)
         return ep.module(), "export"
     except Exception as exc:
         raise CaptureError(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .capture import Captured
+from .capture import Captured, unchanged_state
 from .cost_models.step import group_cost, predict_step_time, regathered_params
 from .cost_models.timeline import (
     REPLICATE,
@@ -60,7 +60,9 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
             warmup: int = 1, repeats: int = 3) -> Analysis:
     """Profile ``captured.gm`` on ``example_inputs``."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
-    profile_graph_pass(captured.gm, example_inputs, warmup=warmup, repeats=repeats, fake=fake)
+    with unchanged_state(captured.gm):
+        profile_graph_pass(captured.gm, example_inputs, warmup=warmup, repeats=repeats,
+                           fake=fake)
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch = next((int(x.shape[0]) for x in example_inputs
                   if isinstance(x, torch.Tensor) and x.dim() > 0), 1)

@@ -15,6 +15,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_leaves
 
+from ..capture import unchanged_state
 from ..meta import osdp_meta, set_osdp_meta
 
 
@@ -42,6 +43,6 @@ def annotate_aliases_pass(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -
         gm.get_parameter(n.target).untyped_storage()._cdata: n.target
         for n in gm.graph.nodes if n.op == "get_attr" and osdp_meta(n).role == "param"
     }
-    with torch.no_grad():
+    with torch.no_grad(), unchanged_state(gm):
         _AliasInterpreter(gm, storages).run(*example_inputs)
     return PassResult(gm, False)

@@ -104,9 +104,6 @@ def test_tied_parameter_is_one_annotated_node():
     assert params["tok_weight"] == {"tok.weight"} and "head.weight" not in str(annotations(cap.gm))
 
 
-@pytest.mark.xfail(strict=True, reason="the pass runs the graph on the example inputs in training "
-                   "mode, so batch_norm updates the running statistics (and num_batches_tracked) "
-                   "of the model's buffers")
 def test_pass_leaves_buffers_alone():
     model, x = pc.batch_norm_model()
     cap = capture(model, (x,))

@@ -151,9 +151,6 @@ class ScaledByBuffer(nn.Module):
         return self.fc(x) * (self.scale * 2)
 
 
-@pytest.mark.xfail(strict=True, reason="_ParamTracer does not proxy buffer attributes "
-                   "(fx.Tracer.proxy_buffer_attributes is False), so `self.scale * 2` is baked "
-                   "into a _tensor_constant0 attribute and later changes of the buffer are lost")
 def test_buffer_expressions_stay_in_the_graph():
     torch.manual_seed(0)
     model, x = ScaledByBuffer(), torch.randn(2, 3)
@@ -166,9 +163,6 @@ def test_buffer_expressions_stay_in_the_graph():
                 if n.op == "get_attr" and n.target.startswith("_tensor_constant")]
 
 
-@pytest.mark.xfail(strict=True, reason="capture checks the example inputs by calling the model "
-                   "in training mode (torch.no_grad does not stop BatchNorm), which updates its "
-                   "running_mean/running_var and num_batches_tracked")
 def test_capture_leaves_batch_norm_statistics_alone():
     model, x = pc.batch_norm_model()
     state = pc.snapshot(model.state_dict())
