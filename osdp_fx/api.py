@@ -249,6 +249,19 @@ class OSDPModule(nn.Module):
                 f"{missing[:5]}, unexpected: {unexpected[:5]}); pass the dict returned by "
                 "full_state_dict() or the original model's state_dict()"
             )
+        expected = {
+            key: self._plan[self._alias_to_name[key]].shape if key in self._alias_to_name
+            else tuple(self._gm.get_buffer(key).shape)
+            for key in self._state_keys
+        }
+        wrong = [f"{k!r} has shape {tuple(getattr(state_dict[k], 'shape', ()))}, the model "
+                 f"expects {shape}" for k, shape in expected.items()
+                 if not isinstance(state_dict[k], torch.Tensor) or tuple(state_dict[k].shape) != shape]
+        if wrong:  # checked before anything is loaded, so a failed load changes nothing
+            raise InputError(
+                f"load_full_state_dict: tensors of the wrong shape ({'; '.join(wrong[:5])}); "
+                "pass full tensors as returned by full_state_dict() or model.state_dict()"
+            )
         world, rank = group_size(WORLD), group_rank(WORLD)
         with torch.no_grad():
             for key in self._state_keys:
@@ -258,14 +271,8 @@ class OSDPModule(nn.Module):
                     continue
                 if key != canon:
                     continue
-                entry = self._plan[canon]
                 full = state_dict[key]
-                if tuple(full.shape) != entry.shape:
-                    raise InputError(
-                        f"load_full_state_dict: {key!r} has shape {tuple(full.shape)}, the model "
-                        f"expects {entry.shape}"
-                    )
                 local = self._gm.get_parameter(canon)
-                if entry.strategy != REPLICATE:
+                if self._plan[canon].strategy != REPLICATE:
                     full = make_shard(full.to(local.dtype), world_size=world, rank=rank)
                 local.copy_(full)

@@ -386,6 +386,9 @@ def resolve_plan(
             )
         data = load_plan_dict(path)
         file_world = data.get("world_size")
+        if file_world is not None and (not isinstance(file_world, int) or isinstance(file_world, bool)):
+            raise PlanError(f"plan file {path!r}: \"world_size\" must be an int, got "
+                            f"{file_world!r}; fix it or remove it")
         if file_world is not None and file_world != world_size:
             raise PlanError(
                 f"plan file {path!r} was made for world size {file_world} but this world has "
@@ -427,7 +430,11 @@ def _requested_from_mapping(
                             f"use one of {', '.join(STRATEGIES)}")
         canon = by_any_name[name]
         if isinstance(entry, Mapping) and shapes is not None and "shape" in entry:
-            if tuple(entry["shape"]) != shapes[canon]:
+            shape = entry["shape"]
+            if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+                raise PlanError(f"{where}: parameter {name!r} has \"shape\": {shape!r}; write "
+                                "the shape as a list of ints, e.g. [768, 3072], or leave it out")
+            if tuple(shape) != shapes[canon]:
                 raise PlanError(
                     f"{where}: parameter {name!r} has shape {tuple(entry['shape'])} in the plan "
                     f"but {shapes[canon]} in the model; re-plan for this model"

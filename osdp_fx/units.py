@@ -23,8 +23,9 @@ def parse_bytes(value: int | float | str, *, what: str = "memory limit") -> int:
     if isinstance(value, bool):
         raise InputError(f"{what} must be bytes (int) or a string like '8GiB', got {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0 or value != value:
-            raise InputError(f"{what} must be a non-negative number of bytes, got {value!r}")
+        if value < 0 or value != value or value == float("inf"):
+            raise InputError(f"{what} must be a finite, non-negative number of bytes (or a "
+                             f"string such as '8GiB'), got {value!r}")
         return int(value)
     if isinstance(value, str):
         match = _PATTERN.match(value)

@@ -89,6 +89,12 @@ def shard_parameters_pass(
         set_osdp_meta(freed, role="free", param=node.target)
         n_frees += 1
 
+    in_graph = {n.target for n in param_nodes}
+    for entry in plan.params:  # parameters the forward never reads: sharded all the same
+        if entry.strategy in SHARDED and entry.name not in in_graph:
+            full = gm.get_parameter(entry.name)
+            set_attr(gm, entry.name, make_shard(full, world_size=world_size, rank=rank))
+
     graph.lint()
     gm.recompile()
     log.info("shard pass: %d parameters gathered, %d freed after last forward use",

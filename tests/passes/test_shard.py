@@ -223,10 +223,6 @@ class SpareLayer(nn.Module):
         return self.fc(x)
 
 
-@pytest.mark.xfail(strict=True, reason="the shard pass only shards parameters that have a "
-                   "get_attr node: an unused parameter planned full_shard stays full-size on every "
-                   "rank, and load_full_state_dict(full_state_dict()) then fails with RuntimeError "
-                   "copying a flat shard into it")
 def test_unused_parameter_is_sharded_as_planned():
     torch.manual_seed(0)
     compiled = compile_osdp(SpareLayer(), (torch.randn(2, 3),), plan="full_shard")
