@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,3 +94,33 @@ class LiveTensorTracker(TorchDispatchMode):
         while time.monotonic() < deadline and (below_bytes is None or self.live_bytes >= below_bytes):
             time.sleep(0.01)
         return self.live_bytes
+
+
+def measure_step_peak_bytes(
+    step: Callable[[], None],
+    params: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    zero_grad: Callable[[], None],
+    warmup_steps: int = 2,
+) -> int:
+    """Peak bytes of one steady-state training step: what exists before it (parameters and
+    optimizer state, counted by storage) plus the tracker's peak during it.
+
+    Runs ``warmup_steps`` steps first (so optimizer state exists), each followed by
+    ``zero_grad`` (which should set gradients to None), then one measured step.
+    """
+    for _ in range(warmup_steps):
+        step()
+        zero_grad()
+    existing: dict[int, int] = {}
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    for t in (*params, *state):
+        storage = t.untyped_storage()
+        existing[storage._cdata] = storage.nbytes()
+    tracker = LiveTensorTracker()
+    with tracker:
+        step()
+    peak = sum(existing.values()) + tracker.peak_bytes
+    zero_grad()
+    return peak

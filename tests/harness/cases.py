@@ -101,3 +101,28 @@ def frozen_and_buffers(rank: int, world: int, *, plan: str) -> dict[str, Any]:
     opt.step()
     return {"state": compiled.full_state_dict(), "plan": compiled.plan.to_dict(),
             "frozen_grads_none": all(g is None for g in frozen_grads)}
+
+
+def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer: str,
+                      local_batch: int = 8) -> dict[str, Any]:
+    """Predicted peak memory of a step against the live-tensor tracker's measurement."""
+    from osdp_fx.runtime.memory import measure_step_peak_bytes
+
+    from .models import with_loss
+
+    net = with_loss(model)
+    batch = local(batches(model, global_batch=local_batch * world, steps=1)[0], rank, world)
+    compiled = compile_osdp(net, batch, plan=plan, optimizer=optimizer)
+    del net
+    params = list(compiled.parameters())
+    opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(params, lr=0.1))
+
+    def step() -> None:
+        compiled(*batch).backward()
+        opt.step()
+
+    measured = measure_step_peak_bytes(step, params, opt, warmup_steps=2,
+                                       zero_grad=lambda: opt.zero_grad(set_to_none=True))
+    return {"predicted": compiled.plan.peak_memory_bytes, "measured": measured,
+            "peak_at": compiled.plan.prediction.peak_at}

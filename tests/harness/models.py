@@ -51,3 +51,34 @@ def local(batch: Batch, rank: int, world: int) -> Batch:
     n = batch[0].shape[0] // world
     return tuple(t[rank * n:(rank + 1) * n] for t in batch)
 
+
+
+
+class WithLoss(nn.Module):
+    """A language model whose forward returns the training loss (the graph holds the step)."""
+
+    def __init__(self, name: str, seed: int = 0) -> None:
+        super().__init__()
+        self.hf = name == "hf_gpt2"
+        self.model, self.loss_fn = build(name, seed)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.hf:
+            return self.model(idx, labels=idx).loss
+        return self.loss_fn(self.model(idx), (idx,))
+
+
+class MLPWithLoss(nn.Module):
+    """The test MLP with its mean-squared-error loss inside the forward."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.model, _ = build("mlp", seed)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.model(x), y)
+
+
+def with_loss(name: str, seed: int = 0) -> nn.Module:
+    """``name``'s model wrapped so that its forward takes a whole batch and returns the loss."""
+    return MLPWithLoss(seed) if name == "mlp" else WithLoss(name, seed)
