@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections import OrderedDict
@@ -13,13 +12,13 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from .capture import Captured, as_input_tuple, capture
-from .devices import DEFAULT_CPU_MEMORY_BYTES, Devices
+from .devices import Devices
 from .errors import InputError, PlanMismatchError
 from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
 from .passes.shard import make_shard, shard_parameters_pass
-from .plan import REPLICATE, ParamSpec, Plan, build_plan, resolve_plan
-from .planner import OPTIMIZERS, analyze, predict, search_strategies
+from .plan import REPLICATE, Plan, resolve_plan
+from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.params import _gather_full, step_context
 from .runtime.reducer import GradReducer
@@ -60,32 +59,17 @@ def compile_osdp(
     Collective: every rank of the world must call it with the same model and plan.
     """
     inputs = as_input_tuple(example_inputs)
-    if optimizer not in OPTIMIZERS:
-        raise InputError(f"optimizer {optimizer!r} is not a kind the cost models know; use one "
-                         f"of {', '.join(OPTIMIZERS)} (the closest to your optimizer)")
+    check_optimizer(optimizer)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
     captured = capture(model, inputs)
-    specs = [
-        ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
-                  element_size=torch.empty((), dtype=p.dtype).element_size(), aliases=p.aliases,
-                  trainable=p.trainable, frozen=not p.requires_grad)
-        for p in captured.params.values()
-    ]
-    if plan is not None:
-        resolved = resolve_plan(plan, specs, world_size=world_size, memory_limit_bytes=limit)
+    if plan is not None:  # a bad plan fails here, before any collective
+        resolve_plan(plan, param_specs(captured), world_size=world_size, memory_limit_bytes=limit)
+    devices = devices_for(devices, world_size=world_size, memory_limit_bytes=limit,
+                          detect=plan is None)
     run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
-    analysis = analyze(captured, inputs)
-    if plan is None:
-        devices = _devices_for_search(devices, world_size, limit)
-        limit = devices.memory_bytes
-        strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
-                                       optimizer=optimizer)
-        resolved = build_plan(_from_rank0(strategies), specs, world_size=world_size,
-                              memory_limit_bytes=limit, source="search")
-    elif devices is None or devices.world_size != world_size:
-        devices = dataclasses.replace(devices or Devices(), world_size=world_size)
-    resolved = predict(analysis, resolved, devices=devices, optimizer=optimizer)
+    resolved, _ = make_plan(captured, inputs, plan=plan, devices=devices,
+                            memory_limit_bytes=limit, optimizer=optimizer, agree=_from_rank0)
     _check_ranks_agree(resolved)
     _broadcast_from_rank0(captured.gm)
     gm = run_passes(captured.gm, [
@@ -93,14 +77,6 @@ def compile_osdp(
                                                   rank=rank, group=WORLD)),
     ])
     return OSDPModule(gm, resolved, captured)
-
-
-def _devices_for_search(devices: Devices | None, world_size: int, limit: int | None) -> Devices:
-    """The Devices the search plans for, with its memory limit filled in."""
-    if devices is None:
-        devices = Devices.detect(memory_limit=limit) if world_size > 1 else Devices()
-    memory = limit or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
-    return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory)
 
 
 def _from_rank0(strategies: dict[str, str]) -> dict[str, str]:

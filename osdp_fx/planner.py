@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,11 +32,11 @@ from .cost_models.timeline import (
     graph_facts,
     predict_step_memory,
 )
-from .devices import Devices
-from .errors import PlanError
+from .devices import DEFAULT_CPU_MEMORY_BYTES, Devices
+from .errors import InputError, PlanError
 from .passes.profile import profile_graph_pass
 from .passes.search import solve_min_time
-from .plan import STRATEGIES, Plan, Prediction
+from .plan import STRATEGIES, ParamSpec, Plan, Prediction, build_plan, resolve_plan
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,66 @@ class Analysis:
     """Storage roots, savers and gradient flow of the profiled graph."""
     batch_size: int
     """Per-rank batch size of the profiled inputs (first dimension of the first tensor)."""
+
+
+def check_optimizer(optimizer: str) -> None:
+    """Raise InputError unless ``optimizer`` is a kind the cost models know."""
+    if optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer {optimizer!r} is not a kind the cost models know; use one "
+                         f"of {', '.join(OPTIMIZERS)} (the closest to your optimizer)")
+
+
+def param_specs(captured: Captured) -> list[ParamSpec]:
+    """What a Plan needs to know about each parameter group of a captured model."""
+    return [
+        ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
+                  element_size=p.dtype.itemsize, aliases=p.aliases, trainable=p.trainable,
+                  frozen=not p.requires_grad)
+        for p in captured.params.values()
+    ]
+
+
+def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
+                detect: bool) -> Devices:
+    """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
+    the defaults; its world size set to ``world_size`` and its memory limit filled in."""
+    if devices is None:
+        devices = Devices.detect(memory_limit=memory_limit_bytes) if detect and world_size > 1 \
+            else Devices()
+    memory = memory_limit_bytes or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
+    return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory)
+
+
+def make_plan(
+    captured: Captured,
+    example_inputs: tuple[Any, ...],
+    *,
+    plan: str | os.PathLike[str] | Plan | None,
+    devices: Devices,
+    memory_limit_bytes: int | None,
+    optimizer: str,
+    fake: bool = False,
+    agree: Callable[[dict[str, str]], dict[str, str]] = lambda strategies: strategies,
+) -> tuple[Plan, Analysis]:
+    """Profile the model and return the plan in force with its predictions.
+
+    ``plan`` None runs the search under ``devices.memory_bytes``; ``agree`` makes every rank use
+    the same searched strategies (compile_osdp passes a broadcast from rank 0).
+    """
+    check_optimizer(optimizer)
+    specs = param_specs(captured)
+    analysis = analyze(captured, example_inputs, fake=fake)
+    if plan is None:
+        assert devices.memory_bytes is not None, "devices_for fills the memory limit"
+        strategies = search_strategies(analysis, devices=devices,
+                                       memory_limit_bytes=devices.memory_bytes,
+                                       optimizer=optimizer)
+        resolved = build_plan(agree(strategies), specs, world_size=devices.world_size,
+                              memory_limit_bytes=devices.memory_bytes, source="search")
+    else:
+        resolved = resolve_plan(plan, specs, world_size=devices.world_size,
+                                memory_limit_bytes=memory_limit_bytes)
+    return predict(analysis, resolved, devices=devices, optimizer=optimizer), analysis
 
 
 def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
