@@ -75,3 +75,31 @@ class TinyGPT(nn.Module):
 def lm_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a language model's logits on its own input."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+# ---- factories for the command line: ``python -m osdp_fx plan osdp_fx/examples.py:tiny_gpt`` ----
+
+def tiny_gpt() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A small GPT with tied embeddings and its loss inside the forward, with a batch of 8."""
+    torch.manual_seed(0)
+    return GPTWithLoss(TinyGPT(vocab=2048, dim=256, depth=4, heads=4, max_seq=64)), (
+        torch.randint(0, 2048, (8, 64)),)
+
+
+def gpt2_48_layers_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The OSDP paper's GPT-2 size (48 layers, hidden 2048, vocab 50257, sequence 1024, batch 1
+    per rank) built on the meta device: it is planned without allocating or running anything."""
+    with torch.device("meta"):
+        model = GPTWithLoss(TinyGPT(vocab=50257, dim=2048, depth=48, heads=16, max_seq=1024))
+    return model, (torch.randint(0, 50257, (1, 1024), device="meta"),)
+
+
+class GPTWithLoss(nn.Module):
+    """A language model whose forward returns its next-token loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model(idx), idx)

@@ -308,11 +308,33 @@ def _describe_time(t: float, nodes: list[fx.Node]) -> str:
 
 
 def _envelope(points: list[tuple[float, int, int]], profiled_batch: int) -> sympy.Expr:
-    """``Max`` over time points of ``scaled * b / profiled_batch + fixed``, dominated ones dropped."""
-    pairs = sorted({(s, f) for _, s, f in points}, reverse=True)
-    kept: list[tuple[int, int]] = []
-    for s, f in pairs:
-        if not any(ks >= s and kf >= f for ks, kf in kept):
-            kept.append((s, f))
-    lines = [sympy.Rational(s, profiled_batch) * BATCH + f for s, f in kept]
-    return sympy.Max(*lines) if len(lines) > 1 else lines[0]
+    """``Max`` over time points of ``scaled * b / profiled_batch + fixed`` for batch sizes b >= 1,
+    keeping only the lines on the upper envelope (an upper convex hull over the slopes)."""
+    best: dict[int, int] = {}
+    for _, s, f in points:  # for equal slopes only the highest intercept matters
+        best[s] = max(best.get(s, f), f)
+    hull: list[tuple[int, int]] = []  # lines by increasing slope, each maximal somewhere on b >= 1
+
+    def at(line: tuple[int, int], b: float) -> float:
+        return line[0] * b / profiled_batch + line[1]
+
+    for line in sorted(best.items()):
+        while hull:
+            top = hull[-1]
+            # b where the new, steeper line overtakes the top line
+            cross = (top[1] - line[1]) * profiled_batch / (line[0] - top[0])
+            start = max(1.0, cross)
+            if len(hull) >= 2:
+                prev = hull[-2]
+                prev_cross = max(1.0, (prev[1] - top[1]) * profiled_batch / (top[0] - prev[0]))
+                if start <= prev_cross:
+                    hull.pop()
+                    continue
+            elif cross <= 1.0:
+                hull.pop()
+                continue
+            break
+        if not hull or at(line, 1e18) > at(hull[-1], 1e18):
+            hull.append(line)
+    lines = [sympy.Rational(s, profiled_batch) * BATCH + f for s, f in hull]
+    return sympy.Max(*lines, evaluate=False) if len(lines) > 1 else lines[0]
