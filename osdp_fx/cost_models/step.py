@@ -3,7 +3,8 @@
 Per parameter group ``g`` with ``P`` bytes (``Pp`` padded to the world size ``N``) and strategy
 ``s``, on one rank:
 
-* communication time ``comm_s(g, s)``: replicate: all-reduce of ``P``; shard_grad_op: all-gather
+* communication time ``comm_s(g, s)``: replicate: all-reduce of ``P`` (its latency shared with
+  the other gradients of its 25 MiB bucket); shard_grad_op: all-gather
   and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
   re-gathers the parameter (some operator saved it);
 * optimizer time ``optim_s(g, s)``: memory-bound, ``bytes_per_element(optimizer) * local numel /
@@ -29,7 +30,8 @@ import sympy
 from torch import fx
 
 from ..devices import Devices
-from .communication import collective_time_s
+from ..runtime.reducer import DEFAULT_BUCKET_BYTES
+from .communication import all_reduce_time_s, collective_time_s, group_link
 from .compute import node_compute_time_s
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
 from .timeline import BATCH, FULL_SHARD, REPLICATE, SHARD_GRAD_OP, GraphFacts, ParamState
@@ -102,6 +104,13 @@ def group_cost(
             collectives = [("all_gather", padded)] * (2 if regathered else 1)
             collectives.append(("reduce_scatter", padded))
     comm_s = sum(collective_time_s(c, n, devices) for c, n in collectives)
+    if state.strategy == REPLICATE and collectives:
+        # Replicated gradients share bucketed all-reduces: latency is paid per bucket, not per
+        # parameter, so a parameter bears its byte share of it.
+        link = group_link(devices)
+        comm_s = all_reduce_time_s(
+            full, world, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+            latency_s=link.latency_s * min(1.0, full / DEFAULT_BUCKET_BYTES))
     persistent, transient, optim_s = local, 0, 0.0
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)

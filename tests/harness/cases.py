@@ -126,3 +126,40 @@ def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer
                                        zero_grad=lambda: opt.zero_grad(set_to_none=True))
     return {"predicted": compiled.plan.peak_memory_bytes, "measured": measured,
             "peak_at": compiled.plan.prediction.peak_at}
+
+
+def searched_plan(rank: int, world: int, *, model: str, plan_dir: str,
+                  local_batch: int = 8) -> dict[str, Any]:
+    """Search under a limit halfway between the all-full_shard and all-replicate peaks; then
+    reload the saved plan file, and search again under a limit nothing can meet."""
+    from osdp_fx import OSDPError
+    from osdp_fx.runtime.memory import measure_step_peak_bytes
+
+    from .models import with_loss
+
+    batch = local(batches(model, global_batch=local_batch * world, steps=1)[0], rank, world)
+    peaks = {s: compile_osdp(with_loss(model), batch, plan=s, optimizer="sgd").plan.peak_memory_bytes
+             for s in ("replicate", "full_shard")}
+    limit = (peaks["replicate"] + peaks["full_shard"]) // 2
+    compiled = compile_osdp(with_loss(model), batch, memory_limit=limit, optimizer="sgd")
+    params = list(compiled.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+
+    def step() -> None:
+        compiled(*batch).backward()
+        opt.step()
+
+    measured = measure_step_peak_bytes(step, params, opt, zero_grad=lambda: opt.zero_grad(set_to_none=True))
+    path = f"{plan_dir}/searched.json"
+    if rank == 0:
+        compiled.plan.save(path)
+    torch.distributed.barrier()
+    reloaded = compile_osdp(with_loss(model), batch, plan=path, optimizer="sgd").plan
+    again = compile_osdp(with_loss(model), batch, memory_limit=limit, optimizer="sgd").plan
+    try:
+        compile_osdp(with_loss(model), batch, memory_limit=peaks["full_shard"] // 4)
+        too_small = ""
+    except OSDPError as exc:
+        too_small = f"{type(exc).__name__}: {exc}"
+    return {"peaks": peaks, "limit": limit, "plan": compiled.plan, "measured": measured,
+            "reloaded_hash": reloaded.hash(), "again_hash": again.hash(), "too_small": too_small}
