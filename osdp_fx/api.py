@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ def compile_osdp(
     plan: str | os.PathLike[str] | Plan | None = None,
     memory_limit: int | str | None = None,
     optimizer: str = "adamw",
+    batch_sizes: Sequence[int] | None = None,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -55,6 +57,9 @@ def compile_osdp(
             ``DEFAULT_CPU_MEMORY_BYTES`` (4 GiB, CPU).
         optimizer: the optimizer kind the memory and time predictions assume: ``"sgd"``,
             ``"sgd_momentum"``, ``"adam"`` or ``"adamw"``.
+        batch_sizes: candidate per-rank batch sizes for the search (plan=None): the plan with
+            the most predicted samples per second among them is chosen, and
+            ``compiled.plan.prediction.batch_size`` says which batch size to feed.
 
     Collective: every rank of the world must call it with the same model and plan.
     """
@@ -69,7 +74,8 @@ def compile_osdp(
                           detect=plan is None)
     run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
     resolved, _ = make_plan(captured, inputs, plan=plan, devices=devices,
-                            memory_limit_bytes=limit, optimizer=optimizer, agree=_from_rank0)
+                            memory_limit_bytes=limit, optimizer=optimizer,
+                            batch_sizes=batch_sizes, agree=_from_rank0)
     _check_ranks_agree(resolved)
     _broadcast_from_rank0(captured.gm)
     gm = run_passes(captured.gm, [
@@ -79,11 +85,11 @@ def compile_osdp(
     return OSDPModule(gm, resolved, captured)
 
 
-def _from_rank0(strategies: dict[str, str]) -> dict[str, str]:
+def _from_rank0(choice: Any) -> Any:
     """Rank 0's search result on every rank (measured costs differ slightly between ranks)."""
     if group_size(WORLD) == 1:
-        return strategies
-    box = [strategies]
+        return choice
+    box = [choice]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -108,8 +108,11 @@ def plan_command(args: argparse.Namespace) -> int:
     devices = dataclasses.replace(_devices_arg(args), memory_bytes=limit)
     captured = capture(model, inputs)
     start = time.perf_counter()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
     plan, analysis = make_plan(captured, inputs, plan=None, devices=devices,
-                               memory_limit_bytes=limit, optimizer=args.optimizer, fake=args.fake)
+                               memory_limit_bytes=limit, optimizer=args.optimizer, fake=args.fake,
+                               batch_sizes=batch_sizes)
+    batch = plan.prediction.batch_size
     search_s = time.perf_counter() - start
     print(plan)
     rows = []
@@ -119,12 +122,12 @@ def plan_command(args: argparse.Namespace) -> int:
         from .planner import param_specs
         other = predict(analysis, resolve_plan(name, param_specs(captured),
                                                world_size=devices.world_size),
-                        devices=devices, optimizer=args.optimizer)
+                        devices=devices, optimizer=args.optimizer, batch_size=batch)
         rows.append(_totals_row(f"all {name} ({'DDP' if name == 'replicate' else 'FSDP'})",
                                 other, limit))
     rows.insert(0, _totals_row("searched (osdp-fx)", plan, limit))
     print(f"\nper rank, world size {devices.world_size}, limit {format_bytes(limit)}, "
-          f"optimizer {args.optimizer}, batch {analysis.batch_size} per rank:")
+          f"optimizer {args.optimizer}, batch {batch} per rank:")
     print(tabulate(rows, headers=["plan", "step ms", "samples/s", "peak memory", "fits"],
                    disable_numparse=True))
     print(f"profiled and planned in {search_s:.2f} s")
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["sgd", "sgd_momentum", "adam", "adamw"])
     p_plan.add_argument("--fake", action="store_true",
                         help="profile without running (FLOPs and bytes; roofline time)")
+    p_plan.add_argument("--batch-sizes", default=None,
+                        help="candidate per-rank batch sizes searched jointly, e.g. 1,2,4,8")
     p_plan.add_argument("--threads", type=int, default=1)
     p_plan.add_argument("--save", default=None, help="write the plan as JSON to this path")
     p_plan.set_defaults(func=plan_command)

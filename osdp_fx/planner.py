@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ import torch
 from .capture import Captured, unchanged_state
 from .cost_models.step import group_cost, predict_step_time, regathered_params
 from .cost_models.timeline import (
+    BATCH,
     REPLICATE,
     GraphFacts,
     ParamState,
@@ -94,27 +95,36 @@ def make_plan(
     memory_limit_bytes: int | None,
     optimizer: str,
     fake: bool = False,
-    agree: Callable[[dict[str, str]], dict[str, str]] = lambda strategies: strategies,
+    batch_sizes: Sequence[int] | None = None,
+    agree: Callable[[Any], Any] = lambda choice: choice,
 ) -> tuple[Plan, Analysis]:
     """Profile the model and return the plan in force with its predictions.
 
-    ``plan`` None runs the search under ``devices.memory_bytes``; ``agree`` makes every rank use
-    the same searched strategies (compile_osdp passes a broadcast from rank 0).
+    ``plan`` None runs the search under ``devices.memory_bytes`` (jointly over the per-rank
+    ``batch_sizes`` when given); ``agree`` makes every rank use the same searched choice
+    (compile_osdp passes a broadcast from rank 0).
     """
     check_optimizer(optimizer)
     specs = param_specs(captured)
     analysis = analyze(captured, example_inputs, fake=fake)
+    batch = None
     if plan is None:
         assert devices.memory_bytes is not None, "devices_for fills the memory limit"
-        strategies = search_strategies(analysis, devices=devices,
-                                       memory_limit_bytes=devices.memory_bytes,
-                                       optimizer=optimizer)
-        resolved = build_plan(agree(strategies), specs, world_size=devices.world_size,
-                              memory_limit_bytes=devices.memory_bytes, source="search")
+        limit = devices.memory_bytes
+        if batch_sizes:
+            batch, strategies = agree(search_batch_size(
+                analysis, batch_sizes, devices=devices, memory_limit_bytes=limit,
+                optimizer=optimizer))
+        else:
+            strategies = agree(search_strategies(analysis, devices=devices,
+                                                 memory_limit_bytes=limit, optimizer=optimizer))
+        resolved = build_plan(strategies, specs, world_size=devices.world_size,
+                              memory_limit_bytes=limit, source="search")
     else:
         resolved = resolve_plan(plan, specs, world_size=devices.world_size,
                                 memory_limit_bytes=memory_limit_bytes)
-    return predict(analysis, resolved, devices=devices, optimizer=optimizer), analysis
+    plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch)
+    return plan_out, analysis
 
 
 def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
@@ -140,17 +150,22 @@ def _states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, Para
     return {name: _state(analysis, name, strategies[name]) for name in analysis.captured.params}
 
 
-def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str) -> Plan:
-    """``plan`` with the predicted step time, peak memory and per-group costs attached."""
+def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
+            batch_size: int | None = None) -> Plan:
+    """``plan`` with the predicted step time, peak memory and per-group costs attached, at
+    ``batch_size`` per rank (default: the profiled batch size)."""
+    batch = batch_size or analysis.batch_size
     states = _states(analysis, {p.name: p.strategy for p in plan.params})
     step, costs = predict_step_time(analysis.captured.gm, states, analysis.facts, devices=devices,
                                     optimizer=optimizer, profiled_batch=analysis.batch_size)
     memory = predict_step_memory(analysis.captured.gm, states, world_size=devices.world_size,
-                                 optimizer=optimizer, profiled_batch=analysis.batch_size)
+                                 optimizer=optimizer, profiled_batch=analysis.batch_size,
+                                 batch_size=batch)
+    compute_s = step.compute_s * batch / analysis.batch_size
     prediction = Prediction(
-        step_time_s=step.step_s, compute_s=step.compute_s, comm_s=step.comm_s,
-        optim_s=step.optim_s, peak_memory_bytes=memory.peak_bytes, peak_at=memory.peak_at,
-        optimizer=optimizer, batch_size=analysis.batch_size,
+        step_time_s=compute_s + step.comm_s + step.optim_s, compute_s=compute_s,
+        comm_s=step.comm_s, optim_s=step.optim_s, peak_memory_bytes=memory.peak_bytes,
+        peak_at=memory.peak_at, optimizer=optimizer, batch_size=batch,
         step_time_expr=step.step_time_expr, peak_memory_expr=memory.peak_bytes_expr,
     )
     params = tuple(
@@ -160,11 +175,43 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str)
     return dataclasses.replace(plan, params=params, prediction=prediction)
 
 
+def search_batch_size(
+    analysis: Analysis, batch_sizes: Sequence[int], *, devices: Devices, memory_limit_bytes: int,
+    optimizer: str,
+) -> tuple[int, dict[str, str]]:
+    """The per-rank batch size among ``batch_sizes`` and the strategies that maximise predicted
+    samples per second (``b * N / step_time(b)``) within the memory limit."""
+    best: tuple[float, int, dict[str, str]] | None = None
+    for b in sorted(set(batch_sizes)):
+        if not isinstance(b, int) or b < 1:
+            raise InputError(f"batch_sizes must be positive ints, got {b!r}")
+        try:
+            strategies = search_strategies(analysis, devices=devices, optimizer=optimizer,
+                                           memory_limit_bytes=memory_limit_bytes, batch_size=b)
+        except PlanError:
+            continue
+        step, _ = predict_step_time(analysis.captured.gm, _states(analysis, strategies),
+                                    analysis.facts, devices=devices, optimizer=optimizer,
+                                    profiled_batch=analysis.batch_size)
+        samples_per_s = b * devices.world_size / float(step.step_time_expr.subs(BATCH, b))
+        log.info("batch %d: %.1f samples/s predicted", b, samples_per_s)
+        if best is None or samples_per_s > best[0]:
+            best = (samples_per_s, b, strategies)
+    if best is None:
+        raise PlanError(
+            f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank at any "
+            f"of the batch sizes {sorted(set(batch_sizes))}: try smaller batch sizes, more "
+            "ranks or a larger limit")
+    return best[1], best[2]
+
+
 def search_strategies(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    batch_size: int | None = None,
 ) -> dict[str, str]:
     """The per-group strategies with the least predicted step time whose predicted peak memory
-    (timeline) fits ``memory_limit_bytes``. Raises PlanError when none does."""
+    (timeline, at ``batch_size``, default the profiled one) fits ``memory_limit_bytes``. Raises
+    PlanError when none does."""
     names = list(analysis.captured.params)
     trainable = {n: analysis.captured.params[n].trainable for n in names}
     sharding_helps = devices.world_size > 1
@@ -181,7 +228,7 @@ def search_strategies(
     lowest = {n: options[n][-1] for n in names}
     lowest_peak = predict_step_memory(
         analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
-        optimizer=optimizer, profiled_batch=analysis.batch_size).peak_bytes
+        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size).peak_bytes
     chosen_costs = [table[n][-1] for n in names]
     base = max(0, lowest_peak - sum(c.persistent_bytes for c in chosen_costs)
                - max((c.transient_bytes for c in chosen_costs), default=0))
@@ -196,7 +243,8 @@ def search_strategies(
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         peak = predict_step_memory(
             analysis.captured.gm, _states(analysis, strategies), world_size=devices.world_size,
-            optimizer=optimizer, profiled_batch=analysis.batch_size).peak_bytes
+            optimizer=optimizer, profiled_batch=analysis.batch_size,
+            batch_size=batch_size).peak_bytes
         if peak <= memory_limit_bytes:
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, predicted peak %s of %s", counts, format_bytes(peak),

@@ -74,7 +74,7 @@ class MemoryPrediction:
     """Predicted memory of one steady-state training step on one rank."""
 
     peak_bytes: int
-    """Peak live bytes at the profiled batch size."""
+    """Peak live bytes at the batch size asked for (default: the profiled one)."""
     peak_at: str
     """Where the peak happens, e.g. 'backward of linear_3'."""
     persistent_bytes: int
@@ -187,13 +187,14 @@ def predict_step_memory(
     world_size: int,
     optimizer: str = "adamw",
     profiled_batch: int = 1,
+    batch_size: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
     ``gm`` is the normalised graph (parameters as ``get_attr`` nodes whose ``osdp_meta.param``
-    names the group), profiled by ``profile_graph_pass``; ``params`` maps each parameter group to
-    its size and strategy.
+    names the group), profiled by ``profile_graph_pass`` at ``profiled_batch``; ``params`` maps
+    each parameter group to its size and strategy; ``batch_size`` scales activations.
     """
     facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
     nodes, pos, prof, root = facts.nodes, facts.pos, facts.profile, facts.root
@@ -287,9 +288,11 @@ def predict_step_memory(
         tl.alive(optim_t, optim_t, 2 * max(local_bytes), scaled=False)
 
     points = tl.sweep(base)
-    t_peak, s_peak, f_peak = max(points, key=lambda p: (p[1] + p[2], -p[0]))
+    batch = batch_size or profiled_batch
+    t_peak, s_peak, f_peak = max(
+        points, key=lambda p: (p[1] * batch // profiled_batch + p[2], -p[0]))
     return MemoryPrediction(
-        peak_bytes=s_peak + f_peak,
+        peak_bytes=s_peak * batch // profiled_batch + f_peak,
         peak_at=_describe_time(t_peak, nodes),
         persistent_bytes=base,
         peak_bytes_expr=_envelope(points, profiled_batch),
