@@ -80,10 +80,23 @@ def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes:
     """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
     the defaults; its world size set to ``world_size`` and its memory limit filled in."""
     if devices is None:
-        devices = Devices.detect(memory_limit=memory_limit_bytes) if detect and world_size > 1 \
-            else Devices()
+        devices = _detected(world_size) if detect and world_size > 1 else Devices()
     memory = memory_limit_bytes or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
     return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory)
+
+
+_detected_devices: dict[tuple[int, int], Devices] = {}
+
+
+def _detected(world_size: int) -> Devices:
+    """Devices.detect() of the current default process group, measured once per group so that
+    compiling the same model twice gives the same plan (collective on first use)."""
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), world_size)
+    if key not in _detected_devices:
+        _detected_devices[key] = Devices.detect()
+    return _detected_devices[key]
 
 
 def make_plan(

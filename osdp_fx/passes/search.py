@@ -349,6 +349,7 @@ def _prices(time_s: np.ndarray, cells: np.ndarray, valid: np.ndarray) -> np.ndar
     d_cells = (cells[:, None, :] - cells[:, :, None]).astype(np.float64)
     pair = valid[:, :, None] & valid[:, None, :] & (d_cells > 0) & (d_time > 0)
     slopes = d_time[pair] / d_cells[pair]
+    slopes = slopes[slopes > 0]  # a tiny time difference can underflow to 0
     if slopes.size == 0:
         return np.zeros(1)
     return np.concatenate([[0.0], np.geomspace(slopes.min(), slopes.max(), _BOUND_PRICES)])
