@@ -221,11 +221,18 @@ def _median_time_s(
             barrier()
         _synchronize(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(_BACK_TO_BACK if barrier is not None else 1):
+            fn()
         _synchronize(device)
         if i:
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start) / (_BACK_TO_BACK if barrier else 1))
     return statistics.median(times)
+
+
+_BACK_TO_BACK = 4
+"""Collectives are timed in runs of this many back-to-back calls after one barrier, as a training
+step issues them: measured on CPU gloo at world 2, a 16 KiB all-gather costs ~0.3 ms right after
+a barrier but ~1 ms per call back to back, which is what a step sees."""
 
 
 def _matmul_flops_per_s(device: Any) -> float:
