@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .api import OSDPModule, compile_osdp
+from .clip import clip_grad_norm_
 from .devices import Devices
 from .errors import OSDPError
 from .plan import Plan
 
-__all__ = ["compile_osdp", "Devices", "OSDPError", "OSDPModule", "Plan"]
+__all__ = ["compile_osdp", "clip_grad_norm_", "Devices", "OSDPError", "OSDPModule", "Plan"]
 __version__ = "0.1.0"

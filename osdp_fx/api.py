@@ -18,7 +18,8 @@ from .errors import InputError, PlanMismatchError
 from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
 from .passes.shard import make_shard, shard_parameters_pass
-from .plan import REPLICATE, Plan, resolve_plan
+from .passes.split_linear import apply_splits
+from .plan import REPLICATE, Plan, requested_splits, resolve_plan
 from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.params import _gather_full, step_context
@@ -37,6 +38,7 @@ def compile_osdp(
     memory_limit: int | str | None = None,
     optimizer: str = "adamw",
     batch_sizes: Sequence[int] | None = None,
+    split: bool = True,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -60,6 +62,8 @@ def compile_osdp(
         batch_sizes: candidate per-rank batch sizes for the search (plan=None): the plan with
             the most predicted samples per second among them is chosen, and
             ``compiled.plan.prediction.batch_size`` says which batch size to feed.
+        split: whether the search may split large linear operators into sub-linears
+            (``docs/splitting.md``); a plan that names splits is applied either way.
 
     Collective: every rank of the world must call it with the same model and plan.
     """
@@ -69,13 +73,14 @@ def compile_osdp(
     world_size, rank = _world(devices)
     captured = capture(model, inputs)
     if plan is not None:  # a bad plan fails here, before any collective
+        apply_splits(captured, requested_splits(plan))
         resolve_plan(plan, param_specs(captured), world_size=world_size, memory_limit_bytes=limit)
     devices = devices_for(devices, world_size=world_size, memory_limit_bytes=limit,
                           detect=plan is None)
-    run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
     resolved, _ = make_plan(captured, inputs, plan=plan, devices=devices,
                             memory_limit_bytes=limit, optimizer=optimizer,
-                            batch_sizes=batch_sizes, agree=_from_rank0)
+                            batch_sizes=batch_sizes, split=split, agree=_from_rank0)
+    run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
     _check_ranks_agree(resolved)
     _broadcast_from_rank0(captured.gm)
     gm = run_passes(captured.gm, [
@@ -153,6 +158,8 @@ class OSDPModule(nn.Module):
         self._captured_by = captured.method
         self._state_keys = captured.state_keys
         self._alias_to_name = captured.alias_to_name
+        self._splits = dict(captured.splits)
+        self._groups = list(dict.fromkeys(captured.alias_to_name.values()))
         replicated = [
             gm.get_parameter(p.name) for p in plan.params
             if p.strategy == REPLICATE and not p.note
@@ -189,6 +196,10 @@ class OSDPModule(nn.Module):
 
     # ---- state --------------------------------------------------------------------------
     def _full(self, name: str, *, grad: bool = False) -> torch.Tensor | None:
+        split = self._splits.get(name)
+        if split is not None:  # a split parameter: its parts, concatenated back
+            parts = [self._full(part, grad=grad) for part in split.parts]
+            return None if any(p is None for p in parts) else torch.cat(parts, split.dim)
         entry = self._plan[name]
         local = self._gm.get_parameter(name)
         if grad:
@@ -219,7 +230,7 @@ class OSDPModule(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Full averaged gradients by canonical parameter name (collective; for inspection)."""
-        return {p.name: self._full(p.name, grad=True) for p in self._plan.params}
+        return {name: self._full(name, grad=True) for name in self._groups}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full tensors (keys of the original ``model.state_dict()``) into this rank's shards."""
@@ -232,7 +243,7 @@ class OSDPModule(nn.Module):
                 "full_state_dict() or the original model's state_dict()"
             )
         expected = {
-            key: self._plan[self._alias_to_name[key]].shape if key in self._alias_to_name
+            key: self._shape(self._alias_to_name[key]) if key in self._alias_to_name
             else tuple(self._gm.get_buffer(key).shape)
             for key in self._state_keys
         }
@@ -253,8 +264,20 @@ class OSDPModule(nn.Module):
                     continue
                 if key != canon:
                     continue
-                full = state_dict[key]
-                local = self._gm.get_parameter(canon)
-                if self._plan[canon].strategy != REPLICATE:
-                    full = make_shard(full.to(local.dtype), world_size=world, rank=rank)
-                local.copy_(full)
+                split = self._splits.get(canon)
+                pieces = (zip(split.parts, state_dict[key].split(split.sizes, split.dim))
+                          if split is not None else [(canon, state_dict[key])])
+                for name, full in pieces:
+                    local = self._gm.get_parameter(name)
+                    if self._plan[name].strategy != REPLICATE:
+                        full = make_shard(full.to(local.dtype), world_size=world, rank=rank)
+                    local.copy_(full)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """Full shape of a parameter group, or of a split parameter before splitting."""
+        split = self._splits.get(name)
+        if split is None:
+            return self._plan[name].shape
+        shape = list(self._plan[split.parts[0]].shape)
+        shape[split.dim] = sum(split.sizes)
+        return tuple(shape)

@@ -83,6 +83,9 @@ class Captured:
     """Keys of ``model.state_dict()``, in order."""
     alias_to_name: dict[str, str]
     """Every parameter name (canonical or alias) to its canonical name."""
+    splits: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Parameters split into parts (``passes.split_linear.SplitSpec`` by original name); their
+    parts replace them in ``params``."""
 
 
 class _ParamTracer(fx.Tracer):

@@ -134,6 +134,9 @@ class Plan:
     """How the plan was made: a strategy name, 'file:<path>', 'search', or 'user'."""
     prediction: Prediction | None = None
     """Predicted step time and peak memory per rank (None when the model was not profiled)."""
+    splits: tuple[tuple[str, int], ...] = ()
+    """Linear weights split into parts, as (weight name, number of parts); the parts
+    (``<weight>_part<i>``, and the bias's) are parameter groups of their own in ``params``."""
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -184,6 +187,7 @@ class Plan:
             "version": PLAN_VERSION,
             "world_size": self.world_size,
             "memory_limit_bytes": self.memory_limit_bytes,
+            **({"splits": dict(self.splits)} if self.splits else {}),
             "params": {
                 p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
                          **({"aliases": list(p.aliases)} if p.aliases else {}),
@@ -234,9 +238,10 @@ class Plan:
         if predicted:
             head += ["compute ms", "comm ms"]
         counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
+        split = "; split: " + ", ".join(f"{n} in {k}" for n, k in self.splits) if self.splits else ""
         lines = [
             f"Plan for world size {self.world_size} ({counts}; source: {self.source or 'user'}; "
-            f"hash {self.hash()})",
+            f"hash {self.hash()}{split})",
             tabulate(rows, headers=head, disable_numparse=True),
             f"parameters per rank: {format_bytes(self.persistent_param_bytes())}"
             + (f"; memory limit {format_bytes(self.memory_limit_bytes)}"
@@ -335,6 +340,7 @@ def build_plan(
     world_size: int,
     memory_limit_bytes: int | None = None,
     source: str = "",
+    splits: Mapping[str, int] | None = None,
 ) -> Plan:
     """A Plan giving each parameter group its requested strategy (keyed by canonical name).
 
@@ -351,7 +357,8 @@ def build_plan(
             element_size=s.element_size, aliases=s.aliases, note=note,
         ))
     return Plan(params=tuple(entries), world_size=world_size,
-                memory_limit_bytes=memory_limit_bytes, source=source)
+                memory_limit_bytes=memory_limit_bytes, source=source,
+                splits=tuple(sorted((splits or {}).items())))
 
 
 def resolve_plan(
@@ -373,7 +380,8 @@ def resolve_plan(
                 f"{world_size} ranks; make a plan for {world_size} ranks"
             )
         return build_plan(requested, specs, world_size=world_size,
-                          memory_limit_bytes=memory_limit_bytes, source=spec.source or "user")
+                          memory_limit_bytes=memory_limit_bytes, source=spec.source or "user",
+                          splits=dict(spec.splits))
     if isinstance(spec, str) and spec in STRATEGIES:
         return build_plan({s.name: spec for s in specs}, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=spec)
@@ -400,11 +408,32 @@ def resolve_plan(
             shapes={s.name: s.shape for s in specs},
         )
         return build_plan(requested, specs, world_size=world_size,
-                          memory_limit_bytes=memory_limit_bytes, source=f"file:{path}")
+                          memory_limit_bytes=memory_limit_bytes, source=f"file:{path}",
+                          splits=requested_splits(spec))
     raise PlanError(
         f"plan must be a strategy name ({', '.join(STRATEGIES)}), a Plan, or a path to a JSON "
         f"plan file; got {type(spec).__name__}"
     )
+
+
+def requested_splits(spec: str | os.PathLike[str] | Plan | None) -> dict[str, int]:
+    """The linear splits a plan argument asks for (weight name -> parts); none for a strategy
+    name or None."""
+    if isinstance(spec, Plan):
+        return dict(spec.splits)
+    if spec is None or (isinstance(spec, str) and spec in STRATEGIES):
+        return {}
+    if not isinstance(spec, (str, os.PathLike)):
+        return {}
+    path = os.fspath(spec)
+    if not path.endswith(".json") and not os.path.exists(path):
+        return {}
+    splits = load_plan_dict(path).get("splits", {})
+    if not isinstance(splits, Mapping) or not all(
+            isinstance(k, int) and not isinstance(k, bool) for k in splits.values()):
+        raise PlanError(f"plan file {path!r}: \"splits\" must map linear weight names to a "
+                        'number of parts, e.g. {"fc.weight": 4}')
+    return dict(splits)
 
 
 def _requested_from_mapping(

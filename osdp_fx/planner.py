@@ -27,6 +27,7 @@ from .capture import Captured, unchanged_state
 from .cost_models.step import group_cost, predict_step_time, regathered_params
 from .cost_models.timeline import (
     BATCH,
+    FULL_SHARD,
     REPLICATE,
     GraphFacts,
     ParamState,
@@ -37,7 +38,16 @@ from .devices import DEFAULT_CPU_MEMORY_BYTES, Devices
 from .errors import InputError, PlanError
 from .passes.profile import profile_graph_pass
 from .passes.search import solve_min_time
-from .plan import STRATEGIES, ParamSpec, Plan, Prediction, build_plan, resolve_plan
+from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
+from .plan import (
+    STRATEGIES,
+    ParamSpec,
+    Plan,
+    Prediction,
+    build_plan,
+    requested_splits,
+    resolve_plan,
+)
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -109,21 +119,32 @@ def make_plan(
     optimizer: str,
     fake: bool = False,
     batch_sizes: Sequence[int] | None = None,
+    split: bool = True,
     agree: Callable[[Any], Any] = lambda choice: choice,
 ) -> tuple[Plan, Analysis]:
     """Profile the model and return the plan in force with its predictions.
 
-    ``plan`` None runs the search under ``devices.memory_bytes`` (jointly over the per-rank
-    ``batch_sizes`` when given); ``agree`` makes every rank use the same searched choice
-    (compile_osdp passes a broadcast from rank 0).
+    ``plan`` None runs the search under ``devices.memory_bytes``: first which linears to split
+    into how many parts (``split``), then a strategy per parameter group, jointly over the
+    per-rank ``batch_sizes`` when given. A plan that names splits is applied to the graph first.
+    ``agree`` makes every rank use the same searched choice (compile_osdp passes a broadcast
+    from rank 0). The captured graph is split in place.
     """
     check_optimizer(optimizer)
-    specs = param_specs(captured)
+    splits = requested_splits(plan)
+    apply_splits(captured, splits)
     analysis = analyze(captured, example_inputs, fake=fake)
     batch = None
     if plan is None:
         assert devices.memory_bytes is not None, "devices_for fills the memory limit"
         limit = devices.memory_bytes
+        if split and devices.world_size > 1:
+            splits = agree(choose_splits(analysis, devices=devices, memory_limit_bytes=limit,
+                                         optimizer=optimizer))
+            if splits:
+                apply_splits(captured, splits)
+                analysis = analyze(captured, example_inputs, fake=fake)
+        specs = param_specs(captured)
         if batch_sizes:
             batch, strategies = agree(search_batch_size(
                 analysis, batch_sizes, devices=devices, memory_limit_bytes=limit,
@@ -132,9 +153,9 @@ def make_plan(
             strategies = agree(search_strategies(analysis, devices=devices,
                                                  memory_limit_bytes=limit, optimizer=optimizer))
         resolved = build_plan(strategies, specs, world_size=devices.world_size,
-                              memory_limit_bytes=limit, source="search")
+                              memory_limit_bytes=limit, source="search", splits=splits)
     else:
-        resolved = resolve_plan(plan, specs, world_size=devices.world_size,
+        resolved = resolve_plan(plan, param_specs(captured), world_size=devices.world_size,
                                 memory_limit_bytes=memory_limit_bytes)
     plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch)
     return plan_out, analysis
@@ -186,6 +207,66 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
         for p in plan.params
     )
     return dataclasses.replace(plan, params=params, prediction=prediction)
+
+
+def choose_splits(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str
+) -> dict[str, int]:
+    """Which linear weights to split into how many parts (k in 2, 4, 8).
+
+    Every splittable weight gets the options k = 1 (its three strategies) and, for each k, "j of
+    the k parts full_shard, the others replicated" (j = 0..k): j sets the memory between
+    replicate and full_shard, k the transient memory (one part's gathered weight at a time)
+    against the latency of k collectives. Other groups keep their strategies as options. The
+    same exact solver as the strategy search picks one option per group; the strategies of the
+    parts are then searched again on the split graph.
+    """
+    names = list(analysis.captured.params)
+    sites = linear_sites(analysis.captured.gm)
+    regathered = regathered_params(analysis.facts)
+    times, persistent, transient, labels = [], [], [], []
+    for n in names:
+        info = analysis.captured.params[n]
+        strategies = list(STRATEGIES) if info.trainable else [REPLICATE]
+        costs = [group_cost(_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
+                            devices=devices, optimizer=optimizer) for st in strategies]
+        options = [(1, c.comm_s + c.optim_s, c.persistent_bytes, c.transient_bytes)
+                   for c in costs]
+        site = sites.get(n)
+        if site is not None and info.trainable:
+            for k in SPLIT_FACTORS:
+                if k > site.out_features:
+                    break
+                part = dataclasses.replace(_state(analysis, n, REPLICATE), numel=info.numel // k)
+                rep, full = (group_cost(dataclasses.replace(part, strategy=st),
+                                        regathered=n in regathered, compute_s=0.0,
+                                        devices=devices, optimizer=optimizer)
+                             for st in (REPLICATE, FULL_SHARD))
+                for j in range(k + 1):
+                    options.append((
+                        k, j * (full.comm_s + full.optim_s) + (k - j) * (rep.comm_s + rep.optim_s),
+                        j * full.persistent_bytes + (k - j) * rep.persistent_bytes,
+                        full.transient_bytes if j else 0))
+        labels.append([o[0] for o in options])
+        times.append([o[1] for o in options])
+        persistent.append([o[2] for o in options])
+        transient.append([o[3] for o in options])
+    lowest = {n: (STRATEGIES[-1] if analysis.captured.params[n].trainable else REPLICATE)
+              for n in names}
+    lowest_peak = predict_step_memory(
+        analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
+        optimizer=optimizer, profiled_batch=analysis.batch_size).peak_bytes
+    fs = [group_cost(_state(analysis, n, lowest[n]), regathered=n in regathered, compute_s=0.0,
+                     devices=devices, optimizer=optimizer) for n in names]
+    base = max(0, lowest_peak - sum(c.persistent_bytes for c in fs)
+               - max((c.transient_bytes for c in fs), default=0))
+    try:
+        result = solve_min_time(times, persistent, transient, limit_bytes=memory_limit_bytes,
+                                base_bytes=base, names=names)
+    except PlanError:
+        return {}  # the strategy search reports what does not fit
+    chosen = {n: labels[i][j] for i, (n, j) in enumerate(zip(names, result.choices))}
+    return {n: k for n, k in chosen.items() if k > 1}
 
 
 def search_batch_size(
