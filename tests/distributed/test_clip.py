@@ -1,0 +1,103 @@
+"""clip_grad_norm_ on real gloo worlds equals torch's clipping in one process on the full batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness import clip_cases as cc
+from osdp_fx import clip_grad_norm_, compile_osdp
+from osdp_fx.errors import InputError
+
+INF = math.inf
+MAX_NORM = {2.0: 0.1, INF: 0.02}  # below every step's norm (asserted), so clipping happens
+PLANS = ["replicate", "full_shard", "shard_grad_op", "mixed"]
+
+
+def check_against_reference(results, model, world_size, norm_type):
+    max_norm = MAX_NORM[norm_type]
+    ref = cc.reference_train_clipped(model, world=world_size, max_norm=max_norm,
+                                     norm_type=norm_type)
+    assert (ref["norms"] > max_norm).all(), "max_norm too large: nothing was clipped"
+
+    for r in results:  # the same norm on every rank, equal to torch's
+        torch.testing.assert_close(r["norms"], results[0]["norms"], rtol=0, atol=0)
+    torch.testing.assert_close(results[0]["norms"], ref["norms"], rtol=1e-6, atol=1e-7)
+
+    got = results[0]
+    for step, (grads, expected) in enumerate(zip(got["grads"], ref["grads"])):
+        for name, g in grads.items():  # canonical names; tied weights appear once
+            want = expected[name]
+            if want is None:
+                assert g is None, f"step {step}: {name} has a gradient but is frozen"
+                continue
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-6, msg=f"step {step}: {name}")
+        clipped = torch.linalg.vector_norm(
+            torch.cat([g.reshape(-1) for g in grads.values() if g is not None]), norm_type)
+        assert clipped <= max_norm * (1 + 1e-5)
+    assert list(got["state"]) == list(ref["state"])
+    for key, want in ref["state"].items():
+        torch.testing.assert_close(got["state"][key], want, rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_clipped_training_matches_single_process(worlds, tmp_path, plan, model, world_size,
+                                                 norm_type):
+    plan_arg = cc.write_mixed_plan(model, str(tmp_path / "mixed.json")) if plan == "mixed" else plan
+    results = worlds(world_size).run(cc.train_clipped, model=model, plan=plan_arg,
+                                     max_norm=MAX_NORM[norm_type], norm_type=norm_type)
+    expected = ["full_shard", "replicate", "shard_grad_op"] if plan == "mixed" else [plan]
+    assert results[0]["strategies"] == expected
+    check_against_reference(results, model, world_size, norm_type)
+
+
+@pytest.mark.parametrize("plan", ["full_shard", "mixed"])
+def test_frozen_parameters_are_skipped(worlds, tmp_path, plan):
+    plan_arg = (cc.write_mixed_plan("mlp_frozen", str(tmp_path / "mixed.json"))
+                if plan == "mixed" else plan)
+    results = worlds(2).run(cc.train_clipped, model="mlp_frozen", plan=plan_arg,
+                            max_norm=MAX_NORM[2.0], norm_type=2.0)
+    assert results[0]["grads"][0]["layers.0.weight"] is None
+    check_against_reference(results, "mlp_frozen", 2, 2.0)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
+@pytest.mark.parametrize("plan", ["full_shard", "replicate"])
+def test_nonfinite_gradient_on_one_rank(worlds, plan, norm_type):
+    results = worlds(2).run(cc.nonfinite, plan=plan, norm_type=norm_type)
+    for r in results:  # every rank raised, and every rank saw nan without the flag
+        assert "non-finite" in r["error"] and "error_if_nonfinite=False" in r["error"]
+        assert "unexpected" not in r
+        assert torch.isnan(r["norm"])
+
+
+def test_one_process_and_input_errors():
+    """World size 1 (no process group): the same as torch; bad arguments raise InputError."""
+    net, loss_fn = cc.build("gpt")
+    ref, _ = cc.build("gpt")
+    (batch,) = cc.batches("gpt", global_batch=2, steps=1)
+    compiled = compile_osdp(net, batch[:1], plan="full_shard")
+    loss_fn(compiled(*batch[:1]), batch).backward()
+    loss_fn(ref(*batch[:1]), batch).backward()
+    norm = clip_grad_norm_(compiled, 0.1, "inf")
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, INF))
+    full = compiled.full_grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.grad, rtol=0, atol=1e-7)
+
+    with pytest.raises(InputError, match="module returned by compile_osdp.*got TinyGPT.*"
+                                         "torch.nn.utils.clip_grad_norm_"):
+        clip_grad_norm_(ref, 1.0)
+    with pytest.raises(InputError, match="got list"):
+        clip_grad_norm_(list(ref.parameters()), 1.0)
+    with pytest.raises(InputError, match="norm_type must be a positive number or inf"):
+        clip_grad_norm_(compiled, 1.0, 0)
+    with pytest.raises(InputError, match="max_norm must be a number"):
+        clip_grad_norm_(compiled, "big")
+    with pytest.raises(InputError, match="max_norm must be >= 0"):
+        clip_grad_norm_(compiled, -1.0)
