@@ -76,10 +76,11 @@ def train_clipped(rank: int, world: int, *, model: str, plan: Any, max_norm: flo
         grads.append(compiled.full_grads())  # collective: every rank gathers
         opt.step()
         opt.zero_grad(set_to_none=True)
+    state = compiled.full_state_dict()  # collective
     return {
         "norms": torch.stack(norms),
-        "grads": grads if rank == 0 else None,
-        "state": compiled.full_state_dict() if rank == 0 else None,
+        "grads": grads if rank == 0 else None,  # the same on every rank: ship one copy
+        "state": state if rank == 0 else None,
         "strategies": sorted({p.strategy for p in compiled.plan.params}),
     }
 

@@ -64,11 +64,13 @@ def loss_of(spec: dict[str, Any], out: torch.Tensor, target: torch.Tensor) -> to
 
 
 def write_plan(path: str | os.PathLike[str], params: dict[str, str],
-               default: str | None = None) -> str:
+               default: str | None = None, splits: dict[str, int] | None = None) -> str:
     """Write a version-1 JSON plan file and return its path."""
     data: dict[str, Any] = {"format": "osdp-fx-plan", "version": 1, "params": params}
     if default is not None:
         data["default"] = default
+    if splits:
+        data["splits"] = splits
     with open(path, "w") as f:
         json.dump(data, f)
     return os.fspath(path)

@@ -98,8 +98,9 @@ def reference(spec: dict[str, Any], world: int) -> tuple[list[torch.Tensor], dic
 
 def check_equivalence(worlds: Any, plan_dir: Any, world_size: int,
                       case: tuple[dict[str, Any], tuple[Any, ...]]) -> None:
-    spec, (params, default, expected) = case
-    plan = pc.write_plan(plan_dir / f"plan{next(_plan_ids)}.json", params, default)
+    spec, (params, default, expected, *splits) = case
+    plan = pc.write_plan(plan_dir / f"plan{next(_plan_ids)}.json", params, default,
+                         splits[0] if splits else None)
     if world_size == 1:
         results = [pc.equivalence(0, 1, spec=spec, plan=plan)]
     else:
