@@ -31,3 +31,11 @@ def test_code_shows_the_sub_linears_and_their_collectives(split_memory):
         assert f"big_weight_part{i}" in code
     assert code.count("all_gather_param") >= 4 + 4  # 4 parts plus inp/out weights and biases
     assert "torch.cat" in code
+
+
+def test_search_splits_the_dominant_linear_when_memory_requires(worlds):
+    for r in worlds(2).run(split_cases.searched_split):
+        plan = r["plan"]
+        assert r["unsplit_peak"] > r["limit"]
+        assert dict(plan.splits).get("big.weight", 1) > 1, plan
+        assert plan.peak_memory_bytes <= r["limit"]

@@ -1,7 +1,7 @@
 """Fault injection: a 2-rank gloo world in which rank 1 fails in the middle of a training step.
 
 The persistent test worlds (``harness.world``) cannot be used: a fault breaks the world, and a
-rank must be able to die. :func:`run_fault` spawns its own two processes, with a short process
+rank must be able to die. :func:`run_faults` spawns its own processes (two per fault), with a short process
 group timeout, and reports what the surviving rank 0 saw and when.
 
 Faults (all injected on rank 1 after the forward of step 2, before its backward: rank 0 goes on
@@ -64,7 +64,7 @@ def fault_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
         for step, batch in enumerate(data):
             loss = loss_fn(compiled(*batch[:1]), batch)
             if step == 1 and rank == 1:
-                _write(os.path.join(out_dir, "fault_at"), {"time": time.time()})
+                _write(os.path.join(out_dir, "fault_at.json"), {"time": time.time()})
                 if fault == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise InjectedFault(f"injected fault on rank 1 ({fault})")
@@ -84,42 +84,54 @@ def fault_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
         os._exit(1)  # as an uncaught exception would end a script
 
 
-def run_fault(fault: str, *, timeout_s: float, bound_s: float,
-              plan: str = "full_shard") -> dict[str, Any]:
-    """Run a 2-rank world with ``fault`` on rank 1; return rank 0's and rank 1's reports.
+def run_faults(faults: tuple[str, ...], *, timeout_s: float, bound_s: float,
+               plan: str = "full_shard") -> dict[str, dict[str, Any]]:
+    """Run one 2-rank world per fault, all at once; return what each world's ranks reported.
 
-    ``bound_s`` is a hang guard: if rank 0 has not reported by then, every process is killed and
-    the result says ``hung``.
+    Per fault: ``hung`` (rank 0 had not reported after ``bound_s``, a hang guard: every process
+    is then killed), ``elapsed_s`` (start to rank 0's report), ``detect_s`` (rank 1's fault to
+    rank 0's error), the exit codes, and the reports ``rank0``, ``rank1`` (type, error, ...).
     """
-    assert fault in FAULTS, fault
+    assert all(f in FAULTS for f in faults), faults
     ctx = mp.get_context("spawn")
-    out_dir = tempfile.mkdtemp(prefix="osdp-fault-")
-    port = free_port()
-    procs = [ctx.Process(target=fault_worker, args=(r, 2, port, out_dir, timeout_s, fault, plan),
-                         daemon=True) for r in range(2)]
+    dirs = {f: tempfile.mkdtemp(prefix=f"osdp-fault-{f}-") for f in faults}
+    ports = {f: free_port() for f in faults}
+    procs = {f: [ctx.Process(target=fault_worker,
+                             args=(r, 2, ports[f], dirs[f], timeout_s, f, plan), daemon=True)
+                 for r in range(2)] for f in faults}
     start = time.monotonic()
+    done: dict[str, float] = {}
     try:
-        for p in procs:
-            p.start()
-        rank0 = os.path.join(out_dir, "rank0.json")
-        while not os.path.exists(rank0) and time.monotonic() - start < bound_s:
-            if not procs[0].is_alive() and not os.path.exists(rank0):
-                break
+        for f in faults:
+            for p in procs[f]:
+                p.start()
+        while len(done) < len(faults) and time.monotonic() - start < bound_s:
+            for f in faults:
+                if f not in done and (os.path.exists(os.path.join(dirs[f], "rank0.json"))
+                                      or not procs[f][0].is_alive()):
+                    done[f] = time.monotonic() - start
             time.sleep(0.05)
-        elapsed = time.monotonic() - start
-        procs[0].join(timeout=5)  # does the survivor exit by itself after its error?
-        exit0 = procs[0].exitcode
-        reports = {}
-        for name in ("rank0", "rank1", "fault_at"):
-            path = os.path.join(out_dir, f"{name}.json" if name != "fault_at" else name)
-            if os.path.exists(path):
-                with open(path) as f:
-                    reports[name] = json.load(f)
-        return {"hung": not os.path.exists(rank0), "elapsed_s": elapsed, "rank0_exitcode": exit0,
-                "rank1_exitcode": procs[1].exitcode, **reports}
+        out: dict[str, dict[str, Any]] = {}
+        for f in faults:
+            procs[f][0].join(timeout=5)  # does the survivor exit by itself after its error?
+            result: dict[str, Any] = {
+                "elapsed_s": done.get(f, time.monotonic() - start),
+                "rank0_exitcode": procs[f][0].exitcode, "rank1_exitcode": procs[f][1].exitcode,
+            }
+            for name in ("rank0", "rank1", "fault_at"):
+                path = os.path.join(dirs[f], f"{name}.json")
+                if os.path.exists(path):
+                    with open(path) as fh:
+                        result[name] = json.load(fh)
+            result["hung"] = "rank0" not in result
+            if "fault_at" in result and "error_at" in result.get("rank0", {}):
+                result["detect_s"] = result["rank0"]["error_at"] - result["fault_at"]["time"]
+            out[f] = result
+        return out
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-        shutil.rmtree(out_dir, ignore_errors=True)
+        for f in faults:
+            for p in procs[f]:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5)
+            shutil.rmtree(dirs[f], ignore_errors=True)

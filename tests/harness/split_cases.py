@@ -54,3 +54,18 @@ def split_memory(rank: int, world: int, *, plan_dir: str, width: int = 4096) -> 
                       "code": compiled.code if rank == 0 else ""}
         del compiled, opt, params
     return out
+
+
+def searched_split(rank: int, world: int, *, width: int = 2048) -> dict[str, Any]:
+    """Search under a limit the unsplit full_shard plan misses by half a gathered weight."""
+    gen = torch.Generator().manual_seed(rank)
+    batch = (torch.randn(8, 64, generator=gen), torch.randn(8, 8, generator=gen))
+    torch.manual_seed(0)
+    unsplit = compile_osdp(Dominant(width), batch, plan="full_shard", optimizer="sgd").plan
+    limit = unsplit.peak_memory_bytes - width * width * 4 // 2
+    torch.manual_seed(0)
+    compiled = compile_osdp(Dominant(width), batch, memory_limit=limit, optimizer="sgd")
+    loss = compiled(*batch)
+    loss.backward()
+    return {"limit": limit, "unsplit_peak": unsplit.peak_memory_bytes, "plan": compiled.plan,
+            "loss": loss.item()}
