@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 
-def _demo_rank(rank: int, world_size: int, steps: int, plan: str | None) -> dict[str, Any]:
+def _demo_rank(rank: int, world_size: int, steps: int, plan: str | None,
+               memory_limit: str) -> dict[str, Any]:
     from . import compile_osdp
     from .examples import TinyGPT, lm_loss
 
@@ -20,16 +21,14 @@ def _demo_rank(rank: int, world_size: int, steps: int, plan: str | None) -> dict
     model = TinyGPT(vocab=512, dim=128, depth=4, heads=4, max_seq=64)
     local_batch, seq = 4, 32
     gen = torch.Generator().manual_seed(1)
-    # Learnable data: each sequence counts up from a random start (mod the vocabulary).
-    batches = [
-        (torch.randint(0, 512, (world_size * local_batch, 1), generator=gen)
-         + torch.arange(seq)) % 512
-        for _ in range(steps)
-    ]
-    mine = [b[rank * local_batch:(rank + 1) * local_batch] for b in batches]
-    compiled = compile_osdp(model, (mine[0],), plan=plan)
+    # Learnable data: each sequence counts up from a random start (mod the vocabulary); the
+    # same batch every step, so the loss visibly falls in a few steps.
+    batch = (torch.randint(0, 512, (world_size * local_batch, 1), generator=gen)
+             + torch.arange(seq)) % 512
+    mine = [batch[rank * local_batch:(rank + 1) * local_batch]] * steps
+    compiled = compile_osdp(model, (mine[0],), plan=plan, memory_limit=memory_limit)
     del model
-    opt = torch.optim.AdamW(compiled.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(compiled.parameters(), lr=4e-3)
     losses = []
     for x in mine:
         loss = lm_loss(compiled(x), x)
@@ -49,7 +48,7 @@ def demo(args: argparse.Namespace) -> int:
 
     print(f"osdp-fx demo: a {args.world_size}-rank gloo world on the CPU trains a GPT-style "
           f"model (tied embeddings) for {args.steps} steps", flush=True)
-    results = run_world(args.world_size, _demo_rank, args.steps, args.plan)
+    results = run_world(args.world_size, _demo_rank, args.steps, args.plan, args.memory)
     first = results[0]
     print("\n== plan ==\n" + first["plan"])
     print("\n== rewritten graph (rank 0) ==" + first["code"])
@@ -213,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--world-size", type=int, default=2)
     p_demo.add_argument("--steps", type=int, default=5)
     p_demo.add_argument("--plan", default=None,
-                        help="replicate, full_shard, shard_grad_op or a plan JSON file")
+                        help="replicate, full_shard, shard_grad_op or a plan JSON file "
+                             "(default: searched under --memory)")
+    p_demo.add_argument("--memory", default="12MiB",
+                        help="memory limit per rank for the searched plan")
     p_demo.set_defaults(func=demo)
 
     p_plan = sub.add_parser("plan", help="plan a model offline for hardware you describe")
