@@ -15,7 +15,9 @@ makes them when k does not divide the out-features.
 Patterns (the weight is a parameter read by this operator only, the bias too):
 
 * ``F.linear(x, W, b)`` / ``aten.linear(x, W, b)``: W is (out, in), split along dim 0;
-* ``aten.addmm(b, x, W)`` (Hugging Face ``Conv1D``): W is (in, out), split along dim 1.
+* ``aten.addmm(b, x, W)`` (Hugging Face ``Conv1D``): W is (in, out), split along dim 1;
+* ``x @ W`` / ``torch.matmul`` / ``aten.matmul`` / ``aten.mm`` with a 2-D parameter W (in, out):
+  split along dim 1.
 
 Tied parameters (read by more than one operator, e.g. an embedding shared with the LM head) are
 never split: one decision per tied group, and splitting one user would not split the others.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 _ADDMM = (torch.ops.aten.addmm.default, torch.addmm)
+_MATMULS = (torch.matmul, operator.matmul, torch.ops.aten.matmul.default, torch.ops.aten.mm.default)
 SPLIT_FACTORS = (2, 4, 8)
 
 
@@ -97,6 +101,8 @@ def linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
             weight_node, bias_node, dim = node.args[1], node.args[2] if len(node.args) > 2 else None, 0
         elif node.target in _ADDMM and len(node.args) == 3 and not node.kwargs:
             weight_node, bias_node, dim = node.args[2], node.args[0], 1
+        elif node.target in _MATMULS and len(node.args) == 2 and not node.kwargs:
+            weight_node, bias_node, dim = node.args[1], None, 1
         else:
             continue
         if weight_node not in params or len(weight_node.users) != 1:
@@ -169,7 +175,12 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
                 if site.bias is not None:
                     b = graph.get_attr(part_params[site.bias][i])
                     set_osdp_meta(b, role="param", param=part_params[site.bias][i])
-                args = (node.args[0], w, b) if node.target in _LINEARS else (b, node.args[1], w)
+                if node.target in _LINEARS:
+                    args = (node.args[0], w, b)
+                elif node.target in _ADDMM:
+                    args = (b, node.args[1], w)
+                else:
+                    args = (node.args[0], w)
                 part = graph.call_function(node.target, args)
                 part.meta.update({k: v for k, v in node.meta.items()
                                   if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})

@@ -93,7 +93,11 @@ def run_faults(faults: tuple[str, ...], *, timeout_s: float, bound_s: float,
     rank 0's error), the exit codes, and the reports ``rank0``, ``rank1`` (type, error, ...).
     """
     assert all(f in FAULTS for f in faults), faults
-    ctx = mp.get_context("spawn")
+    # forkserver: one process imports torch and osdp_fx, every rank is a fork of it (spawning six
+    # fresh interpreters costs ~30 s on a busy 2-core machine). The server never runs torch ops
+    # or joins a process group, so forking it is safe.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     dirs = {f: tempfile.mkdtemp(prefix=f"osdp-fault-{f}-") for f in faults}
     ports = {f: free_port() for f in faults}
     procs = {f: [ctx.Process(target=fault_worker,

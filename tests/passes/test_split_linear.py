@@ -1,0 +1,98 @@
+"""Unit tests of the split_linear pass (osdp_fx/passes/split_linear.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from osdp_fx import compile_osdp
+from osdp_fx.capture import capture
+from osdp_fx.errors import PlanError
+from osdp_fx.examples import MLP, TinyGPT
+from osdp_fx.passes.split_linear import apply_splits, linear_sites
+
+
+def count(gm, name):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
+
+
+class MatmulModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).relu()
+
+
+def test_split_mlp_node_counts_and_outputs():
+    torch.manual_seed(0)
+    model, x = MLP((6, 10, 3)), torch.randn(4, 6)
+    captured = capture(copy.deepcopy(model), (x,))
+    before = count(captured.gm, "linear")
+    specs = apply_splits(captured, {"layers.0.weight": 4})
+    assert count(captured.gm, "linear") == before - 1 + 4
+    assert count(captured.gm, "cat") == 1
+    assert [s.sizes for s in specs] == [(3, 3, 2, 2), (3, 3, 2, 2)]  # weight and bias, uneven
+    assert "layers.0.weight" not in dict(captured.gm.named_parameters())
+    assert {f"layers.0.weight_part{i}" for i in range(4)} <= set(captured.params)
+    torch.testing.assert_close(captured.gm(x), model(x), rtol=0, atol=0)
+
+
+def test_matmul_with_a_parameter_splits_along_its_columns():
+    torch.manual_seed(0)
+    model, x = MatmulModel(), torch.randn(3, 6)
+    captured = capture(copy.deepcopy(model), (x,))
+    assert list(linear_sites(captured.gm)) == ["w"]
+    apply_splits(captured, {"w": 3})
+    assert [tuple(captured.gm.get_parameter(f"w_part{i}").shape) for i in range(3)] == [(6, 4), (6, 3), (6, 3)]
+    torch.testing.assert_close(captured.gm(x), model(x), rtol=0, atol=1e-6)
+
+
+def test_hf_conv1d_addmm_splits():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=67,
+                                       n_positions=16, use_cache=False, bos_token_id=0,
+                                       eos_token_id=0)).eval()
+    ids = torch.randint(0, 67, (2, 8))
+    captured = capture(copy.deepcopy(model), (ids,))
+    apply_splits(captured, {"transformer.h.0.mlp.c_fc.weight": 3})
+    assert count(captured.gm, "addmm") == 4 - 1 + 3
+    torch.testing.assert_close(captured.gm(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_tied_weights_are_not_split():
+    model, x = TinyGPT(vocab=20, dim=8, depth=1, heads=2, max_seq=8), torch.randint(0, 20, (2, 8))
+    captured = capture(model, (x,))
+    assert "tok.weight" not in linear_sites(captured.gm)
+    with pytest.raises(PlanError, match="cannot split 'tok.weight'"):
+        apply_splits(captured, {"tok.weight": 2})
+
+
+def test_split_factor_larger_than_out_features_is_an_error():
+    captured = capture(MLP((6, 10, 3)), (torch.randn(2, 6),))
+    with pytest.raises(PlanError, match="into 4 parts: it has 3 output features"):
+        apply_splits(captured, {"layers.1.weight": 4})
+
+
+def test_checkpoints_keep_the_original_names(tmp_path):
+    torch.manual_seed(0)
+    model, x = MLP((6, 10, 3)), torch.randn(4, 6)
+    plan = tmp_path / "p.json"
+    plan.write_text('{"format": "osdp-fx-plan", "version": 1, "splits": {"layers.0.weight": 3},'
+                    ' "default": "full_shard", "params": {}}')
+    compiled = compile_osdp(copy.deepcopy(model), (x,), plan=str(plan))
+    state = compiled.full_state_dict()
+    assert list(state) == list(model.state_dict())
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+    changed = {k: v + 1 for k, v in state.items()}
+    compiled.load_full_state_dict(changed)
+    for key, value in compiled.full_state_dict().items():
+        torch.testing.assert_close(value, changed[key], rtol=0, atol=0)
+    assert "layers_0_weight_part2" in compiled.code
