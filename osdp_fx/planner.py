@@ -27,8 +27,6 @@ from .capture import Captured, unchanged_state
 from .cost_models.step import group_cost, predict_step_time, regathered_params
 from .cost_models.timeline import (
     BATCH,
-    FULL_SHARD,
-    REPLICATE,
     GraphFacts,
     ParamState,
     graph_facts,
@@ -40,6 +38,8 @@ from .passes.profile import profile_graph_pass
 from .passes.search import solve_min_time
 from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
 from .plan import (
+    FULL_SHARD,
+    REPLICATE,
     STRATEGIES,
     ParamSpec,
     Plan,
@@ -251,15 +251,7 @@ def choose_splits(
         times.append([o[1] for o in options])
         persistent.append([o[2] for o in options])
         transient.append([o[3] for o in options])
-    lowest = {n: (STRATEGIES[-1] if analysis.captured.params[n].trainable else REPLICATE)
-              for n in names}
-    lowest_peak = predict_step_memory(
-        analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
-        optimizer=optimizer, profiled_batch=analysis.batch_size).peak_bytes
-    fs = [group_cost(_state(analysis, n, lowest[n]), regathered=n in regathered, compute_s=0.0,
-                     devices=devices, optimizer=optimizer) for n in names]
-    base = max(0, lowest_peak - sum(c.persistent_bytes for c in fs)
-               - max((c.transient_bytes for c in fs), default=0))
+    _, base = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None)
     try:
         result = solve_min_time(times, persistent, transient, limit_bytes=memory_limit_bytes,
                                 base_bytes=base, names=names)
@@ -299,6 +291,22 @@ def search_batch_size(
     return best[1], best[2]
 
 
+def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
+                     batch_size: int | None) -> tuple[int, int]:
+    """(peak of the most sharded plan, the search's base memory): that peak minus what the
+    search itself accounts for (persistent and largest transient bytes), i.e. activations."""
+    lowest = {n: STRATEGIES[-1] if p.trainable and devices.world_size > 1 else REPLICATE
+              for n, p in analysis.captured.params.items()}
+    peak = predict_step_memory(
+        analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
+        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size).peak_bytes
+    regathered = regathered_params(analysis.facts)
+    costs = [group_cost(_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
+                        devices=devices, optimizer=optimizer) for n, st in lowest.items()]
+    return peak, max(0, peak - sum(c.persistent_bytes for c in costs)
+                     - max((c.transient_bytes for c in costs), default=0))
+
+
 def search_strategies(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
     batch_size: int | None = None,
@@ -317,15 +325,8 @@ def search_strategies(
                        devices=devices, optimizer=optimizer) for s in options[n]]
         for n in names
     }
-    # Activation memory, the base of the search: the timeline's peak under all-full_shard minus
-    # what the search itself accounts for.
-    lowest = {n: options[n][-1] for n in names}
-    lowest_peak = predict_step_memory(
-        analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
-        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size).peak_bytes
-    chosen_costs = [table[n][-1] for n in names]
-    base = max(0, lowest_peak - sum(c.persistent_bytes for c in chosen_costs)
-               - max((c.transient_bytes for c in chosen_costs), default=0))
+    lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
+                                         batch_size=batch_size)
     limit = memory_limit_bytes
     for _ in range(_MAX_TIGHTENINGS):
         result = solve_min_time(

@@ -34,7 +34,8 @@ from ..runtime.reducer import DEFAULT_BUCKET_BYTES
 from .communication import all_reduce_time_s, collective_time_s, group_link
 from .compute import node_compute_time_s
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from .timeline import BATCH, FULL_SHARD, REPLICATE, SHARD_GRAD_OP, GraphFacts, ParamState
+from ..plan import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
+from .timeline import BATCH, GraphFacts, ParamState
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
 """Bytes one optimizer step moves per fp32 element: reads and writes of the parameter, gradient

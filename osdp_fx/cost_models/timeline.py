@@ -46,13 +46,13 @@ from torch import fx
 
 from ..errors import InputError
 from ..meta import osdp_meta
+from ..plan import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
 from ..runtime.reducer import DEFAULT_BUCKET_BYTES, plan_buckets
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 
 BATCH = sympy.Symbol("b", positive=True, integer=True)
 """The per-rank batch size in ``MemoryPrediction.peak_bytes_expr``."""
 
-REPLICATE, SHARD_GRAD_OP, FULL_SHARD = "replicate", "shard_grad_op", "full_shard"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +197,7 @@ def predict_step_memory(
     each parameter group to its size and strategy; ``batch_size`` scales activations.
     """
     facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
-    nodes, pos, prof, root = facts.nodes, facts.pos, facts.profile, facts.root
+    nodes, pos, prof = facts.nodes, facts.pos, facts.profile
     n_nodes = len(nodes)
     requires_grad, members, savers = facts.requires_grad, facts.members, facts.savers
     param_of = facts.param_of

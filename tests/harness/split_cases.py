@@ -52,7 +52,6 @@ def split_memory(rank: int, world: int, *, plan_dir: str, width: int = 4096) -> 
                                            zero_grad=lambda: opt.zero_grad(set_to_none=True))
         out[label] = {"measured": measured, "predicted": compiled.plan.peak_memory_bytes,
                       "code": compiled.code if rank == 0 else ""}
-        del compiled, opt, params
     return out
 
 
