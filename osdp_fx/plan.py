@@ -60,6 +60,9 @@ class ParamPlan:
     """Predicted forward + backward time of the operators attributed to this group."""
     comm_s: float | None = None
     """Predicted time of this group's collectives per step."""
+    regathered: bool = True
+    """full_shard only: whether backward re-gathers the parameter (some operator saved it for
+    backward; known once the model is profiled)."""
 
     @property
     def numel(self) -> int:
@@ -84,6 +87,8 @@ class ParamPlan:
         if self.strategy == REPLICATE:
             return [], [("all_reduce", self.nbytes)]
         if self.strategy == SHARD_GRAD_OP:
+            return [("all_gather", full)], [("reduce_scatter", full)]
+        if not self.regathered:
             return [("all_gather", full)], [("reduce_scatter", full)]
         return [("all_gather", full)], [("all_gather", full), ("reduce_scatter", full)]
 

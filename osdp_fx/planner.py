@@ -202,8 +202,10 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
         peak_at=memory.peak_at, optimizer=optimizer, batch_size=batch,
         step_time_expr=step.step_time_expr, peak_memory_expr=memory.peak_bytes_expr,
     )
+    regathered = regathered_params(analysis.facts)
     params = tuple(
-        dataclasses.replace(p, compute_s=costs[p.name].compute_s, comm_s=costs[p.name].comm_s)
+        dataclasses.replace(p, compute_s=costs[p.name].compute_s, comm_s=costs[p.name].comm_s,
+                            regathered=p.name in regathered)
         for p in plan.params
     )
     return dataclasses.replace(plan, params=params, prediction=prediction)
