@@ -168,6 +168,7 @@ class OSDPModule(nn.Module):
 
     # ---- running ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._reducer.new_step()
         with step_context():
             return self._gm(*args, **kwargs)
 

@@ -27,7 +27,13 @@ import torch.distributed as dist
 from .api import OSDPModule
 from .errors import InputError
 from .plan import REPLICATE
-from .runtime.collectives import WORLD, all_reduce_sum_, group_rank, group_size, resolve_group
+from .runtime.collectives import (
+    WORLD,
+    all_reduce_sum_,
+    group_rank,
+    group_size,
+    resolve_group,
+)
 
 __all__ = ["clip_grad_norm_"]
 
@@ -57,12 +63,12 @@ def clip_grad_norm_(
     backward.
     """
     if not isinstance(compiled, OSDPModule):
-        hint = (" for a plain torch module use torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                "max_norm)," if isinstance(compiled, torch.nn.Module) else "")
+        hint = ("; for an uncompiled module use torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                "max_norm)" if isinstance(compiled, torch.nn.Module) else "")
         raise InputError(
             f"clip_grad_norm_ needs the module returned by compile_osdp, got "
-            f"{type(compiled).__name__};{hint} pass `compiled = compile_osdp(model, inputs)` so "
-            "the norm is taken over every rank's shards"
+            f"{type(compiled).__name__}: pass `compiled` from `compiled = compile_osdp(model, "
+            f"inputs)`, whose norm is taken over every rank's shards{hint}"
         )
     max_norm = _as_float("max_norm", max_norm)
     if max_norm < 0 or math.isnan(max_norm):
@@ -128,7 +134,8 @@ def clip_grad_norm_(
 def _as_float(what: str, value: object) -> float:
     if isinstance(value, str) and value.lower() in ("inf", "+inf", "infinity"):
         return math.inf
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+    if (isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor))
+            or (isinstance(value, torch.Tensor) and value.numel() != 1)):
         raise InputError(f"clip_grad_norm_: {what} must be a number, got {value!r}")
     return float(value)
 

@@ -50,6 +50,10 @@ class GradReducer:
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
+    def new_step(self) -> None:
+        """Forget a reduction queued by a backward that failed (autograd drops its callback)."""
+        self._queued = False
+
     def _on_grad(self, _param: torch.Tensor) -> None:
         if not self._queued:
             self._queued = True

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from harness import clip_cases as cc
+
 from osdp_fx import clip_grad_norm_, compile_osdp
 from osdp_fx.errors import InputError
 
@@ -63,6 +63,18 @@ def test_clipped_training_matches_single_process(worlds, tmp_path, plan, model, 
     expected = ["full_shard", "replicate", "shard_grad_op"] if plan == "mixed" else [plan]
     assert results[0]["strategies"] == expected
     check_against_reference(results, model, world_size, norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
+def test_split_linear_parts(worlds, tmp_path, norm_type):
+    """A plan that splits a linear: its parts (uneven, one per strategy) each count once, and
+    full_grads() concatenates them back under the original names."""
+    plan = cc.write_split_plan(str(tmp_path / "split.json"))
+    results = worlds(2).run(cc.train_clipped, model="mlp", plan=plan,
+                            max_norm=MAX_NORM[norm_type], norm_type=norm_type)
+    assert results[0]["strategies"] == ["full_shard", "replicate", "shard_grad_op"]
+    assert "layers.1.weight_part2" in results[0]["params"]
+    check_against_reference(results, "mlp", 2, norm_type)
 
 
 @pytest.mark.parametrize("plan", ["full_shard", "mixed"])

@@ -31,8 +31,8 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[Any, Batch], t
         net = MLP((13, 27, 11, 5))
         net.layers[0].requires_grad_(False)
         return net, lambda out, batch: F.mse_loss(out, batch[1])
-    if name == "gpt":  # tied tok/head 67x15, pos 13x15, qkv 45x15, ...: mostly odd
-        return (TinyGPT(vocab=67, dim=15, depth=2, heads=3, max_seq=13),
+    if name == "gpt":  # tied tok/head 67x15, pos 13x15, qkv 45x15, proj 15x15: odd sizes
+        return (TinyGPT(vocab=67, dim=15, depth=1, heads=3, max_seq=13),
                 lambda out, batch: lm_loss(out, batch[0]))
     raise ValueError(name)
 
@@ -59,6 +59,17 @@ def write_mixed_plan(name: str, path: str) -> str:
     return path
 
 
+def write_split_plan(path: str) -> str:
+    """The MLP's middle linear (11x27) split in 3 uneven parts (4, 4, 3 rows), one part per
+    strategy (docs/splitting.md): every part is a parameter of its own and counts once."""
+    parts = {f"layers.1.{kind}_part{i}": s for kind in ("weight", "bias")
+             for i, s in enumerate(["full_shard", "replicate", "shard_grad_op"])}
+    with open(path, "w") as f:
+        json.dump({"format": "osdp-fx-plan", "version": 1, "splits": {"layers.1.weight": 3},
+                   "default": "full_shard", "params": parts}, f)
+    return path
+
+
 def train_clipped(rank: int, world: int, *, model: str, plan: Any, max_norm: float,
                   norm_type: float, steps: int = 3, lr: float = 0.5, local_batch: int = 2,
                   seed: int = 0) -> dict[str, Any]:
@@ -82,6 +93,7 @@ def train_clipped(rank: int, world: int, *, model: str, plan: Any, max_norm: flo
         "grads": grads if rank == 0 else None,  # the same on every rank: ship one copy
         "state": state if rank == 0 else None,
         "strategies": sorted({p.strategy for p in compiled.plan.params}),
+        "params": [p.name for p in compiled.plan.params],
     }
 
 

@@ -27,7 +27,6 @@ import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from osdp_fx import clip_grad_norm_, compile_osdp
@@ -54,13 +53,15 @@ def fault_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
                  plan: str) -> None:
     """One rank: two SGD steps with clipping; rank 1 fails in the second (module docstring)."""
     torch.set_num_threads(1)
-    report: dict[str, Any] = {"rank": rank, "ok": False}
+    report: dict[str, Any] = {"rank": rank, "ok": False, "started": time.time()}
     try:
         init_world(rank, world, port, timeout_s=timeout_s)
+        report["joined"] = time.time()
         net, loss_fn = build("gpt")
         data = [local(b, rank, world) for b in batches("gpt", global_batch=2 * world, steps=2)]
         compiled = compile_osdp(net, data[0][:1], plan=plan)
         opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+        report["compiled"] = time.time()
         for step, batch in enumerate(data):
             loss = loss_fn(compiled(*batch[:1]), batch)
             if step == 1 and rank == 1:
@@ -93,11 +94,12 @@ def run_faults(faults: tuple[str, ...], *, timeout_s: float, bound_s: float,
     rank 0's error), the exit codes, and the reports ``rank0``, ``rank1`` (type, error, ...).
     """
     assert all(f in FAULTS for f in faults), faults
-    # forkserver: one process imports torch and osdp_fx, every rank is a fork of it (spawning six
-    # fresh interpreters costs ~30 s on a busy 2-core machine). The server never runs torch ops
-    # or joins a process group, so forking it is safe.
+    # forkserver: one process imports torch, osdp_fx and torch._dynamo (which the profiler
+    # imports on first use, ~2 s), and every rank is a fork of it: spawning six fresh
+    # interpreters costs ~30 s on a busy 2-core machine. The server only imports (no torch op,
+    # no process group), so forking it is safe.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([__name__, "torch._dynamo"])
     dirs = {f: tempfile.mkdtemp(prefix=f"osdp-fault-{f}-") for f in faults}
     ports = {f: free_port() for f in faults}
     procs = {f: [ctx.Process(target=fault_worker,
@@ -139,3 +141,29 @@ def run_faults(faults: tuple[str, ...], *, timeout_s: float, bound_s: float,
                     p.kill()
                 p.join(timeout=5)
             shutil.rmtree(dirs[f], ignore_errors=True)
+
+
+def backward_fails_then_trains(rank: int, world: int) -> dict[str, Any]:
+    """A backward that raises on every rank (caught, as an OOM-skip loop would) must not stop
+    later steps from averaging replicated gradients."""
+    from osdp_fx import compile_osdp
+    from osdp_fx.examples import MLP
+
+    torch.manual_seed(0)
+    net = MLP((6, 8, 3))
+    x = torch.randn(4, 6) + rank
+    compiled = compile_osdp(net, (x,), plan="replicate")
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    handle = compiled.get_parameter("layers.1.weight").register_hook(boom)
+    try:
+        compiled(x).sum().backward()
+    except RuntimeError:
+        pass
+    handle.remove()
+    for p in compiled.parameters():
+        p.grad = None
+    compiled(x).sum().backward()
+    return {"grad": compiled.get_parameter("layers.0.weight").grad.clone()}
