@@ -25,6 +25,8 @@ import dataclasses
 from typing import Literal, get_args
 
 from ..errors import InputError, PlanError
+from ..plan import STRATEGIES
+from ..runtime.collectives import shard_numel as runtime_shard_numel
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 Strategy = Literal["replicate", "shard_grad_op", "full_shard"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+assert get_args(Strategy) == STRATEGIES, "Strategy must list plan.STRATEGIES"
 
 OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """fp32 tensors of optimizer state per parameter, by optimizer kind."""
@@ -58,7 +60,7 @@ def _check_sizes(numel: int, world_size: int) -> None:
 def shard_numel(numel: int, world_size: int) -> int:
     """Elements of one rank's shard: ``ceil(numel / world_size)`` (the last shard is padded)."""
     _check_sizes(numel, world_size)
-    return -(-numel // world_size)
+    return runtime_shard_numel(numel, world_size)
 
 
 def optimizer_state_bytes(numel: int, *, optimizer: str) -> int:
