@@ -155,7 +155,8 @@ def collective_time_s(
     group_size: int | None = None,
     spans_nodes: bool | None = None,
 ) -> float:
-    """Predicted time of ``collective`` on ``total_bytes`` bytes over a group of ``devices``.
+    """Predicted time of ``collective`` on ``total_bytes`` bytes over a group of ``devices``,
+    scaled by the devices' measured factor for all-gather or reduce-scatter.
 
     ``group_size`` (default: the world) and ``spans_nodes`` choose intra- or inter-node figures
     as in :func:`group_link`.
@@ -166,7 +167,9 @@ def collective_time_s(
         )
     size = devices.world_size if group_size is None else group_size
     link = group_link(devices, group_size=size, spans_nodes=spans_nodes)
-    return _TIME_FUNCTIONS[collective](
+    factor = {"all_gather": devices.all_gather_time_factor,
+              "reduce_scatter": devices.reduce_scatter_time_factor}.get(collective, 1.0)
+    return factor * _TIME_FUNCTIONS[collective](
         total_bytes, size,
         bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, latency_s=link.latency_s,
     )
