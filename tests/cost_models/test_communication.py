@@ -102,3 +102,16 @@ def test_fit_stays_positive_on_noisy_data() -> None:
     falling = [CollectiveSample("all_reduce", n, 2, t) for n, t in ((4e3, 2e-3), (4e6, 1e-3))]
     link = fit_link(falling)
     assert link.latency_s > 0 and link.bandwidth_bytes_per_s > 0
+
+
+def test_measured_time_factors_scale_only_their_collective():
+    from osdp_fx.cost_models.communication import collective_time_s
+    from osdp_fx.devices import Devices
+
+    plain = Devices(world_size=4)
+    slow = Devices(world_size=4, all_gather_time_factor=2.0, reduce_scatter_time_factor=3.0)
+    n = 8 * 2**20
+    assert collective_time_s("all_gather", n, slow) == 2.0 * collective_time_s("all_gather", n, plain)
+    assert collective_time_s("reduce_scatter", n, slow) == 3.0 * collective_time_s(
+        "reduce_scatter", n, plain)
+    assert collective_time_s("all_reduce", n, slow) == collective_time_s("all_reduce", n, plain)
