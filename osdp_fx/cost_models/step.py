@@ -4,7 +4,8 @@ Per parameter group ``g`` with ``P`` bytes (``Pp`` padded to the world size ``N`
 ``s``, on one rank:
 
 * communication time ``comm_s(g, s)``: replicate: all-reduce of ``P`` (its latency shared with
-  the other gradients of its 25 MiB bucket); shard_grad_op: all-gather
+  the other gradients of its 25 MiB bucket) plus packing it into the bucket and back (4 P bytes
+  of memory traffic); shard_grad_op: all-gather
   and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
   re-gathers the parameter (some operator saved it);
 * optimizer time ``optim_s(g, s)``: memory-bound, ``bytes_per_element(optimizer) * local numel /
@@ -112,6 +113,8 @@ def group_cost(
         comm_s = all_reduce_time_s(
             full, world, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
             latency_s=link.latency_s * min(1.0, full / DEFAULT_BUCKET_BYTES))
+        # packing the gradient into its bucket and copying the average back: 2 reads, 2 writes
+        comm_s += 4 * full / devices.memory_bandwidth_bytes_per_s
     persistent, transient, optim_s = local, 0, 0.0
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
