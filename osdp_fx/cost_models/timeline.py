@@ -26,7 +26,8 @@ padded):
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
   the full gradient P until the backward of the first use in graph order, then the reduce-scatter
   (a padded copy when Pp != numel, and the Pp/N result), then the Pp/N shard gradient to the end;
-* gradient all-reduce: flat buckets of the replicated gradients, two alive at a switch;
+* gradient all-reduce: flat buckets of the replicated gradients, one at a time (each is released
+  as soon as its average is copied back);
 * optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter.
 
 Every activation-related term scales with the batch size; parameter terms do not. The prediction
@@ -282,8 +283,7 @@ def predict_step_memory(
     if world_size > 1 and replicated_grads:
         buckets = [sum(replicated_grads[i] for i in b)
                    for b in plan_buckets([(None, g) for g in replicated_grads], bucket_bytes)]
-        tl.alive(grad_sync, grad_sync, max(a + b for a, b in zip([0, *buckets], buckets)),
-                 scaled=False)
+        tl.alive(grad_sync, grad_sync, max(buckets), scaled=False)
     if OPTIMIZER_STATES[optimizer] == 2 and local_bytes:
         tl.alive(optim_t, optim_t, 2 * max(local_bytes), scaled=False)
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .collectives import all_reduce_sum_, group_size
+from .memory import note_resized
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class GradReducer:
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
+            # The collective is complete, but gloo's worker may hold the buffer for a few more
+            # milliseconds: release its memory now rather than when the last reference goes.
+            storage = flat.untyped_storage()
+            storage.resize_(0)
+            note_resized(storage)
 
     def remove(self) -> None:
         for h in self._handles:
