@@ -58,15 +58,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,14 +72,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from osdp_fx import Devices, compile_osdp  # noqa: E402
-from osdp_fx.errors import OSDPError, PlanError  # noqa: E402
+from osdp_fx.errors import PlanError  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.runtime import collectives as osdp_collectives  # noqa: E402
-from osdp_fx.runtime.launch import free_port  # noqa: E402
+from osdp_fx.runtime.launch import local_device, run_world  # noqa: E402
 from osdp_fx.runtime.memory import LiveTensorTracker, measure_step_peak_bytes  # noqa: E402
 from osdp_fx.units import format_bytes  # noqa: E402
 
@@ -106,56 +102,14 @@ class Config:
 
 # ---- the world ----------------------------------------------------------------------------
 
-def backend_and_device(rank: int) -> tuple[str, torch.device]:
-    if torch.cuda.is_available():
-        index = rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return "nccl", torch.device("cuda", index)
-    return "gloo", torch.device("cpu")
+def _on_local_device(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(rank, world, local_device(rank), *args)
 
 
-def _child(rank: int, world: int, port: int, out_dir: str, threads: int, timeout_s: float,
-           fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(threads)
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        backend, device = backend_and_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
-        result = fn(rank, world, device, *args)
-        torch.save({"ok": True, "result": result}, path)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        torch.save({"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()}, path)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def start_world(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 1800.0,
-                collective_timeout_s: float = 300.0) -> list[Any]:
-    """``fn(rank, world, device, *args)`` on ``world`` local ranks (like
-    ``osdp_fx.runtime.launch.run_world``, but NCCL on GPUs); results come back through files."""
-    threads = max(1, (os.cpu_count() or 1) // world) if not torch.cuda.is_available() else 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    with tempfile.TemporaryDirectory(prefix="osdp-compare-") as out_dir:
-        ctx = mp.start_processes(
-            _child, args=(world, free_port(), out_dir, threads, collective_timeout_s, fn, args),
-            nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise OSDPError(f"the {world}-rank world did not finish in {timeout_s:.0f} s")
-        results = []
-        for rank in range(world):
-            report = torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
-            if not report["ok"]:
-                raise OSDPError(f"rank {rank} failed: {report['error']}\n{report['traceback']}")
-            results.append(report["result"])
-        return results
+def start_world(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``fn(rank, world, device, *args)`` on ``world`` local ranks: gloo on CPU, NCCL on GPUs."""
+    return run_world(world, _on_local_device, fn, *args, timeout_s=1800.0,
+                     collective_timeout_s=300.0)
 
 
 # ---- measuring ----------------------------------------------------------------------------

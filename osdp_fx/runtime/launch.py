@@ -30,12 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_world(rank: int, world_size: int, port: int, *, backend: str = "gloo",
+def local_device(rank: int) -> torch.device:
+    """The device a local rank uses: its GPU when there are GPUs (made current), else the CPU."""
+    if torch.cuda.is_available():
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_world(rank: int, world_size: int, port: int, *, backend: str | None = None,
                timeout_s: float = 60.0) -> None:
-    """Join a world rendezvousing on 127.0.0.1:port; collectives time out after ``timeout_s``."""
+    """Join a world rendezvousing on 127.0.0.1:port; collectives time out after ``timeout_s``.
+    ``backend`` None means NCCL when there are GPUs and gloo otherwise."""
+    device = local_device(rank)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend or ("nccl" if device.type == "cuda" else "gloo"),
+        init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": device} if device.type == "cuda" else {}),
     )
 
 
@@ -57,12 +70,13 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
 
 def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0,
               collective_timeout_s: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each result.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks (gloo on CPU, NCCL on
+    GPUs); return each result.
 
     ``fn`` must be importable by name (spawned children import it). Raises OSDPError naming the
     first rank that failed, or when the world has not finished after ``timeout_s``.
     """
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = 1 if torch.cuda.is_available() else max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="osdp-world-") as out_dir:
         ctx = mp.start_processes(
             _child, args=(world_size, free_port(), out_dir, collective_timeout_s, threads, fn, args),
