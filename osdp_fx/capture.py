@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import logging
 import traceback
 from collections.abc import Iterator
@@ -59,10 +60,7 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def trainable(self) -> bool:

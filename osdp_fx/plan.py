@@ -17,6 +17,7 @@ The JSON form (``docs/plan-format.md``) is versioned and meant to be edited by h
 from __future__ import annotations
 
 import dataclasses
+import math
 import hashlib
 import json
 import os
@@ -66,10 +67,7 @@ class ParamPlan:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
