@@ -212,21 +212,30 @@ class OSDPModule(nn.Module):
                 return local.detach().clone()
             return _gather_full(local.detach(), entry.shape, WORLD).clone()
 
-    def full_state_dict(self) -> OrderedDict[str, torch.Tensor]:
-        """Full tensors under exactly the keys of the original ``model.state_dict()``.
+    def full_state_dict(self, *, rank0_only: bool = False,
+                        cpu_offload: bool = False) -> OrderedDict[str, torch.Tensor]:
+        """Full tensors under exactly the keys of the original ``model.state_dict()``, loadable
+        into the original, unwrapped model class.
 
         Collective: every rank must call it. Tied parameters are one tensor under each name.
+        ``rank0_only``: other ranks return an empty dict (they still take part in the gathers).
+        ``cpu_offload``: the tensors are moved to the CPU one by one as they are gathered.
         """
+        keep = not rank0_only or group_rank(WORLD) == 0
         gathered: dict[str, torch.Tensor] = {}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key in self._state_keys:
             canon = self._alias_to_name.get(key)
             if canon is None:
-                out[key] = self._gm.get_buffer(key).detach().clone()
-                continue
-            if canon not in gathered:
-                gathered[canon] = self._full(canon)  # type: ignore[assignment]
-            out[key] = gathered[canon]
+                value = self._gm.get_buffer(key).detach().clone()
+            else:
+                if canon not in gathered:
+                    full = self._full(canon)
+                    assert full is not None, canon
+                    gathered[canon] = full.cpu() if cpu_offload else full
+                value = gathered[canon]
+            if keep:
+                out[key] = value.cpu() if cpu_offload else value
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:

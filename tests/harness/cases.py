@@ -163,3 +163,24 @@ def searched_plan(rank: int, world: int, *, model: str, plan_dir: str,
         too_small = f"{type(exc).__name__}: {exc}"
     return {"peaks": peaks, "limit": limit, "plan": compiled.plan, "measured": measured,
             "reloaded_hash": reloaded.hash(), "again_hash": again.hash(), "too_small": too_small}
+
+
+def export_rank0(rank: int, world: int, *, model: str, plan: str) -> dict[str, Any]:
+    """Train 2 steps, export with rank0_only/cpu_offload, load into the unwrapped class."""
+    net, loss_fn = build(model)
+    data = [local(b, rank, world) for b in batches(model, global_batch=2 * world, steps=2)]
+    compiled = compile_osdp(net, data[0][:1], plan=plan)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.05)
+    for batch in data:
+        loss_fn(compiled(*batch[:1]), batch).backward()
+        opt.step()
+        opt.zero_grad()
+    exported = compiled.full_state_dict(rank0_only=True, cpu_offload=True)
+    everyone = compiled.full_state_dict()
+    fresh, _ = build(model, seed=1)
+    loaded = False
+    if rank == 0:
+        fresh.load_state_dict(exported, strict=True)
+        loaded = all(torch.equal(fresh.state_dict()[k], everyone[k]) for k in everyone)
+    return {"n_keys": len(exported), "loaded": loaded,
+            "devices": {str(v.device) for v in exported.values()}}
