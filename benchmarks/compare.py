@@ -426,14 +426,17 @@ def make_fsdp2(cfg: Config, world: int, device: torch.device, x: torch.Tensor) -
 
 
 def make_osdp(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
-              devices: Devices, plan: str | None, limit: int | None) -> System | dict[str, Any]:
+              devices: Devices, plan: str | None, limit: int | None,
+              prefetch: int | None = None) -> System | dict[str, Any]:
     """A compiled osdp-fx system, or the error row when no plan fits the limit."""
     model = build_model(cfg, device)
     label = plan if plan is not None else f"searched @ {format_bytes(limit)}"
+    if prefetch is not None:
+        label += f" (prefetch {prefetch})"
     start = time.perf_counter()
     try:
         compiled = compile_osdp(model, (x,), devices, plan=plan, memory_limit=limit,
-                                optimizer="adamw")
+                                optimizer="adamw", prefetch=prefetch)
     except PlanError as e:  # the same on every rank: the memory figures are shape-based
         return {"system": "osdp-fx", "plan": label, "limit_bytes": limit, "error": str(e)}
     compile_s = time.perf_counter() - start

@@ -19,10 +19,10 @@ from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
 from .passes.shard import make_shard, shard_parameters_pass
 from .passes.split_linear import apply_splits
-from .plan import REPLICATE, Plan, requested_splits, resolve_plan
+from .plan import REPLICATE, Plan, check_prefetch, requested_splits, resolve_plan
 from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
-from .runtime.params import _gather_full, step_context
+from .runtime.params import _gather_full, reduce_scatters, step_context
 from .runtime.reducer import GradReducer
 from .units import parse_bytes
 
@@ -39,6 +39,7 @@ def compile_osdp(
     optimizer: str = "adamw",
     batch_sizes: Sequence[int] | None = None,
     split: bool = True,
+    prefetch: int | None = None,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -64,11 +65,16 @@ def compile_osdp(
             ``compiled.plan.prediction.batch_size`` says which batch size to feed.
         split: whether the search may split large linear operators into sub-linears
             (``docs/splitting.md``); a plan that names splits is applied either way.
+        prefetch: how many sharded parameters ahead each all-gather starts, in forward and in
+            backward, to overlap it with computation (0: gather each when needed; each more
+            holds one more gathered parameter). Default: the plan's, else 1.
 
     Collective: every rank of the world must call it with the same model and plan.
     """
     inputs = as_input_tuple(example_inputs)
     check_optimizer(optimizer)
+    if prefetch is not None:
+        check_prefetch(prefetch)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
     captured = capture(model, inputs)
@@ -79,13 +85,15 @@ def compile_osdp(
                           detect=plan is None)
     resolved, _ = make_plan(captured, inputs, plan=plan, devices=devices,
                             memory_limit_bytes=limit, optimizer=optimizer,
-                            batch_sizes=batch_sizes, split=split, agree=_from_rank0)
+                            batch_sizes=batch_sizes, split=split, agree=_from_rank0,
+                            prefetch=prefetch)
     run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
     _check_ranks_agree(resolved)
     _broadcast_from_rank0(captured.gm)
     gm = run_passes(captured.gm, [
         ("shard", lambda g: shard_parameters_pass(g, plan=resolved, world_size=world_size,
-                                                  rank=rank, group=WORLD)),
+                                                  rank=rank, group=WORLD,
+                                                  prefetch=resolved.prefetch)),
     ])
     return OSDPModule(gm, resolved, captured)
 
@@ -169,7 +177,8 @@ class OSDPModule(nn.Module):
     # ---- running ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reducer.new_step()
-        with step_context():
+        reduce_scatters.reset()
+        with step_context(self._plan.prefetch):
             return self._gm(*args, **kwargs)
 
     def train(self, mode: bool = True) -> OSDPModule:

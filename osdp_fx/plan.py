@@ -35,8 +35,18 @@ FULL_SHARD = "full_shard"
 STRATEGIES = (REPLICATE, SHARD_GRAD_OP, FULL_SHARD)
 SHARDED = (SHARD_GRAD_OP, FULL_SHARD)
 
+DEFAULT_PREFETCH = 1
+"""All-gathers start this many sharded parameters ahead of their use, unless a plan says."""
+
 PLAN_FORMAT = "osdp-fx-plan"
 PLAN_VERSION = 1
+
+
+def check_prefetch(prefetch: Any) -> None:
+    """Raise PlanError unless ``prefetch`` is an int >= 0."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise PlanError(f"prefetch must be an int >= 0 (all-gathers start that many sharded "
+                        f"parameters ahead; 0 turns prefetching off), got {prefetch!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +150,12 @@ class Plan:
     splits: tuple[tuple[str, int], ...] = ()
     """Linear weights split into parts, as (weight name, number of parts); the parts
     (``<weight>_part<i>``, and the bias's) are parameter groups of their own in ``params``."""
+    prefetch: int = DEFAULT_PREFETCH
+    """How many sharded parameters ahead each all-gather starts, in forward and backward (0:
+    each parameter is gathered when it is needed)."""
 
     def __post_init__(self) -> None:
+        check_prefetch(self.prefetch)
         for p in self.params:
             if p.strategy not in STRATEGIES:
                 raise PlanError(
@@ -191,6 +205,7 @@ class Plan:
             "world_size": self.world_size,
             "memory_limit_bytes": self.memory_limit_bytes,
             **({"splits": dict(self.splits)} if self.splits else {}),
+            "prefetch": self.prefetch,
             "params": {
                 p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
                          **({"aliases": list(p.aliases)} if p.aliases else {}),
@@ -344,6 +359,7 @@ def build_plan(
     memory_limit_bytes: int | None = None,
     source: str = "",
     splits: Mapping[str, int] | None = None,
+    prefetch: int = DEFAULT_PREFETCH,
 ) -> Plan:
     """A Plan giving each parameter group its requested strategy (keyed by canonical name).
 
@@ -361,7 +377,7 @@ def build_plan(
         ))
     return Plan(params=tuple(entries), world_size=world_size,
                 memory_limit_bytes=memory_limit_bytes, source=source,
-                splits=tuple(sorted((splits or {}).items())))
+                splits=tuple(sorted((splits or {}).items())), prefetch=prefetch)
 
 
 def resolve_plan(
@@ -384,7 +400,7 @@ def resolve_plan(
             )
         return build_plan(requested, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=spec.source or "user",
-                          splits=dict(spec.splits))
+                          splits=dict(spec.splits), prefetch=spec.prefetch)
     if isinstance(spec, str) and spec in STRATEGIES:
         return build_plan({s.name: spec for s in specs}, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=spec)
@@ -412,7 +428,7 @@ def resolve_plan(
         )
         return build_plan(requested, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=f"file:{path}",
-                          splits=requested_splits(spec))
+                          splits=requested_splits(spec), prefetch=data.get("prefetch", DEFAULT_PREFETCH))
     raise PlanError(
         f"plan must be a strategy name ({', '.join(STRATEGIES)}), a Plan, or a path to a JSON "
         f"plan file; got {type(spec).__name__}"

@@ -38,6 +38,7 @@ from .passes.profile import profile_graph_pass
 from .passes.search import solve_min_time
 from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
 from .plan import (
+    DEFAULT_PREFETCH,
     FULL_SHARD,
     REPLICATE,
     STRATEGIES,
@@ -121,6 +122,7 @@ def make_plan(
     batch_sizes: Sequence[int] | None = None,
     split: bool = True,
     agree: Callable[[Any], Any] = lambda choice: choice,
+    prefetch: int | None = None,
 ) -> tuple[Plan, Analysis]:
     """Profile the model and return the plan in force with its predictions.
 
@@ -137,10 +139,11 @@ def make_plan(
     batch = None
     if plan is None:
         assert devices.memory_bytes is not None, "devices_for fills the memory limit"
+        prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
         limit = devices.memory_bytes
         if split and devices.world_size > 1:
             splits = agree(choose_splits(analysis, devices=devices, memory_limit_bytes=limit,
-                                         optimizer=optimizer))
+                                         optimizer=optimizer, prefetch=prefetch))
             if splits:
                 apply_splits(captured, splits)
                 analysis = analyze(captured, example_inputs, fake=fake)
@@ -148,15 +151,19 @@ def make_plan(
         if batch_sizes:
             batch, strategies = agree(search_batch_size(
                 analysis, batch_sizes, devices=devices, memory_limit_bytes=limit,
-                optimizer=optimizer))
+                optimizer=optimizer, prefetch=prefetch))
         else:
             strategies = agree(search_strategies(analysis, devices=devices,
-                                                 memory_limit_bytes=limit, optimizer=optimizer))
+                                                 memory_limit_bytes=limit, optimizer=optimizer,
+                                                 prefetch=prefetch))
         resolved = build_plan(strategies, specs, world_size=devices.world_size,
-                              memory_limit_bytes=limit, source="search", splits=splits)
+                              memory_limit_bytes=limit, source="search", splits=splits,
+                              prefetch=prefetch)
     else:
         resolved = resolve_plan(plan, param_specs(captured), world_size=devices.world_size,
                                 memory_limit_bytes=memory_limit_bytes)
+        if prefetch is not None:
+            resolved = dataclasses.replace(resolved, prefetch=prefetch)
     plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch)
     return plan_out, analysis
 
@@ -194,7 +201,7 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
                                     optimizer=optimizer, profiled_batch=analysis.batch_size)
     memory = predict_step_memory(analysis.captured.gm, states, world_size=devices.world_size,
                                  optimizer=optimizer, profiled_batch=analysis.batch_size,
-                                 batch_size=batch)
+                                 batch_size=batch, prefetch=plan.prefetch)
     compute_s = step.compute_s * batch / analysis.batch_size
     prediction = Prediction(
         step_time_s=compute_s + step.comm_s + step.optim_s, compute_s=compute_s,
@@ -212,7 +219,8 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
 
 
 def choose_splits(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    prefetch: int = DEFAULT_PREFETCH,
 ) -> dict[str, int]:
     """Which linear weights to split into how many parts (k in 2, 4, 8).
 
@@ -253,7 +261,8 @@ def choose_splits(
         times.append([o[1] for o in options])
         persistent.append([o[2] for o in options])
         transient.append([o[3] for o in options])
-    _, base = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None)
+    _, base = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None,
+                               prefetch=prefetch)
     try:
         result = solve_min_time(times, persistent, transient, limit_bytes=memory_limit_bytes,
                                 base_bytes=base, names=names)
@@ -265,7 +274,7 @@ def choose_splits(
 
 def search_batch_size(
     analysis: Analysis, batch_sizes: Sequence[int], *, devices: Devices, memory_limit_bytes: int,
-    optimizer: str,
+    optimizer: str, prefetch: int = DEFAULT_PREFETCH,
 ) -> tuple[int, dict[str, str]]:
     """The per-rank batch size among ``batch_sizes`` and the strategies that maximise predicted
     samples per second (``b * N / step_time(b)``) within the memory limit."""
@@ -275,7 +284,8 @@ def search_batch_size(
             raise InputError(f"batch_sizes must be positive ints, got {b!r}")
         try:
             strategies = search_strategies(analysis, devices=devices, optimizer=optimizer,
-                                           memory_limit_bytes=memory_limit_bytes, batch_size=b)
+                                           memory_limit_bytes=memory_limit_bytes, batch_size=b,
+                                           prefetch=prefetch)
         except PlanError:
             continue
         step, _ = predict_step_time(analysis.captured.gm, _states(analysis, strategies),
@@ -294,14 +304,15 @@ def search_batch_size(
 
 
 def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
-                     batch_size: int | None) -> tuple[int, int]:
+                     batch_size: int | None, prefetch: int) -> tuple[int, int]:
     """(peak of the most sharded plan, the search's base memory): that peak minus what the
     search itself accounts for (persistent and largest transient bytes), i.e. activations."""
     lowest = {n: STRATEGIES[-1] if p.trainable and devices.world_size > 1 else REPLICATE
               for n, p in analysis.captured.params.items()}
     peak = predict_step_memory(
         analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
-        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size).peak_bytes
+        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size,
+        prefetch=prefetch).peak_bytes
     regathered = regathered_params(analysis.facts)
     costs = [group_cost(_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                         devices=devices, optimizer=optimizer) for n, st in lowest.items()]
@@ -311,7 +322,7 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
 
 def search_strategies(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    batch_size: int | None = None,
+    batch_size: int | None = None, prefetch: int = DEFAULT_PREFETCH,
 ) -> dict[str, str]:
     """The per-group strategies with the least predicted step time whose predicted peak memory
     (timeline, at ``batch_size``, default the profiled one) fits ``memory_limit_bytes``. Raises
@@ -328,7 +339,7 @@ def search_strategies(
         for n in names
     }
     lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
-                                         batch_size=batch_size)
+                                         batch_size=batch_size, prefetch=prefetch)
     limit = memory_limit_bytes
     for _ in range(_MAX_TIGHTENINGS):
         result = solve_min_time(
@@ -341,7 +352,7 @@ def search_strategies(
         peak = predict_step_memory(
             analysis.captured.gm, _states(analysis, strategies), world_size=devices.world_size,
             optimizer=optimizer, profiled_batch=analysis.batch_size,
-            batch_size=batch_size).peak_bytes
+            batch_size=batch_size, prefetch=prefetch).peak_bytes
         if peak <= memory_limit_bytes:
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, predicted peak %s of %s", counts, format_bytes(peak),

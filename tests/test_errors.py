@@ -61,6 +61,9 @@ EXPECTED: dict[str, tuple[type[OSDPError], list[str]]] = {
     "memory_limit_words": (InputError, ["'8 gigs' is not a byte quantity", "'8GiB'"]),
     "memory_limit_negative": (InputError, ["non-negative", "got -1"]),
     "memory_limit_bool": (InputError, ["got True", "'8GiB'"]),
+    "prefetch_negative": (PlanError, ["prefetch must be an int >= 0", "got -1",
+                                      "0 turns prefetching off"]),
+    "plan_file_bad_prefetch": (PlanError, ["prefetch must be an int >= 0", "got 'two'"]),
     "capture_branch": (CaptureError, [
         "could not capture DataDependentBranch", "torch.fx.symbolic_trace", "torch.export",
         *_capture_where(pc.DataDependentBranch, "CAPTURE-FAILS-HERE"), "if h.sum() > 0:",

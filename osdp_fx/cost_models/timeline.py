@@ -19,13 +19,18 @@ padded):
   saves it (or a view of it), until the backward of the earliest node in graph order that saves
   it; tensors a node saves that are not its inputs or outputs (e.g. LayerNorm statistics) from
   its forward to its backward;
-* gathered parameters (sharded): Pp from the first forward use; ``full_shard`` frees after the
+* gathered parameters (sharded): Pp from the first forward use, or with prefetch d from the
+  first use of the sharded parameter gathered d places earlier; ``full_shard`` frees after the
   last forward use of the parameter or a view of it and re-gathers Pp for the backward of each
-  node that saved it; ``shard_grad_op`` keeps it until the backward of the earliest saver;
+  node that saved it (the first re-gather from the first re-gather of any of the d parameters
+  saved after it, which prefetches it); ``shard_grad_op`` keeps it until the backward of the
+  earliest saver;
 * gradients of activations: from the backward of a node's last user to the node's own backward;
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
-  the full gradient P until the backward of the first use in graph order, then the reduce-scatter
-  (a padded copy when Pp != numel, and the Pp/N result), then the Pp/N shard gradient to the end;
+  the full gradient P until the backward of the first use in graph order, then the asynchronous
+  reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
+  reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward; the Pp/N
+  shard gradient from the start of the reduce-scatter to the end;
 * gradient all-reduce: flat buckets of the replicated gradients, one at a time (each is released
   as soon as its average is copied back);
 * optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter.
@@ -47,7 +52,7 @@ from torch import fx
 
 from ..errors import InputError
 from ..meta import osdp_meta
-from ..plan import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
+from ..plan import DEFAULT_PREFETCH, FULL_SHARD, REPLICATE, SHARD_GRAD_OP
 from ..runtime.reducer import DEFAULT_BUCKET_BYTES, plan_buckets
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 
@@ -190,6 +195,8 @@ def predict_step_memory(
     profiled_batch: int = 1,
     batch_size: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    prefetch: int = DEFAULT_PREFETCH,
+    reduce_scatters_in_flight: int = 2,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
@@ -238,6 +245,14 @@ def predict_step_memory(
     base = 0
     local_bytes: list[int] = []
     replicated_grads: list[int] = []
+    uses_of = {node: facts.param_uses(node) for node in param_of}
+    sharded = [node for node in param_of if params[param_of[node]].strategy != REPLICATE
+               and uses_of[node]]
+    gather_at = _prefetched_gathers(sharded, uses_of, pos, prefetch)
+    regather_at = _prefetched_regathers(
+        [node for node in sharded if params[param_of[node]].strategy == FULL_SHARD
+         and savers.get(node)], savers, pos, bwd, prefetch)
+    scatters: list[tuple[float, int]] = []  # (launch time, bytes held until it completes)
     for node, name in param_of.items():
         state = params[name]
         full = state.numel * state.element_size
@@ -250,18 +265,19 @@ def predict_step_memory(
         if state.trainable:
             base += optimizer_state_bytes(local_numel, optimizer=optimizer)
             local_bytes.append(local)
-        uses = facts.param_uses(node)
+        uses = uses_of[node]
         if not uses:
             continue
-        first, last = min(pos[u] for u in uses), max(pos[u] for u in uses)
+        last = max(pos[u] for u in uses)
         saved_by = savers.get(node, [])
         if state.strategy == FULL_SHARD:
-            tl.alive(first, last, padded, scaled=False)
+            tl.alive(gather_at[node], last, padded, scaled=False)
             for j in saved_by:
-                tl.alive(bwd(pos[j]), bwd(pos[j]), padded, scaled=False)
+                tl.alive(regather_at.get((node, j), bwd(pos[j])), bwd(pos[j]), padded,
+                         scaled=False)
         elif state.strategy == SHARD_GRAD_OP:
             end = bwd(min(pos[j] for j in saved_by)) if saved_by else last
-            tl.alive(first, max(end, last), padded, scaled=False)
+            tl.alive(gather_at[node], max(end, last), padded, scaled=False)
         if not state.trainable:
             continue
         grad_uses = [u for u in uses if requires_grad[u]]
@@ -272,13 +288,22 @@ def predict_step_memory(
             tl.alive(grad_start, optim_t, full, scaled=False)
             replicated_grads.append(full)
         else:
-            # The reduce-scatter runs after the first use's backward has released what it
-            # unpacked (half a step later).
+            # The reduce-scatter starts after the first use's backward has released what it
+            # unpacked (half a step later) and holds the (padded) gradient until it completes.
             scatter = grad_done + 0.5
-            tl.alive(grad_start, scatter, full, scaled=False)
-            if padded != full:
-                tl.alive(scatter, scatter, padded, scaled=False)
+            if padded != full:  # the gradient until its padded copy, which the collective holds
+                tl.alive(grad_start, scatter, full, scaled=False)
+                scatters.append((scatter, scatter, padded))
+            else:
+                scatters.append((scatter, grad_start, full))
             tl.alive(scatter, optim_t, padded // world_size, scaled=False)
+    # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
+    # the rest complete at the end of backward.
+    scatters.sort()
+    for i, (_, since, held) in enumerate(scatters):
+        later = i + reduce_scatters_in_flight
+        tl.alive(since, scatters[later][0] if later < len(scatters) else grad_sync, held,
+                 scaled=False)
 
     if world_size > 1 and replicated_grads:
         buckets = [sum(replicated_grads[i] for i in b)
@@ -298,6 +323,32 @@ def predict_step_memory(
         peak_bytes_expr=_envelope(points, profiled_batch),
         profiled_batch=profiled_batch,
     )
+
+
+def _prefetched_gathers(sharded: list[fx.Node], uses_of: Mapping[fx.Node, list[fx.Node]],
+                        pos: Mapping[fx.Node, int], prefetch: int) -> dict[fx.Node, int]:
+    """When each sharded parameter's forward all-gather allocates: at its first use, or, with
+    prefetching, at the first use of the parameter gathered ``prefetch`` places before it."""
+    first = {n: min(pos[u] for u in uses_of[n]) for n in sharded}
+    order = sorted(sharded, key=first.__getitem__)
+    return {n: first[order[max(0, i - prefetch)]] for i, n in enumerate(order)}
+
+
+def _prefetched_regathers(
+    regathered: list[fx.Node], savers: Mapping[fx.Node, list[fx.Node]],
+    pos: Mapping[fx.Node, int], bwd: Any, prefetch: int,
+) -> dict[tuple[fx.Node, fx.Node], float]:
+    """When backward's first re-gather of each full_shard parameter allocates, keyed by
+    (parameter, saver): unpacking one parameter starts gathering the ``prefetch`` parameters
+    forward saved just before it (``StepContext``)."""
+    saved_order = sorted(regathered, key=lambda n: min(pos[j] for j in savers[n]))
+    first_unpack = {n: max(savers[n], key=pos.__getitem__) for n in regathered}
+    out: dict[tuple[fx.Node, fx.Node], float] = {}
+    for i, n in enumerate(saved_order):
+        later = saved_order[i + 1:i + 1 + prefetch]
+        own = bwd(pos[first_unpack[n]])
+        out[(n, first_unpack[n])] = min([own, *(bwd(pos[first_unpack[k]]) for k in later)])
+    return out
 
 
 def _describe_time(t: float, nodes: list[fx.Node]) -> str:

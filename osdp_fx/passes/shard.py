@@ -8,7 +8,11 @@ For every parameter group the plan shards (``shard_grad_op`` or ``full_shard``):
   ``all_gather_param`` node, whose result replaces the parameter everywhere (its backward
   reduce-scatters the gradient into the shard);
 * for ``full_shard``, a ``free_param`` node follows the last forward use of the gathered tensor
-  and of every view of it (from ``annotate_aliases_pass``); backward re-gathers it.
+  and of every view of it (from ``annotate_aliases_pass``); backward re-gathers it;
+* with ``prefetch = d > 0`` (the plan's), each all-gather but the first d starts early: a
+  ``prefetch_param`` node right after the gather d places before it launches the collective
+  asynchronously, and the ``all_gather_param`` node waits for it, so the communication overlaps
+  the operators in between.
 
 Replicated parameters are left as they are; the runtime all-reduces their gradients.
 
@@ -18,13 +22,16 @@ Before::
     linear = torch._C._nn.linear(x, fc_weight, None)
     relu = torch.relu(linear)
 
-After (full_shard)::
+After (full_shard, prefetch 1; ``out`` is the next layer)::
 
     fc_weight = self.fc.weight                      # flat shard, shape (ceil(numel/N),)
     all_gather_param = osdp_fx_runtime_params_all_gather_param(fc_weight, (64, 32), 'full_shard', 'world')
+    out_weight = self.out.weight
+    prefetch_param = osdp_fx_runtime_params_prefetch_param(out_weight, 'world')
     linear = torch._C._nn.linear(x, all_gather_param, None)
     free_param = osdp_fx_runtime_params_free_param(all_gather_param)
     relu = torch.relu(linear)
+    all_gather_param_1 = osdp_fx_runtime_params_all_gather_param(out_weight, (8, 64), 'full_shard', 'world', prefetch_param)
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from ..capture import set_attr
 from ..meta import osdp_meta, set_osdp_meta
 from ..plan import FULL_SHARD, SHARDED, Plan
 from ..runtime.collectives import WORLD, pad_flat, shard_numel
-from ..runtime.params import all_gather_param, free_param
+from ..runtime.params import all_gather_param, free_param, prefetch_param
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +58,22 @@ def make_shard(full: torch.Tensor, *, world_size: int, rank: int) -> nn.Paramete
     return nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=full.requires_grad)
 
 
+def _insert_prefetches(graph: fx.Graph, distance: int) -> None:
+    """Start each all-gather ``distance`` gathers early: right after the gather ``distance``
+    places before it in graph order, so it overlaps the computation in between."""
+    gathers = [n for n in graph.nodes if osdp_meta(n).role == "all_gather"]
+    for anchor, target in zip(gathers, gathers[distance:]) if distance > 0 else ():
+        shard, _, _, group = target.args
+        anchor.append(shard)
+        with graph.inserting_after(shard):
+            started = graph.call_function(prefetch_param, (shard, group))
+        set_osdp_meta(started, role="prefetch", param=shard.target)
+        target.args = (*target.args, started)
+
+
 def shard_parameters_pass(
-    gm: fx.GraphModule, *, plan: Plan, world_size: int, rank: int, group: str = WORLD
+    gm: fx.GraphModule, *, plan: Plan, world_size: int, rank: int, group: str = WORLD,
+    prefetch: int = 1,
 ) -> PassResult:
     """Shard the parameters the plan shards and insert their collectives (module docstring)."""
     graph = gm.graph
@@ -88,6 +109,8 @@ def shard_parameters_pass(
             freed = graph.call_function(free_param, (gathered,))
         set_osdp_meta(freed, role="free", param=node.target)
         n_frees += 1
+
+    _insert_prefetches(graph, prefetch)
 
     in_graph = {n.target for n in param_nodes}
     for entry in plan.params:  # parameters the forward never reads: sharded all the same

@@ -54,25 +54,51 @@ def shard_numel(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
-def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
-    """Concatenate every rank's flat ``shard`` (rank order) into a new flat tensor."""
+class Pending:
+    """A collective in flight: ``wait()`` returns its output once it has completed."""
+
+    def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None) -> None:
+        self._out, self._work, self._keep = out, work, keep
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._keep = None  # the input may be freed now
+        return self._out
+
+
+def all_gather_flat_start(shard: torch.Tensor, group: str) -> Pending:
+    """Start concatenating every rank's flat ``shard`` (rank order) into a new flat tensor."""
     world = group_size(group)
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
     if world == 1:
-        return out.copy_(shard.reshape(-1))
-    _all_gather_flat_impl(out, shard.reshape(-1).contiguous(), group=resolve_group(group))
-    return out
+        return Pending(out.copy_(shard.reshape(-1)))
+    src = shard.reshape(-1).contiguous()
+    work = _all_gather_flat_impl(out, src, group=resolve_group(group), async_op=True)
+    return Pending(out, work, src)
+
+
+def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
+    """Concatenate every rank's flat ``shard`` (rank order) into a new flat tensor."""
+    return all_gather_flat_start(shard, group).wait()
+
+
+def reduce_scatter_flat_start(full: torch.Tensor, group: str) -> Pending:
+    """Start summing ``full`` (flat, divisible by the group size) over ranks into this rank's
+    chunk. ``full`` is kept alive until the collective completes."""
+    world = group_size(group)
+    if world == 1:
+        return Pending(full.clone())
+    out = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
+    src = full.contiguous()
+    work = _reduce_scatter_flat_impl(out, src, op=dist.ReduceOp.SUM,
+                                     group=resolve_group(group), async_op=True)
+    return Pending(out, work, src)
 
 
 def reduce_scatter_flat(full: torch.Tensor, group: str) -> torch.Tensor:
     """Sum ``full`` (flat, divisible by the group size) over ranks; return this rank's chunk."""
-    world = group_size(group)
-    if world == 1:
-        return full.clone()
-    out = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
-    _reduce_scatter_flat_impl(out, full.contiguous(), op=dist.ReduceOp.SUM,
-                              group=resolve_group(group))
-    return out
+    return reduce_scatter_flat_start(full, group).wait()
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group: str) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """Runtime of sharded parameters: the functions the sharding pass inserts as graph nodes.
 
-* :func:`all_gather_param` gathers a parameter's flat shards into the full tensor. Its backward
-  reduce-scatters the full gradient and averages it over ranks into the shard's gradient.
+* :func:`all_gather_param` gathers a parameter's flat shards into the full tensor, or waits for
+  the gather a :func:`prefetch_param` node started earlier. Its backward starts an asynchronous
+  reduce-scatter of the full gradient (:class:`GradReduceScatters`); averaged over ranks, it is
+  accumulated into the shard's ``.grad`` by the end of backward.
 * :func:`free_param` releases a full_shard parameter's gathered storage after its last forward
   use.
 * :class:`StepContext` (entered by ``OSDPModule.forward``) installs saved-tensor hooks: when
   autograd wants to save a gathered full_shard parameter (or a view of it, such as ``W.t()``) it
-  keeps a small handle instead, and backward re-gathers the parameter when it needs it. So no
-  gathered full_shard weight stays alive between forward and backward.
+  keeps a small handle instead, and backward re-gathers the parameter when it needs it,
+  starting the gather of the parameter it will need next as it does. So no gathered
+  full_shard weight stays alive between forward and backward.
 
 Outside a StepContext (a bare call of the graph module) the functions still compute the right
 values; gathered tensors are then simply kept by autograd like any other tensor.
@@ -15,8 +18,10 @@ values; gathered tensors are then simply kept by autograd like any other tensor.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -24,7 +29,13 @@ from typing import Any
 
 import torch
 
-from .collectives import all_gather_flat, group_size, pad_flat, reduce_scatter_flat
+from .collectives import (
+    Pending,
+    all_gather_flat_start,
+    group_size,
+    pad_flat,
+    reduce_scatter_flat_start,
+)
 from .memory import note_resized
 
 FULL_SHARD = "full_shard"
@@ -53,13 +64,23 @@ class _Handle:
 
 
 class StepContext:
-    """Tracks this forward's gathered full_shard parameters and re-gathers them in backward."""
+    """Tracks this forward's gathered full_shard parameters and re-gathers them in backward.
 
-    def __init__(self) -> None:
+    Backward needs the saved parameters in about the reverse of the order forward saved them,
+    so when it unpacks one it starts gathering the one saved before it (``prefetch`` of them)
+    asynchronously, to overlap that all-gather with this operator's backward.
+    """
+
+    def __init__(self, prefetch: int = 1) -> None:
+        self.prefetch = prefetch
         self._live: dict[int, _Gathered] = {}
         self._regathered: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary()
         )
+        self._saved: list[_Gathered] = []  # in the order forward first saved them
+        self._index: dict[int, int] = {}
+        self._started: set[int] = set()  # gathers started in backward (never twice per step)
+        self._pending: dict[int, Pending] = {}
 
     def track(self, full: torch.Tensor, gathered: _Gathered) -> None:
         self._live[_storage_key(full)] = gathered
@@ -71,18 +92,33 @@ class StepContext:
         gathered = self._live.get(_storage_key(t)) if t.device.type != "meta" else None
         if gathered is None:
             return t
+        if id(gathered.shard) not in self._index:
+            self._index[id(gathered.shard)] = len(self._saved)
+            self._saved.append(gathered)
         return _Handle(gathered, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
             return packed
         g = packed.gathered
-        full = self._regathered.get(id(g.shard))
+        key = id(g.shard)
+        full = self._regathered.get(key)
         if full is None:
+            pending = self._pending.pop(key, None) or self._start(g)
             with torch.no_grad():
-                full = _gather_full(g.shard, g.shape, g.group)
-            self._regathered[id(g.shard)] = full
+                full = pending.wait()[:math.prod(g.shape)].view(g.shape)
+            self._regathered[key] = full
+            self._started.add(key)
+            index = self._index[key]
+            for earlier in self._saved[max(0, index - self.prefetch):index][::-1]:
+                if id(earlier.shard) not in self._started:
+                    self._started.add(id(earlier.shard))
+                    self._pending[id(earlier.shard)] = self._start(earlier)
         return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    @staticmethod
+    def _start(g: _Gathered) -> Pending:
+        return all_gather_flat_start(g.shard.detach(), g.group)
 
 
 _local = threading.local()
@@ -94,9 +130,10 @@ def _active() -> StepContext | None:
 
 
 @contextlib.contextmanager
-def step_context() -> Iterator[StepContext]:
-    """Run a forward with re-gathering of freed full_shard parameters in backward."""
-    ctx = StepContext()
+def step_context(prefetch: int = 1) -> Iterator[StepContext]:
+    """Run a forward with re-gathering of freed full_shard parameters in backward, ``prefetch``
+    parameters ahead."""
+    ctx = StepContext(prefetch)
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(ctx)
     try:
@@ -106,42 +143,115 @@ def step_context() -> Iterator[StepContext]:
         stack.pop()
 
 
-def _gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str) -> torch.Tensor:
-    numel = 1
-    for s in shape:
-        numel *= s
-    return all_gather_flat(shard, group)[:numel].view(shape)
+def _gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str,
+                 pending: Pending | None = None) -> torch.Tensor:
+    flat = (pending or all_gather_flat_start(shard, group)).wait()
+    return flat[:math.prod(shape)].view(shape)
+
+
+class GradReduceScatters:
+    """Reduce-scatters of sharded gradients, run asynchronously during backward.
+
+    Each is started as soon as backward has produced a full gradient; at most ``max_in_flight``
+    run at once (each holds its full gradient until done): starting one more first completes
+    the oldest. The rest complete in a callback at the end of backward. Completing one averages
+    it over the ranks and accumulates it into the shard's ``.grad``.
+    """
+
+    def __init__(self, max_in_flight: int = 2) -> None:
+        self.max_in_flight = max_in_flight
+        self._in_flight: collections.deque[tuple[torch.Tensor, Pending, int]] = (
+            collections.deque())
+        self._queued = False
+
+    def start(self, shard: torch.Tensor, grad_full: torch.Tensor, group: str,
+              padded_numel: int) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        while len(self._in_flight) >= self.max_in_flight:
+            self._complete(*self._in_flight.popleft())
+        pending = reduce_scatter_flat_start(pad_flat(grad_full, padded_numel), group)
+        self._in_flight.append((shard, pending, group_size(group)))
+
+    @staticmethod
+    def _complete(shard: torch.Tensor, pending: Pending, world: int) -> None:
+        grad = pending.wait().div_(world)
+        if shard.grad is None:
+            shard.grad = grad
+        else:
+            shard.grad.add_(grad)
+
+    def finish(self) -> None:
+        """Complete every reduce-scatter in flight (end of backward)."""
+        self._queued = False
+        while self._in_flight:
+            self._complete(*self._in_flight.popleft())
+
+    def reset(self) -> None:
+        """Forget what a failed backward left (autograd drops its end-of-backward callback)."""
+        self._queued = False
+        self._in_flight.clear()
+
+
+reduce_scatters = GradReduceScatters()
+"""The process's reduce-scatter queue (backward runs on one thread per device)."""
 
 
 class _AllGatherParam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, shape: tuple[int, ...], group: str) -> torch.Tensor:
+    def forward(ctx: Any, shard: torch.Tensor, shape: tuple[int, ...], group: str,
+                pending: Pending | None) -> torch.Tensor:
         ctx.group = group
         ctx.padded_numel = shard.numel() * group_size(group)
-        return _gather_full(shard, shape, group)
+        ctx.shard = shard  # the leaf itself: saved_tensors would give a new tensor object
+        return _gather_full(shard, shape, group, pending)
 
     @staticmethod
-    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        world = group_size(ctx.group)
-        grad_shard = reduce_scatter_flat(pad_flat(grad_full, ctx.padded_numel), ctx.group)
-        return grad_shard.div_(world), None, None
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None, None, None]:
+        # The shard's gradient is not returned to autograd: the asynchronous reduce-scatter
+        # accumulates it into ``shard.grad`` itself (by the end of backward).
+        reduce_scatters.start(ctx.shard, grad_full, ctx.group, ctx.padded_numel)
+        return None, None, None, None
+
+
+class Prefetched:
+    """An all-gather started ahead of its use by :func:`prefetch_param`."""
+
+    def __init__(self, pending: Pending) -> None:
+        self.pending: Pending | None = pending
+
+    def take(self) -> Pending:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise RuntimeError("a prefetched all-gather was used twice")
+        return pending
+
+
+def prefetch_param(shard: torch.Tensor, group: str) -> Prefetched:
+    """Start gathering ``shard`` asynchronously; :func:`all_gather_param` waits for it."""
+    return Prefetched(all_gather_flat_start(shard.detach(), group))
 
 
 def all_gather_param(
-    shard: torch.Tensor, shape: tuple[int, ...], strategy: str, group: str
+    shard: torch.Tensor, shape: tuple[int, ...], strategy: str, group: str,
+    prefetched: Prefetched | None = None,
 ) -> torch.Tensor:
     """The full parameter of shape ``shape`` gathered from every rank's flat ``shard``.
 
-    Differentiable: the gradient of the result is reduce-scattered into the shard and averaged
-    over the ranks of ``group``. For ``strategy == "full_shard"`` inside a StepContext, autograd
-    saves a handle instead of the gathered tensor and backward re-gathers it.
+    ``prefetched``: the all-gather a :func:`prefetch_param` node started earlier (this waits for
+    it), else it is started here. Differentiable: in backward the gradient is reduce-scattered
+    asynchronously, averaged over the ranks of ``group`` and accumulated into ``shard.grad``
+    (complete when backward returns). For ``strategy == "full_shard"`` inside a StepContext,
+    autograd saves a handle instead of the gathered tensor and backward re-gathers it.
     """
     shape = tuple(shape)
+    pending = prefetched.take() if prefetched is not None else None
     if shard.requires_grad and torch.is_grad_enabled():
-        full = _AllGatherParam.apply(shard, shape, group)
+        full = _AllGatherParam.apply(shard, shape, group, pending)
     else:
         with torch.no_grad():
-            full = _gather_full(shard, shape, group)
+            full = _gather_full(shard, shape, group, pending)
     ctx = _active()
     if strategy == FULL_SHARD and ctx is not None:
         ctx.track(full, _Gathered(shard, shape, group))

@@ -50,7 +50,7 @@ def reference_train(model: str, *, world: int, steps: int = 5, lr: float = 0.05,
 
 
 def memory_profile(rank: int, world: int, *, plan: str, width: int = 512, depth: int = 4,
-                   batch: int = 8) -> dict[str, int]:
+                   batch: int = 8, prefetch: int | None = None) -> dict[str, int]:
     """Live tensor bytes after forward and peaks of forward and backward, for a Linear stack."""
     from osdp_fx.examples import MLP
     from osdp_fx.runtime.memory import LiveTensorTracker
@@ -58,7 +58,7 @@ def memory_profile(rank: int, world: int, *, plan: str, width: int = 512, depth:
     torch.manual_seed(0)
     net = MLP((width,) * (depth + 1), bias=False)
     x = torch.randn(batch, width)
-    compiled = compile_osdp(net, (x,), plan=plan)
+    compiled = compile_osdp(net, (x,), plan=plan, prefetch=prefetch)
     del net
     tracker = LiveTensorTracker()
     with tracker:

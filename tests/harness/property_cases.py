@@ -254,6 +254,12 @@ def bad_inputs(tmpdir: str) -> dict[str, Callable[[], dict[str, Any]]]:
             model=small_mlp(), example_inputs=(x,), memory_limit=-1),
         "memory_limit_bool": lambda: dict(
             model=small_mlp(), example_inputs=(x,), memory_limit=True),
+        "prefetch_negative": lambda: dict(
+            model=small_mlp(), example_inputs=(x,), plan="full_shard", prefetch=-1),
+        "plan_file_bad_prefetch": lambda: dict(
+            model=small_mlp(), example_inputs=(x,),
+            plan=plan_file("prefetch.json", json.dumps(
+                {"format": "osdp-fx-plan", "version": 1, "prefetch": "two", "params": all_full}))),
         "capture_branch": lambda: dict(model=DataDependentBranch(), example_inputs=(x,)),
         "capture_item_loop": lambda: dict(model=ItemLoopBound(), example_inputs=(x,)),
     }

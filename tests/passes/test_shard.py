@@ -2,13 +2,13 @@
 
 Before the pass a captured graph has no collectives; after it, for a uniform plan:
 
-============== ======================== ============================
-strategy       all_gather_param nodes   free_param nodes
-============== ======================== ============================
-full_shard     one per parameter group  one per parameter group
-shard_grad_op  one per parameter group  none
-replicate      none                     none
-============== ======================== ============================
+============== ======================== ============================ ======================
+strategy       all_gather_param nodes   free_param nodes             prefetch_param nodes
+============== ======================== ============================ ======================
+full_shard     one per parameter group  one per parameter group      one per gather but
+shard_grad_op  one per parameter group  none                         the first (prefetch 1)
+replicate      none                     none                         none
+============== ======================== ============================ ======================
 
 and the compiled model computes the original's outputs and gradients, keeps the keys (and the
 tying) of ``model.state_dict()`` in ``full_state_dict()``, and prints its collectives.
@@ -31,7 +31,7 @@ from osdp_fx.meta import osdp_meta
 from osdp_fx.passes.aliases import annotate_aliases_pass
 from osdp_fx.passes.shard import make_shard, shard_parameters_pass
 from osdp_fx.plan import ParamSpec, Plan, build_plan
-from osdp_fx.runtime.params import all_gather_param, free_param
+from osdp_fx.runtime.params import all_gather_param, free_param, prefetch_param
 
 STRATEGIES = ("replicate", "shard_grad_op", "full_shard")
 
@@ -42,6 +42,10 @@ def gathers(gm: fx.GraphModule) -> list[fx.Node]:
 
 def frees(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is free_param]
+
+
+def prefetches(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is prefetch_param]
 
 
 def loss_of(out: Any, inputs: tuple[Any, ...]) -> torch.Tensor:
@@ -75,7 +79,19 @@ def test_collective_nodes_before_and_after(run):
     expected = {"replicate": (0, 0), "shard_grad_op": (len(groups), 0),
                 "full_shard": (len(groups), len(groups))}[run["strategy"]]
     assert (len(gathers(after)), len(frees(after))) == expected
-    assert len(after.graph.nodes) == len(before.graph.nodes) + sum(expected)
+    n_prefetches = max(0, expected[0] - 1)
+    assert len(prefetches(after)) == n_prefetches
+    assert len(after.graph.nodes) == len(before.graph.nodes) + sum(expected) + n_prefetches
+
+
+def test_each_gather_but_the_first_starts_right_after_the_previous_one(run):
+    gm = run["compiled"].graph_module
+    gathered = gathers(gm)
+    assert not gathered or len(gathered[0].args) == 4  # the first is not prefetched
+    for previous, node in zip(gathered, gathered[1:]):
+        param, _, _, group, started = node.args
+        assert started.target is prefetch_param and started.args == (param, group)
+        assert previous.next is param and param.next is started
 
 
 def test_each_sharded_parameter_is_gathered_once(run):
@@ -83,14 +99,14 @@ def test_each_sharded_parameter_is_gathered_once(run):
     full = {n: p for n, p in run["reference"].named_parameters()}
     seen = []
     for node in gathers(gm):
-        param, shape, node_strategy, group = node.args
+        param, shape, node_strategy, group = node.args[:4]
         assert param.op == "get_attr" and osdp_meta(param).role == "param"
-        assert list(param.users) == [node], node.format_node()
+        assert set(param.users) == {node, *node.args[4:]}, node.format_node()
         assert tuple(shape) == tuple(full[param.target].shape)
         assert (node_strategy, group) == (strategy, "world")
         seen.append(param.target)
-        # The get_attr moved to just before the gather, itself before every use.
-        assert param.next is node
+        # The get_attr moved to just before the gather (or its prefetch), before every use.
+        assert param.next is (node.args[4] if len(node.args) > 4 else node)
     assert sorted(seen) == ([] if strategy == "replicate" else sorted(full))
 
 
@@ -272,3 +288,20 @@ def test_make_shard_pads_and_slices(numel, world):
     flat = torch.cat([s.detach() for s in shards])
     torch.testing.assert_close(flat[:numel], full, atol=0, rtol=0)
     assert not flat[numel:].any()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_prefetch_distance_is_recorded_in_the_plan_and_its_file(tmp_path, prefetch):
+    model, inputs = pc.PASS_MODELS["mlp"][0]()
+    compiled = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard", prefetch=prefetch)
+    gm = compiled.graph_module
+    assert compiled.plan.prefetch == prefetch
+    assert len(prefetches(gm)) == (len(gathers(gm)) - prefetch if prefetch else 0)
+    for earlier, node in zip(gathers(gm), gathers(gm)[prefetch:]) if prefetch else ():
+        assert earlier.next.next is node.args[4]  # started right after that earlier gather
+    compiled.plan.save(tmp_path / "plan.json")
+    again = compile_osdp(copy.deepcopy(model), inputs, plan=str(tmp_path / "plan.json"))
+    assert again.plan.prefetch == prefetch and again.plan.hash() == compiled.plan.hash()
+    default = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard")
+    assert default.plan.prefetch == 1 and default.plan.hash() != compiled.plan.hash()
+    torch.testing.assert_close(compiled(*inputs), default(*inputs), rtol=0, atol=0)
