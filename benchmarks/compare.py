@@ -36,7 +36,7 @@ What is measured, per system:
   The table shows the largest rank.
 - communication per step, as the bytes of the full buffer of each collective (all-gather: the
   gathered output; reduce-scatter: the unreduced input; all-reduce: the tensor), summed:
-  osdp-fx from the plan (``ParamPlan.collectives(world)``), FSDP2 counted by wrapping the
+  osdp-fx from the plan (``Plan.collectives_of``), FSDP2 counted by wrapping the
   ``torch.distributed`` collectives during one step; DDP's all-reduces run inside its C++
   reducer, invisible from Python, so DDP's figure is the sum of its gradient bytes (what its
   buckets all-reduce). The "counted" column is the wrapped count for every system (osdp-fx's
@@ -451,7 +451,7 @@ def make_osdp(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
         predicted_step_s=p.step_time_s, predicted_peak_bytes=p.peak_memory_bytes,
         predicted_phases_s={"compute": p.prediction.compute_s, "comm": p.prediction.comm_s,
                             "optimizer": p.prediction.optim_s} if p.prediction else None,
-        comm_bytes=sum(b for pp in p.params for side in pp.collectives(world) for _, b in side),
+        comm_bytes=sum(b for pp in p.params for side in p.collectives_of(pp) for _, b in side),
         counted_comm_bytes=counter.bytes,
         comm_note="from the plan: full buffer of each collective",
     )

@@ -7,6 +7,8 @@ from .clip import clip_grad_norm_
 from .devices import Devices
 from .errors import OSDPError
 from .plan import Plan
+from .precision import MixedPrecision
 
-__all__ = ["compile_osdp", "clip_grad_norm_", "Devices", "OSDPError", "OSDPModule", "Plan"]
+__all__ = ["compile_osdp", "clip_grad_norm_", "Devices", "OSDPError", "MixedPrecision", "OSDPModule",
+           "Plan"]
 __version__ = "0.1.0"

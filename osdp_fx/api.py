@@ -19,7 +19,15 @@ from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
 from .passes.shard import make_shard, shard_parameters_pass
 from .passes.split_linear import apply_splits
-from .plan import REPLICATE, Plan, check_prefetch, requested_splits, resolve_plan
+from .plan import (
+    REPLICATE,
+    Plan,
+    check_prefetch,
+    requested_precision,
+    requested_splits,
+    resolve_plan,
+)
+from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.params import _gather_full, reduce_scatters, step_context
@@ -40,6 +48,7 @@ def compile_osdp(
     batch_sizes: Sequence[int] | None = None,
     split: bool = True,
     prefetch: int | None = None,
+    mixed_precision: MixedPrecision | str | torch.dtype | None = None,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -68,6 +77,11 @@ def compile_osdp(
         prefetch: how many sharded parameters ahead each all-gather starts, in forward and in
             backward, to overlap it with computation (0: gather each when needed; each more
             holds one more gathered parameter). Default: the plan's, else 1.
+        mixed_precision: compute in a lower precision: ``"bf16"``, ``"fp16"``, a dtype, or
+            :class:`MixedPrecision` (``param_dtype``, ``reduce_dtype``). Parameters, their
+            shards and the optimizer state stay in their own dtype; floating parameters are
+            gathered and computed in ``param_dtype`` and floating inputs cast to it; gradients
+            are reduced in ``reduce_dtype`` (default float32). Default: the plan's, else none.
 
     Collective: every rank of the world must call it with the same model and plan.
     """
@@ -75,27 +89,32 @@ def compile_osdp(
     check_optimizer(optimizer)
     if prefetch is not None:
         check_prefetch(prefetch)
+    precision = resolve_mixed_precision(mixed_precision)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
     captured = capture(model, inputs)
     if plan is not None:  # a bad plan fails here, before any collective
         apply_splits(captured, requested_splits(plan))
         resolve_plan(plan, param_specs(captured), world_size=world_size, memory_limit_bytes=limit)
+        from_plan = requested_precision(plan)
+        if precision is None and from_plan is not None:
+            precision = MixedPrecision(*map(dtype_from_name, from_plan))
     devices = devices_for(devices, world_size=world_size, memory_limit_bytes=limit,
                           detect=plan is None)
     resolved, _ = make_plan(captured, inputs, plan=plan, devices=devices,
                             memory_limit_bytes=limit, optimizer=optimizer,
                             batch_sizes=batch_sizes, split=split, agree=_from_rank0,
-                            prefetch=prefetch)
+                            prefetch=prefetch, precision=precision)
     run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
     _check_ranks_agree(resolved)
     _broadcast_from_rank0(captured.gm)
+    reduce_dtype = precision.reduce_dtype if precision is not None else None
     gm = run_passes(captured.gm, [
-        ("shard", lambda g: shard_parameters_pass(g, plan=resolved, world_size=world_size,
-                                                  rank=rank, group=WORLD,
-                                                  prefetch=resolved.prefetch)),
+        ("shard", lambda g: shard_parameters_pass(
+            g, plan=resolved, world_size=world_size, rank=rank, group=WORLD,
+            prefetch=resolved.prefetch, reduce_dtype=reduce_dtype)),
     ])
-    return OSDPModule(gm, resolved, captured)
+    return OSDPModule(gm, resolved, captured, reduce_dtype)
 
 
 def _from_rank0(choice: Any) -> Any:
@@ -155,7 +174,8 @@ class OSDPModule(nn.Module):
     ``.grad`` holds the gradient averaged over ranks.
     """
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, captured: Captured) -> None:
+    def __init__(self, gm: fx.GraphModule, plan: Plan, captured: Captured,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "_gm", gm)
         # Share the graph module's attributes so names are the model's own.
@@ -172,7 +192,7 @@ class OSDPModule(nn.Module):
             gm.get_parameter(p.name) for p in plan.params
             if p.strategy == REPLICATE and not p.note
         ]
-        self._reducer = GradReducer(replicated, WORLD)
+        self._reducer = GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype)
 
     # ---- running ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

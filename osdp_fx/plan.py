@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from tabulate import tabulate
 
 from .errors import PlanError
@@ -87,18 +88,23 @@ class ParamPlan:
         """Bytes of the gathered flat buffer: the shard size times the world size."""
         return -(-self.numel // world_size) * world_size * self.element_size
 
-    def collectives(self, world_size: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-        """(forward, backward) collectives of one step, each as (name, bytes of the full buffer)."""
+    def collectives(
+        self, world_size: int, *, gather_element_size: int | None = None,
+        reduce_element_size: int | None = None,
+    ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """(forward, backward) collectives of one step, each as (name, bytes of the full buffer).
+        Element sizes of the gathered parameter and of the reduced gradient default to the
+        parameter's own (mixed precision changes them: :meth:`Plan.collectives_of`)."""
         if world_size == 1 or (self.strategy == REPLICATE and self.note):
             return [], []
-        full = self.padded_bytes(world_size)
+        padded_numel = self.padded_bytes(world_size) // self.element_size
+        gather = padded_numel * (gather_element_size or self.element_size)
+        scatter = padded_numel * (reduce_element_size or self.element_size)
         if self.strategy == REPLICATE:
-            return [], [("all_reduce", self.nbytes)]
-        if self.strategy == SHARD_GRAD_OP:
-            return [("all_gather", full)], [("reduce_scatter", full)]
-        if not self.regathered:
-            return [("all_gather", full)], [("reduce_scatter", full)]
-        return [("all_gather", full)], [("all_gather", full), ("reduce_scatter", full)]
+            return [], [("all_reduce", self.numel * (reduce_element_size or self.element_size))]
+        if self.strategy == SHARD_GRAD_OP or not self.regathered:
+            return [("all_gather", gather)], [("reduce_scatter", scatter)]
+        return [("all_gather", gather)], [("all_gather", gather), ("reduce_scatter", scatter)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +156,11 @@ class Plan:
     splits: tuple[tuple[str, int], ...] = ()
     """Linear weights split into parts, as (weight name, number of parts); the parts
     (``<weight>_part<i>``, and the bias's) are parameter groups of their own in ``params``."""
+    param_dtype: str = ""
+    """Mixed precision: the dtype floating parameters are gathered and computed in, e.g.
+    'bfloat16' ('' = their own)."""
+    reduce_dtype: str = ""
+    """Mixed precision: the dtype gradients are reduced in ('' = the parameters' own)."""
     prefetch: int = DEFAULT_PREFETCH
     """How many sharded parameters ahead each all-gather starts, in forward and backward (0:
     each parameter is gathered when it is needed)."""
@@ -197,6 +208,14 @@ class Plan:
             for p in self.params
         )
 
+    def collectives_of(self, p: ParamPlan) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """``p.collectives`` at this plan's world size and precision."""
+        def size(name: str) -> int | None:
+            return _element_size(name) if name else None
+
+        return p.collectives(self.world_size, gather_element_size=size(self.param_dtype),
+                             reduce_element_size=size(self.reduce_dtype))
+
     # ---- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -206,6 +225,9 @@ class Plan:
             "memory_limit_bytes": self.memory_limit_bytes,
             **({"splits": dict(self.splits)} if self.splits else {}),
             "prefetch": self.prefetch,
+            **({"mixed_precision": {"param_dtype": self.param_dtype,
+                                    "reduce_dtype": self.reduce_dtype}}
+               if self.param_dtype else {}),
             "params": {
                 p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
                          **({"aliases": list(p.aliases)} if p.aliases else {}),
@@ -239,7 +261,7 @@ class Plan:
         rows = []
         predicted = self.prediction is not None
         for p in self.params:
-            fwd, bwd = p.collectives(self.world_size)
+            fwd, bwd = self.collectives_of(p)
             shard = p.nbytes if p.strategy == REPLICATE else p.padded_bytes(self.world_size) // self.world_size
             row = [
                 p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else ""),
@@ -257,6 +279,9 @@ class Plan:
             head += ["compute ms", "comm ms"]
         counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
         split = "; split: " + ", ".join(f"{n} in {k}" for n, k in self.splits) if self.splits else ""
+        if self.param_dtype:
+            split += f"; compute in {self.param_dtype}, reduce in {self.reduce_dtype}"
+        split += f"; prefetch {self.prefetch}"
         lines = [
             f"Plan for world size {self.world_size} ({counts}; source: {self.source or 'user'}; "
             f"hash {self.hash()}{split})",
@@ -281,7 +306,7 @@ class Plan:
     def explain(self, name: str) -> str:
         """Why one parameter group runs the way it does, and what that costs per step."""
         p = self[name]
-        fwd, bwd = p.collectives(self.world_size)
+        fwd, bwd = self.collectives_of(p)
         lines = [
             f"{p.name}: {p.strategy}" + (f" ({p.note})" if p.note else ""),
             f"  shape {tuple(p.shape)} {p.dtype}, {format_bytes(p.nbytes)} full",
@@ -291,6 +316,14 @@ class Plan:
         if p.aliases:
             lines.append(f"  tied to: {', '.join(p.aliases)}")
         return "\n".join(lines)
+
+
+def _element_size(dtype_name: str) -> int:
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PlanError(f"unknown dtype {dtype_name!r} in the plan's mixed precision; use e.g. "
+                        "'bfloat16', 'float16' or 'float32'")
+    return dtype.itemsize
 
 
 def _ms(seconds: float | None) -> str:
@@ -433,6 +466,28 @@ def resolve_plan(
         f"plan must be a strategy name ({', '.join(STRATEGIES)}), a Plan, or a path to a JSON "
         f"plan file; got {type(spec).__name__}"
     )
+
+
+def requested_precision(spec: str | os.PathLike[str] | Plan | None) -> tuple[str, str] | None:
+    """(param_dtype, reduce_dtype) names a Plan or plan file's "mixed_precision" asks for."""
+    if isinstance(spec, Plan):
+        return (spec.param_dtype, spec.reduce_dtype) if spec.param_dtype else None
+    if spec is None or not isinstance(spec, (str, os.PathLike)) or (
+            isinstance(spec, str) and spec in STRATEGIES):
+        return None
+    path = os.fspath(spec)
+    if not path.endswith(".json") and not os.path.exists(path):
+        return None
+    mp = load_plan_dict(path).get("mixed_precision")
+    if mp is None:
+        return None
+    if not isinstance(mp, Mapping) or not isinstance(mp.get("param_dtype"), str):
+        raise PlanError(f"plan file {path!r}: \"mixed_precision\" must be like "
+                        '{"param_dtype": "bfloat16", "reduce_dtype": "float32"}')
+    names = (mp["param_dtype"], mp.get("reduce_dtype", "float32"))
+    for name in names:
+        _element_size(name)
+    return names
 
 
 def requested_splits(spec: str | os.PathLike[str] | Plan | None) -> dict[str, int]:

@@ -34,6 +34,7 @@ from .cost_models.timeline import (
 )
 from .devices import DEFAULT_CPU_MEMORY_BYTES, Devices
 from .errors import InputError, PlanError
+from .passes.precision import cast_params_pass
 from .passes.profile import profile_graph_pass
 from .passes.search import solve_min_time
 from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
@@ -49,6 +50,7 @@ from .plan import (
     requested_splits,
     resolve_plan,
 )
+from .precision import MixedPrecision, dtype_name
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class Analysis:
     """Storage roots, savers and gradient flow of the profiled graph."""
     batch_size: int
     """Per-rank batch size of the profiled inputs (first dimension of the first tensor)."""
+    precision: MixedPrecision | None = None
+    """Mixed precision the graph was cast for before profiling (``cast_params_pass``)."""
 
 
 def check_optimizer(optimizer: str) -> None:
@@ -123,6 +127,7 @@ def make_plan(
     split: bool = True,
     agree: Callable[[Any], Any] = lambda choice: choice,
     prefetch: int | None = None,
+    precision: MixedPrecision | None = None,
 ) -> tuple[Plan, Analysis]:
     """Profile the model and return the plan in force with its predictions.
 
@@ -135,41 +140,58 @@ def make_plan(
     check_optimizer(optimizer)
     splits = requested_splits(plan)
     apply_splits(captured, splits)
-    analysis = analyze(captured, example_inputs, fake=fake)
-    batch = None
-    if plan is None:
+    search = plan is None
+    split_search = search and split and devices.world_size > 1
+    if split_search or precision is None:
+        analysis = analyze(captured, example_inputs, fake=fake)
+    if split_search:
         assert devices.memory_bytes is not None, "devices_for fills the memory limit"
-        prefetch = DEFAULT_PREFETCH if prefetch is None else prefetch
+        # with mixed precision the splits are chosen on the full-precision profile
+        chosen = agree(choose_splits(analysis, devices=devices,
+                                     memory_limit_bytes=devices.memory_bytes,
+                                     optimizer=optimizer, prefetch=_prefetch(prefetch)))
+        if chosen:
+            splits = chosen
+            apply_splits(captured, splits)
+            analysis = analyze(captured, example_inputs, fake=fake)
+    if precision is not None:
+        cast_params_pass(captured.gm, precision.param_dtype)
+        analysis = analyze(captured, example_inputs, fake=fake, precision=precision)
+    batch = None
+    if search:
+        assert devices.memory_bytes is not None, "devices_for fills the memory limit"
         limit = devices.memory_bytes
-        if split and devices.world_size > 1:
-            splits = agree(choose_splits(analysis, devices=devices, memory_limit_bytes=limit,
-                                         optimizer=optimizer, prefetch=prefetch))
-            if splits:
-                apply_splits(captured, splits)
-                analysis = analyze(captured, example_inputs, fake=fake)
         specs = param_specs(captured)
         if batch_sizes:
             batch, strategies = agree(search_batch_size(
                 analysis, batch_sizes, devices=devices, memory_limit_bytes=limit,
-                optimizer=optimizer, prefetch=prefetch))
+                optimizer=optimizer, prefetch=_prefetch(prefetch)))
         else:
             strategies = agree(search_strategies(analysis, devices=devices,
                                                  memory_limit_bytes=limit, optimizer=optimizer,
-                                                 prefetch=prefetch))
+                                                 prefetch=_prefetch(prefetch)))
         resolved = build_plan(strategies, specs, world_size=devices.world_size,
                               memory_limit_bytes=limit, source="search", splits=splits,
-                              prefetch=prefetch)
+                              prefetch=_prefetch(prefetch))
     else:
         resolved = resolve_plan(plan, param_specs(captured), world_size=devices.world_size,
                                 memory_limit_bytes=memory_limit_bytes)
         if prefetch is not None:
             resolved = dataclasses.replace(resolved, prefetch=prefetch)
+    if precision is not None:
+        resolved = dataclasses.replace(resolved, param_dtype=dtype_name(precision.param_dtype),
+                                       reduce_dtype=dtype_name(precision.reduce_dtype))
     plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch)
     return plan_out, analysis
 
 
+def _prefetch(prefetch: int | None) -> int:
+    return DEFAULT_PREFETCH if prefetch is None else prefetch
+
+
 def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
-            warmup: int = 1, repeats: int = 3) -> Analysis:
+            warmup: int = 1, repeats: int = 3,
+            precision: MixedPrecision | None = None) -> Analysis:
     """Profile ``captured.gm`` on ``example_inputs``."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
     with unchanged_state(captured.gm):
@@ -178,13 +200,16 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch = next((int(x.shape[0]) for x in example_inputs
                   if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
-    return Analysis(captured, graph_facts(captured.gm, trainable), batch)
+    return Analysis(captured, graph_facts(captured.gm, trainable), batch, precision)
 
 
 def _state(analysis: Analysis, name: str, strategy: str) -> ParamState:
     p = analysis.captured.params[name]
+    mp = analysis.precision if p.dtype.is_floating_point else None
     return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,
-                      trainable=p.trainable)
+                      trainable=p.trainable,
+                      compute_element_size=mp.param_dtype.itemsize if mp else None,
+                      reduce_element_size=mp.reduce_dtype.itemsize if mp else None)
 
 
 def _states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, ParamState]:

@@ -92,19 +92,21 @@ def group_cost(
 ) -> GroupCost:
     """Costs of one group under ``state.strategy`` (see the module docstring)."""
     world = devices.world_size
-    full = state.numel * state.element_size
-    padded = gathered_param_bytes(state.numel, element_size=state.element_size, world_size=world)
+    full = state.numel * state.reduce_size  # the gradient, as reduced
+    padded_numel = gathered_param_bytes(state.numel, element_size=1, world_size=world)
+    padded = padded_numel * state.compute_size  # the gathered parameter
     local_numel = state.numel if state.strategy == REPLICATE else shard_numel(state.numel, world)
     local = local_numel * state.element_size
     collectives: list[tuple[str, int]] = []
     if world > 1 and state.trainable:
+        scatter = ("reduce_scatter", padded_numel * state.reduce_size)
         if state.strategy == REPLICATE:
             collectives = [("all_reduce", full)]
         elif state.strategy == SHARD_GRAD_OP:
-            collectives = [("all_gather", padded), ("reduce_scatter", padded)]
+            collectives = [("all_gather", padded), scatter]
         else:
             collectives = [("all_gather", padded)] * (2 if regathered else 1)
-            collectives.append(("reduce_scatter", padded))
+            collectives.append(scatter)
     comm_s = sum(collective_time_s(c, n, devices) for c, n in collectives)
     if state.strategy == REPLICATE and collectives:
         # Replicated gradients share bucketed all-reduces: latency is paid per bucket, not per
@@ -125,6 +127,8 @@ def group_cost(
         transient = padded
     elif state.strategy == FULL_SHARD:
         transient = 2 * padded
+    elif state.compute_size != state.element_size:  # mixed precision: the cast copy
+        persistent += state.numel * state.compute_size
     return GroupCost(
         strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
         comm_bytes=sum(n for _, n in collectives), optim_s=optim_s,

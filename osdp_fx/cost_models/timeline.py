@@ -73,6 +73,18 @@ class ParamState:
     """replicate, shard_grad_op or full_shard."""
     trainable: bool
     """Whether it gets a gradient and optimizer state."""
+    compute_element_size: int | None = None
+    """Mixed precision: bytes per element of the gathered / cast parameter (None: its own)."""
+    reduce_element_size: int | None = None
+    """Mixed precision: bytes per element of the reduced gradient (None: its own)."""
+
+    @property
+    def compute_size(self) -> int:
+        return self.compute_element_size or self.element_size
+
+    @property
+    def reduce_size(self) -> int:
+        return self.reduce_element_size or self.element_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +146,9 @@ def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts
     root: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         inputs = [a for a in n.all_input_nodes if prof[a].output_bytes > 0]
-        view = prof[n].output_is_view and inputs and n.op != "get_attr"
+        # a parameter's mixed-precision cast counts as the parameter (its compute copy)
+        view = inputs and n.op != "get_attr" and (prof[n].output_is_view
+                                                  or osdp_meta(n).role == "cast")
         root[n] = root[inputs[0]] if view else n
     param_of = {n: osdp_meta(n).param for n in nodes if n.op == "get_attr" and osdp_meta(n).param}
     requires_grad: dict[fx.Node, bool] = {}
@@ -258,6 +272,7 @@ def predict_step_memory(
         full = state.numel * state.element_size
         padded = gathered_param_bytes(state.numel, element_size=state.element_size,
                                       world_size=world_size)
+        gathered = padded // state.element_size * state.compute_size
         local = full if state.strategy == REPLICATE else padded // world_size
         local_numel = state.numel if state.strategy == REPLICATE else shard_numel(
             state.numel, world_size)
@@ -270,14 +285,17 @@ def predict_step_memory(
             continue
         last = max(pos[u] for u in uses)
         saved_by = savers.get(node, [])
+        kept_until = max(bwd(min(pos[j] for j in saved_by)) if saved_by else last, last)
         if state.strategy == FULL_SHARD:
-            tl.alive(gather_at[node], last, padded, scaled=False)
+            tl.alive(gather_at[node], last, gathered, scaled=False)
             for j in saved_by:
-                tl.alive(regather_at.get((node, j), bwd(pos[j])), bwd(pos[j]), padded,
+                tl.alive(regather_at.get((node, j), bwd(pos[j])), bwd(pos[j]), gathered,
                          scaled=False)
         elif state.strategy == SHARD_GRAD_OP:
-            end = bwd(min(pos[j] for j in saved_by)) if saved_by else last
-            tl.alive(gather_at[node], max(end, last), padded, scaled=False)
+            tl.alive(gather_at[node], kept_until, gathered, scaled=False)
+        elif state.compute_size != state.element_size:  # replicate: the cast copy
+            tl.alive(min(pos[u] for u in uses), kept_until, state.numel * state.compute_size,
+                     scaled=False)
         if not state.trainable:
             continue
         grad_uses = [u for u in uses if requires_grad[u]]
@@ -286,16 +304,19 @@ def predict_step_memory(
         grad_start, grad_done = bwd(max(pos[u] for u in grad_uses)), bwd(min(pos[u] for u in grad_uses))
         if state.strategy == REPLICATE:
             tl.alive(grad_start, optim_t, full, scaled=False)
-            replicated_grads.append(full)
+            replicated_grads.append(state.numel * state.reduce_size)
         else:
             # The reduce-scatter starts after the first use's backward has released what it
-            # unpacked (half a step later) and holds the (padded) gradient until it completes.
+            # unpacked (half a step later) and holds the gradient (or its padded copy in the
+            # reduce dtype) until it completes.
             scatter = grad_done + 0.5
-            if padded != full:  # the gradient until its padded copy, which the collective holds
-                tl.alive(grad_start, scatter, full, scaled=False)
-                scatters.append((scatter, scatter, padded))
+            grad = state.numel * state.compute_size
+            held = padded // state.element_size * state.reduce_size
+            if held != grad:
+                tl.alive(grad_start, scatter, grad, scaled=False)
+                scatters.append((scatter, scatter, held))
             else:
-                scatters.append((scatter, grad_start, full))
+                scatters.append((scatter, grad_start, held))
             tl.alive(scatter, optim_t, padded // world_size, scaled=False)
     # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
     # the rest complete at the end of backward.

@@ -1,7 +1,8 @@
 """Analysis pass: which nodes' outputs share storage with which parameters.
 
 The sharding pass frees a gathered full_shard parameter after the last forward use of the
-parameter *or any view of it* (``W.t()``, ``W.view(...)``, ``W[idx]`` in an export graph); this
+parameter *or any view of it* (``W.t()``, ``W.view(...)``, ``W[idx]`` in an export graph, and
+views of its mixed-precision cast, which the shard pass folds into the all-gather); this
 pass finds those views by running the graph once on the example inputs and comparing storages.
 It writes ``osdp_meta(node).aliases`` and never changes the graph.
 """
@@ -23,9 +24,15 @@ class _AliasInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, storages: dict[int, str]) -> None:
         super().__init__(gm)
         self.storages = storages
+        self.casts: list[torch.Tensor] = []
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
+        if osdp_meta(n).role == "cast" and isinstance(result, torch.Tensor):
+            # A mixed-precision cast is the parameter as computed with: its views count too.
+            # Keep it alive, so that no later tensor reuses its storage's address.
+            self.casts.append(result)
+            self.storages[result.untyped_storage()._cdata] = n.args[0].target
         names = frozenset(
             self.storages[key]
             for leaf in tree_leaves(result)

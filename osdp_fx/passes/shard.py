@@ -45,6 +45,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from ..capture import set_attr
 from ..meta import osdp_meta, set_osdp_meta
 from ..plan import FULL_SHARD, SHARDED, Plan
+from .precision import cast_of
 from ..runtime.collectives import WORLD, pad_flat, shard_numel
 from ..runtime.params import all_gather_param, free_param, prefetch_param
 
@@ -66,14 +67,15 @@ def _insert_prefetches(graph: fx.Graph, distance: int) -> None:
         shard, _, _, group = target.args
         anchor.append(shard)
         with graph.inserting_after(shard):
-            started = graph.call_function(prefetch_param, (shard, group))
+            started = graph.call_function(prefetch_param, (shard, group),
+                                          {k: v for k, v in target.kwargs.items() if k == "dtype"})
         set_osdp_meta(started, role="prefetch", param=shard.target)
         target.args = (*target.args, started)
 
 
 def shard_parameters_pass(
     gm: fx.GraphModule, *, plan: Plan, world_size: int, rank: int, group: str = WORLD,
-    prefetch: int = 1,
+    prefetch: int = 1, reduce_dtype: torch.dtype | None = None,
 ) -> PassResult:
     """Shard the parameters the plan shards and insert their collectives (module docstring)."""
     graph = gm.graph
@@ -87,14 +89,20 @@ def shard_parameters_pass(
         full = gm.get_parameter(node.target)
         set_attr(gm, node.target, make_shard(full, world_size=world_size, rank=rank))
 
-        views = [n for n in graph.nodes if node.target in osdp_meta(n).aliases and n is not node]
+        cast = cast_of(node)  # mixed precision: the shard is cast before the gather instead
+        views = [n for n in graph.nodes
+                 if node.target in osdp_meta(n).aliases and n is not node and n is not cast]
         first_user = min(node.users, key=order.__getitem__)
         first_user.prepend(node)
+        kwargs = {"dtype": cast.args[1], "reduce_dtype": reduce_dtype} if cast is not None else {}
         with graph.inserting_after(node):
             gathered = graph.call_function(
-                all_gather_param, (node, entry.shape, entry.strategy, group)
+                all_gather_param, (node, entry.shape, entry.strategy, group), kwargs
             )
         set_osdp_meta(gathered, role="all_gather", param=node.target, aliases=frozenset())
+        if cast is not None:
+            cast.replace_all_uses_with(gathered)
+            graph.erase_node(cast)
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
         n_gathers += 1
 

@@ -51,6 +51,7 @@ class _Gathered:
     shard: torch.Tensor
     shape: tuple[int, ...]
     group: str
+    dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,8 @@ class StepContext:
 
     def __init__(self, prefetch: int = 1) -> None:
         self.prefetch = prefetch
-        self._live: dict[int, _Gathered] = {}
+        # storage key -> (the gathered tensor, weakly, and what it was gathered from)
+        self._live: dict[int, tuple[weakref.ref[torch.Tensor], _Gathered]] = {}
         self._regathered: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary()
         )
@@ -83,14 +85,18 @@ class StepContext:
         self._pending: dict[int, Pending] = {}
 
     def track(self, full: torch.Tensor, gathered: _Gathered) -> None:
-        self._live[_storage_key(full)] = gathered
+        self._live[_storage_key(full)] = (weakref.ref(full), gathered)
 
     def release(self, full: torch.Tensor) -> bool:
         return self._live.pop(_storage_key(full), None) is not None
 
     def pack(self, t: torch.Tensor) -> Any:
-        gathered = self._live.get(_storage_key(t)) if t.device.type != "meta" else None
-        if gathered is None:
+        entry = self._live.get(_storage_key(t)) if t.device.type != "meta" else None
+        if entry is None:
+            return t
+        tracked, gathered = entry
+        if tracked() is None:  # a gathered tensor that died unfreed: its storage key is reused
+            del self._live[_storage_key(t)]
             return t
         if id(gathered.shard) not in self._index:
             self._index[id(gathered.shard)] = len(self._saved)
@@ -118,7 +124,7 @@ class StepContext:
 
     @staticmethod
     def _start(g: _Gathered) -> Pending:
-        return all_gather_flat_start(g.shard.detach(), g.group)
+        return all_gather_flat_start(_cast(g.shard.detach(), g.dtype), g.group)
 
 
 _local = threading.local()
@@ -143,9 +149,13 @@ def step_context(prefetch: int = 1) -> Iterator[StepContext]:
         stack.pop()
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
+
+
 def _gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str,
-                 pending: Pending | None = None) -> torch.Tensor:
-    flat = (pending or all_gather_flat_start(shard, group)).wait()
+                 pending: Pending | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    flat = (pending or all_gather_flat_start(_cast(shard, dtype), group)).wait()
     return flat[:math.prod(shape)].view(shape)
 
 
@@ -165,18 +175,19 @@ class GradReduceScatters:
         self._queued = False
 
     def start(self, shard: torch.Tensor, grad_full: torch.Tensor, group: str,
-              padded_numel: int) -> None:
+              padded_numel: int, reduce_dtype: torch.dtype | None = None) -> None:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         while len(self._in_flight) >= self.max_in_flight:
             self._complete(*self._in_flight.popleft())
-        pending = reduce_scatter_flat_start(pad_flat(grad_full, padded_numel), group)
+        grad = pad_flat(_cast(grad_full, reduce_dtype), padded_numel)
+        pending = reduce_scatter_flat_start(grad, group)
         self._in_flight.append((shard, pending, group_size(group)))
 
     @staticmethod
     def _complete(shard: torch.Tensor, pending: Pending, world: int) -> None:
-        grad = pending.wait().div_(world)
+        grad = pending.wait().div_(world).to(shard.dtype)
         if shard.grad is None:
             shard.grad = grad
         else:
@@ -201,18 +212,20 @@ reduce_scatters = GradReduceScatters()
 class _AllGatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, shape: tuple[int, ...], group: str,
-                pending: Pending | None) -> torch.Tensor:
-        ctx.group = group
+                pending: Pending | None, dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
         ctx.padded_numel = shard.numel() * group_size(group)
         ctx.shard = shard  # the leaf itself: saved_tensors would give a new tensor object
-        return _gather_full(shard, shape, group, pending)
+        return _gather_full(shard, shape, group, pending, dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, ...]:
         # The shard's gradient is not returned to autograd: the asynchronous reduce-scatter
         # accumulates it into ``shard.grad`` itself (by the end of backward).
-        reduce_scatters.start(ctx.shard, grad_full, ctx.group, ctx.padded_numel)
-        return None, None, None, None
+        reduce_scatters.start(ctx.shard, grad_full, ctx.group, ctx.padded_numel,
+                              ctx.reduce_dtype)
+        return None, None, None, None, None, None
 
 
 class Prefetched:
@@ -228,33 +241,38 @@ class Prefetched:
         return pending
 
 
-def prefetch_param(shard: torch.Tensor, group: str) -> Prefetched:
-    """Start gathering ``shard`` asynchronously; :func:`all_gather_param` waits for it."""
-    return Prefetched(all_gather_flat_start(shard.detach(), group))
+def prefetch_param(shard: torch.Tensor, group: str, *,
+                   dtype: torch.dtype | None = None) -> Prefetched:
+    """Start gathering ``shard`` (cast to ``dtype``) asynchronously; :func:`all_gather_param`
+    waits for it."""
+    return Prefetched(all_gather_flat_start(_cast(shard.detach(), dtype), group))
 
 
 def all_gather_param(
     shard: torch.Tensor, shape: tuple[int, ...], strategy: str, group: str,
-    prefetched: Prefetched | None = None,
+    prefetched: Prefetched | None = None, *, dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The full parameter of shape ``shape`` gathered from every rank's flat ``shard``.
 
     ``prefetched``: the all-gather a :func:`prefetch_param` node started earlier (this waits for
     it), else it is started here. Differentiable: in backward the gradient is reduce-scattered
     asynchronously, averaged over the ranks of ``group`` and accumulated into ``shard.grad``
-    (complete when backward returns). For ``strategy == "full_shard"`` inside a StepContext,
+    (complete when backward returns). Mixed precision: ``dtype`` is the dtype the shard is cast
+    to before it is gathered, ``reduce_dtype`` the one its gradient is reduce-scattered in
+    (both default to the shard's). For ``strategy == "full_shard"`` inside a StepContext,
     autograd saves a handle instead of the gathered tensor and backward re-gathers it.
     """
     shape = tuple(shape)
     pending = prefetched.take() if prefetched is not None else None
     if shard.requires_grad and torch.is_grad_enabled():
-        full = _AllGatherParam.apply(shard, shape, group, pending)
+        full = _AllGatherParam.apply(shard, shape, group, pending, dtype, reduce_dtype)
     else:
         with torch.no_grad():
-            full = _gather_full(shard, shape, group, pending)
+            full = _gather_full(shard, shape, group, pending, dtype)
     ctx = _active()
     if strategy == FULL_SHARD and ctx is not None:
-        ctx.track(full, _Gathered(shard, shape, group))
+        ctx.track(full, _Gathered(shard, shape, group, dtype))
     return full
 
 

@@ -40,13 +40,16 @@ def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[li
 
 
 class GradReducer:
-    """Averages the gradients of ``params`` over the ranks of ``group`` at the end of backward."""
+    """Averages the gradients of ``params`` over the ranks of ``group`` at the end of backward
+    (in ``reduce_dtype``, default the gradients' own)."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], group: str, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self, params: Sequence[nn.Parameter], group: str, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = list(params)
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -73,6 +76,8 @@ class GradReducer:
             return
         for bucket in self._buckets():
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            if self.reduce_dtype is not None:
+                flat = flat.to(self.reduce_dtype)
             all_reduce_sum_(flat, self.group).div_(world)
             offset = 0
             for p in bucket:

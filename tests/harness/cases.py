@@ -12,12 +12,12 @@ from .models import batches, build, local
 
 
 def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: float = 0.05,
-          local_batch: int = 2, seed: int = 0) -> dict[str, Any]:
+          local_batch: int = 2, seed: int = 0, mixed_precision: Any = None) -> dict[str, Any]:
     """Train ``model`` with SGD under ``plan`` for ``steps``; return losses and final state."""
     net, loss_fn = build(model, seed)
     data = [local(b, rank, world) for b in batches(model, global_batch=local_batch * world,
                                                     steps=steps)]
-    compiled = compile_osdp(net, data[0][:1], plan=plan)
+    compiled = compile_osdp(net, data[0][:1], plan=plan, mixed_precision=mixed_precision)
     opt = torch.optim.SGD(compiled.parameters(), lr=lr)
     losses = []
     for batch in data:
@@ -35,13 +35,23 @@ def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: f
 
 
 def reference_train(model: str, *, world: int, steps: int = 5, lr: float = 0.05,
-                    local_batch: int = 2, seed: int = 0) -> dict[str, Any]:
-    """Single-process training on the full global batch (run in the test process)."""
+                    local_batch: int = 2, seed: int = 0,
+                    param_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Single-process training on the full global batch (run in the test process); with
+    ``param_dtype``, computing with parameters and floating inputs cast to it, fp32 updates."""
     net, loss_fn = build(model, seed)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
     losses = []
+
+    def forward(x: torch.Tensor) -> Any:
+        if param_dtype is None:
+            return net(x)
+        cast = {n: p.to(param_dtype) for n, p in net.named_parameters()}
+        return torch.func.functional_call(
+            net, cast, (x.to(param_dtype) if x.is_floating_point() else x,))
+
     for batch in batches(model, global_batch=local_batch * world, steps=steps):
-        loss = loss_fn(net(*batch[:1]), batch)
+        loss = loss_fn(forward(batch[0]), batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -104,7 +114,7 @@ def frozen_and_buffers(rank: int, world: int, *, plan: str) -> dict[str, Any]:
 
 
 def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer: str,
-                      local_batch: int = 8) -> dict[str, Any]:
+                      local_batch: int = 8, mixed_precision: Any = None) -> dict[str, Any]:
     """Predicted peak memory of a step against the live-tensor tracker's measurement."""
     from osdp_fx.runtime.memory import measure_step_peak_bytes
 
@@ -112,7 +122,8 @@ def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer
 
     net = with_loss(model)
     batch = local(batches(model, global_batch=local_batch * world, steps=1)[0], rank, world)
-    compiled = compile_osdp(net, batch, plan=plan, optimizer=optimizer)
+    compiled = compile_osdp(net, batch, plan=plan, optimizer=optimizer,
+                            mixed_precision=mixed_precision)
     del net
     params = list(compiled.parameters())
     opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
