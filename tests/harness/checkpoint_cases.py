@@ -71,7 +71,8 @@ def _compile(name: str, plan: Any, rank: int, world: int, *, seed: int = 0):
     return compiled, torch.optim.AdamW(compiled.parameters(), lr=LR), loss_fn
 
 
-def _train(compiled, opt, loss_fn, data: list[Batch], rank: int, world: int) -> list[float]:
+def train_steps(compiled, opt, loss_fn, data: list[Batch], rank: int, world: int) -> list[float]:
+    """One optimizer step per global batch of ``data``, on this rank's slice; the losses."""
     losses = []
     for batch in data:
         batch = local(batch, rank, world)
@@ -89,15 +90,15 @@ def resume_same_world(rank: int, world: int, *, model: str, plan: Any, path: str
     optimizer) and train the same 3 steps again."""
     data = batches(model, steps=6)
     compiled, opt, loss_fn = _compile(model, plan, rank, world)
-    _train(compiled, opt, loss_fn, data[:3], rank, world)
+    train_steps(compiled, opt, loss_fn, data[:3], rank, world)
     saved = compiled.full_state_dict()
     save_checkpoint(path, compiled, opt, extra={"step": 3})
-    after = _train(compiled, opt, loss_fn, data[3:], rank, world)
+    after = train_steps(compiled, opt, loss_fn, data[3:], rank, world)
 
     fresh, fresh_opt, _ = _compile(model, plan, rank, world, seed=1)
     extra = load_checkpoint(path, fresh, fresh_opt)
     loaded = fresh.full_state_dict()
-    resumed = _train(fresh, fresh_opt, loss_fn, data[3:], rank, world)
+    resumed = train_steps(fresh, fresh_opt, loss_fn, data[3:], rank, world)
     return {"after": after, "resumed": resumed, "extra": extra,
             "state_equal": all(torch.equal(saved[k], loaded[k]) for k in saved)
             and list(saved) == list(loaded),
@@ -113,7 +114,7 @@ def train_segment(rank: int, world: int, *, model: str, plan: Any, start: int, s
     if load is not None:
         load_checkpoint(load, compiled, opt)
     at_start = compiled.full_state_dict()
-    losses = _train(compiled, opt, loss_fn, data, rank, world)
+    losses = train_steps(compiled, opt, loss_fn, data, rank, world)
     if save is not None:
         save_checkpoint(save, compiled, opt)
     return {"losses": losses, "at_start": at_start, "end": compiled.full_state_dict(),
@@ -178,10 +179,10 @@ def failed_saves(rank: int, world: int, *, path: str) -> dict[str, Any]:
     rank 0 wrote its own). The first checkpoint must stay intact and loadable."""
     compiled, opt, loss_fn = _compile("mlp", "full_shard", rank, world)
     data = batches("mlp", steps=3)
-    _train(compiled, opt, loss_fn, data[:2], rank, world)
+    train_steps(compiled, opt, loss_fn, data[:2], rank, world)
     saved = compiled.full_state_dict()
     save_checkpoint(path, compiled, opt, extra="first")
-    _train(compiled, opt, loss_fn, data[2:], rank, world)
+    train_steps(compiled, opt, loss_fn, data[2:], rank, world)
 
     errors = {}
     stray = torch.nn.Parameter(torch.zeros(3))
