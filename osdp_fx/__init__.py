@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from .api import OSDPModule, compile_osdp
+from .checkpoint import load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_
 from .devices import Devices
 from .errors import OSDPError
 from .plan import Plan
 from .precision import MixedPrecision
 
-__all__ = ["compile_osdp", "clip_grad_norm_", "Devices", "OSDPError", "MixedPrecision", "OSDPModule",
-           "Plan"]
+__all__ = ["compile_osdp", "clip_grad_norm_", "Devices", "MixedPrecision", "OSDPError", "OSDPModule",
+           "Plan", "load_checkpoint", "save_checkpoint"]
 __version__ = "0.1.0"

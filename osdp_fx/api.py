@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .capture import Captured, as_input_tuple, capture
+from .capture import META_UNSUPPORTED, Captured, as_input_tuple, capture
 from .devices import Devices
 from .errors import InputError, PlanMismatchError
+from .materialize import (check_initializable, check_same_rng_state, is_on_meta,
+                          materialize_device, materialize_meta_model)
 from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
 from .passes.shard import make_shard, shard_parameters_pass
@@ -49,13 +51,18 @@ def compile_osdp(
     split: bool = True,
     prefetch: int | None = None,
     mixed_precision: MixedPrecision | str | torch.dtype | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
     Args:
         model: the model; it is not modified except that its parameters and buffers are
             overwritten with rank 0's values (as DDP does). Drop your reference to it to free
-            its full-size parameters.
+            its full-size parameters. A model built under ``torch.device("meta")`` is planned
+            without values and then initialised one module at a time, keeping only this
+            rank's shards (``osdp_fx/materialize.py``; seed every rank the same); its meta
+            tensors are then replaced: replicated parameters and buffers by the values the
+            compiled module uses, sharded parameters by new meta tensors.
         example_inputs: this rank's inputs for one step, a tuple of the forward's positional
             arguments (a single tensor is accepted).
         devices: the cluster; None means the current default process group (world size 1 when
@@ -82,6 +89,8 @@ def compile_osdp(
             shards and the optimizer state stay in their own dtype; floating parameters are
             gathered and computed in ``param_dtype`` and floating inputs cast to it; gradients
             are reduced in ``reduce_dtype`` (default float32). Default: the plan's, else none.
+        init_fn: for a model on the meta device: ``init_fn(module)`` initialises the tensors a
+            module owns directly, instead of its ``reset_parameters()``.
 
     Collective: every rank of the world must call it with the same model and plan.
     """
@@ -92,7 +101,15 @@ def compile_osdp(
     precision = resolve_mixed_precision(mixed_precision)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
+    on_meta = is_on_meta(model)
+    check_initializable(model, init_fn, on_meta=on_meta)
+    if on_meta:  # captured and planned on the meta device; values come after sharding
+        device = materialize_device(inputs)
+        inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     captured = capture(model, inputs)
+    if on_meta and captured.method != "symbolic_trace":  # export bakes device=meta into the graph
+        raise InputError(f"{type(model).__name__} could only be captured by torch.export"
+                         f"{META_UNSUPPORTED}")
     if plan is not None:  # a bad plan fails here, before any collective
         apply_splits(captured, requested_splits(plan))
         resolve_plan(plan, param_specs(captured), world_size=world_size, memory_limit_bytes=limit)
@@ -107,13 +124,19 @@ def compile_osdp(
                             prefetch=prefetch, precision=precision)
     run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
     _check_ranks_agree(resolved)
-    _broadcast_from_rank0(captured.gm)
+    if on_meta:
+        check_same_rng_state(device)
+    else:
+        _broadcast_from_rank0(captured.gm)
     reduce_dtype = precision.reduce_dtype if precision is not None else None
     gm = run_passes(captured.gm, [
         ("shard", lambda g: shard_parameters_pass(
             g, plan=resolved, world_size=world_size, rank=rank, group=WORLD,
             prefetch=resolved.prefetch, reduce_dtype=reduce_dtype)),
     ])
+    if on_meta:
+        materialize_meta_model(model, gm, captured, resolved, world_size=world_size, rank=rank,
+                               device=device, init_fn=init_fn)
     return OSDPModule(gm, resolved, captured, reduce_dtype)
 
 

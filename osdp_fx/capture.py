@@ -42,6 +42,12 @@ from .meta import set_osdp_meta
 
 log = logging.getLogger(__name__)
 
+META_UNSUPPORTED = (
+    ". The model is on the meta device, where it must run on meta tensors and be captured by "
+    "torch.fx.symbolic_trace: models that only torch.export captures (Hugging Face "
+    "transformers) cannot be compiled from the meta device yet; build them on the CPU"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
@@ -143,11 +149,12 @@ def _check_inputs_accepted(model: nn.Module, example_inputs: tuple[Any, ...]) ->
         with torch.no_grad(), unchanged_state(model):
             model(*example_inputs)
     except Exception as exc:  # the user's model rejected the user's inputs
+        on_meta = any(p.device.type == "meta" for p in model.parameters())
         raise InputError(
             f"{type(model).__name__} rejected the example inputs "
             f"({_describe(example_inputs)}): {type(exc).__name__}: {exc}. Pass example_inputs "
             "as a tuple of the positional arguments the model's forward accepts, for one rank's "
-            "batch"
+            "batch" + (META_UNSUPPORTED if on_meta else "")
         ) from exc
 
 

@@ -36,7 +36,7 @@ class _AliasInterpreter(fx.Interpreter):
         names = frozenset(
             self.storages[key]
             for leaf in tree_leaves(result)
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+            if isinstance(leaf, torch.Tensor)  # meta tensors' views share their storage too
             and (key := leaf.untyped_storage()._cdata) in self.storages
         )
         if names:

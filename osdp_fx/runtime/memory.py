@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -56,7 +57,8 @@ class LiveTensorTracker(TorchDispatchMode):
         }
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            # meta and fake tensors (profiling a meta model) have no memory
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and not is_fake(t):
                 storage = t.untyped_storage()
                 if storage._cdata not in inputs:  # views and in-place results are not new
                     self._count(storage)

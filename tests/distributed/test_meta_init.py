@@ -1,0 +1,79 @@
+"""A model built on the meta device compiles, materialising only this rank's shards, with the
+values it would have had on the CPU (or those of a user init function)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import meta_cases as mc
+
+MIB = 2**20
+
+
+def plan_file(tmp_path, name: str, contents: dict) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, **contents}))
+    return str(path)
+
+
+def check_same_as_cpu(results):
+    for r in results:
+        assert r["devices"] == {"cpu"}
+        assert list(r["meta_state"]) == list(r["cpu_state"])
+        for key, value in r["cpu_state"].items():
+            torch.testing.assert_close(r["meta_state"][key], value, rtol=0, atol=0, msg=key)
+        for key, value in r["cpu_buffers"].items():
+            torch.testing.assert_close(r["meta_buffers"][key], value, rtol=0, atol=0, msg=key)
+        assert r["meta_losses"] == r["cpu_losses"]  # bitwise: same values, same plan
+
+
+@pytest.mark.parametrize("model,plan", [("mlp", "full_shard"), ("mlp", "mixed"),
+                                        ("mlp", "split"), ("tied", "full_shard"),
+                                        ("tied", "replicate")])
+def test_meta_model_gets_the_values_it_has_on_the_cpu(worlds, tmp_path, model, plan):
+    if plan == "mixed":
+        plan = plan_file(tmp_path, "mixed", {"default": "full_shard", "params": {
+            "layers.0.weight": "replicate", "layers.1.bias": "shard_grad_op"}})
+    elif plan == "split":
+        plan = plan_file(tmp_path, "split", {"splits": {"layers.1.weight": 3},
+                                             "default": "full_shard",
+                                             "params": {"layers.1.weight_part1": "replicate"}})
+    results = worlds(2).run(mc.meta_equals_cpu, model=model, plan=plan)
+    check_same_as_cpu(results)
+    if model == "tied":
+        assert "head.weight" not in results[0]["strategies"]  # one tied group
+        assert results[0]["meta_buffers"]["norm.scale"][0] == 0.5  # reset_parameters set it
+
+
+def test_init_fn_initialises_the_meta_model(worlds):
+    results = worlds(2).run(mc.meta_equals_cpu, model="mlp", plan="full_shard", init="normal")
+    check_same_as_cpu(results)
+    state = results[0]["meta_state"]
+    assert torch.count_nonzero(state["layers.0.bias"]) == 0  # normal_init's zeros
+    assert abs(state["layers.1.weight"].std().item() - 0.02) < 0.005
+
+
+def test_materialisation_peak_is_one_layer_plus_the_shards(worlds):
+    for r in worlds(2).run(mc.materialize_peak):
+        # 8 layers of 4 MiB at 2 ranks: 16 MiB of shards stay; one layer is full at a time
+        assert r["shards"] == r["full"] // 2
+        assert r["after"] <= r["shards"] + MIB, r
+        assert r["peak"] <= r["shards"] + r["layer"] + MIB // 4, {k: v / MIB for k, v in r.items()}
+        print({k: round(v / MIB, 2) for k, v in r.items()})
+
+
+def test_meta_errors_name_the_fix(worlds):
+    results = worlds(2).run(mc.meta_errors)
+    for r in results:
+        assert "InputError" in r["no_reset"] and "<root> (Unresettable: gain)" in r["no_reset"]
+        assert "init_fn=" in r["no_reset"]
+        assert "cache" in r["unset_buffer"] and "init_fn=f" in r["unset_buffer"]
+        assert "random states differ" in r["different_seeds"]
+        assert "torch.manual_seed" in r["different_seeds"]
+        assert "no meta tensors" in r["cpu_with_init_fn"]
+        assert "build them on the CPU" in r["hf_on_meta"] and "InputError" in r["hf_on_meta"]
+        assert r["with_init_fn"] == "compiled"
+    assert results[0] == results[1]

@@ -1,0 +1,205 @@
+"""Meta-device initialisation cases: run on every rank of a test world.
+
+Each case builds a model under ``torch.device("meta")`` after ``torch.manual_seed`` (the same
+seed on every rank), compiles it, and compares with the same model built on the CPU from the
+same seed, in the same process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from osdp_fx import compile_osdp
+from osdp_fx.errors import OSDPError
+from osdp_fx.examples import MLP
+from osdp_fx.runtime.memory import LiveTensorTracker
+
+from .checkpoint_cases import train_steps
+from .models import local
+
+
+class TiedLM(nn.Module):
+    """Embedding, LayerNorm and an LM head tied to the embedding; a non-persistent float buffer
+    that LayerNormScale.reset_parameters recomputes."""
+
+    def __init__(self, vocab: int = 37, dim: int = 12) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.norm = LayerNormScale(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.tok(idx)))
+
+
+class LayerNormScale(nn.LayerNorm):
+    """A LayerNorm whose output is scaled by a buffer that reset_parameters computes."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.register_buffer("scale", torch.empty(dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "scale"):
+            with torch.no_grad():
+                self.scale.copy_(torch.linspace(0.5, 1.5, self.scale.numel()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor]]:
+    """(model, global batch, loss_fn(output, local batch)); the model uses the current device
+    and the current random state."""
+    gen = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        batch = (torch.randn(8, 24, generator=gen), torch.randn(8, 3, generator=gen))
+        return MLP((24, 40, 33, 3)), batch, lambda out, b: F.mse_loss(out, b[1])
+    if name == "tied":
+        batch = (torch.randint(0, 37, (8, 5), generator=gen),)
+        return (TiedLM(), batch,
+                lambda out, b: F.cross_entropy(out.reshape(-1, 37), b[0].reshape(-1)))
+    raise ValueError(name)
+
+
+def normal_init(module: nn.Module) -> None:
+    """A user initialisation: normal weights, zero biases, for the tensors a module owns."""
+    for name, p in module.named_parameters(recurse=False):
+        if name == "bias":
+            nn.init.zeros_(p)
+        else:
+            nn.init.normal_(p, std=0.02)
+
+
+def meta_equals_cpu(rank: int, world: int, *, model: str, plan: Any,
+                    init: str | None = None) -> dict[str, Any]:
+    """Compile the model built on meta and the model built on the CPU from the same seed (with
+    ``init``: ``normal_init`` passed as init_fn on meta, and applied to each module from the
+    same seed after building on the CPU); return both full state dicts and buffers and two SGD
+    steps' losses of each."""
+    init_fn = normal_init if init == "normal" else None
+    torch.manual_seed(0)
+    cpu_net, batch, loss_fn = build(model)
+    if init_fn is not None:  # init_fn replaces reset_parameters: it draws from the seed first
+        torch.manual_seed(0)
+        for m in cpu_net.modules():
+            init_fn(m)
+    example = local(batch, rank, world)[:1]
+    cpu = compile_osdp(cpu_net, example, plan=plan)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta_net, _, _ = build(model)
+    meta = compile_osdp(meta_net, example, plan=plan, init_fn=init_fn)
+    return {
+        "meta_state": meta.full_state_dict(), "cpu_state": cpu.full_state_dict(),
+        "meta_buffers": {k: v.clone() for k, v in meta.named_buffers()},
+        "cpu_buffers": {k: v.clone() for k, v in cpu.named_buffers()},
+        "meta_losses": train_steps(meta, torch.optim.SGD(meta.parameters(), lr=0.1), loss_fn,
+                                   [batch] * 2, rank, world),
+        "cpu_losses": train_steps(cpu, torch.optim.SGD(cpu.parameters(), lr=0.1), loss_fn,
+                                  [batch] * 2, rank, world),
+        "devices": {str(p.device) for p in meta.parameters()},
+        "strategies": {p.name: p.strategy for p in meta.plan.params},
+    }
+
+
+class Stack(nn.Module):
+    """``depth`` square linears without biases."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def materialize_peak(rank: int, world: int, *, width: int = 1024, depth: int = 8
+                     ) -> dict[str, int]:
+    """Peak live tensor bytes while compiling a meta Stack under full_shard, and what stays."""
+    x = torch.randn(4, width)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Stack(width, depth)
+    tracker = LiveTensorTracker()
+    with tracker:
+        compiled = compile_osdp(net, (x,), plan="full_shard")
+        after = tracker.settle()
+    del net
+    return {"peak": tracker.peak_bytes, "after": after,
+            "shards": sum(p.numel() * p.element_size() for p in compiled.parameters()),
+            "layer": width * width * 4, "full": depth * width * width * 4}
+
+
+class Unresettable(nn.Module):
+    """A module owning a parameter, with no reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(3))
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gain
+
+
+class CachedLinear(nn.Linear):
+    """A linear whose __init__ computes a buffer that reset_parameters does not set."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 3)
+        self.register_buffer("cache", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.cache
+
+
+def meta_errors(rank: int, world: int) -> dict[str, str]:
+    """What compile_osdp says about a meta module it cannot initialise, a buffer nobody sets,
+    ranks seeded differently, init_fn on a CPU model, and a Hugging Face model on meta (only
+    torch.export captures it); then a good compile still works."""
+    x = torch.randn(2, 3)
+
+    def error(make: Callable[[], nn.Module], seed: int = 0, **kwargs: Any) -> str:
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            net = make()
+        try:
+            compile_osdp(net, (x,), plan="full_shard", **kwargs)
+        except OSDPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    out = {
+        "no_reset": error(Unresettable),
+        "unset_buffer": error(CachedLinear),
+        "different_seeds": error(lambda: nn.Linear(3, 3), seed=rank),
+    }
+    try:
+        compile_osdp(nn.Linear(3, 3), (x,), init_fn=normal_init)
+        out["cpu_with_init_fn"] = ""
+    except OSDPError as exc:
+        out["cpu_with_init_fn"] = f"{type(exc).__name__}: {exc}"
+    from .models import build as build_test_model
+
+    idx = torch.randint(0, 67, (2, 12))
+    with torch.device("meta"):
+        hf, _ = build_test_model("hf_gpt2")
+    try:
+        compile_osdp(hf, (idx,), plan="full_shard", init_fn=hf._init_weights)
+        out["hf_on_meta"] = ""
+    except OSDPError as exc:
+        out["hf_on_meta"] = f"{type(exc).__name__}: {exc}"
+    out["with_init_fn"] = error(Unresettable, init_fn=lambda m: [
+        nn.init.ones_(p) for p in m.parameters(recurse=False)]) or "compiled"
+    return out
