@@ -108,9 +108,12 @@ def plan_command(args: argparse.Namespace) -> int:
     captured = capture(model, inputs)
     start = time.perf_counter()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
+    from .precision import resolve_mixed_precision
+
     plan, analysis = make_plan(captured, inputs, plan=None, devices=devices,
                                memory_limit_bytes=limit, optimizer=args.optimizer, fake=args.fake,
-                               batch_sizes=batch_sizes)
+                               batch_sizes=batch_sizes,
+                               precision=resolve_mixed_precision(args.mixed_precision))
     batch = plan.prediction.batch_size
     search_s = time.perf_counter() - start
     print(plan)
@@ -230,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile without running (FLOPs and bytes; roofline time)")
     p_plan.add_argument("--batch-sizes", default=None,
                         help="candidate per-rank batch sizes searched jointly, e.g. 1,2,4,8")
+    p_plan.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"],
+                        help="gather and compute in bf16 or fp16 (fp32 shards and reduction)")
     p_plan.add_argument("--threads", type=int, default=1)
     p_plan.add_argument("--save", default=None, help="write the plan as JSON to this path")
     p_plan.set_defaults(func=plan_command)
