@@ -31,8 +31,9 @@ padded):
   reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
   reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward; the Pp/N
   shard gradient from the start of the reduce-scatter to the end;
-* gradient all-reduce: flat buckets of the replicated gradients, one at a time (each is released
-  as soon as its average is copied back);
+* gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
+  from when its last gradient is ready until the bucket ``reduce_scatters_in_flight`` later
+  starts or backward ends;
 * optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter.
 
 Every activation-related term scales with the batch size; parameter terms do not. The prediction
@@ -258,7 +259,7 @@ def predict_step_memory(
     # Parameters: gathered copies and gradients.
     base = 0
     local_bytes: list[int] = []
-    replicated_grads: list[int] = []
+    replicated_ready: dict[str, float] = {}  # when each replicated gradient is complete
     uses_of = {node: facts.param_uses(node) for node in param_of}
     sharded = [node for node in param_of if params[param_of[node]].strategy != REPLICATE
                and uses_of[node]]
@@ -304,7 +305,7 @@ def predict_step_memory(
         grad_start, grad_done = bwd(max(pos[u] for u in grad_uses)), bwd(min(pos[u] for u in grad_uses))
         if state.strategy == REPLICATE:
             tl.alive(grad_start, optim_t, full, scaled=False)
-            replicated_grads.append(state.numel * state.reduce_size)
+            replicated_ready[name] = grad_done + 0.5
         else:
             # The reduce-scatter starts after the first use's backward has released what it
             # unpacked (half a step later) and holds the gradient (or its padded copy in the
@@ -326,10 +327,9 @@ def predict_step_memory(
         tl.alive(since, scatters[later][0] if later < len(scatters) else grad_sync, held,
                  scaled=False)
 
-    if world_size > 1 and replicated_grads:
-        buckets = [sum(replicated_grads[i] for i in b)
-                   for b in plan_buckets([(None, g) for g in replicated_grads], bucket_bytes)]
-        tl.alive(grad_sync, grad_sync, max(buckets), scaled=False)
+    if world_size > 1:
+        _replicated_buckets(tl, params, replicated_ready, bucket_bytes=bucket_bytes,
+                            in_flight=reduce_scatters_in_flight, end=grad_sync)
     if OPTIMIZER_STATES[optimizer] == 2 and local_bytes:
         tl.alive(optim_t, optim_t, 2 * max(local_bytes), scaled=False)
 
@@ -344,6 +344,29 @@ def predict_step_memory(
         peak_bytes_expr=_envelope(points, profiled_batch),
         profiled_batch=profiled_batch,
     )
+
+
+def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],
+                        ready: Mapping[str, float], *, bucket_bytes: int, in_flight: int,
+                        end: float) -> None:
+    """The runtime's gradient buckets (``GradReducer``): replicated trainable groups in reverse
+    order; a bucket's flat copy is allocated when its last gradient is ready (buckets start in
+    order) and freed when the bucket ``in_flight`` later starts, or when backward ends."""
+    order = [n for n, p in params.items() if p.strategy == REPLICATE and p.trainable][::-1]
+    groups = plan_buckets([(params[n].element_size, params[n].numel * params[n].element_size)
+                           for n in order], bucket_bytes)
+    starts: list[tuple[float, int]] = []
+    for group in groups:
+        names = [order[i] for i in group]
+        flat = sum(params[n].numel * params[n].reduce_size for n in names if n in ready)
+        at = max(ready.get(n, end) for n in names)
+        if starts:
+            at = max(at, starts[-1][0])
+        if flat:
+            starts.append((at, flat))
+    for i, (at, flat) in enumerate(starts):
+        later = i + in_flight
+        tl.alive(at, starts[later][0] if later < len(starts) else end, flat, scaled=False)
 
 
 def _prefetched_gathers(sharded: list[fx.Node], uses_of: Mapping[fx.Node, list[fx.Node]],

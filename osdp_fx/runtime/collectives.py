@@ -101,6 +101,15 @@ def reduce_scatter_flat(full: torch.Tensor, group: str) -> torch.Tensor:
     return reduce_scatter_flat_start(full, group).wait()
 
 
+def all_reduce_sum_start(tensor: torch.Tensor, group: str) -> Any:
+    """Start summing ``tensor`` over ranks in place; returns the work to ``wait()`` on (None
+    when there is nothing to do)."""
+    if group_size(group) == 1:
+        return None
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=resolve_group(group),
+                           async_op=True)
+
+
 def all_reduce_sum_(tensor: torch.Tensor, group: str) -> torch.Tensor:
     """Sum ``tensor`` over ranks in place."""
     if group_size(group) > 1:

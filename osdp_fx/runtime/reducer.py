@@ -1,14 +1,20 @@
 """Averaging of replicated parameters' gradients over ranks, in buckets, DDP-style.
 
-Each trainable replicated parameter gets a post-accumulate-grad hook. The first hook to fire in a
-backward pass queues a callback on the autograd engine that runs when backward ends: it
-all-reduces every replicated gradient in a fixed order, packed into flat buckets of at most
-``bucket_bytes`` per dtype, and divides by the world size. The fixed order makes every rank issue
-the same collectives whatever order autograd produced the gradients in.
+The trainable replicated parameters are assigned once, in reverse order (about the order
+backward produces their gradients), to flat buckets of at most ``bucket_bytes`` per dtype. Each
+parameter gets a post-accumulate-grad hook; when every parameter of a bucket has its gradient,
+the bucket is packed and its all-reduce started asynchronously, overlapping the rest of
+backward. Buckets start strictly in index order (a bucket that is ready waits for the ones
+before it), so every rank issues the same collectives in the same order whatever order autograd
+produced the gradients in. At most ``max_in_flight`` run at once: starting one more completes
+the oldest (divide by the world size, copy back into the ``.grad`` tensors, free the bucket). A
+callback queued on the autograd engine starts what is left (parameters without a gradient in
+this backward are skipped) and completes everything when backward ends.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .collectives import all_reduce_sum_, group_size
+from .collectives import all_reduce_sum_start, group_size
 from .memory import note_resized
 
 log = logging.getLogger(__name__)
@@ -40,55 +46,75 @@ def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[li
 
 
 class GradReducer:
-    """Averages the gradients of ``params`` over the ranks of ``group`` at the end of backward
-    (in ``reduce_dtype``, default the gradients' own)."""
+    """Averages the gradients of ``params`` over the ranks of ``group`` during and at the end of
+    backward (in ``reduce_dtype``, default the gradients' own)."""
 
     def __init__(
         self, params: Sequence[nn.Parameter], group: str, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        reduce_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None, max_in_flight: int = 2,
     ) -> None:
         self.params = list(params)
         self.group = group
         self.reduce_dtype = reduce_dtype
-        self.bucket_bytes = bucket_bytes
-        self._queued = False
+        self.max_in_flight = max_in_flight
+        order = self.params[::-1]
+        self.buckets = [[order[i] for i in b] for b in plan_buckets(
+            [(p.dtype, p.numel() * p.element_size()) for p in order], bucket_bytes)]
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.new_step()
 
     def new_step(self) -> None:
-        """Forget a reduction queued by a backward that failed (autograd drops its callback)."""
+        """Start a step afresh (also forgets what a failed backward left: autograd drops its
+        end-of-backward callback)."""
         self._queued = False
+        self._missing = [len(b) for b in self.buckets]
+        self._next = 0  # the next bucket to start
+        self._in_flight: collections.deque[tuple[list[nn.Parameter], torch.Tensor, Any]] = (
+            collections.deque())
 
-    def _on_grad(self, _param: torch.Tensor) -> None:
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if group_size(self.group) == 1:
+            return
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_all)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._missing[self._bucket_of[id(param)]] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._start(self._next)
 
-    def _buckets(self) -> list[list[nn.Parameter]]:
-        with_grad = [p for p in self.params if p.grad is not None]
-        groups = plan_buckets([(p.dtype, p.numel() * p.element_size()) for p in with_grad],
-                              self.bucket_bytes)
-        return [[with_grad[i] for i in group] for group in groups]
-
-    def _reduce_all(self) -> None:
-        self._queued = False
-        world = group_size(self.group)
-        if world == 1:
+    def _start(self, index: int) -> None:
+        self._next = index + 1
+        bucket = [p for p in self.buckets[index] if p.grad is not None]
+        if not bucket:
             return
-        for bucket in self._buckets():
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            if self.reduce_dtype is not None:
-                flat = flat.to(self.reduce_dtype)
-            all_reduce_sum_(flat, self.group).div_(world)
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-            # The collective is complete, but gloo's worker may hold the buffer for a few more
-            # milliseconds: release its memory now rather than when the last reference goes.
-            storage = flat.untyped_storage()
-            storage.resize_(0)
-            note_resized(storage)
+        while len(self._in_flight) >= self.max_in_flight:
+            self._complete(*self._in_flight.popleft())
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
+        self._in_flight.append((bucket, flat, all_reduce_sum_start(flat, self.group)))
+
+    def _complete(self, bucket: list[nn.Parameter], flat: torch.Tensor, work: Any) -> None:
+        work.wait()
+        flat.div_(group_size(self.group))
+        offset = 0
+        for p in bucket:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+        # The collective is complete, but gloo's worker may hold the buffer for a few more
+        # milliseconds: release its memory now rather than when the last reference goes.
+        storage = flat.untyped_storage()
+        storage.resize_(0)
+        note_resized(storage)
+
+    def _finish(self) -> None:
+        while self._next < len(self.buckets):
+            self._start(self._next)
+        while self._in_flight:
+            self._complete(*self._in_flight.popleft())
+        self.new_step()
 
     def remove(self) -> None:
         for h in self._handles:
