@@ -8,7 +8,8 @@ one system after the other:
   bucket views);
 - FSDP2: ``torch.distributed.fsdp.fully_shard`` on every transformer block, then on the root,
   over ``init_device_mesh(device_type, (world,))``;
-- osdp-fx with ``plan="replicate"``, ``"full_shard"``, ``"shard_grad_op"``, and the searched
+- osdp-fx with ``plan="replicate"``, ``"full_shard"``, ``"shard_grad_op"``, ``"full_shard"``
+  with ``prefetch=0`` (what prefetching the all-gathers changes), and the searched
   plan (``plan=None``) at ``--limits`` memory limits evenly spaced strictly between FSDP2's and
   DDP's measured peaks (the middle one of the default 3 is the halfway limit of the targets).
 
@@ -489,6 +490,9 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     timings["Devices.detect"] = time.perf_counter() - start
     for plan in UNIFORM_PLANS:
         add(plan, lambda plan=plan: make_osdp(cfg, world, device, x, devices, plan, None))
+    # what prefetching changes: the same full_shard plan, each all-gather started at its use
+    add("full_shard (prefetch 0)",
+        lambda: make_osdp(cfg, world, device, x, devices, "full_shard", None, prefetch=0))
     for limit in limits:
         add(f"searched @ {format_bytes(limit)}",
             lambda limit=limit: make_osdp(cfg, world, device, x, devices, None, limit))
