@@ -452,7 +452,8 @@ def make_osdp(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
         predicted_step_s=p.step_time_s, predicted_peak_bytes=p.peak_memory_bytes,
         predicted_phases_s={"compute": p.prediction.compute_s, "comm": p.prediction.comm_s,
                             "optimizer": p.prediction.optim_s} if p.prediction else None,
-        comm_bytes=sum(b for pp in p.params for side in p.collectives_of(pp) for _, b in side),
+        comm_bytes=sum(stage.nbytes for pp in p.params for side in p.collectives_of(pp)
+                       for stage in side),
         counted_comm_bytes=counter.bytes,
         comm_note="from the plan: full buffer of each collective",
     )

@@ -22,6 +22,7 @@ from .passes.runner import run_passes
 from .passes.shard import make_shard, shard_parameters_pass
 from .passes.split_linear import apply_splits
 from .plan import (
+    MESH_STRATEGIES,
     REPLICATE,
     Plan,
     check_prefetch,
@@ -32,6 +33,7 @@ from .plan import (
 from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
+from .runtime.hierarchy import ShardLayout, init_mesh, ranks_per_node_for, shard_layout
 from .runtime.params import _gather_full, reduce_scatters, step_context
 from .runtime.reducer import GradReducer
 from .units import parse_bytes
@@ -66,7 +68,9 @@ def compile_osdp(
         example_inputs: this rank's inputs for one step, a tuple of the forward's positional
             arguments (a single tensor is accepted).
         devices: the cluster; None means the current default process group (world size 1 when
-            torch.distributed is not initialised).
+            torch.distributed is not initialised). Its ``ranks_per_node`` sets the mesh of
+            nodes x ranks per node that hybrid_shard and hierarchical use; without it, torchrun's
+            ``LOCAL_WORLD_SIZE``, else one node (``docs/multi-node.md``).
         plan: ``"replicate"``, ``"full_shard"`` or ``"shard_grad_op"`` for every parameter, a
             :class:`Plan`, or the path of a JSON plan file. None: the search chooses, per
             parameter group, the strategies with the least predicted step time whose predicted
@@ -101,6 +105,7 @@ def compile_osdp(
     precision = resolve_mixed_precision(mixed_precision)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
+    per_node = ranks_per_node_for(devices, world_size)
     on_meta = is_on_meta(model)
     check_initializable(model, init_fn, on_meta=on_meta)
     if on_meta:  # captured and planned on the meta device; values come after sharding
@@ -112,12 +117,13 @@ def compile_osdp(
                          f"{META_UNSUPPORTED}")
     if plan is not None:  # a bad plan fails here, before any collective
         apply_splits(captured, requested_splits(plan))
-        resolve_plan(plan, param_specs(captured), world_size=world_size, memory_limit_bytes=limit)
+        resolve_plan(plan, param_specs(captured), world_size=world_size,
+                     ranks_per_node=per_node, memory_limit_bytes=limit)
         from_plan = requested_precision(plan)
         if precision is None and from_plan is not None:
             precision = MixedPrecision(*map(dtype_from_name, from_plan))
     devices = devices_for(devices, world_size=world_size, memory_limit_bytes=limit,
-                          detect=plan is None)
+                          detect=plan is None, ranks_per_node=per_node)
     resolved, _ = make_plan(captured, inputs, plan=plan, devices=devices,
                             memory_limit_bytes=limit, optimizer=optimizer,
                             batch_sizes=batch_sizes, split=split, agree=_from_rank0,
@@ -128,6 +134,8 @@ def compile_osdp(
         check_same_rng_state(device)
     else:
         _broadcast_from_rank0(captured.gm)
+    if any(p.strategy in MESH_STRATEGIES for p in resolved.params):
+        init_mesh(world_size, resolved.ranks_per_node)
     reduce_dtype = precision.reduce_dtype if precision is not None else None
     gm = run_passes(captured.gm, [
         ("shard", lambda g: shard_parameters_pass(
@@ -262,7 +270,7 @@ class OSDPModule(nn.Module):
         with torch.no_grad():
             if entry.strategy == REPLICATE:
                 return local.detach().clone()
-            return _gather_full(local.detach(), entry.shape, WORLD).clone()
+            return _gather_full(local.detach(), entry.shape, self._layout(name).group).clone()
 
     def full_state_dict(self, *, rank0_only: bool = False,
                         cpu_offload: bool = False) -> OrderedDict[str, torch.Tensor]:
@@ -317,7 +325,6 @@ class OSDPModule(nn.Module):
                 f"load_full_state_dict: tensors of the wrong shape ({'; '.join(wrong[:5])}); "
                 "pass full tensors as returned by full_state_dict() or model.state_dict()"
             )
-        world, rank = group_size(WORLD), group_rank(WORLD)
         with torch.no_grad():
             for key in self._state_keys:
                 canon = self._alias_to_name.get(key)
@@ -332,8 +339,15 @@ class OSDPModule(nn.Module):
                 for name, full in pieces:
                     local = self._gm.get_parameter(name)
                     if self._plan[name].strategy != REPLICATE:
-                        full = make_shard(full.to(local.dtype), world_size=world, rank=rank)
+                        layout = self._layout(name)
+                        full = make_shard(full.to(local.dtype), world_size=layout.chunks,
+                                          rank=layout.index)
                     local.copy_(full)
+
+    def _layout(self, name: str) -> ShardLayout:
+        """Which chunk of parameter group ``name`` this rank holds, and over which group."""
+        return shard_layout(self._plan[name].strategy, world_size=self._plan.world_size,
+                            ranks_per_node=self._plan.ranks_per_node, rank=group_rank(WORLD))
 
     def _shape(self, name: str) -> tuple[int, ...]:
         """Full shape of a parameter group, or of a split parameter before splitting."""

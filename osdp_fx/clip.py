@@ -5,9 +5,11 @@
 were the full (unsharded) gradients of one process, and every rank gets the same norm.
 
 * A sharded parameter's ``.grad`` is this rank's flat shard of the averaged gradient; every
-  element of the full gradient lives on exactly one rank. Each rank adds up the p-th powers of its
-  shard's elements (only the real ones: the zero padding at the end of the last ranks is
-  skipped) and one all-reduce (SUM; MAX for the inf norm) over the world combines them.
+  element of the full gradient lives on exactly one rank, except under hybrid_shard, where it
+  lives on one rank of every node. Each rank adds up the p-th powers of its shard's elements
+  (only the real ones: the zero padding of the last chunks is skipped), divided by the number of
+  ranks holding the same chunk, and one all-reduce (SUM; MAX for the inf norm, which copies do
+  not change) over the world combines them.
 * A replicated parameter's ``.grad`` is already averaged and identical on every rank, so it is
   counted once: each rank adds its local value after the all-reduce, never into it.
 * Parameters without a gradient (frozen, non-float, unused this step) are skipped.
@@ -34,6 +36,7 @@ from .runtime.collectives import (
     group_size,
     resolve_group,
 )
+from .runtime.hierarchy import shard_layout
 
 __all__ = ["clip_grad_norm_"]
 
@@ -81,7 +84,7 @@ def clip_grad_norm_(
         )
 
     world, rank = group_size(WORLD), group_rank(WORLD)
-    sharded: list[tuple[torch.nn.Parameter, int]] = []  # (shard, number of real elements)
+    sharded: list[tuple[torch.nn.Parameter, int, int]] = []  # (shard, real elements, copies)
     replicated: list[torch.nn.Parameter] = []
     for entry in compiled.plan.params:  # one entry per group: tied parameters counted once
         param = compiled.graph_module.get_parameter(entry.name)
@@ -90,21 +93,25 @@ def clip_grad_norm_(
         if entry.strategy == REPLICATE:
             replicated.append(param)
         else:
+            layout = shard_layout(entry.strategy, world_size=world,
+                                  ranks_per_node=compiled.plan.ranks_per_node, rank=rank)
             per_rank = param.numel()
-            real = max(0, min(per_rank, entry.numel - rank * per_rank))
-            sharded.append((param, real))
+            real = max(0, min(per_rank, entry.numel - layout.index * per_rank))
+            sharded.append((param, real, layout.copies))
 
-    trainable = [q for q, _ in sharded] + replicated
+    trainable = [q for q, _, _ in sharded] + replicated
     if not trainable:
         return torch.tensor(0.0)
     # Chosen from the parameters (the same on every rank), not from which grads exist.
     acc = torch.float64 if any(q.dtype == torch.float64 for q in trainable) else torch.float32
     device = trainable[0].device
 
-    local = [q.grad.reshape(-1)[:real] for q, real in sharded if q.grad is not None]
+    local = {copies: [q.grad.reshape(-1)[:real] for q, real, c in sharded
+                      if c == copies and q.grad is not None]
+             for copies in sorted({c for _, _, c in sharded})}
     rep = [q.grad for q in replicated if q.grad is not None]
     if math.isinf(p):
-        total = _max_abs(local, acc, device)
+        total = _max_abs([g for grads in local.values() for g in grads], acc, device)
         if sharded and world > 1:
             # MAX drops a nan on some reductions; carry "some rank saw nan" as a second value.
             both = torch.stack([torch.where(total.isnan(), 0.0, total), total.isnan().to(acc)])
@@ -112,7 +119,8 @@ def clip_grad_norm_(
             total = both[0] if both[1] == 0 else both[0].new_tensor(float("nan"))
         total = torch.maximum(total, _max_abs(rep, acc, device))  # maximum propagates nan
     else:
-        total = _sum_pow(local, p, acc, device)
+        total = sum((_sum_pow(grads, p, acc, device) / copies for copies, grads in local.items()),
+                    torch.zeros((), dtype=acc, device=device))
         if sharded:
             all_reduce_sum_(total, WORLD)
         total = (total + _sum_pow(rep, p, acc, device)).pow(1.0 / p)

@@ -1,15 +1,31 @@
 """Plan: which strategy every parameter group runs under, printable, hashable, JSON round-trip.
 
 A plan names each parameter group (a parameter and every name tied to it) by its canonical name
-and gives its strategy:
+and gives its strategy. ``N`` ranks form a mesh of ``nodes x ranks_per_node`` (rank ``r`` is on
+node ``r // ranks_per_node``, local index ``r % ranks_per_node``):
 
-============== ================== ======================== ==============================
-strategy       forward            between fwd and bwd      backward
-============== ================== ======================== ==============================
-replicate      full parameter     kept                     all-reduce gradient (bucketed)
-shard_grad_op  all-gather         gathered tensor kept     reduce-scatter gradient
-full_shard     all-gather, free   freed                    re-gather, reduce-scatter grad
-============== ================== ======================== ==============================
+============== ========================= ================ =====================================
+strategy       forward                   fwd to bwd       backward
+============== ========================= ================ =====================================
+replicate      full parameter            kept             all-reduce gradient (bucketed)
+shard_grad_op  all-gather (N ranks)      gathered kept    reduce-scatter gradient
+full_shard     all-gather, free          freed            re-gather, reduce-scatter gradient
+hybrid_shard   all-gather inside the     freed            re-gather in the node, reduce-scatter
+               node, free                                 in the node, all-reduce of the shard
+                                                          across nodes
+hierarchical   all-gather across nodes,  freed            re-gather (two stages), reduce-scatter
+               then inside the node,                      inside the node, then across nodes
+               free
+============== ========================= ================ =====================================
+
+``hybrid_shard`` is FSDP's HYBRID_SHARD (group sharding, as in DeepSpeed's MiCS): a parameter is
+cut into ``ranks_per_node`` shards and every node holds all of them, so a rank keeps
+``1/ranks_per_node`` of it and inter-node links carry only the all-reduce of the shard.
+``hierarchical`` shards over all ``N`` ranks like ``full_shard`` but runs each collective in two
+stages so that inter-node links carry each byte once per node (:func:`collective_stages`). Both
+free the gathered parameter after its last forward use and re-gather it in backward, as FSDP's
+HYBRID_SHARD does (reshard after forward). On one node both equal ``full_shard``. Gradients are
+averaged over all ``N`` ranks under every strategy.
 
 The JSON form (``docs/plan-format.md``) is versioned and meant to be edited by hand.
 """
@@ -33,8 +49,15 @@ from .units import format_bytes
 REPLICATE = "replicate"
 SHARD_GRAD_OP = "shard_grad_op"
 FULL_SHARD = "full_shard"
-STRATEGIES = (REPLICATE, SHARD_GRAD_OP, FULL_SHARD)
-SHARDED = (SHARD_GRAD_OP, FULL_SHARD)
+HYBRID_SHARD = "hybrid_shard"
+HIERARCHICAL = "hierarchical"
+STRATEGIES = (REPLICATE, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HIERARCHICAL)
+SHARDED = (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HIERARCHICAL)
+MESH_STRATEGIES = (HYBRID_SHARD, HIERARCHICAL)
+"""Strategies whose collectives use the nodes x ranks_per_node mesh (equal to full_shard on one
+node)."""
+FREED_AFTER_FORWARD = (FULL_SHARD, HYBRID_SHARD, HIERARCHICAL)
+"""Strategies that free the gathered parameter after its last forward use and re-gather it."""
 
 DEFAULT_PREFETCH = 1
 """All-gathers start this many sharded parameters ahead of their use, unless a plan says."""
@@ -73,8 +96,8 @@ class ParamPlan:
     comm_s: float | None = None
     """Predicted time of this group's collectives per step."""
     regathered: bool = True
-    """full_shard only: whether backward re-gathers the parameter (some operator saved it for
-    backward; known once the model is profiled)."""
+    """Strategies that free after forward (FREED_AFTER_FORWARD) only: whether backward re-gathers
+    the parameter (some operator saved it for backward; known once the model is profiled)."""
 
     @property
     def numel(self) -> int:
@@ -84,27 +107,121 @@ class ParamPlan:
     def nbytes(self) -> int:
         return self.numel * self.element_size
 
-    def padded_bytes(self, world_size: int) -> int:
-        """Bytes of the gathered flat buffer: the shard size times the world size."""
-        return -(-self.numel // world_size) * world_size * self.element_size
+    def shard_bytes(self, world_size: int, ranks_per_node: int | None = None) -> int:
+        """Bytes of the parameter one rank holds: the full tensor (replicate) or one flat
+        padded shard (:func:`shard_count` shards)."""
+        chunks = shard_count(self.strategy, world_size, ranks_per_node)
+        return -(-self.numel // chunks) * self.element_size
 
     def collectives(
-        self, world_size: int, *, gather_element_size: int | None = None,
-        reduce_element_size: int | None = None,
-    ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-        """(forward, backward) collectives of one step, each as (name, bytes of the full buffer).
-        Element sizes of the gathered parameter and of the reduced gradient default to the
-        parameter's own (mixed precision changes them: :meth:`Plan.collectives_of`)."""
-        if world_size == 1 or (self.strategy == REPLICATE and self.note):
-            return [], []
-        padded_numel = self.padded_bytes(world_size) // self.element_size
-        gather = padded_numel * (gather_element_size or self.element_size)
-        scatter = padded_numel * (reduce_element_size or self.element_size)
-        if self.strategy == REPLICATE:
-            return [], [("all_reduce", self.numel * (reduce_element_size or self.element_size))]
-        if self.strategy == SHARD_GRAD_OP or not self.regathered:
-            return [("all_gather", gather)], [("reduce_scatter", scatter)]
-        return [("all_gather", gather)], [("all_gather", gather), ("reduce_scatter", scatter)]
+        self, world_size: int, ranks_per_node: int | None = None, *,
+        gather_element_size: int | None = None, reduce_element_size: int | None = None,
+    ) -> tuple[list[Stage], list[Stage]]:
+        """(forward, backward) collectives of one step (:func:`collective_stages`). Element
+        sizes of the gathered parameter and of the reduced gradient default to the parameter's
+        own (mixed precision changes them: :meth:`Plan.collectives_of`)."""
+        return collective_stages(
+            self.strategy, self.numel, self.element_size, world_size=world_size,
+            ranks_per_node=ranks_per_node, regathered=self.regathered,
+            trainable=not (self.strategy == REPLICATE and self.note),
+            gather_element_size=gather_element_size, reduce_element_size=reduce_element_size,
+        )
+
+
+def shard_count(strategy: str, world_size: int, ranks_per_node: int | None = None) -> int:
+    """Distinct flat shards a parameter under ``strategy`` is cut into: 1 for replicate, the
+    ranks of one node for hybrid_shard (every node holds them all), else every rank."""
+    if strategy == REPLICATE:
+        return 1
+    if strategy == HYBRID_SHARD:
+        return ranks_per_node or world_size
+    return world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One collective of a parameter group's training step."""
+
+    collective: str
+    """'all_gather', 'reduce_scatter' or 'all_reduce'."""
+    nbytes: int
+    """Bytes of this collective's full buffer: the gathered result, the reduce-scatter's input,
+    or the all-reduced tensor."""
+    ranks: int
+    """Ranks in the group it runs over."""
+    scope: str
+    """'world' (every rank), 'intra' (the ranks of one node) or 'inter' (the ranks with the same
+    local index, one per node)."""
+
+    def spans_nodes(self, num_nodes: int) -> bool:
+        """Whether it runs over inter-node links."""
+        return self.scope == "inter" or (self.scope == "world" and num_nodes > 1)
+
+    def __str__(self) -> str:
+        where = "" if self.scope == "world" else f"[{self.scope}]"
+        return f"{self.collective}{where} {format_bytes(self.nbytes)}"
+
+
+def collective_stages(
+    strategy: str,
+    numel: int,
+    element_size: int,
+    *,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    regathered: bool = True,
+    trainable: bool = True,
+    gather_element_size: int | None = None,
+    reduce_element_size: int | None = None,
+) -> tuple[list[Stage], list[Stage]]:
+    """(forward, backward) collectives of one step of a group of ``numel`` elements of
+    ``element_size`` bytes (gathered at ``gather_element_size`` and reduced at
+    ``reduce_element_size`` bytes per element, when mixed precision makes them differ).
+
+    With ``N = world_size`` ranks as ``n`` nodes of ``R = ranks_per_node`` and ``Pp`` the bytes
+    of the parameter padded to its :func:`shard_count`:
+
+    * replicate: all-reduce of the gradient (``P`` bytes, unpadded) over N ranks;
+    * shard_grad_op: all-gather of ``Pp`` over N; reduce-scatter of ``Pp`` over N;
+      full_shard also re-gathers in backward when ``regathered`` (an operator saved it);
+    * hybrid_shard: all-gather of ``Pp`` over the R ranks of the node (re-gathered likewise);
+      reduce-scatter of ``Pp`` over the node, then all-reduce of the ``Pp / R`` shard over the
+      n ranks with the same local index;
+    * hierarchical: all-gather of ``Pp / R`` over the n ranks with the same local index (each
+      brings its shard: inter-node links carry each byte once per node), then of ``Pp`` over the
+      node (re-gathered likewise); reduce-scatter of ``Pp`` over the node, then of ``Pp / R``
+      across nodes.
+
+    Stages over a single rank are left out, so on one node hybrid_shard and hierarchical have
+    full_shard's collectives; nothing is communicated at world size 1 or when not ``trainable``
+    (a frozen replicated parameter).
+    """
+    per_node = ranks_per_node or world_size
+    nodes = world_size // per_node
+    if world_size == 1:
+        return [], []
+    reduced = reduce_element_size or element_size
+    if strategy == REPLICATE:
+        return [], ([Stage("all_reduce", numel * reduced, world_size, "world")]
+                    if trainable else [])
+    chunks = shard_count(strategy, world_size, ranks_per_node)
+    padded_numel = -(-numel // chunks) * chunks
+    padded, grad = padded_numel * (gather_element_size or element_size), padded_numel * reduced
+    if strategy == HYBRID_SHARD:
+        gather = [Stage("all_gather", padded, per_node, "intra")]
+        scatter = [Stage("reduce_scatter", grad, per_node, "intra"),
+                   Stage("all_reduce", grad // per_node, nodes, "inter")]
+    elif strategy == HIERARCHICAL:
+        gather = [Stage("all_gather", padded // per_node, nodes, "inter"),
+                  Stage("all_gather", padded, per_node, "intra")]
+        scatter = [Stage("reduce_scatter", grad, per_node, "intra"),
+                   Stage("reduce_scatter", grad // per_node, nodes, "inter")]
+    else:
+        gather = [Stage("all_gather", padded, world_size, "world")]
+        scatter = [Stage("reduce_scatter", grad, world_size, "world")]
+    again = gather if strategy in FREED_AFTER_FORWARD and regathered else []
+    return ([s for s in gather if s.ranks > 1],
+            [s for s in again + scatter if s.ranks > 1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +281,13 @@ class Plan:
     prefetch: int = DEFAULT_PREFETCH
     """How many sharded parameters ahead each all-gather starts, in forward and backward (0:
     each parameter is gathered when it is needed)."""
+    ranks_per_node: int | None = None
+    """Ranks per node of the mesh the plan was made for; None: all ranks on one node."""
 
     def __post_init__(self) -> None:
         check_prefetch(self.prefetch)
+        object.__setattr__(self, "ranks_per_node",
+                           normalized_ranks_per_node(self.ranks_per_node, self.world_size))
         for p in self.params:
             if p.strategy not in STRATEGIES:
                 raise PlanError(
@@ -192,6 +313,11 @@ class Plan:
         return out
 
     @property
+    def num_nodes(self) -> int:
+        """Nodes of the mesh: world size over ranks per node."""
+        return self.world_size // (self.ranks_per_node or self.world_size)
+
+    @property
     def peak_memory_bytes(self) -> int | None:
         """Predicted peak memory per rank (None without a profile)."""
         return self.prediction.peak_memory_bytes if self.prediction else None
@@ -203,17 +329,15 @@ class Plan:
 
     def persistent_param_bytes(self) -> int:
         """Bytes of parameters (shards or full tensors) each rank holds."""
-        return sum(
-            p.nbytes if p.strategy == REPLICATE else p.padded_bytes(self.world_size) // self.world_size
-            for p in self.params
-        )
+        return sum(p.shard_bytes(self.world_size, self.ranks_per_node) for p in self.params)
 
-    def collectives_of(self, p: ParamPlan) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-        """``p.collectives`` at this plan's world size and precision."""
+    def collectives_of(self, p: ParamPlan) -> tuple[list[Stage], list[Stage]]:
+        """``p.collectives`` at this plan's world size, mesh and precision."""
         def size(name: str) -> int | None:
             return _element_size(name) if name else None
 
-        return p.collectives(self.world_size, gather_element_size=size(self.param_dtype),
+        return p.collectives(self.world_size, self.ranks_per_node,
+                             gather_element_size=size(self.param_dtype),
                              reduce_element_size=size(self.reduce_dtype))
 
     # ---- JSON ---------------------------------------------------------------------------
@@ -222,6 +346,7 @@ class Plan:
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "world_size": self.world_size,
+            **({"ranks_per_node": self.ranks_per_node} if self.ranks_per_node else {}),
             "memory_limit_bytes": self.memory_limit_bytes,
             **({"splits": dict(self.splits)} if self.splits else {}),
             "prefetch": self.prefetch,
@@ -247,7 +372,7 @@ class Plan:
             f.write(self.to_json() + "\n")
 
     def hash(self) -> str:
-        """Digest of everything that must agree across ranks (strategies, shapes, world)."""
+        """Digest of everything that must agree across ranks (strategies, shapes, world, mesh)."""
         data = self.to_dict()
         data.pop("memory_limit_bytes")
         data.pop("predicted", None)
@@ -260,14 +385,16 @@ class Plan:
     def table(self) -> str:
         rows = []
         predicted = self.prediction is not None
+        by_link = {"intra": 0, "inter": 0}
         for p in self.params:
             fwd, bwd = self.collectives_of(p)
-            shard = p.nbytes if p.strategy == REPLICATE else p.padded_bytes(self.world_size) // self.world_size
+            for stage in fwd + bwd:
+                by_link["inter" if stage.spans_nodes(self.num_nodes) else "intra"] += stage.nbytes
             row = [
                 p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else ""),
                 "x".join(map(str, p.shape)) or "()",
                 p.strategy + (f" ({p.note})" if p.note else ""),
-                format_bytes(shard),
+                format_bytes(p.shard_bytes(self.world_size, self.ranks_per_node)),
                 _describe_collectives(fwd),
                 _describe_collectives(bwd),
             ]
@@ -282,14 +409,21 @@ class Plan:
         if self.param_dtype:
             split += f"; compute in {self.param_dtype}, reduce in {self.reduce_dtype}"
         split += f"; prefetch {self.prefetch}"
+        mesh = (f" = {self.num_nodes} nodes x {self.ranks_per_node} ranks"
+                if self.num_nodes > 1 else "")
         lines = [
-            f"Plan for world size {self.world_size} ({counts}; source: {self.source or 'user'}; "
-            f"hash {self.hash()}{split})",
+            f"Plan for world size {self.world_size}{mesh} ({counts}; source: "
+            f"{self.source or 'user'}; hash {self.hash()}{split})",
             tabulate(rows, headers=head, disable_numparse=True),
             f"parameters per rank: {format_bytes(self.persistent_param_bytes())}"
             + (f"; memory limit {format_bytes(self.memory_limit_bytes)}"
                if self.memory_limit_bytes is not None else ""),
         ]
+        if self.num_nodes > 1:
+            lines.append(
+                f"collective buffers per step: {format_bytes(by_link['intra'])} inside nodes, "
+                f"{format_bytes(by_link['inter'])} across nodes ([intra]: a node's ranks, "
+                "[inter]: one rank per node, unmarked: all ranks)")
         if self.prediction is not None:
             pr = self.prediction
             lines.append(
@@ -330,8 +464,28 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
-def _describe_collectives(colls: list[tuple[str, int]]) -> str:
-    return ", ".join(f"{name} {format_bytes(n)}" for name, n in colls) or "-"
+def _describe_collectives(stages: list[Stage]) -> str:
+    return ", ".join(map(str, stages)) or "-"
+
+
+def _describe_mesh(world_size: int, ranks_per_node: int | None) -> str:
+    if ranks_per_node is None:
+        return f"{world_size} ranks on one node"
+    return f"{world_size // ranks_per_node} nodes x {ranks_per_node} ranks"
+
+
+def normalized_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int | None:
+    """``ranks_per_node`` checked against the world; None when all ranks are on one node."""
+    if ranks_per_node is None or ranks_per_node == world_size:
+        return None
+    if (not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool)
+            or ranks_per_node < 1 or world_size % ranks_per_node):
+        raise PlanError(
+            f"ranks_per_node={ranks_per_node!r} does not divide the world size {world_size}: "
+            "the mesh is nodes x ranks_per_node with the same number of ranks on every node; "
+            "launch as many ranks on every node, or give the number of ranks per node"
+        )
+    return ranks_per_node
 
 
 def load_plan_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -393,6 +547,7 @@ def build_plan(
     source: str = "",
     splits: Mapping[str, int] | None = None,
     prefetch: int = DEFAULT_PREFETCH,
+    ranks_per_node: int | None = None,
 ) -> Plan:
     """A Plan giving each parameter group its requested strategy (keyed by canonical name).
 
@@ -410,7 +565,8 @@ def build_plan(
         ))
     return Plan(params=tuple(entries), world_size=world_size,
                 memory_limit_bytes=memory_limit_bytes, source=source,
-                splits=tuple(sorted((splits or {}).items())), prefetch=prefetch)
+                splits=tuple(sorted((splits or {}).items())), prefetch=prefetch,
+                ranks_per_node=ranks_per_node)
 
 
 def resolve_plan(
@@ -418,10 +574,14 @@ def resolve_plan(
     specs: list[ParamSpec],
     *,
     world_size: int,
+    ranks_per_node: int | None = None,
     memory_limit_bytes: int | None = None,
 ) -> Plan:
-    """Turn what the user passed as ``plan=`` into a Plan for this model and world."""
+    """Turn what the user passed as ``plan=`` into a Plan for this model and world (of
+    ``world_size`` ranks, ``ranks_per_node`` on each node; None: one node)."""
     by_any_name = {n: s.name for s in specs for n in (s.name, *s.aliases)}
+    ranks_per_node = normalized_ranks_per_node(ranks_per_node, world_size)
+    mesh = _describe_mesh(world_size, ranks_per_node)
     if isinstance(spec, Plan):
         requested = _requested_from_mapping(
             {p.name: p.strategy for p in spec.params}, by_any_name, None, "the Plan",
@@ -431,12 +591,22 @@ def resolve_plan(
                 f"the Plan was made for world size {spec.world_size} but this world has "
                 f"{world_size} ranks; make a plan for {world_size} ranks"
             )
+        uses_mesh = any(p.strategy in MESH_STRATEGIES for p in spec.params)
+        if uses_mesh and spec.ranks_per_node != ranks_per_node:
+            raise PlanError(
+                f"the Plan was made for {_describe_mesh(world_size, spec.ranks_per_node)} but "
+                f"this world is {mesh}, and its {HYBRID_SHARD}/{HIERARCHICAL} groups depend on "
+                "the mesh: make a plan for this mesh, or describe the nodes you run on with "
+                "Devices(ranks_per_node=...)"
+            )
         return build_plan(requested, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=spec.source or "user",
-                          splits=dict(spec.splits), prefetch=spec.prefetch)
+                          splits=dict(spec.splits), prefetch=spec.prefetch,
+                          ranks_per_node=ranks_per_node)
     if isinstance(spec, str) and spec in STRATEGIES:
         return build_plan({s.name: spec for s in specs}, specs, world_size=world_size,
-                          memory_limit_bytes=memory_limit_bytes, source=spec)
+                          memory_limit_bytes=memory_limit_bytes, source=spec,
+                          ranks_per_node=ranks_per_node)
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if not path.endswith(".json") and not os.path.exists(path):
@@ -455,13 +625,28 @@ def resolve_plan(
                 f"{world_size} ranks; edit its \"world_size\" or remove it to use the plan at "
                 "any world size"
             )
+        file_per_node = data.get("ranks_per_node")
+        if file_per_node is not None and (not isinstance(file_per_node, int)
+                                          or isinstance(file_per_node, bool)):
+            raise PlanError(f"plan file {path!r}: \"ranks_per_node\" must be an int, got "
+                            f"{file_per_node!r}; fix it or remove it")
+        if (file_per_node is not None
+                and file_per_node not in (ranks_per_node, ranks_per_node or world_size)):
+            raise PlanError(
+                f"plan file {path!r} was made for {file_per_node} ranks per node but this world "
+                f"is {mesh}; describe the nodes you run on with Devices(ranks_per_node="
+                f"{file_per_node}) (or launch with torchrun --nproc-per-node {file_per_node}), "
+                "or remove \"ranks_per_node\" from the file to use the plan on any mesh"
+            )
         requested = _requested_from_mapping(
             data.get("params", {}), by_any_name, data.get("default"), f"plan file {path!r}",
             shapes={s.name: s.shape for s in specs},
         )
         return build_plan(requested, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=f"file:{path}",
-                          splits=requested_splits(spec), prefetch=data.get("prefetch", DEFAULT_PREFETCH))
+                          splits=requested_splits(spec),
+                          prefetch=data.get("prefetch", DEFAULT_PREFETCH),
+                          ranks_per_node=ranks_per_node)
     raise PlanError(
         f"plan must be a strategy name ({', '.join(STRATEGIES)}), a Plan, or a path to a JSON "
         f"plan file; got {type(spec).__name__}"

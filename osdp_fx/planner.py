@@ -41,6 +41,7 @@ from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
 from .plan import (
     DEFAULT_PREFETCH,
     FULL_SHARD,
+    MESH_STRATEGIES,
     REPLICATE,
     STRATEGIES,
     ParamSpec,
@@ -91,26 +92,30 @@ def param_specs(captured: Captured) -> list[ParamSpec]:
 
 
 def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
-                detect: bool) -> Devices:
+                detect: bool, ranks_per_node: int | None = None) -> Devices:
     """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
-    the defaults; its world size set to ``world_size`` and its memory limit filled in."""
+    the defaults; its world size set to ``world_size``, its memory limit filled in, and its
+    ranks per node set to ``ranks_per_node`` when given."""
     if devices is None:
-        devices = _detected(world_size) if detect and world_size > 1 else Devices()
+        devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
+                   else Devices())
     memory = memory_limit_bytes or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
-    return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory)
+    return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
+                               ranks_per_node=ranks_per_node or devices.ranks_per_node)
 
 
-_detected_devices: dict[tuple[int, int], Devices] = {}
+_detected_devices: dict[tuple[int, int, int | None], Devices] = {}
 
 
-def _detected(world_size: int) -> Devices:
+def _detected(world_size: int, ranks_per_node: int | None = None) -> Devices:
     """Devices.detect() of the current default process group, measured once per group so that
-    compiling the same model twice gives the same plan (collective on first use)."""
+    compiling the same model twice gives the same plan (collective on first use);
+    ``ranks_per_node`` None finds the nodes from host names."""
     import torch.distributed as dist
 
-    key = (id(dist.group.WORLD), world_size)
+    key = (id(dist.group.WORLD), world_size, ranks_per_node)
     if key not in _detected_devices:
-        _detected_devices[key] = Devices.detect()
+        _detected_devices[key] = Devices.detect(ranks_per_node=ranks_per_node)
     return _detected_devices[key]
 
 
@@ -172,9 +177,11 @@ def make_plan(
                                                  prefetch=_prefetch(prefetch)))
         resolved = build_plan(strategies, specs, world_size=devices.world_size,
                               memory_limit_bytes=limit, source="search", splits=splits,
-                              prefetch=_prefetch(prefetch))
+                              prefetch=_prefetch(prefetch),
+                              ranks_per_node=devices.ranks_per_node)
     else:
         resolved = resolve_plan(plan, param_specs(captured), world_size=devices.world_size,
+                                ranks_per_node=devices.ranks_per_node,
                                 memory_limit_bytes=memory_limit_bytes)
         if prefetch is not None:
             resolved = dataclasses.replace(resolved, prefetch=prefetch)
@@ -225,8 +232,9 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
     step, costs = predict_step_time(analysis.captured.gm, states, analysis.facts, devices=devices,
                                     optimizer=optimizer, profiled_batch=analysis.batch_size)
     memory = predict_step_memory(analysis.captured.gm, states, world_size=devices.world_size,
-                                 optimizer=optimizer, profiled_batch=analysis.batch_size,
-                                 batch_size=batch, prefetch=plan.prefetch)
+                                 ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+                                 profiled_batch=analysis.batch_size, batch_size=batch,
+                                 prefetch=plan.prefetch)
     compute_s = step.compute_s * batch / analysis.batch_size
     prediction = Prediction(
         step_time_s=compute_s + step.comm_s + step.optim_s, compute_s=compute_s,
@@ -262,7 +270,7 @@ def choose_splits(
     times, persistent, transient, labels = [], [], [], []
     for n in names:
         info = analysis.captured.params[n]
-        strategies = list(STRATEGIES) if info.trainable else [REPLICATE]
+        strategies = searched_strategies(devices) if info.trainable else [REPLICATE]
         costs = [group_cost(_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                             devices=devices, optimizer=optimizer) for st in strategies]
         options = [(1, c.comm_s + c.optim_s, c.persistent_bytes, c.transient_bytes)
@@ -332,17 +340,25 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
                      batch_size: int | None, prefetch: int) -> tuple[int, int]:
     """(peak of the most sharded plan, the search's base memory): that peak minus what the
     search itself accounts for (persistent and largest transient bytes), i.e. activations."""
-    lowest = {n: STRATEGIES[-1] if p.trainable and devices.world_size > 1 else REPLICATE
+    lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
               for n, p in analysis.captured.params.items()}
     peak = predict_step_memory(
         analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
-        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size,
-        prefetch=prefetch).peak_bytes
+        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+        profiled_batch=analysis.batch_size, batch_size=batch_size, prefetch=prefetch).peak_bytes
     regathered = regathered_params(analysis.facts)
     costs = [group_cost(_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                         devices=devices, optimizer=optimizer) for n, st in lowest.items()]
     return peak, max(0, peak - sum(c.persistent_bytes for c in costs)
                      - max((c.transient_bytes for c in costs), default=0))
+
+
+def searched_strategies(devices: Devices) -> list[str]:
+    """Strategies the search offers a trainable group: hybrid_shard and hierarchical only on
+    several nodes (on one node they equal full_shard)."""
+    if devices.num_nodes > 1:
+        return list(STRATEGIES)
+    return [s for s in STRATEGIES if s not in MESH_STRATEGIES]
 
 
 def search_strategies(
@@ -355,7 +371,7 @@ def search_strategies(
     names = list(analysis.captured.params)
     trainable = {n: analysis.captured.params[n].trainable for n in names}
     sharding_helps = devices.world_size > 1
-    options = {n: list(STRATEGIES) if trainable[n] and sharding_helps else [REPLICATE]
+    options = {n: searched_strategies(devices) if trainable[n] and sharding_helps else [REPLICATE]
                for n in names}
     regathered = regathered_params(analysis.facts)
     table = {
@@ -376,8 +392,9 @@ def search_strategies(
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         peak = predict_step_memory(
             analysis.captured.gm, _states(analysis, strategies), world_size=devices.world_size,
-            optimizer=optimizer, profiled_batch=analysis.batch_size,
-            batch_size=batch_size, prefetch=prefetch).peak_bytes
+            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+            profiled_batch=analysis.batch_size, batch_size=batch_size,
+            prefetch=prefetch).peak_bytes
         if peak <= memory_limit_bytes:
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, predicted peak %s of %s", counts, format_bytes(peak),

@@ -1,19 +1,21 @@
 """Memory cost model: bytes per rank of one parameter group under each strategy.
 
-For a group of ``numel`` elements of ``element_size`` bytes over ``N`` ranks, with
-``P = numel * element_size`` (parameter), ``G = P`` (gradient, same dtype) and ``O`` the
+For a group of ``numel`` elements of ``element_size`` bytes over ``N`` ranks (``R`` per node),
+with ``P = numel * element_size`` (parameter), ``G = P`` (gradient, same dtype) and ``O`` the
 optimizer state (fp32: ``states * numel * 4``), the persistent bytes per rank are
 
-=================  =======================  ================================================
-strategy           persistent per rank      notes
-=================  =======================  ================================================
-``replicate``      ``P + G + O``            gradients all-reduced
-``shard_grad_op``  ``P + (G + O) / N``      full parameter kept from forward to backward
-``full_shard``     ``(P + G + O) / N``      gathered before use, freed after
-=================  =======================  ================================================
+==================  =======================  ================================================
+strategy            persistent per rank      notes
+==================  =======================  ================================================
+``replicate``       ``P + G + O``            gradients all-reduced
+``shard_grad_op``   ``P + (G + O) / N``      full parameter kept from forward to backward
+``full_shard``      ``(P + G + O) / N``      gathered before use, freed after
+``hybrid_shard``    ``(P + G + O) / R``      sharded in the node, replicated across nodes
+``hierarchical``    ``(P + G + O) / N``      full_shard with two-stage collectives
+==================  =======================  ================================================
 
 where ``X / N`` is one shard: ``ceil(numel / N)`` elements (a flat shard padded so every rank
-holds the same size). A sharded group also needs, for a while, the gathered (padded) parameter:
+holds the same size; :func:`~osdp_fx.plan.shard_count` gives the number of shards). A sharded group also needs, for a while, the gathered (padded) parameter:
 :func:`gathered_param_bytes`; and its full gradient before the reduce-scatter:
 :func:`unsharded_grad_bytes`. Where these transients fall on the step's memory timeline is the
 search's business; this module only prices them.
@@ -25,7 +27,7 @@ import dataclasses
 from typing import Literal, get_args
 
 from ..errors import InputError, PlanError
-from ..plan import STRATEGIES
+from ..plan import STRATEGIES, shard_count
 from ..runtime.collectives import shard_numel as runtime_shard_numel
 
 __all__ = [
@@ -41,7 +43,7 @@ __all__ = [
     "unsharded_grad_bytes",
 ]
 
-Strategy = Literal["replicate", "shard_grad_op", "full_shard"]
+Strategy = Literal["replicate", "shard_grad_op", "full_shard", "hybrid_shard", "hierarchical"]
 assert get_args(Strategy) == STRATEGIES, "Strategy must list plan.STRATEGIES"
 
 OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
@@ -99,18 +101,22 @@ def param_memory(
     strategy: str,
     world_size: int,
     optimizer: str = "adamw",
+    ranks_per_node: int | None = None,
 ) -> ParamMemory:
-    """Memory per rank of a group of ``numel`` elements under ``strategy`` (see module table)."""
+    """Memory per rank of a group of ``numel`` elements under ``strategy`` (see module table),
+    on ``world_size`` ranks of which ``ranks_per_node`` (None: all) share a node."""
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
-    shard = shard_numel(numel, world_size)
+    _check_sizes(numel, world_size)
+    chunks = shard_count(strategy, world_size, ranks_per_node)
+    shard = shard_numel(numel, chunks)
     full_bytes = numel * element_size
     shard_bytes = shard * element_size
     full_state = optimizer_state_bytes(numel, optimizer=optimizer)
     shard_state = optimizer_state_bytes(shard, optimizer=optimizer)
     if strategy == "replicate":
         return ParamMemory(full_bytes, full_bytes, full_state, 0)
-    gathered = gathered_param_bytes(numel, element_size=element_size, world_size=world_size)
+    gathered = gathered_param_bytes(numel, element_size=element_size, world_size=chunks)
     if strategy == "shard_grad_op":
         return ParamMemory(full_bytes, shard_bytes, shard_state, gathered)
     return ParamMemory(shard_bytes, shard_bytes, shard_state, gathered)
@@ -123,16 +129,18 @@ def persistent_bytes(
     strategy: str,
     world_size: int,
     optimizer: str = "adamw",
+    ranks_per_node: int | None = None,
 ) -> int:
     """Persistent bytes per rank (parameter + gradient + optimizer state) under ``strategy``."""
     return param_memory(
         numel, element_size=element_size, strategy=strategy, world_size=world_size,
-        optimizer=optimizer,
+        optimizer=optimizer, ranks_per_node=ranks_per_node,
     ).persistent_bytes
 
 
 def gathered_param_bytes(numel: int, *, element_size: int = 4, world_size: int) -> int:
-    """Bytes of a gathered parameter: ``world_size`` padded shards."""
+    """Bytes of a gathered parameter: ``world_size`` padded shards (for hybrid_shard pass its
+    shard count, the ranks per node)."""
     return world_size * shard_numel(numel, world_size) * element_size
 
 

@@ -1,21 +1,23 @@
 """Step cost model: time and memory of every strategy of every parameter group, and of a plan.
 
-Per parameter group ``g`` with ``P`` bytes (``Pp`` padded to the world size ``N``) and strategy
-``s``, on one rank:
+Per parameter group ``g`` with ``P`` bytes (``Pp`` padded to its number of shards: the world
+size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on one rank:
 
 * communication time ``comm_s(g, s)``: replicate: all-reduce of ``P`` (its latency shared with
   the other gradients of its 25 MiB bucket) plus packing it into the bucket and back (4 P bytes
   of memory traffic); shard_grad_op: all-gather
   and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
-  re-gathers the parameter (some operator saved it);
+  re-gathers the parameter (some operator saved it); hybrid_shard and hierarchical: their
+  collectives stage by stage (``plan.collective_stages``), each at the intra-node figures of
+  ``Devices`` when it runs inside a node and at the inter-node figures when it crosses nodes;
 * optimizer time ``optim_s(g, s)``: memory-bound, ``bytes_per_element(optimizer) * local numel /
   memory bandwidth``;
 * compute time (forward + backward of the operators that read the group; the same for every
   strategy, attributed to the largest group an operator reads, for display);
 * search memory: ``persistent`` = local parameter + local gradient + local optimizer state (plus
   the gathered ``Pp`` for shard_grad_op, which is alive from forward to backward); ``transient``
-  = ``2 Pp`` for full_shard (a re-gathered parameter and its full gradient in backward), ``Pp``
-  for shard_grad_op (the full gradient before its reduce-scatter).
+  = ``2 Pp`` for full_shard, hybrid_shard and hierarchical (a re-gathered parameter and its full
+  gradient in backward), ``Pp`` for shard_grad_op (the full gradient before its reduce-scatter).
 
 A plan's predicted step time is total compute + the communication of every group (today's runtime
 overlaps nothing) + the optimizer; its peak memory comes from :mod:`.timeline`. Both are also
@@ -35,7 +37,7 @@ from ..runtime.reducer import DEFAULT_BUCKET_BYTES
 from .communication import all_reduce_time_s, collective_time_s, group_link
 from .compute import node_compute_time_s
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from ..plan import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
+from ..plan import FREED_AFTER_FORWARD, REPLICATE, SHARD_GRAD_OP, collective_stages, shard_count
 from .timeline import BATCH, GraphFacts, ParamState
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
@@ -93,22 +95,20 @@ def group_cost(
     """Costs of one group under ``state.strategy`` (see the module docstring)."""
     world = devices.world_size
     full = state.numel * state.reduce_size  # the gradient, as reduced
-    padded_numel = gathered_param_bytes(state.numel, element_size=1, world_size=world)
+    chunks = shard_count(state.strategy, world, devices.ranks_per_node)
+    padded_numel = gathered_param_bytes(state.numel, element_size=1, world_size=chunks)
     padded = padded_numel * state.compute_size  # the gathered parameter
-    local_numel = state.numel if state.strategy == REPLICATE else shard_numel(state.numel, world)
+    local_numel = shard_numel(state.numel, chunks)
     local = local_numel * state.element_size
-    collectives: list[tuple[str, int]] = []
-    if world > 1 and state.trainable:
-        scatter = ("reduce_scatter", padded_numel * state.reduce_size)
-        if state.strategy == REPLICATE:
-            collectives = [("all_reduce", full)]
-        elif state.strategy == SHARD_GRAD_OP:
-            collectives = [("all_gather", padded), scatter]
-        else:
-            collectives = [("all_gather", padded)] * (2 if regathered else 1)
-            collectives.append(scatter)
-    comm_s = sum(collective_time_s(c, n, devices) for c, n in collectives)
-    if state.strategy == REPLICATE and collectives:
+    forward, backward = collective_stages(
+        state.strategy, state.numel, state.element_size, world_size=world,
+        ranks_per_node=devices.ranks_per_node, regathered=regathered, trainable=state.trainable,
+        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size)
+    stages = forward + backward
+    comm_s = sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
+                                   spans_nodes=st.spans_nodes(devices.num_nodes))
+                 for st in stages)
+    if state.strategy == REPLICATE and stages:
         # Replicated gradients share bucketed all-reduces: latency is paid per bucket, not per
         # parameter, so a parameter bears its byte share of it.
         link = group_link(devices)
@@ -125,13 +125,13 @@ def group_cost(
     if state.strategy == SHARD_GRAD_OP:
         persistent += padded
         transient = padded
-    elif state.strategy == FULL_SHARD:
+    elif state.strategy in FREED_AFTER_FORWARD:
         transient = 2 * padded
     elif state.compute_size != state.element_size:  # mixed precision: the cast copy
         persistent += state.numel * state.compute_size
     return GroupCost(
         strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
-        comm_bytes=sum(n for _, n in collectives), optim_s=optim_s,
+        comm_bytes=sum(st.nbytes for st in stages), optim_s=optim_s,
         persistent_bytes=persistent, transient_bytes=transient,
     )
 

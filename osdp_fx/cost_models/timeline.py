@@ -11,8 +11,8 @@ Time points: forward of node ``i`` is ``t = i``; backward of node ``i`` is ``t =
 (reverse order), and a reduce-scatter that follows it ``t + 0.5``; the end-of-backward gradient all-reduce is ``t = 2N``; the optimizer step is
 ``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
 
-What is alive, per rank (N ranks, P bytes of a parameter, Pp = N * ceil(numel / N) elements
-padded):
+What is alive, per rank (N ranks, R per node, P bytes of a parameter, Pp = N * ceil(numel / N)
+elements padded; for hybrid_shard read R for N throughout):
 
 * always: local parameters (shard Pp/N or full P) and optimizer state (by optimizer kind);
 * activations: a node's new output from its forward until its last forward use or, when autograd
@@ -20,17 +20,21 @@ padded):
   it; tensors a node saves that are not its inputs or outputs (e.g. LayerNorm statistics) from
   its forward to its backward;
 * gathered parameters (sharded): Pp from the first forward use, or with prefetch d from the
-  first use of the sharded parameter gathered d places earlier; ``full_shard`` frees after the
-  last forward use of the parameter or a view of it and re-gathers Pp for the backward of each
-  node that saved it (the first re-gather from the first re-gather of any of the d parameters
-  saved after it, which prefetches it); ``shard_grad_op`` keeps it until the backward of the
-  earliest saver;
+  first use of the sharded parameter gathered d places earlier; ``full_shard`` (and
+  ``hybrid_shard``, ``hierarchical``) frees after the last forward use of the parameter or a view
+  of it and re-gathers Pp for the backward of each node that saved it (the first re-gather from
+  the first re-gather of any of the d parameters saved after it, which prefetches it);
+  ``shard_grad_op`` keeps it until the backward of the earliest saver; ``hierarchical`` gathers
+  in two stages: the Pp / R block of the first (inter-node) stage is alive from the (prefetched)
+  start until the second (intra-node) stage runs, a quarter step before the use, which
+  allocates Pp;
 * gradients of activations: from the backward of a node's last user to the node's own backward;
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
   the full gradient P until the backward of the first use in graph order, then the asynchronous
   reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
   reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward; the Pp/N
-  shard gradient from the start of the reduce-scatter to the end;
+  shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
+  intra-node stage also holds a Pp / R block until the reduce-scatter completes);
 * gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
   from when its last gradient is ready until the bucket ``reduce_scatters_in_flight`` later
   starts or backward ends;
@@ -53,7 +57,14 @@ from torch import fx
 
 from ..errors import InputError
 from ..meta import osdp_meta
-from ..plan import DEFAULT_PREFETCH, FULL_SHARD, REPLICATE, SHARD_GRAD_OP
+from ..plan import (
+    DEFAULT_PREFETCH,
+    FREED_AFTER_FORWARD,
+    HIERARCHICAL,
+    REPLICATE,
+    SHARD_GRAD_OP,
+    shard_count,
+)
 from ..runtime.reducer import DEFAULT_BUCKET_BYTES, plan_buckets
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 
@@ -206,6 +217,7 @@ def predict_step_memory(
     params: Mapping[str, ParamState],
     *,
     world_size: int,
+    ranks_per_node: int | None = None,
     optimizer: str = "adamw",
     profiled_batch: int = 1,
     batch_size: int | None = None,
@@ -217,7 +229,8 @@ def predict_step_memory(
 
     ``gm`` is the normalised graph (parameters as ``get_attr`` nodes whose ``osdp_meta.param``
     names the group), profiled by ``profile_graph_pass`` at ``profiled_batch``; ``params`` maps
-    each parameter group to its size and strategy; ``batch_size`` scales activations.
+    each parameter group to its size and strategy; ``batch_size`` scales activations;
+    ``ranks_per_node`` (None: one node) sizes hybrid_shard's shards and hierarchical's stages.
     """
     facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
     nodes, pos, prof = facts.nodes, facts.pos, facts.profile
@@ -265,18 +278,24 @@ def predict_step_memory(
                and uses_of[node]]
     gather_at = _prefetched_gathers(sharded, uses_of, pos, prefetch)
     regather_at = _prefetched_regathers(
-        [node for node in sharded if params[param_of[node]].strategy == FULL_SHARD
+        [node for node in sharded if params[param_of[node]].strategy in FREED_AFTER_FORWARD
          and savers.get(node)], savers, pos, bwd, prefetch)
-    scatters: list[tuple[float, int]] = []  # (launch time, bytes held until it completes)
+    # (launch time, since, bytes held from then until it completes, staged block from launch)
+    scatters: list[tuple[float, float, int, int]] = []
+    nodes_in_mesh = world_size // (ranks_per_node or world_size)
     for node, name in param_of.items():
         state = params[name]
         full = state.numel * state.element_size
+        chunks = shard_count(state.strategy, world_size, ranks_per_node)
         padded = gathered_param_bytes(state.numel, element_size=state.element_size,
-                                      world_size=world_size)
+                                      world_size=chunks)
         gathered = padded // state.element_size * state.compute_size
-        local = full if state.strategy == REPLICATE else padded // world_size
-        local_numel = state.numel if state.strategy == REPLICATE else shard_numel(
-            state.numel, world_size)
+        local_numel = shard_numel(state.numel, chunks)
+        local = full if state.strategy == REPLICATE else padded // chunks
+        # hierarchical: the block of the first stage (1/R of the buffer) while the second runs
+        staged = (state.strategy == HIERARCHICAL and ranks_per_node is not None
+                  and 1 < ranks_per_node and nodes_in_mesh > 1)
+        block = gathered // ranks_per_node if staged and ranks_per_node else 0
         base += local
         if state.trainable:
             base += optimizer_state_bytes(local_numel, optimizer=optimizer)
@@ -287,11 +306,18 @@ def predict_step_memory(
         last = max(pos[u] for u in uses)
         saved_by = savers.get(node, [])
         kept_until = max(bwd(min(pos[j] for j in saved_by)) if saved_by else last, last)
-        if state.strategy == FULL_SHARD:
-            tl.alive(gather_at[node], last, gathered, scaled=False)
+        if state.strategy in FREED_AFTER_FORWARD:
+            # A two-stage gather's second stage runs (allocating the buffer) a quarter step
+            # before the use, when it is waited for; its first stage's block is alive from its
+            # start.
+            wait = min(pos[u] for u in uses) - 0.25 if block else gather_at[node]
+            tl.alive(min(gather_at[node], wait), wait, block, scaled=False)
+            tl.alive(wait, last, gathered, scaled=False)
             for j in saved_by:
-                tl.alive(regather_at.get((node, j), bwd(pos[j])), bwd(pos[j]), gathered,
-                         scaled=False)
+                start = regather_at.get((node, j), bwd(pos[j]))
+                wait = bwd(pos[j]) - 0.25 if block else start
+                tl.alive(min(start, wait), wait, block, scaled=False)
+                tl.alive(wait, bwd(pos[j]), gathered, scaled=False)
         elif state.strategy == SHARD_GRAD_OP:
             tl.alive(gather_at[node], kept_until, gathered, scaled=False)
         elif state.compute_size != state.element_size:  # replicate: the cast copy
@@ -313,19 +339,21 @@ def predict_step_memory(
             scatter = grad_done + 0.5
             grad = state.numel * state.compute_size
             held = padded // state.element_size * state.reduce_size
+            held_block = held // ranks_per_node if staged and ranks_per_node else 0
             if held != grad:
                 tl.alive(grad_start, scatter, grad, scaled=False)
-                scatters.append((scatter, scatter, held))
+                scatters.append((scatter, scatter, held, held_block))
             else:
-                scatters.append((scatter, grad_start, held))
-            tl.alive(scatter, optim_t, padded // world_size, scaled=False)
+                scatters.append((scatter, grad_start, held, held_block))
+            tl.alive(scatter, optim_t, padded // chunks, scaled=False)
     # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
     # the rest complete at the end of backward.
     scatters.sort()
-    for i, (_, since, held) in enumerate(scatters):
+    for i, (launch, since, held, held_block) in enumerate(scatters):
         later = i + reduce_scatters_in_flight
-        tl.alive(since, scatters[later][0] if later < len(scatters) else grad_sync, held,
-                 scaled=False)
+        done = scatters[later][0] if later < len(scatters) else grad_sync
+        tl.alive(since, done, held, scaled=False)
+        tl.alive(launch, done, held_block, scaled=False)
 
     if world_size > 1:
         _replicated_buckets(tl, params, replicated_ready, bucket_bytes=bucket_bytes,

@@ -1,14 +1,18 @@
 """Rewriting pass: insert the collectives of a plan as explicit graph nodes.
 
-For every parameter group the plan shards (``shard_grad_op`` or ``full_shard``):
+For every parameter group the plan shards (``shard_grad_op``, ``full_shard``, ``hybrid_shard``,
+``hierarchical``):
 
-* the parameter on the graph module is replaced by this rank's flat, zero-padded 1/N shard (a
-  plain leaf ``nn.Parameter``, so optimizers and their state see only the shard);
+* the parameter on the graph module is replaced by this rank's flat, zero-padded shard (a
+  plain leaf ``nn.Parameter``, so optimizers and their state see only the shard): 1/N of it,
+  or 1/R (ranks per node) for hybrid_shard, at the chunk ``runtime.hierarchy.shard_layout``
+  gives;
 * its ``get_attr`` node moves to just before the parameter's first use and feeds an
   ``all_gather_param`` node, whose result replaces the parameter everywhere (its backward
   reduce-scatters the gradient into the shard);
-* for ``full_shard``, a ``free_param`` node follows the last forward use of the gathered tensor
-  and of every view of it (from ``annotate_aliases_pass``); backward re-gathers it;
+* for ``full_shard``, ``hybrid_shard`` and ``hierarchical``, a ``free_param`` node follows the
+  last forward use of the gathered tensor and of every view of it (from
+  ``annotate_aliases_pass``); backward re-gathers it;
 * with ``prefetch = d > 0`` (the plan's), each all-gather but the first d starts early: a
   ``prefetch_param`` node right after the gather d places before it launches the collective
   asynchronously, and the ``all_gather_param`` node waits for it, so the communication overlaps
@@ -44,9 +48,10 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..capture import set_attr
 from ..meta import osdp_meta, set_osdp_meta
-from ..plan import FULL_SHARD, SHARDED, Plan
+from ..plan import FREED_AFTER_FORWARD, SHARDED, Plan
 from .precision import cast_of
 from ..runtime.collectives import WORLD, pad_flat, shard_numel
+from ..runtime.hierarchy import shard_layout
 from ..runtime.params import all_gather_param, free_param, prefetch_param
 
 log = logging.getLogger(__name__)
@@ -77,7 +82,10 @@ def shard_parameters_pass(
     gm: fx.GraphModule, *, plan: Plan, world_size: int, rank: int, group: str = WORLD,
     prefetch: int = 1, reduce_dtype: torch.dtype | None = None,
 ) -> PassResult:
-    """Shard the parameters the plan shards and insert their collectives (module docstring)."""
+    """Shard the parameters the plan shards and insert their collectives (module docstring).
+
+    ``group`` names the group of shard_grad_op and full_shard; hybrid_shard and hierarchical
+    use the two-level groups of the plan's mesh (``runtime.hierarchy.init_mesh``)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     param_nodes = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == "param"]
@@ -87,7 +95,9 @@ def shard_parameters_pass(
         if entry.strategy not in SHARDED:
             continue
         full = gm.get_parameter(node.target)
-        set_attr(gm, node.target, make_shard(full, world_size=world_size, rank=rank))
+        layout = shard_layout(entry.strategy, world_size=world_size,
+                              ranks_per_node=plan.ranks_per_node, rank=rank, flat_group=group)
+        set_attr(gm, node.target, make_shard(full, world_size=layout.chunks, rank=layout.index))
 
         cast = cast_of(node)  # mixed precision: the shard is cast before the gather instead
         views = [n for n in graph.nodes
@@ -97,7 +107,7 @@ def shard_parameters_pass(
         kwargs = {"dtype": cast.args[1], "reduce_dtype": reduce_dtype} if cast is not None else {}
         with graph.inserting_after(node):
             gathered = graph.call_function(
-                all_gather_param, (node, entry.shape, entry.strategy, group), kwargs
+                all_gather_param, (node, entry.shape, entry.strategy, layout.group), kwargs
             )
         set_osdp_meta(gathered, role="all_gather", param=node.target, aliases=frozenset())
         if cast is not None:
@@ -106,7 +116,7 @@ def shard_parameters_pass(
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
         n_gathers += 1
 
-        if entry.strategy != FULL_SHARD:
+        if entry.strategy not in FREED_AFTER_FORWARD:
             continue
         uses = [u for v in [gathered, *views] for u in v.users]
         if any(u.op == "output" for u in uses):
@@ -124,7 +134,9 @@ def shard_parameters_pass(
     for entry in plan.params:  # parameters the forward never reads: sharded all the same
         if entry.strategy in SHARDED and entry.name not in in_graph:
             full = gm.get_parameter(entry.name)
-            set_attr(gm, entry.name, make_shard(full, world_size=world_size, rank=rank))
+            layout = shard_layout(entry.strategy, world_size=world_size,
+                                  ranks_per_node=plan.ranks_per_node, rank=rank)
+            set_attr(gm, entry.name, make_shard(full, world_size=layout.chunks, rank=layout.index))
 
     graph.lint()
     gm.recompile()

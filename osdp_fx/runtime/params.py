@@ -12,6 +12,9 @@
   starting the gather of the parameter it will need next as it does. So no gathered
   full_shard weight stays alive between forward and backward.
 
+hybrid_shard and hierarchical parameters are freed and re-gathered like full_shard ones; their
+collectives run in two levels (:mod:`.hierarchy`).
+
 Outside a StepContext (a bare call of the graph module) the functions still compute the right
 values; gathered tensors are then simply kept by autograd like any other tensor.
 """
@@ -29,17 +32,15 @@ from typing import Any
 
 import torch
 
-from .collectives import (
-    Pending,
-    all_gather_flat_start,
-    group_size,
-    pad_flat,
-    reduce_scatter_flat_start,
+from ..plan import FREED_AFTER_FORWARD
+from .collectives import Pending, pad_flat
+from .hierarchy import (
+    averaging_ranks,
+    gather_shards_start,
+    reduce_scatter_shards_start,
+    shard_chunks,
 )
 from .memory import note_resized
-
-FULL_SHARD = "full_shard"
-SHARD_GRAD_OP = "shard_grad_op"
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -124,7 +125,7 @@ class StepContext:
 
     @staticmethod
     def _start(g: _Gathered) -> Pending:
-        return all_gather_flat_start(_cast(g.shard.detach(), g.dtype), g.group)
+        return gather_shards_start(_cast(g.shard.detach(), g.dtype), g.group)
 
 
 _local = threading.local()
@@ -155,7 +156,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 def _gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str,
                  pending: Pending | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    flat = (pending or all_gather_flat_start(_cast(shard, dtype), group)).wait()
+    flat = (pending or gather_shards_start(_cast(shard, dtype), group)).wait()
     return flat[:math.prod(shape)].view(shape)
 
 
@@ -182,8 +183,8 @@ class GradReduceScatters:
         while len(self._in_flight) >= self.max_in_flight:
             self._complete(*self._in_flight.popleft())
         grad = pad_flat(_cast(grad_full, reduce_dtype), padded_numel)
-        pending = reduce_scatter_flat_start(grad, group)
-        self._in_flight.append((shard, pending, group_size(group)))
+        pending = reduce_scatter_shards_start(grad, group)
+        self._in_flight.append((shard, pending, averaging_ranks(group)))
 
     @staticmethod
     def _complete(shard: torch.Tensor, pending: Pending, world: int) -> None:
@@ -215,7 +216,7 @@ class _AllGatherParam(torch.autograd.Function):
                 pending: Pending | None, dtype: torch.dtype | None,
                 reduce_dtype: torch.dtype | None) -> torch.Tensor:
         ctx.group, ctx.reduce_dtype = group, reduce_dtype
-        ctx.padded_numel = shard.numel() * group_size(group)
+        ctx.padded_numel = shard.numel() * shard_chunks(group)
         ctx.shard = shard  # the leaf itself: saved_tensors would give a new tensor object
         return _gather_full(shard, shape, group, pending, dtype)
 
@@ -245,7 +246,7 @@ def prefetch_param(shard: torch.Tensor, group: str, *,
                    dtype: torch.dtype | None = None) -> Prefetched:
     """Start gathering ``shard`` (cast to ``dtype``) asynchronously; :func:`all_gather_param`
     waits for it."""
-    return Prefetched(all_gather_flat_start(_cast(shard.detach(), dtype), group))
+    return Prefetched(gather_shards_start(_cast(shard.detach(), dtype), group))
 
 
 def all_gather_param(
@@ -257,11 +258,13 @@ def all_gather_param(
 
     ``prefetched``: the all-gather a :func:`prefetch_param` node started earlier (this waits for
     it), else it is started here. Differentiable: in backward the gradient is reduce-scattered
-    asynchronously, averaged over the ranks of ``group`` and accumulated into ``shard.grad``
-    (complete when backward returns). Mixed precision: ``dtype`` is the dtype the shard is cast
-    to before it is gathered, ``reduce_dtype`` the one its gradient is reduce-scattered in
-    (both default to the shard's). For ``strategy == "full_shard"`` inside a StepContext,
-    autograd saves a handle instead of the gathered tensor and backward re-gathers it.
+    asynchronously, averaged over the ranks of ``group`` (a flat group, or a two-level group of
+    :mod:`.hierarchy`) and accumulated into ``shard.grad`` (complete when backward returns).
+    Mixed precision: ``dtype`` is the dtype the shard is cast to before it is gathered,
+    ``reduce_dtype`` the one its gradient is reduce-scattered in (both default to the shard's).
+    For the strategies that free after forward (full_shard, hybrid_shard, hierarchical) inside a
+    StepContext, autograd saves a handle instead of the gathered tensor and backward re-gathers
+    it.
     """
     shape = tuple(shape)
     pending = prefetched.take() if prefetched is not None else None
@@ -271,13 +274,13 @@ def all_gather_param(
         with torch.no_grad():
             full = _gather_full(shard, shape, group, pending, dtype)
     ctx = _active()
-    if strategy == FULL_SHARD and ctx is not None:
+    if strategy in FREED_AFTER_FORWARD and ctx is not None:
         ctx.track(full, _Gathered(shard, shape, group, dtype))
     return full
 
 
 def free_param(full: torch.Tensor) -> None:
-    """Release the storage of a gathered full_shard parameter after its last forward use."""
+    """Release the storage of a gathered parameter after its last forward use."""
     ctx = _active()
     if ctx is not None and ctx.release(full):
         storage = full.untyped_storage()

@@ -12,12 +12,14 @@ from .models import batches, build, local
 
 
 def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: float = 0.05,
-          local_batch: int = 2, seed: int = 0, mixed_precision: Any = None) -> dict[str, Any]:
+          local_batch: int = 2, seed: int = 0, mixed_precision: Any = None,
+          devices: Any = None) -> dict[str, Any]:
     """Train ``model`` with SGD under ``plan`` for ``steps``; return losses and final state."""
     net, loss_fn = build(model, seed)
     data = [local(b, rank, world) for b in batches(model, global_batch=local_batch * world,
                                                     steps=steps)]
-    compiled = compile_osdp(net, data[0][:1], plan=plan, mixed_precision=mixed_precision)
+    compiled = compile_osdp(net, data[0][:1], devices, plan=plan,
+                            mixed_precision=mixed_precision)
     opt = torch.optim.SGD(compiled.parameters(), lr=lr)
     losses = []
     for batch in data:

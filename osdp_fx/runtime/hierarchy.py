@@ -1,0 +1,257 @@
+"""The mesh of nodes x ranks per node: its size, its process groups, and the two-level
+collectives of ``hybrid_shard`` and ``hierarchical``.
+
+Ranks are placed node by node, as torchrun numbers them: rank ``r`` runs on node
+``r // R`` at local index ``r % R`` (``R`` ranks per node, ``n`` nodes). Two kinds of subgroup:
+
+* **intra**: the ``R`` ranks of one node (fast links);
+* **inter**: the ``n`` ranks with the same local index, one per node (slow links).
+
+They are the dimensions ``"intra"`` and ``"inter"`` of a ``DeviceMesh`` of shape ``(n, R)``,
+created once per world and mesh shape by :func:`init_mesh` (collective: every rank creates the
+subgroups in the same order) and registered in :mod:`.collectives` under names, because graph
+nodes carry group names, not ProcessGroup objects.
+
+Which flat chunk of a parameter a rank holds (:func:`shard_layout`)::
+
+    full_shard, shard_grad_op:  N chunks, rank r holds chunk r
+    hybrid_shard:               R chunks, rank r holds chunk r % R (each node holds all R)
+    hierarchical:               N chunks, rank (node k, local l) holds chunk l * n + k
+
+The hierarchical order makes the two-stage all-gather reassemble the flat order: the inter
+all-gather of local index ``l`` concatenates chunks ``l*n .. l*n + n-1`` (a contiguous block
+that each node receives once), and the intra all-gather then concatenates the blocks of local
+indices ``0 .. R-1``. Its reduce-scatter runs the same stages backwards: inside the node, every
+rank ``l`` gets block ``l`` summed over the node; across nodes, chunk ``l*n + k`` of that block
+summed over all nodes. Hybrid sharding reduce-scatters inside the node, then all-reduces the
+shard across nodes. Every strategy's gradient is the sum over all ``N`` ranks, divided by ``N``
+by the caller (:func:`averaging_ranks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError
+from ..plan import HIERARCHICAL, HYBRID_SHARD, MESH_STRATEGIES, shard_count
+from .collectives import (
+    WORLD,
+    Pending,
+    all_gather_flat,
+    all_gather_flat_start,
+    all_reduce_sum_,
+    group_size,
+    reduce_scatter_flat,
+    reduce_scatter_flat_start,
+    register_group,
+)
+
+log = logging.getLogger(__name__)
+
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+"""Environment variable torchrun sets to the number of ranks it started on this node."""
+
+
+def ranks_per_node_for(devices: Any, world_size: int) -> int | None:
+    """Ranks per node of this world, or None when nothing says (one node, or whatever
+    ``Devices.detect`` finds later).
+
+    In order: ``devices.ranks_per_node`` when the user's Devices gives it (so a world on one
+    machine can be treated as several nodes); the ``LOCAL_WORLD_SIZE`` torchrun sets; None.
+    """
+    given = getattr(devices, "ranks_per_node", None)
+    if given is not None:
+        return given
+    env = os.environ.get(LOCAL_WORLD_SIZE)
+    if env is None or world_size == 1:
+        return None
+    try:
+        per_node = int(env)
+    except ValueError:
+        per_node = 0
+    if per_node < 1 or world_size % per_node:
+        raise InputError(
+            f"{LOCAL_WORLD_SIZE}={env!r} does not divide the world size {world_size}: osdp-fx "
+            "needs the same number of ranks on every node; launch every node with the same "
+            "torchrun --nproc-per-node, or pass Devices(ranks_per_node=...) to compile_osdp"
+        )
+    return per_node
+
+
+def mesh_shape(world_size: int, ranks_per_node: int | None) -> tuple[int, int]:
+    """(nodes, ranks per node) of a world; one node when ``ranks_per_node`` is None."""
+    per_node = ranks_per_node or world_size
+    return world_size // per_node, per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Where one rank's shard of a parameter under some strategy lies."""
+
+    group: str
+    """Name of the sharding group the graph's all_gather_param node carries."""
+    chunks: int
+    """Number of distinct flat chunks the padded parameter is cut into."""
+    index: int
+    """The chunk this rank holds."""
+    copies: int
+    """Ranks that hold each chunk (the number of nodes for hybrid_shard, else 1)."""
+
+
+def mesh_group_name(strategy: str, world_size: int, ranks_per_node: int | None) -> str:
+    """Name of a two-level sharding group, e.g. ``'hybrid_shard/2x4'`` (2 nodes of 4 ranks)."""
+    nodes, per_node = mesh_shape(world_size, ranks_per_node)
+    return f"{strategy}/{nodes}x{per_node}"
+
+
+def shard_layout(strategy: str, *, world_size: int, ranks_per_node: int | None, rank: int,
+                 flat_group: str = WORLD) -> ShardLayout:
+    """The chunk ``rank`` holds of a parameter sharded under ``strategy`` (module docstring);
+    ``flat_group`` names the group of shard_grad_op and full_shard."""
+    nodes, per_node = mesh_shape(world_size, ranks_per_node)
+    chunks = shard_count(strategy, world_size, ranks_per_node)
+    if strategy == HYBRID_SHARD:
+        index = rank % per_node
+    elif strategy == HIERARCHICAL:
+        index = rank % per_node * nodes + rank // per_node
+    else:
+        index = rank if chunks > 1 else 0
+    group = (mesh_group_name(strategy, world_size, ranks_per_node)
+             if strategy in MESH_STRATEGIES else flat_group)
+    return ShardLayout(group, chunks, index, world_size // chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TwoLevel:
+    """A registered two-level sharding group."""
+
+    strategy: str
+    """hybrid_shard or hierarchical."""
+    intra: str | None
+    """Registered name of this rank's node group; None when a node has one rank."""
+    inter: str | None
+    """Registered name of this rank's cross-node group; None on one node."""
+    chunks: int
+    """Shards of a parameter."""
+    ranks: int
+    """Ranks whose gradients are summed: the world."""
+
+
+_two_level: dict[str, _TwoLevel] = {}
+_meshes: dict[tuple[int, int], tuple[Any, Any]] = {}  # (nodes, per node) -> (world group, mesh)
+
+
+def init_mesh(world_size: int, ranks_per_node: int | None) -> None:
+    """Create (once per world and mesh shape) the intra- and inter-node groups and register the
+    two-level sharding groups of :func:`shard_layout` under their names.
+
+    Collective when the mesh has several nodes of several ranks: every rank must call it, in the
+    same order relative to other group creations.
+    """
+    nodes, per_node = mesh_shape(world_size, ranks_per_node)
+    intra: str | None = WORLD if per_node > 1 else None
+    inter: str | None = WORLD if nodes > 1 else None
+    if nodes > 1 and per_node > 1:
+        world_group = dist.group.WORLD
+        cached = _meshes.get((nodes, per_node))
+        if cached is None or cached[0] is not world_group:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+            mesh = init_device_mesh(device, (nodes, per_node), mesh_dim_names=("inter", "intra"))
+            _meshes[(nodes, per_node)] = (world_group, mesh)
+            log.info("mesh of %d nodes x %d ranks: groups created", nodes, per_node)
+        mesh = _meshes[(nodes, per_node)][1]
+        intra, inter = f"intra/{nodes}x{per_node}", f"inter/{nodes}x{per_node}"
+        register_group(intra, mesh.get_group("intra"))
+        register_group(inter, mesh.get_group("inter"))
+    for strategy in MESH_STRATEGIES:
+        _two_level[mesh_group_name(strategy, world_size, ranks_per_node)] = _TwoLevel(
+            strategy, intra, inter, shard_count(strategy, world_size, ranks_per_node), world_size)
+
+
+class StagedPending(Pending):
+    """A collective in two stages: the first runs asynchronously; ``wait()`` completes it and
+    runs ``then`` (the second stage, synchronously) on its output."""
+
+    def __init__(self, first: Pending, then: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._first: Pending | None = first
+        self._then: Callable[[torch.Tensor], torch.Tensor] | None = then
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            assert self._first is not None and self._then is not None
+            self._result = self._then(self._first.wait())
+            self._first = self._then = None
+        return self._result
+
+
+def _staged(t: torch.Tensor, groups: list[str | None], start: Callable[..., Pending],
+            then: Callable[..., torch.Tensor]) -> Pending:
+    """``start(t, group)`` over the first group that has several ranks (None: a single rank,
+    skipped), then ``then(output, group)`` over the second when waited for; always a new
+    tensor."""
+    stages = [g for g in groups if g is not None]
+    if not stages:
+        return Pending(t.reshape(-1).clone())
+    first = start(t, stages[0])
+    if len(stages) == 1:
+        return first
+    return StagedPending(first, lambda out: then(out, stages[1]))
+
+
+def gather_shards_start(shard: torch.Tensor, group: str) -> Pending:
+    """Start gathering the flat padded parameter from every chunk of the sharding group
+    ``group`` (a flat group name, or a two-level group registered by :func:`init_mesh`). A
+    two-stage gather runs its first stage asynchronously and its second when waited for."""
+    two = _two_level.get(group)
+    if two is None:
+        return all_gather_flat_start(shard, group)
+    stages = [two.intra] if two.strategy == HYBRID_SHARD else [two.inter, two.intra]
+    return _staged(shard, stages, all_gather_flat_start, all_gather_flat)
+
+
+def reduce_scatter_shards_start(full: torch.Tensor, group: str) -> Pending:
+    """Start reducing ``full`` (flat, padded) to this rank's chunk summed over every rank of the
+    world; ``full`` is kept alive until the first stage completes."""
+    two = _two_level.get(group)
+    if two is None:
+        return reduce_scatter_flat_start(full, group)
+    if two.strategy == HIERARCHICAL:
+        return _staged(full, [two.intra, two.inter], reduce_scatter_flat_start,
+                       reduce_scatter_flat)
+    chunk = _staged(full, [two.intra], reduce_scatter_flat_start, reduce_scatter_flat)
+    inter = two.inter
+    if inter is None:
+        return chunk
+    return StagedPending(chunk, lambda out: all_reduce_sum_(out, inter))
+
+
+def gather_shards(shard: torch.Tensor, group: str) -> torch.Tensor:
+    """:func:`gather_shards_start`, waited for: a new flat tensor."""
+    return gather_shards_start(shard, group).wait()
+
+
+def reduce_scatter_shards(full: torch.Tensor, group: str) -> torch.Tensor:
+    """:func:`reduce_scatter_shards_start`, waited for: a new flat tensor."""
+    return reduce_scatter_shards_start(full, group).wait()
+
+
+def shard_chunks(group: str) -> int:
+    """Chunks a parameter sharded over ``group`` is cut into."""
+    two = _two_level.get(group)
+    return group_size(group) if two is None else two.chunks
+
+
+def averaging_ranks(group: str) -> int:
+    """Ranks a gradient reduced over ``group`` is summed over (and so divided by)."""
+    two = _two_level.get(group)
+    return group_size(group) if two is None else two.ranks
