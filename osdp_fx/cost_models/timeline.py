@@ -8,8 +8,9 @@ steady-state step (optimizer state already allocated, gradients set to None by t
 reports the largest live total.
 
 Time points: forward of node ``i`` is ``t = i``; backward of node ``i`` is ``t = 2N - 1 - i``
-(reverse order), and a reduce-scatter that follows it ``t + 0.5``; the end-of-backward gradient all-reduce is ``t = 2N``; the optimizer step is
-``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
+(reverse order), and a reduce-scatter that follows it ``t + 0.5``; the second stage of a
+two-stage (hierarchical) gather before a forward or backward at ``t`` is ``t - 0.25``; the
+end-of-backward gradient all-reduce is ``t = 2N``; the optimizer step is ``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
 
 What is alive, per rank (N ranks, R per node, P bytes of a parameter, Pp = N * ceil(numel / N)
 elements padded; for hybrid_shard read R for N throughout):
@@ -48,6 +49,7 @@ of lines in ``b``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -426,10 +428,13 @@ def _prefetched_regathers(
 def _describe_time(t: float, nodes: list[fx.Node]) -> str:
     n = len(nodes)
     if t < n:
-        return f"forward of {nodes[int(t)].name}"
+        node = nodes[math.ceil(t)].name
+        return f"all-gather before forward of {node}" if t % 1 else f"forward of {node}"
     if t < 2 * n:
-        node = nodes[2 * n - 1 - int(t)].name
-        return f"reduce-scatter after backward of {node}" if t % 1 else f"backward of {node}"
+        if t % 1 == 0.5:
+            return f"reduce-scatter after backward of {nodes[2 * n - 1 - int(t)].name}"
+        node = nodes[2 * n - 1 - math.ceil(t)].name
+        return f"re-gather before backward of {node}" if t % 1 else f"backward of {node}"
     return "gradient all-reduce" if t == 2 * n else "optimizer step"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -9,6 +10,16 @@ import torch
 from osdp_fx import compile_osdp
 
 from .models import batches, build, local
+
+
+def mixed_plan_file(model: str, path: Any, strategies: list[str]) -> str:
+    """A plan file giving the model's parameters ``strategies`` in turn, one by one."""
+    net, _ = build(model)
+    params = {name: strategies[i % len(strategies)]
+              for i, (name, _) in enumerate(net.named_parameters())}
+    with open(path, "w") as f:
+        json.dump({"format": "osdp-fx-plan", "version": 1, "params": params}, f)
+    return str(path)
 
 
 def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: float = 0.05,
@@ -59,6 +70,20 @@ def reference_train(model: str, *, world: int, steps: int = 5, lr: float = 0.05,
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return {"losses": losses, "state": net.state_dict()}
+
+
+def assert_matches_single_process(results: list[dict[str, Any]], model: str,
+                                  world_size: int) -> None:
+    """Results of :func:`train` on every rank equal :func:`reference_train` on the global batch:
+    the mean loss over ranks to 1e-5 at every step, every rank's full state to 1e-4."""
+    ref = reference_train(model, world=world_size)
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+    for rank_result in results:
+        state = rank_result["state"]
+        assert list(state) == list(ref["state"]), "full_state_dict keys differ from the model's"
+        for key, expected in ref["state"].items():
+            torch.testing.assert_close(state[key], expected, atol=1e-4, rtol=0, msg=key)
 
 
 def memory_profile(rank: int, world: int, *, plan: str, width: int = 512, depth: int = 4,
@@ -116,7 +141,8 @@ def frozen_and_buffers(rank: int, world: int, *, plan: str) -> dict[str, Any]:
 
 
 def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer: str,
-                      local_batch: int = 8, mixed_precision: Any = None) -> dict[str, Any]:
+                      local_batch: int = 8, mixed_precision: Any = None,
+                      devices: Any = None) -> dict[str, Any]:
     """Predicted peak memory of a step against the live-tensor tracker's measurement."""
     from osdp_fx.runtime.memory import measure_step_peak_bytes
 
@@ -124,7 +150,7 @@ def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer
 
     net = with_loss(model)
     batch = local(batches(model, global_batch=local_batch * world, steps=1)[0], rank, world)
-    compiled = compile_osdp(net, batch, plan=plan, optimizer=optimizer,
+    compiled = compile_osdp(net, batch, devices, plan=plan, optimizer=optimizer,
                             mixed_precision=mixed_precision)
     del net
     params = list(compiled.parameters())
