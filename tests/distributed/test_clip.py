@@ -8,7 +8,7 @@ import pytest
 import torch
 from harness import clip_cases as cc
 
-from osdp_fx import clip_grad_norm_, compile_osdp
+from osdp_fx import Devices, clip_grad_norm_, compile_osdp
 from osdp_fx.errors import InputError
 
 INF = math.inf
@@ -63,6 +63,26 @@ def test_clipped_training_matches_single_process(worlds, tmp_path, plan, model, 
     expected = ["full_shard", "replicate", "shard_grad_op"] if plan == "mixed" else [plan]
     assert results[0]["strategies"] == expected
     check_against_reference(results, model, world_size, norm_type)
+
+
+MESH_CASES = [("hybrid_shard", "gpt", 2.0), ("hybrid_shard", "mlp", INF),
+              ("hierarchical", "mlp", 2.0), ("hierarchical", "gpt", INF),
+              ("mixed", "gpt", 2.0), ("mixed", "mlp", INF)]
+EVERY_STRATEGY = ["hybrid_shard", "hierarchical", "full_shard", "replicate", "shard_grad_op"]
+
+
+@pytest.mark.parametrize(("plan", "model", "norm_type"), MESH_CASES,
+                         ids=[f"{p}-{m}-{'inf' if n == INF else 'l2'}" for p, m, n in MESH_CASES])
+def test_two_node_mesh(worlds, tmp_path, plan, model, norm_type):
+    """World 4 as 2 nodes x 2 ranks: a hybrid_shard gradient lives on one rank of each node and
+    counts once; hierarchical chunks are spread over the ranks in two-stage order."""
+    plan_arg = (cc.write_mixed_plan(model, str(tmp_path / "mixed.json"), EVERY_STRATEGY)
+                if plan == "mixed" else plan)
+    results = worlds(4).run(cc.train_clipped, model=model, plan=plan_arg,
+                            max_norm=MAX_NORM[norm_type], norm_type=norm_type,
+                            devices=Devices(world_size=4, ranks_per_node=2))
+    assert results[0]["strategies"] == (sorted(EVERY_STRATEGY) if plan == "mixed" else [plan])
+    check_against_reference(results, model, 4, norm_type)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])

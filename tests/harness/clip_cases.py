@@ -45,17 +45,20 @@ def batches(name: str, *, global_batch: int, steps: int, seed: int = 1) -> list[
     return [(torch.randint(0, 67, (global_batch, 12), generator=gen),) for _ in range(steps)]
 
 
-def mixed_plan(name: str) -> dict[str, Any]:
-    """A plan file's contents cycling through the three strategies parameter by parameter."""
+MIXED = ["full_shard", "replicate", "shard_grad_op"]
+
+
+def mixed_plan(name: str, strategies: list[str] = MIXED) -> dict[str, Any]:
+    """A plan file's contents cycling through ``strategies`` parameter by parameter."""
     net, _ = build(name)
-    strategies = ["full_shard", "replicate", "shard_grad_op"]
     return {"format": "osdp-fx-plan", "version": 1,
-            "params": {n: strategies[i % 3] for i, (n, _) in enumerate(net.named_parameters())}}
+            "params": {n: strategies[i % len(strategies)]
+                       for i, (n, _) in enumerate(net.named_parameters())}}
 
 
-def write_mixed_plan(name: str, path: str) -> str:
+def write_mixed_plan(name: str, path: str, strategies: list[str] = MIXED) -> str:
     with open(path, "w") as f:
-        json.dump(mixed_plan(name), f)
+        json.dump(mixed_plan(name, strategies), f)
     return path
 
 
@@ -72,12 +75,12 @@ def write_split_plan(path: str) -> str:
 
 def train_clipped(rank: int, world: int, *, model: str, plan: Any, max_norm: float,
                   norm_type: float, steps: int = 3, lr: float = 0.5, local_batch: int = 2,
-                  seed: int = 0) -> dict[str, Any]:
+                  seed: int = 0, devices: Any = None) -> dict[str, Any]:
     """SGD with clipping for ``steps``: the norms, the clipped full gradients, the final state."""
     net, loss_fn = build(model, seed)
     data = [local(b, rank, world) for b in batches(model, global_batch=local_batch * world,
                                                     steps=steps)]
-    compiled = compile_osdp(net, data[0][:1], plan=plan)
+    compiled = compile_osdp(net, data[0][:1], devices, plan=plan)
     del net
     opt = torch.optim.SGD(compiled.parameters(), lr=lr)
     norms, grads = [], []
