@@ -470,7 +470,7 @@ def _describe_collectives(stages: list[Stage]) -> str:
 
 def _describe_mesh(world_size: int, ranks_per_node: int | None) -> str:
     if ranks_per_node is None:
-        return f"{world_size} ranks on one node"
+        return f"{world_size} rank{'s' if world_size > 1 else ''} on one node"
     return f"{world_size // ranks_per_node} nodes x {ranks_per_node} ranks"
 
 

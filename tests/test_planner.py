@@ -1,6 +1,10 @@
-"""Offline planning (no process group): search, batch-size search, predictions as functions of b."""
+"""Offline planning (no process group): search, batch-size search, predictions as functions of b;
+on 2 nodes x 8 GPUs with slow inter-node links, the search picks hybrid_shard (and hierarchical
+when memory is tight), never offers either on one node, and the plan table shows each stage."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ from osdp_fx.cost_models.timeline import BATCH
 from osdp_fx.devices import Devices
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
-from osdp_fx.plan import build_plan, resolve_plan
+from osdp_fx.plan import MESH_STRATEGIES, build_plan, resolve_plan
 from osdp_fx.planner import (
     make_plan,
     param_specs,
@@ -22,20 +26,28 @@ from osdp_fx.planner import (
 MIB = 2**20
 
 
-@pytest.fixture(scope="module")
-def planned():
+def profiled_gpt(devices, vocab=512):
     torch.manual_seed(0)
-    model = GPTWithLoss(TinyGPT(vocab=512, dim=64, depth=2, heads=4, max_seq=32))
-    inputs = (torch.randint(0, 512, (4, 32)),)
+    model = GPTWithLoss(TinyGPT(vocab=vocab, dim=64, depth=2, heads=4, max_seq=32))
+    inputs = (torch.randint(0, vocab, (4, 32)),)
     captured = capture(model, inputs)
-    devices = Devices(world_size=8, memory_bytes=64 * MIB)
     plan, analysis = make_plan(captured, inputs, plan="replicate", devices=devices,
                                memory_limit_bytes=None, optimizer="adamw")
     return captured, inputs, analysis, devices
 
 
+@pytest.fixture(scope="module")
+def planned():
+    return profiled_gpt(Devices(world_size=8, memory_bytes=64 * MIB))
+
+
 def uniform(analysis, captured, devices, name, batch=None):
-    plan = resolve_plan(name, param_specs(captured), world_size=devices.world_size)
+    """``analysis`` predicted under ``name`` for every group, or under a strategy per group."""
+    specs = param_specs(captured)
+    plan = (resolve_plan(name, specs, world_size=devices.world_size,
+                         ranks_per_node=devices.ranks_per_node) if isinstance(name, str)
+            else build_plan(name, specs, world_size=devices.world_size,
+                            ranks_per_node=devices.ranks_per_node))
     return predict(analysis, plan, devices=devices, optimizer="adamw", batch_size=batch)
 
 
@@ -93,3 +105,70 @@ def test_predictions_are_functions_of_the_batch_size(planned):
             at_b.step_time_s)
     assert uniform(analysis, captured, devices, "shard_grad_op", batch=8).peak_memory_bytes > \
         base.peak_memory_bytes
+
+
+TWO_NODES = Devices(world_size=16, ranks_per_node=8, memory_bytes="1GiB",
+                    compute_flops_per_s=1e14, memory_bandwidth_bytes_per_s=1e12,
+                    intra_node_bandwidth_bytes_per_s=1e11, intra_node_latency_s=1e-5,
+                    inter_node_bandwidth_bytes_per_s=1.25e9, inter_node_latency_s=5e-5)
+"""2 nodes x 8 GPUs; the inter-node links 80x slower than the intra-node ones."""
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    captured, _, analysis, _ = profiled_gpt(TWO_NODES, vocab=1024)
+    return analysis, captured
+
+
+def search(analysis, devices):
+    return search_strategies(analysis, devices=devices, memory_limit_bytes=devices.memory_bytes,
+                             optimizer="adamw")
+
+
+def test_search_picks_hybrid_shard_when_inter_node_links_are_slow(two_nodes):
+    analysis, captured = two_nodes
+    plan = uniform(analysis, captured, TWO_NODES, search(analysis, TWO_NODES))
+    # the largest groups (tied embedding, MLP weights) go hybrid: their gradients cross nodes as
+    # one all-reduce of a 1/8 shard instead of the whole tensor
+    largest = max(plan.params, key=lambda p: p.numel)
+    assert largest.strategy == "hybrid_shard", plan
+    for name in ("replicate", "full_shard", "shard_grad_op", "hierarchical"):
+        other = uniform(analysis, captured, TWO_NODES, name)
+        assert plan.prediction.comm_s < other.prediction.comm_s, name
+
+
+def test_search_picks_hierarchical_when_memory_is_tight(two_nodes):
+    analysis, captured = two_nodes
+    peaks = {s: uniform(analysis, captured, TWO_NODES, s).peak_memory_bytes
+             for s in ("hybrid_shard", "hierarchical")}
+    assert peaks["hierarchical"] < peaks["hybrid_shard"]
+    tight = dataclasses.replace(TWO_NODES, memory_bytes=sum(peaks.values()) // 2)
+    plan = uniform(analysis, captured, tight, search(analysis, tight))
+    assert plan.peak_memory_bytes <= tight.memory_bytes
+    assert plan.counts()["hierarchical"] > 0, plan
+    # hierarchical holds as little as full_shard and sends less across nodes
+    assert plan.counts()["full_shard"] == 0, plan
+
+
+def test_one_node_never_offers_the_mesh_strategies(two_nodes):
+    analysis, captured = two_nodes
+    one_node = dataclasses.replace(TWO_NODES, ranks_per_node=None)
+    tight = sum(uniform(analysis, captured, one_node, s).peak_memory_bytes
+                for s in ("full_shard", "replicate")) // 2
+    for limit in (one_node.memory_bytes, tight):
+        strategies = set(search(analysis, dataclasses.replace(one_node, memory_bytes=limit))
+                         .values())
+        assert not strategies & set(MESH_STRATEGIES)
+    assert strategies != {"replicate"}  # the tight limit made it shard something
+
+
+def test_plan_table_shows_each_stage_and_the_bytes_across_nodes(two_nodes):
+    analysis, captured = two_nodes
+    text = str(uniform(analysis, captured, TWO_NODES, "hierarchical"))
+    assert "Plan for world size 16 = 2 nodes x 8 ranks" in text
+    # tok.weight: 1024 x 64 fp32 = 256 KiB, 16 KiB per rank; the inter stage gathers 1/8 of it
+    row = next(line for line in text.splitlines() if line.startswith("model.tok.weight"))
+    assert "16.0 KiB" in row
+    assert "all_gather[inter] 32.0 KiB, all_gather[intra] 256.0 KiB" in row
+    assert "reduce_scatter[intra] 256.0 KiB, reduce_scatter[inter] 32.0 KiB" in row
+    assert "across nodes" in text

@@ -248,6 +248,11 @@ def bad_inputs(tmpdir: str) -> dict[str, Callable[[], dict[str, Any]]]:
             model=small_mlp(), example_inputs=(x,),
             plan=mlp_plan("shape.json", {
                 **all_full, "layers.0.weight": {"strategy": "full_shard", "shape": [4, 5]}})),
+        "plan_for_another_mesh": lambda: dict(
+            model=small_mlp(), example_inputs=(x,),
+            plan=plan_file("mesh.json", json.dumps(
+                {"format": "osdp-fx-plan", "version": 1, "ranks_per_node": 3,
+                 "default": "hybrid_shard"}))),
         "memory_limit_words": lambda: dict(
             model=small_mlp(), example_inputs=(x,), memory_limit="8 gigs"),
         "memory_limit_negative": lambda: dict(
