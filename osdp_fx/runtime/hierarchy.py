@@ -26,6 +26,10 @@ rank ``l`` gets block ``l`` summed over the node; across nodes, chunk ``l*n + k`
 summed over all nodes. Hybrid sharding reduce-scatters inside the node, then all-reduces the
 shard across nodes. Every strategy's gradient is the sum over all ``N`` ranks, divided by ``N``
 by the caller (:func:`averaging_ranks`).
+
+Like the flat collectives, the two-level ones are started (``*_start``) and waited for later, so
+prefetched gathers and reduce-scatters overlap computation: the first stage runs asynchronously,
+the second when the result is waited for (:class:`StagedPending`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from .collectives import (
     reduce_scatter_flat_start,
     register_group,
 )
+from .memory import note_resized
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +184,9 @@ def init_mesh(world_size: int, ranks_per_node: int | None) -> None:
 
 class StagedPending(Pending):
     """A collective in two stages: the first runs asynchronously; ``wait()`` completes it and
-    runs ``then`` (the second stage, synchronously) on its output."""
+    runs ``then`` (the second stage, synchronously) on its output, then releases that
+    intermediate output (gloo's worker may hold the last reference a few milliseconds longer)
+    unless ``then`` worked in place on it."""
 
     def __init__(self, first: Pending, then: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._first: Pending | None = first
@@ -189,8 +196,13 @@ class StagedPending(Pending):
     def wait(self) -> torch.Tensor:
         if self._result is None:
             assert self._first is not None and self._then is not None
-            self._result = self._then(self._first.wait())
+            middle = self._first.wait()
+            self._result = self._then(middle)
             self._first = self._then = None
+            storage = middle.untyped_storage()
+            if storage.data_ptr() != self._result.untyped_storage().data_ptr():
+                storage.resize_(0)
+                note_resized(storage)
         return self._result
 
 
