@@ -118,15 +118,16 @@ def plan_command(args: argparse.Namespace) -> int:
     search_s = time.perf_counter() - start
     print(plan)
     rows = []
-    from .planner import predict
-    for name in ("replicate", "full_shard"):
-        from .plan import resolve_plan
-        from .planner import param_specs
+    from .plan import MESH_STRATEGIES, resolve_plan
+    from .planner import param_specs, predict
+    labels = {"replicate": "DDP", "full_shard": "FSDP", "hybrid_shard": "FSDP HYBRID_SHARD",
+              "hierarchical": "two-stage collectives"}
+    for name in ("replicate", "full_shard", *(MESH_STRATEGIES if devices.num_nodes > 1 else ())):
         other = predict(analysis, resolve_plan(name, param_specs(captured),
-                                               world_size=devices.world_size),
+                                               world_size=devices.world_size,
+                                               ranks_per_node=devices.ranks_per_node),
                         devices=devices, optimizer=args.optimizer, batch_size=batch)
-        rows.append(_totals_row(f"all {name} ({'DDP' if name == 'replicate' else 'FSDP'})",
-                                other, limit))
+        rows.append(_totals_row(f"all {name} ({labels[name]})", other, limit))
     rows.insert(0, _totals_row("searched (osdp-fx)", plan, limit))
     print(f"\nper rank, world size {devices.world_size}, limit {format_bytes(limit)}, "
           f"optimizer {args.optimizer}, batch {batch} per rank:")
