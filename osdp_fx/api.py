@@ -19,7 +19,7 @@ from .materialize import (check_initializable, check_same_rng_state, is_on_meta,
                           materialize_device, materialize_meta_model)
 from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
-from .passes.shard import make_shard, shard_parameters_pass
+from .passes.shard import shard_of, shard_parameters_pass
 from .passes.split_linear import apply_splits
 from .plan import (
     MESH_STRATEGIES,
@@ -339,9 +339,10 @@ class OSDPModule(nn.Module):
                 for name, full in pieces:
                     local = self._gm.get_parameter(name)
                     if self._plan[name].strategy != REPLICATE:
-                        layout = self._layout(name)
-                        full = make_shard(full.to(local.dtype), world_size=layout.chunks,
-                                          rank=layout.index)
+                        full = shard_of(full.to(local.dtype), self._plan[name].strategy,
+                                        world_size=self._plan.world_size,
+                                        ranks_per_node=self._plan.ranks_per_node,
+                                        rank=group_rank(WORLD))
                     local.copy_(full)
 
     def _layout(self, name: str) -> ShardLayout:

@@ -11,7 +11,10 @@ Layout (one DCP state dict; the keys are strings, nothing is nested):
   strategy. A sharded parameter is a ``DTensor`` with placement ``Shard(0)`` on a 1-D mesh over
   the world: rank r's local shard minus its zero padding is exactly ``torch.chunk``'s r-th chunk
   of the flat tensor (trailing ranks may hold fewer or no elements), so DCP knows each rank's
-  offset. A replicated parameter is a plain flat tensor (DCP writes it once).
+  offset. Under ``hierarchical`` the mesh lists the ranks in the order of the chunks they hold,
+  under ``hybrid_shard`` it is the nodes x ranks mesh with the chunks replicated across nodes
+  (``runtime.hierarchy.checkpoint_mesh``). A replicated parameter is a plain flat tensor (DCP
+  writes it once).
 * ``model.<buffer>``: buffers of ``model.state_dict()``, unchanged.
 * ``optim.<name>.<key>``: optimizer state by parameter name, not index. A state tensor shaped like
   the parameter (AdamW ``exp_avg``, ``exp_avg_sq``; SGD ``momentum_buffer``) is laid out like the
@@ -52,8 +55,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .api import OSDPModule
 from .errors import InputError, OSDPError
-from .plan import REPLICATE
+from .plan import MESH_STRATEGIES
 from .runtime.collectives import WORLD, group_rank, group_size
+from .runtime.hierarchy import checkpoint_mesh, shard_layout
 
 FORMAT = "osdp-fx-checkpoint"
 VERSION = 1
@@ -77,6 +81,12 @@ class _Layout:
     """Elements of the full parameter."""
     sharded: bool
     """Whether ``local`` is this rank's flat shard (else it is the full, replicated tensor)."""
+    strategy: str = ""
+    """The parameter's strategy."""
+    index: int = 0
+    """Which flat chunk of the parameter ``local`` is (``runtime.hierarchy.shard_layout``)."""
+    ranks_per_node: int | None = None
+    """The plan's ranks per node."""
 
     def valid(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (laid out like the parameter) as the flat 1-D slice this rank owns."""
@@ -84,7 +94,7 @@ class _Layout:
         if not self.sharded:
             return flat
         n = local.numel()
-        start = min(group_rank(WORLD) * n, self.numel)
+        start = min(self.index * n, self.numel)
         return flat[:min(n, self.numel - start)]
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
@@ -93,7 +103,12 @@ class _Layout:
             return self.valid(local)
         from torch.distributed.tensor import DTensor, Shard
 
-        return DTensor.from_local(self.valid(local), _mesh(local.device.type), [Shard(0)],
+        mesh, placements = _mesh(local.device.type), [Shard(0)]
+        if self.strategy in MESH_STRATEGIES:
+            mesh, placements = checkpoint_mesh(
+                self.strategy, world_size=group_size(WORLD), ranks_per_node=self.ranks_per_node,
+                device_type=local.device.type)
+        return DTensor.from_local(self.valid(local), mesh, placements,
                                   shape=(self.numel,), stride=(1,), run_check=False)
 
 
@@ -111,12 +126,15 @@ def _mesh(device_type: str) -> Any:
 
 
 def _layouts(compiled: OSDPModule) -> dict[str, _Layout]:
-    sharded_world = group_size(WORLD) > 1
-    return {
-        p.name: _Layout(local=compiled._gm.get_parameter(p.name), numel=p.numel,
-                        sharded=sharded_world and p.strategy != REPLICATE)
-        for p in compiled.plan.params
-    }
+    plan, rank = compiled.plan, group_rank(WORLD)
+    layouts = {}
+    for p in plan.params:
+        chunk = shard_layout(p.strategy, world_size=group_size(WORLD),
+                             ranks_per_node=plan.ranks_per_node, rank=rank)
+        layouts[p.name] = _Layout(local=compiled._gm.get_parameter(p.name), numel=p.numel,
+                                  sharded=chunk.chunks > 1, strategy=p.strategy,
+                                  index=chunk.index, ranks_per_node=plan.ranks_per_node)
+    return layouts
 
 
 def _buffer_keys(compiled: OSDPModule) -> list[str]:

@@ -14,7 +14,7 @@ directly:
    an error naming it: buffers computed in ``__init__`` are not recomputed by
    ``reset_parameters``, see below),
 4. hands each parameter to the compiled graph module: a sharded one as this rank's flat shard
-   (``passes.shard.make_shard``), after which the full tensor is dropped; a replicated one as
+   (``passes.shard.shard_of``), after which the full tensor is dropped; a replicated one as
    it is (the model and the compiled module then share it, as for a model built on the CPU);
    buffers are shared the same way.
 
@@ -51,7 +51,7 @@ from torch import fx, nn
 
 from .capture import Captured
 from .errors import InputError
-from .passes.shard import make_shard
+from .passes.shard import shard_of
 from .plan import REPLICATE, Plan
 from .runtime.collectives import WORLD, group_size
 
@@ -220,7 +220,8 @@ def _hand_over(name: str, value: torch.Tensor, gm: fx.GraphModule, captured: Cap
             else:
                 _replace(gm, part, nn.Parameter(full.clone(), requires_grad=value.requires_grad))
         else:
-            shard = make_shard(full, world_size=world_size, rank=rank)
+            shard = shard_of(full, plan[part].strategy, world_size=world_size,
+                             ranks_per_node=plan.ranks_per_node, rank=rank)
             shard.requires_grad_(value.requires_grad)
             _replace(gm, part, shard)
     if shared:

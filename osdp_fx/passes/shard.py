@@ -64,6 +64,14 @@ def make_shard(full: torch.Tensor, *, world_size: int, rank: int) -> nn.Paramete
     return nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=full.requires_grad)
 
 
+def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_node: int | None,
+             rank: int) -> nn.Parameter:
+    """This rank's shard of ``full`` under ``strategy``: its chunk of ``shard_layout``."""
+    layout = shard_layout(strategy, world_size=world_size, ranks_per_node=ranks_per_node,
+                          rank=rank)
+    return make_shard(full, world_size=layout.chunks, rank=layout.index)
+
+
 def _insert_prefetches(graph: fx.Graph, distance: int) -> None:
     """Start each all-gather ``distance`` gathers early: right after the gather ``distance``
     places before it in graph order, so it overlaps the computation in between."""
@@ -134,9 +142,8 @@ def shard_parameters_pass(
     for entry in plan.params:  # parameters the forward never reads: sharded all the same
         if entry.strategy in SHARDED and entry.name not in in_graph:
             full = gm.get_parameter(entry.name)
-            layout = shard_layout(entry.strategy, world_size=world_size,
-                                  ranks_per_node=plan.ranks_per_node, rank=rank)
-            set_attr(gm, entry.name, make_shard(full, world_size=layout.chunks, rank=layout.index))
+            set_attr(gm, entry.name, shard_of(full, entry.strategy, world_size=world_size,
+                                              ranks_per_node=plan.ranks_per_node, rank=rank))
 
     graph.lint()
     gm.recompile()

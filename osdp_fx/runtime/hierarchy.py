@@ -257,6 +257,34 @@ def reduce_scatter_shards(full: torch.Tensor, group: str) -> torch.Tensor:
     return reduce_scatter_shards_start(full, group).wait()
 
 
+_checkpoint_meshes: dict[tuple[int, str, tuple[int, ...], tuple[int, ...]], Any] = {}
+
+
+def checkpoint_mesh(strategy: str, *, world_size: int, ranks_per_node: int | None,
+                    device_type: str) -> tuple[Any, list[Any]]:
+    """A DeviceMesh and DTensor placements under which every rank's flat chunk of a parameter
+    sharded under ``strategy`` is its ``Shard(0)`` piece, so torch.distributed.checkpoint knows
+    each rank's offset: a 1-D mesh listing the ranks in chunk order (hierarchical: rank
+    ``(k, l)`` holds chunk ``l * n + k``), or for hybrid_shard the nodes x ranks mesh with the
+    chunks replicated across nodes. Collective the first time (it creates process groups).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    layouts = [shard_layout(strategy, world_size=world_size, ranks_per_node=ranks_per_node,
+                            rank=r) for r in range(world_size)]
+    if layouts[0].copies == 1:
+        ranks = torch.tensor(sorted(range(world_size), key=lambda r: layouts[r].index))
+        placements: list[Any] = [Shard(0)]
+    else:  # hybrid_shard: node by node, each node holding every chunk
+        ranks = torch.arange(world_size).view(mesh_shape(world_size, ranks_per_node))
+        placements = [Replicate(), Shard(0)]
+    key = (id(dist.group.WORLD), device_type, tuple(ranks.shape), tuple(ranks.view(-1).tolist()))
+    if key not in _checkpoint_meshes:
+        _checkpoint_meshes[key] = DeviceMesh(device_type, ranks)
+    return _checkpoint_meshes[key], placements
+
+
 def shard_chunks(group: str) -> int:
     """Chunks a parameter sharded over ``group`` is cut into."""
     two = _two_level.get(group)

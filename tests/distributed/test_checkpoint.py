@@ -87,6 +87,32 @@ def test_a_full_shard_checkpoint_loads_under_another_plan(worlds, tmp_path, targ
                                    rtol=0, atol=1e-6)
 
 
+def test_mesh_strategies_reshard_through_checkpoints(worlds, tmp_path):
+    """World 4 as 2 nodes x 2 ranks: hybrid_shard (each node holds every chunk) saves,
+    hierarchical (chunks in two-stage order) loads and saves, full_shard on 2 ranks loads: each
+    load restores the saved state and optimizer exactly, and the run continues like one process."""
+    from osdp_fx import Devices
+
+    mesh = Devices(world_size=4, ranks_per_node=2)
+    a, b = str(tmp_path / "hybrid"), str(tmp_path / "hierarchical")
+    seg = dict(model="gpt", steps=2)
+    hybrid = worlds(4).run(cc.train_segment, plan="hybrid_shard", start=0, load=None, save=a,
+                           devices=mesh, **seg)
+    hier = worlds(4).run(cc.train_segment, plan="hierarchical", start=2, load=a, save=b,
+                         devices=mesh, **seg)
+    flat = worlds(2).run(cc.train_segment, plan="full_shard", start=4, load=b, save=None, **seg)
+    assert set(hybrid[0]["strategies"].values()) == {"hybrid_shard"}
+    assert set(hier[0]["strategies"].values()) == {"hierarchical"}
+    for segment, saved in ((hier, hybrid), (flat, hier)):
+        for r in segment:
+            for key, value in saved[0]["end"].items():
+                torch.testing.assert_close(r["at_start"][key], value, rtol=0, atol=0, msg=key)
+    got = torch.cat([torch.tensor([r["losses"] for r in world], dtype=torch.float64).mean(0)
+                     for world in (hybrid, hier, flat)])
+    want = torch.tensor(cc.reference("gpt", steps=6)["losses"], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 def test_errors_name_the_problem_and_the_fix(worlds, tmp_path):
     path = str(tmp_path / "mlp")
     worlds(2).run(cc.train_segment, model="mlp", plan="full_shard", start=0, steps=1,

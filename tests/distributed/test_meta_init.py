@@ -48,6 +48,17 @@ def test_meta_model_gets_the_values_it_has_on_the_cpu(worlds, tmp_path, model, p
         assert results[0]["meta_buffers"]["norm.scale"][0] == 0.5  # reset_parameters set it
 
 
+@pytest.mark.parametrize("plan", ["hybrid_shard", "hierarchical"])
+def test_meta_model_on_a_two_node_mesh(worlds, plan):
+    """World 4 as 2 nodes x 2 ranks: each rank materialises the chunk its layout holds."""
+    from osdp_fx import Devices
+
+    results = worlds(4).run(mc.meta_equals_cpu, model="tied", plan=plan,
+                            devices=Devices(world_size=4, ranks_per_node=2))
+    check_same_as_cpu(results)
+    assert set(results[0]["strategies"].values()) == {plan}
+
+
 def test_init_fn_initialises_the_meta_model(worlds):
     results = worlds(2).run(mc.meta_equals_cpu, model="mlp", plan="full_shard", init="normal")
     check_same_as_cpu(results)

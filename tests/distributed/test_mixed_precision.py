@@ -36,6 +36,26 @@ def test_training_matches_single_process_in_low_precision(worlds, tmp_path, mode
         torch.testing.assert_close(value, results[1]["state"][key], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("plan", ["hybrid_shard", "hierarchical"])
+def test_two_node_mesh_in_bf16(worlds, plan):
+    """World 4 as 2 nodes x 2 ranks: the two-level collectives gather bf16 and reduce fp32."""
+    from osdp_fx import Devices
+
+    mesh = Devices(world_size=4, ranks_per_node=2)
+    results = worlds(4).run(cases.train, model="gpt", plan=plan, mixed_precision="bf16",
+                            devices=mesh)
+    ref = cases.reference_train("gpt", world=4, param_dtype=torch.bfloat16)
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-3)
+    for key, value in results[0]["state"].items():
+        torch.testing.assert_close(value, ref["state"][key], rtol=0, atol=5e-3)
+    memory = worlds(4).run(cases.memory_prediction, model="gpt", plan=plan, optimizer="adamw",
+                           mixed_precision="bf16", devices=mesh)
+    for rank, r in enumerate(memory):
+        error = r["predicted"] / r["measured"] - 1
+        assert abs(error) <= 0.10, (rank, r, error)
+
+
 @pytest.mark.parametrize("plan", ["replicate", "shard_grad_op", "full_shard"])
 @pytest.mark.parametrize("model", ["gpt", "hf_gpt2"])
 def test_predicted_peak_memory_in_bf16_within_ten_percent(worlds, model, plan):

@@ -64,10 +64,11 @@ def batches(name: str, *, steps: int, seed: int = 1) -> list[Batch]:
     return [(torch.randint(0, 67, (GLOBAL_BATCH, 12), generator=gen),) for _ in range(steps)]
 
 
-def _compile(name: str, plan: Any, rank: int, world: int, *, seed: int = 0):
+def _compile(name: str, plan: Any, rank: int, world: int, *, seed: int = 0,
+             devices: Any = None):
     net, loss_fn = build(name, seed)
     example = local(batches(name, steps=1)[0], rank, world)[:1]
-    compiled = compile_osdp(net, example, plan=plan)
+    compiled = compile_osdp(net, example, devices, plan=plan)
     return compiled, torch.optim.AdamW(compiled.parameters(), lr=LR), loss_fn
 
 
@@ -106,11 +107,12 @@ def resume_same_world(rank: int, world: int, *, model: str, plan: Any, path: str
 
 
 def train_segment(rank: int, world: int, *, model: str, plan: Any, start: int, steps: int,
-                  load: str | None, save: str | None) -> dict[str, Any]:
+                  load: str | None, save: str | None, devices: Any = None) -> dict[str, Any]:
     """Steps ``start .. start+steps-1`` of the run, from a checkpoint (``load``) or from the
     seed, then save (``save``); the state right after loading is returned too."""
     data = batches(model, steps=start + steps)[start:]
-    compiled, opt, loss_fn = _compile(model, plan, rank, world, seed=0 if load is None else 1)
+    compiled, opt, loss_fn = _compile(model, plan, rank, world, seed=0 if load is None else 1,
+                                      devices=devices)
     if load is not None:
         load_checkpoint(load, compiled, opt)
     at_start = compiled.full_state_dict()

@@ -80,7 +80,7 @@ def normal_init(module: nn.Module) -> None:
 
 
 def meta_equals_cpu(rank: int, world: int, *, model: str, plan: Any,
-                    init: str | None = None) -> dict[str, Any]:
+                    init: str | None = None, devices: Any = None) -> dict[str, Any]:
     """Compile the model built on meta and the model built on the CPU from the same seed (with
     ``init``: ``normal_init`` passed as init_fn on meta, and applied to each module from the
     same seed after building on the CPU); return both full state dicts and buffers and two SGD
@@ -93,11 +93,11 @@ def meta_equals_cpu(rank: int, world: int, *, model: str, plan: Any,
         for m in cpu_net.modules():
             init_fn(m)
     example = local(batch, rank, world)[:1]
-    cpu = compile_osdp(cpu_net, example, plan=plan)
+    cpu = compile_osdp(cpu_net, example, devices, plan=plan)
     torch.manual_seed(0)
     with torch.device("meta"):
         meta_net, _, _ = build(model)
-    meta = compile_osdp(meta_net, example, plan=plan, init_fn=init_fn)
+    meta = compile_osdp(meta_net, example, devices, plan=plan, init_fn=init_fn)
     return {
         "meta_state": meta.full_state_dict(), "cpu_state": cpu.full_state_dict(),
         "meta_buffers": {k: v.clone() for k, v in meta.named_buffers()},
