@@ -62,7 +62,8 @@ class Devices:
         ):
             raise InputError(
                 f"Devices.ranks_per_node={self.ranks_per_node} must divide world_size="
-                f"{self.world_size}; set it to the number of ranks on each node"
+                f"{self.world_size}; set it to the number of ranks on each node, and give the "
+                f"world size with it (e.g. Devices(world_size=16, ranks_per_node=8))"
             )
         if self.memory_bytes is not None:
             object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes))

@@ -3,6 +3,7 @@ the plan's JSON and hash, and the errors a mesh that does not fit the world rais
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -102,3 +103,23 @@ def test_shard_pass_cuts_each_rank_its_chunk(strategy, chunks):
         flat = torch.cat([held[name][i] for i in range(chunks)])
         torch.testing.assert_close(flat[:value.numel()], value.reshape(-1), rtol=0, atol=0)
         assert not flat[value.numel():].any()
+
+
+@pytest.mark.parametrize("strategy", ["hybrid_shard", "hierarchical"])
+def test_one_process_computes_what_the_model_computes(strategy):
+    """World size 1 (no process group): the mesh is 1 x 1 and both strategies are exact."""
+    from osdp_fx import compile_osdp
+    from osdp_fx.examples import TinyGPT, lm_loss
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=11, dim=8, depth=1, heads=2, max_seq=4)
+    reference = copy.deepcopy(model)
+    x = torch.randint(0, 11, (2, 4))
+    compiled = compile_osdp(model, (x,), plan=strategy)
+    assert f"'{strategy}', '{strategy}/1x1'" in compiled.code
+    lm_loss(compiled(x), x).backward()
+    lm_loss(reference(x), x).backward()
+    torch.testing.assert_close(compiled(x), reference(x), rtol=0, atol=0)
+    grads = compiled.full_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-7, msg=name)
