@@ -21,7 +21,9 @@ elements padded; for hybrid_shard read R for N throughout):
   it; tensors a node saves that are not its inputs or outputs (e.g. LayerNorm statistics) from
   its forward to its backward;
 * gathered parameters (sharded): Pp from the first forward use, or with prefetch d from the
-  first use of the sharded parameter gathered d places earlier; ``full_shard`` (and
+  first use of the sharded parameter gathered d places earlier; small parameters bucketed into
+  one all-gather (``gather_buckets``) from their bucket's first use (its flat buffer from the
+  bucket's allocation until then), their gradients until the bucket's reduce-scatter; ``full_shard`` (and
   ``hybrid_shard``, ``hierarchical``) frees after the last forward use of the parameter or a view
   of it and re-gathers Pp for the backward of each node that saved it (the first re-gather from
   the first re-gather of any of the d parameters saved after it, which prefetches it);
@@ -61,12 +63,14 @@ from ..errors import InputError
 from ..meta import osdp_meta
 from ..plan import (
     DEFAULT_PREFETCH,
+    FULL_SHARD,
     FREED_AFTER_FORWARD,
     HIERARCHICAL,
     REPLICATE,
     SHARD_GRAD_OP,
     shard_count,
 )
+from ..passes.shard import gather_buckets
 from ..runtime.reducer import DEFAULT_BUCKET_BYTES, plan_buckets
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 
@@ -278,7 +282,20 @@ def predict_step_memory(
     uses_of = {node: facts.param_uses(node) for node in param_of}
     sharded = [node for node in param_of if params[param_of[node]].strategy != REPLICATE
                and uses_of[node]]
-    gather_at = _prefetched_gathers(sharded, uses_of, pos, prefetch)
+    buckets, bucket_alloc = _prefetched_gathers(
+        sharded, uses_of, pos, prefetch,
+        {n: (params[param_of[n]].strategy
+             if params[param_of[n]].strategy in (SHARD_GRAD_OP, FULL_SHARD) else f"mesh {n}",
+             gathered_param_bytes(params[param_of[n]].numel,
+                                  element_size=params[param_of[n]].element_size,
+                                  world_size=world_size)) for n in sharded})
+    bucket_of = {n: i for i, bucket in enumerate(buckets) for n in bucket}
+    first_use = {n: min(pos[u] for u in uses_of[n]) for n in sharded}
+    # a bucket of several parameters is gathered into one flat buffer, then split into copies
+    gather_at = {n: bucket_alloc[bucket_of[n]] if len(buckets[bucket_of[n]]) == 1
+                 else first_use[buckets[bucket_of[n]][0]] for n in sharded}
+    # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
+    bucket_grads: dict[int, list[tuple[float, float, int, int, int, int]]] = defaultdict(list)
     regather_at = _prefetched_regathers(
         [node for node in sharded if params[param_of[node]].strategy in FREED_AFTER_FORWARD
          and savers.get(node)], savers, pos, bwd, prefetch)
@@ -335,19 +352,33 @@ def predict_step_memory(
             tl.alive(grad_start, optim_t, full, scaled=False)
             replicated_ready[name] = grad_done + 0.5
         else:
-            # The reduce-scatter starts after the first use's backward has released what it
-            # unpacked (half a step later) and holds the gradient (or its padded copy in the
-            # reduce dtype) until it completes.
-            scatter = grad_done + 0.5
-            grad = state.numel * state.compute_size
             held = padded // state.element_size * state.reduce_size
-            held_block = held // ranks_per_node if staged and ranks_per_node else 0
-            if held != grad:
-                tl.alive(grad_start, scatter, grad, scaled=False)
-                scatters.append((scatter, scatter, held, held_block))
-            else:
-                scatters.append((scatter, grad_start, held, held_block))
-            tl.alive(scatter, optim_t, padded // chunks, scaled=False)
+            bucket_grads[bucket_of[node]].append((
+                grad_start, grad_done, state.numel * state.compute_size, held,
+                padded // chunks, held // ranks_per_node if staged and ranks_per_node else 0))
+    for i, bucket in enumerate(buckets):
+        if len(bucket) > 1:  # the flat buffer of the gather, until it is split
+            tl.alive(bucket_alloc[i], first_use[bucket[0]],
+                     sum(gathered_param_bytes(params[param_of[n]].numel,
+                                              element_size=params[param_of[n]].compute_size,
+                                              world_size=world_size) for n in bucket),
+                     scaled=False)
+        grads = bucket_grads.get(i)
+        if not grads:
+            continue
+        # The reduce-scatter starts after the backward of the bucket's last gradient has
+        # released what it unpacked (half a step later) and holds the gradient (its padded copy
+        # in the reduce dtype; a bucket's flat concatenation) until it completes.
+        scatter = max(g[1] for g in grads) + 0.5
+        held, held_block = sum(g[3] for g in grads), sum(g[5] for g in grads)
+        if len(grads) == 1 and len(bucket) == 1 and held == grads[0][2]:
+            scatters.append((scatter, grads[0][0], held, held_block))
+        else:
+            for start, _, grad, *_ in grads:
+                tl.alive(start, scatter, grad, scaled=False)
+            scatters.append((scatter, scatter, held, held_block))
+        for *_, shard, _ in grads:
+            tl.alive(scatter, optim_t, shard, scaled=False)
     # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
     # the rest complete at the end of backward.
     scatters.sort()
@@ -399,13 +430,18 @@ def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],
         tl.alive(at, starts[later][0] if later < len(starts) else end, flat, scaled=False)
 
 
-def _prefetched_gathers(sharded: list[fx.Node], uses_of: Mapping[fx.Node, list[fx.Node]],
-                        pos: Mapping[fx.Node, int], prefetch: int) -> dict[fx.Node, int]:
-    """When each sharded parameter's forward all-gather allocates: at its first use, or, with
-    prefetching, at the first use of the parameter gathered ``prefetch`` places before it."""
+def _prefetched_gathers(
+    sharded: list[fx.Node], uses_of: Mapping[fx.Node, list[fx.Node]],
+    pos: Mapping[fx.Node, int], prefetch: int, sizes: Mapping[fx.Node, tuple[str, int]],
+) -> tuple[list[list[fx.Node]], list[int]]:
+    """The forward all-gathers (buckets of parameters) and when each allocates. Gathers run in
+    order of first use, small parameters bucketed with the gather before them
+    (``gather_buckets``); a bucket allocates at its first member's first use or, with
+    prefetching, at that of the bucket ``prefetch`` places before it."""
     first = {n: min(pos[u] for u in uses_of[n]) for n in sharded}
     order = sorted(sharded, key=first.__getitem__)
-    return {n: first[order[max(0, i - prefetch)]] for i, n in enumerate(order)}
+    buckets = [[order[i] for i in b] for b in gather_buckets([sizes[n] for n in order])]
+    return buckets, [first[buckets[max(0, i - prefetch)][0]] for i in range(len(buckets))]
 
 
 def _prefetched_regathers(

@@ -13,6 +13,10 @@ For every parameter group the plan shards (``shard_grad_op``, ``full_shard``, ``
 * for ``full_shard``, ``hybrid_shard`` and ``hierarchical``, a ``free_param`` node follows the
   last forward use of the gathered tensor and of every view of it (from
   ``annotate_aliases_pass``); backward re-gathers it;
+* a sharded parameter of at most ``SMALL_PARAM_BYTES`` gathered joins the all-gather of the
+  parameter gathered before it (``gather_buckets``): one ``all_gather_params`` node gathers the
+  bucket, ``getitem`` nodes give its members, and its backward reduce-scatters their gradients
+  in one collective (flat strategies over the world only);
 * with ``prefetch = d > 0`` (the plan's), each all-gather but the first d starts early: a
   ``prefetch_param`` node right after the gather d places before it launches the collective
   asynchronously, and the ``all_gather_param`` node waits for it, so the communication overlaps
@@ -41,6 +45,7 @@ After (full_shard, prefetch 1; ``out`` is the next layer)::
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch import fx, nn
@@ -52,7 +57,14 @@ from ..plan import FREED_AFTER_FORWARD, SHARDED, Plan
 from .precision import cast_of
 from ..runtime.collectives import WORLD, pad_flat, shard_numel
 from ..runtime.hierarchy import shard_layout
-from ..runtime.params import all_gather_param, free_param, prefetch_param
+from ..runtime.params import (
+    SMALL_PARAM_BYTES,
+    all_gather_param,
+    all_gather_params,
+    free_param,
+    prefetch_param,
+    prefetch_params,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +84,72 @@ def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_no
     return make_shard(full, world_size=layout.chunks, rank=layout.index)
 
 
+def gather_buckets(sizes: list[tuple[str, int]], small_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
+    """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
+    order: a parameter of at most ``small_bytes`` joins the bucket of the gather before it when
+    their keys (strategy, dtypes; unique for the mesh strategies, which are never bucketed)
+    agree. Returns index lists."""
+    buckets: list[list[int]] = []
+    for i, (key, nbytes) in enumerate(sizes):
+        if buckets and nbytes <= small_bytes and sizes[buckets[-1][0]][0] == key:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
+def _bucket_small_gathers(gm: fx.GraphModule, world_size: int) -> None:
+    """Merge each bucket of :func:`gather_buckets` into one ``all_gather_params`` node whose
+    outputs (``getitem``) replace the members' gathers."""
+    graph = gm.graph
+    gathers = [n for n in graph.nodes if osdp_meta(n).role == "all_gather"]
+
+    def gathered_bytes(node: fx.Node) -> int:
+        shard = gm.get_parameter(node.args[0].target)
+        return shard.numel() * world_size * shard.element_size()
+
+    # only flat gathers over the world share: a mesh strategy's shards are laid out per stage
+    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}" if n.args[3] == WORLD else f"mesh {i}",
+             gathered_bytes(n)) for i, n in enumerate(gathers)]
+    for bucket in gather_buckets(keys):
+        if len(bucket) == 1:
+            continue
+        members = [gathers[i] for i in bucket]
+        head = members[0]
+        shards = tuple(m.args[0] for m in members)
+        for shard in shards[1:]:
+            head.prepend(shard)
+        with graph.inserting_before(head):
+            merged = graph.call_function(
+                all_gather_params,
+                (shards, tuple(m.args[1] for m in members), head.args[2], head.args[3]),
+                dict(head.kwargs))
+        set_osdp_meta(merged, role="all_gather", aliases=frozenset())
+        cursor = merged
+        for i, member in enumerate(members):
+            with graph.inserting_after(cursor):
+                cursor = graph.call_function(operator.getitem, (merged, i))
+            set_osdp_meta(cursor, role="gathered", param=osdp_meta(member).param)
+            member.replace_all_uses_with(cursor)
+            graph.erase_node(member)
+
+
 def _insert_prefetches(graph: fx.Graph, distance: int) -> None:
     """Start each all-gather ``distance`` gathers early: right after the gather ``distance``
     places before it in graph order, so it overlaps the computation in between."""
     gathers = [n for n in graph.nodes if osdp_meta(n).role == "all_gather"]
     for anchor, target in zip(gathers, gathers[distance:]) if distance > 0 else ():
         shard, _, _, group = target.args
-        anchor.append(shard)
-        with graph.inserting_after(shard):
-            started = graph.call_function(prefetch_param, (shard, group),
+        bucket = isinstance(shard, tuple)
+        cursor = anchor
+        for node in shard if bucket else (shard,):
+            cursor.append(node)
+            cursor = node
+        with graph.inserting_after(cursor):
+            started = graph.call_function(prefetch_params if bucket else prefetch_param,
+                                          (shard, group),
                                           {k: v for k, v in target.kwargs.items() if k == "dtype"})
-        set_osdp_meta(started, role="prefetch", param=shard.target)
+        set_osdp_meta(started, role="prefetch")
         target.args = (*target.args, started)
 
 
@@ -136,6 +203,7 @@ def shard_parameters_pass(
         set_osdp_meta(freed, role="free", param=node.target)
         n_frees += 1
 
+    _bucket_small_gathers(gm, world_size)
     _insert_prefetches(graph, prefetch)
 
     in_graph = {n.target for n in param_nodes}

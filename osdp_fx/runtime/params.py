@@ -171,28 +171,36 @@ class GradReduceScatters:
 
     def __init__(self, max_in_flight: int = 2) -> None:
         self.max_in_flight = max_in_flight
-        self._in_flight: collections.deque[tuple[torch.Tensor, Pending, int]] = (
+        self._in_flight: collections.deque[tuple[list[torch.Tensor], Pending, int]] = (
             collections.deque())
         self._queued = False
 
     def start(self, shard: torch.Tensor, grad_full: torch.Tensor, group: str,
               padded_numel: int, reduce_dtype: torch.dtype | None = None) -> None:
+        """Reduce-scatter one parameter's full gradient into ``shard.grad``."""
+        grad = pad_flat(_cast(grad_full, reduce_dtype), padded_numel)
+        self.start_flat([shard], grad, group)
+
+    def start_flat(self, shards: list[torch.Tensor], flat: torch.Tensor, group: str) -> None:
+        """Reduce-scatter ``flat``, laid out so that this rank's chunk is its ``shards``
+        concatenated, into their ``.grad``."""
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         while len(self._in_flight) >= self.max_in_flight:
             self._complete(*self._in_flight.popleft())
-        grad = pad_flat(_cast(grad_full, reduce_dtype), padded_numel)
-        pending = reduce_scatter_shards_start(grad, group)
-        self._in_flight.append((shard, pending, averaging_ranks(group)))
+        pending = reduce_scatter_shards_start(flat, group)
+        self._in_flight.append((shards, pending, averaging_ranks(group)))
 
     @staticmethod
-    def _complete(shard: torch.Tensor, pending: Pending, world: int) -> None:
-        grad = pending.wait().div_(world).to(shard.dtype)
-        if shard.grad is None:
-            shard.grad = grad
-        else:
-            shard.grad.add_(grad)
+    def _complete(shards: list[torch.Tensor], pending: Pending, world: int) -> None:
+        chunk = pending.wait().div_(world)
+        for shard, grad in zip(shards, chunk.split([s.numel() for s in shards])):
+            grad = grad.to(shard.dtype) if len(shards) == 1 else grad.to(shard.dtype, copy=True)
+            if shard.grad is None:
+                shard.grad = grad
+            else:
+                shard.grad.add_(grad)
 
     def finish(self) -> None:
         """Complete every reduce-scatter in flight (end of backward)."""
@@ -277,6 +285,93 @@ def all_gather_param(
     if strategy in FREED_AFTER_FORWARD and ctx is not None:
         ctx.track(full, _Gathered(shard, shape, group, dtype))
     return full
+
+
+SMALL_PARAM_BYTES = 64 * 1024
+"""Sharded parameters whose gathered size is at most this share one all-gather and one
+reduce-scatter with the parameter gathered just before them (``all_gather_params``)."""
+
+
+def _split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, ...],
+                    shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+    """The full parameters from a gather of every rank's concatenated ``shards``: row r of
+    ``flat.view(world, total)`` is rank r's concatenation; each parameter is a column block.
+    Each result owns its storage (so one can be freed without the others)."""
+    table = flat.view(world, -1)
+    fulls, offset = [], 0
+    for shard, shape in zip(shards, shapes):
+        block = table[:, offset:offset + shard.numel()].reshape(-1)
+        offset += shard.numel()
+        if block.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+            block = block.clone()  # a contiguous block (world 1) is a view: make it its own
+        fulls.append(block[:math.prod(shape)].view(shape))
+    return tuple(fulls)
+
+
+def _start_params(shards: tuple[torch.Tensor, ...], group: str,
+                  dtype: torch.dtype | None) -> Pending:
+    return gather_shards_start(torch.cat([_cast(s.detach(), dtype) for s in shards]), group)
+
+
+class _AllGatherParams(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, shapes: tuple[tuple[int, ...], ...], group: str,
+                pending: Pending | None, dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype | None, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.reduce_dtype, ctx.shards = group, reduce_dtype, shards
+        flat = (pending or _start_params(shards, group, dtype)).wait()
+        return _split_gathered(flat, shard_chunks(group), shards, shapes)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        # One flat buffer, row r = what rank r's shards receive (each member a column block),
+        # filled straight from the gradients: no padded or cast copies on the way.
+        world = shard_chunks(ctx.group)
+        present = [g for g in grads if g is not None]
+        dtype = ctx.reduce_dtype or (present[0].dtype if present else ctx.shards[0].dtype)
+        total = sum(s.numel() for s in ctx.shards)
+        flat = ctx.shards[0].new_zeros(world, total, dtype=dtype)
+        offset = 0
+        for shard, grad in zip(ctx.shards, grads):
+            c = shard.numel()
+            if grad is not None:
+                g, rows = grad.reshape(-1), grad.numel() // c
+                flat[:rows, offset:offset + c].copy_(g[:rows * c].view(rows, c))
+                if rows * c < g.numel():
+                    flat[rows, offset:offset + g.numel() - rows * c].copy_(g[rows * c:])
+            offset += c
+        flat = flat.view(-1)
+        reduce_scatters.start_flat(list(ctx.shards), flat, ctx.group)
+        return (None,) * (5 + len(ctx.shards))
+
+
+def prefetch_params(shards: tuple[torch.Tensor, ...], group: str, *,
+                    dtype: torch.dtype | None = None) -> Prefetched:
+    """:func:`prefetch_param` for a bucket of parameters (see :func:`all_gather_params`)."""
+    return Prefetched(_start_params(tuple(shards), group, dtype))
+
+
+def all_gather_params(
+    shards: tuple[torch.Tensor, ...], shapes: tuple[tuple[int, ...], ...], strategy: str,
+    group: str, prefetched: Prefetched | None = None, *, dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`all_gather_param` for a bucket of parameters: one all-gather of every rank's
+    concatenated shards, one reduce-scatter of their gradients in backward. A full_shard member
+    is freed and re-gathered on its own, like a parameter gathered alone."""
+    shards, shapes = tuple(shards), tuple(tuple(s) for s in shapes)
+    pending = prefetched.take() if prefetched is not None else None
+    if any(s.requires_grad for s in shards) and torch.is_grad_enabled():
+        fulls = _AllGatherParams.apply(shapes, group, pending, dtype, reduce_dtype, *shards)
+    else:
+        with torch.no_grad():
+            flat = (pending or _start_params(shards, group, dtype)).wait()
+            fulls = _split_gathered(flat, shard_chunks(group), shards, shapes)
+    ctx = _active()
+    if strategy in FREED_AFTER_FORWARD and ctx is not None:
+        for shard, shape, full in zip(shards, shapes, fulls):
+            ctx.track(full, _Gathered(shard, shape, group, dtype))
+    return tuple(fulls)
 
 
 def free_param(full: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ tying) of ``model.state_dict()`` in ``full_state_dict()``, and prints its collec
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import pytest
@@ -31,13 +32,36 @@ from osdp_fx.meta import osdp_meta
 from osdp_fx.passes.aliases import annotate_aliases_pass
 from osdp_fx.passes.shard import make_shard, shard_parameters_pass
 from osdp_fx.plan import ParamSpec, Plan, build_plan
-from osdp_fx.runtime.params import all_gather_param, free_param, prefetch_param
+from osdp_fx.passes.shard import gather_buckets
+from osdp_fx.runtime.params import (
+    SMALL_PARAM_BYTES,
+    all_gather_param,
+    all_gather_params,
+    free_param,
+    prefetch_param,
+    prefetch_params,
+)
 
 STRATEGIES = ("replicate", "shard_grad_op", "full_shard")
 
 
 def gathers(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is all_gather_param]
+    """Collective gather nodes: one parameter's, or a bucket's of small ones."""
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target in (all_gather_param, all_gather_params)]
+
+
+def gathered(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, tuple[int, ...], fx.Node]]:
+    """(gather node, parameter get_attr, shape, node giving the full parameter) per parameter."""
+    out = []
+    for node in gathers(gm):
+        if node.target is all_gather_param:
+            out.append((node, node.args[0], node.args[1], node))
+            continue
+        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        out += [(node, shard, shape, items[i])
+                for i, (shard, shape) in enumerate(zip(node.args[0], node.args[1]))]
+    return out
 
 
 def frees(gm: fx.GraphModule) -> list[fx.Node]:
@@ -45,7 +69,8 @@ def frees(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def prefetches(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is prefetch_param]
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target in (prefetch_param, prefetch_params)]
 
 
 def loss_of(out: Any, inputs: tuple[Any, ...]) -> torch.Tensor:
@@ -78,47 +103,55 @@ def test_collective_nodes_before_and_after(run):
     assert (len(gathers(before)), len(frees(before))) == (0, 0)
     expected = {"replicate": (0, 0), "shard_grad_op": (len(groups), 0),
                 "full_shard": (len(groups), len(groups))}[run["strategy"]]
-    assert (len(gathers(after)), len(frees(after))) == expected
-    n_prefetches = max(0, expected[0] - 1)
+    assert (len(gathered(after)), len(frees(after))) == expected
+    n_collectives = len(gathers(after))
+    assert (n_collectives == 0) == (run["strategy"] == "replicate")
+    n_items = sum(len(g.users) for g in gathers(after) if g.target is all_gather_params)
+    n_prefetches = max(0, n_collectives - 1)
     assert len(prefetches(after)) == n_prefetches
-    assert len(after.graph.nodes) == len(before.graph.nodes) + sum(expected) + n_prefetches
+    assert len(after.graph.nodes) == (len(before.graph.nodes) + n_collectives + n_items
+                                      + expected[1] + n_prefetches)
 
 
 def test_each_gather_but_the_first_starts_right_after_the_previous_one(run):
     gm = run["compiled"].graph_module
-    gathered = gathers(gm)
-    assert not gathered or len(gathered[0].args) == 4  # the first is not prefetched
-    for previous, node in zip(gathered, gathered[1:]):
+    nodes = gathers(gm)
+    assert not nodes or len(nodes[0].args) == 4  # the first is not prefetched
+    for previous, node in zip(nodes, nodes[1:]):
         param, _, _, group, started = node.args
-        assert started.target is prefetch_param and started.args == (param, group)
-        assert previous.next is param and param.next is started
+        assert started.target in (prefetch_param, prefetch_params)
+        assert started.args == (param, group)
+        shards = param if isinstance(param, tuple) else (param,)
+        chain = [previous, *shards, started]
+        assert all(a.next is b for a, b in zip(chain, chain[1:]))
 
 
 def test_each_sharded_parameter_is_gathered_once(run):
     gm, strategy = run["compiled"].graph_module, run["strategy"]
     full = {n: p for n, p in run["reference"].named_parameters()}
     seen = []
-    for node in gathers(gm):
-        param, shape, node_strategy, group = node.args[:4]
+    for node, param, shape, _ in gathered(gm):
+        node_strategy, group = node.args[2:4]
         assert param.op == "get_attr" and osdp_meta(param).role == "param"
         assert set(param.users) == {node, *node.args[4:]}, node.format_node()
         assert tuple(shape) == tuple(full[param.target].shape)
         assert (node_strategy, group) == (strategy, "world")
         seen.append(param.target)
-        # The get_attr moved to just before the gather (or its prefetch), before every use.
-        assert param.next is (node.args[4] if len(node.args) > 4 else node)
+        # The get_attrs moved to just before the gather (or its prefetch), before every use.
+        first_user = node.args[4] if len(node.args) > 4 else node
+        assert param.next is first_user or param.next.op == "get_attr"
     assert sorted(seen) == ([] if strategy == "replicate" else sorted(full))
 
 
 def test_free_follows_every_forward_use(run):
     gm = run["compiled"].graph_module
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    full_of = {full: param.target for _, param, _, full in gathered(gm)}
     for node in frees(gm):
-        (gathered,) = node.args
-        assert gathered.target is all_gather_param
-        param = gathered.args[0].target
+        (full,) = node.args
+        param = full_of[full]
         views = [n for n in gm.graph.nodes if param in osdp_meta(n).aliases]
-        uses = [u for v in [gathered, *views] for u in v.users if u is not node]
+        uses = [u for v in [full, *views] for u in v.users if u is not node]
         assert uses and max(order[u] for u in uses) < order[node], node.format_node()
 
 
@@ -157,7 +190,8 @@ def test_full_state_dict_keeps_keys_and_ties(run):
 def test_printed_code_shows_the_collectives(run, capsys):
     print(run["compiled"].code)
     code = capsys.readouterr().out
-    n_gathers, n_frees = code.count("all_gather_param("), code.count("free_param(")
+    n_gathers = code.count("all_gather_param(") + code.count("all_gather_params(")
+    n_frees = code.count("free_param(")
     assert (n_gathers, n_frees) == (len(gathers(run["compiled"].graph_module)),
                                     len(frees(run["compiled"].graph_module)))
     if run["strategy"] != "replicate":
@@ -214,7 +248,8 @@ def test_free_waits_for_the_last_use_of_a_view():
     compiled = compile_and_compare(LateView(), torch.randn(2, 5), "full_shard")
     gm = compiled.graph_module
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    (free_w,) = [f for f in frees(gm) if f.args[0].args[0].target == "w"]
+    param_of = {full: param.target for _, param, _, full in gathered(gm)}
+    (free_w,) = [f for f in frees(gm) if param_of[f.args[0]] == "w"]
     last_matmul = max((n for n in gm.graph.nodes if n.target in ("matmul", "__matmul__")
                        or getattr(n.target, "__name__", "") == "matmul"), key=order.__getitem__)
     assert order[free_w] > order[last_matmul], gm.code
@@ -292,10 +327,13 @@ def test_make_shard_pads_and_slices(numel, world):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_prefetch_distance_is_recorded_in_the_plan_and_its_file(tmp_path, prefetch):
-    model, inputs = pc.PASS_MODELS["mlp"][0]()
+    torch.manual_seed(0)  # 256 KiB weights: one gather each
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+    inputs = (torch.randn(4, 256),)
     compiled = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard", prefetch=prefetch)
     gm = compiled.graph_module
     assert compiled.plan.prefetch == prefetch
+    assert len(gathers(gm)) == 4
     assert len(prefetches(gm)) == (len(gathers(gm)) - prefetch if prefetch else 0)
     for earlier, node in zip(gathers(gm), gathers(gm)[prefetch:]) if prefetch else ():
         assert earlier.next.next is node.args[4]  # started right after that earlier gather
@@ -305,3 +343,30 @@ def test_prefetch_distance_is_recorded_in_the_plan_and_its_file(tmp_path, prefet
     default = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard")
     assert default.plan.prefetch == 1 and default.plan.hash() != compiled.plan.hash()
     torch.testing.assert_close(compiled(*inputs), default(*inputs), rtol=0, atol=0)
+
+
+def test_small_parameters_join_the_bucket_of_the_gather_before_them():
+    small, big = SMALL_PARAM_BYTES, SMALL_PARAM_BYTES + 1
+    sizes = [("a", small), ("a", big), ("a", small), ("a", small), ("b", small), ("a", big),
+             ("a", big)]
+    assert gather_buckets(sizes) == [[0], [1, 2, 3], [4], [5], [6]]
+
+
+def test_each_weight_and_its_small_bias_share_one_gather():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.LayerNorm(256))
+    x = torch.randn(4, 256)
+    reference = copy.deepcopy(model)
+    compiled = compile_osdp(model, (x,), plan="full_shard")
+    gm = compiled.graph_module
+    buckets = [[p.target for p in n.args[0]] if n.target is all_gather_params else [n.args[0].target]
+               for n in gathers(gm)]
+    # 256 KiB weights start buckets; the 1 KiB bias and LayerNorm parameters join the one before
+    assert buckets == [["0.weight", "0.bias"], ["2.weight", "2.bias", "3.weight", "3.bias"]]
+    assert len(frees(gm)) == 6  # each member is still freed on its own
+    compiled(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    torch.testing.assert_close(compiled.full_state_dict(), reference.state_dict())
+    grads = compiled.full_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
