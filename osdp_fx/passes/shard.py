@@ -13,8 +13,8 @@ For every parameter group the plan shards (``shard_grad_op``, ``full_shard``, ``
 * for ``full_shard``, ``hybrid_shard`` and ``hierarchical``, a ``free_param`` node follows the
   last forward use of the gathered tensor and of every view of it (from
   ``annotate_aliases_pass``); backward re-gathers it;
-* a sharded parameter of at most ``SMALL_PARAM_BYTES`` gathered joins the all-gather of the
-  parameter gathered before it (``gather_buckets``): one ``all_gather_params`` node gathers the
+* runs of consecutive sharded parameters of at most ``SMALL_PARAM_BYTES`` gathered each share
+  one all-gather (``gather_buckets``): one ``all_gather_params`` node gathers the
   bucket, ``getitem`` nodes give its members, and its backward reduce-scatters their gradients
   in one collective (flat strategies over the world only);
 * with ``prefetch = d > 0`` (the plan's), each all-gather but the first d starts early: a
@@ -87,11 +87,13 @@ def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_no
 def gather_buckets(sizes: list[tuple[str, int]], small_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
     """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
     order: a parameter of at most ``small_bytes`` joins the bucket of the gather before it when
-    their keys (strategy, dtypes; unique for the mesh strategies, which are never bucketed)
-    agree. Returns index lists."""
+    that bucket holds small parameters only (a large one would pay a copy of its gradient into
+    the bucket's flat buffer) and their keys (strategy, dtypes; unique for the mesh strategies,
+    which are never bucketed) agree. Returns index lists."""
     buckets: list[list[int]] = []
     for i, (key, nbytes) in enumerate(sizes):
-        if buckets and nbytes <= small_bytes and sizes[buckets[-1][0]][0] == key:
+        if (buckets and nbytes <= small_bytes and sizes[buckets[-1][0]][0] == key
+                and sizes[buckets[-1][0]][1] <= small_bytes):
             buckets[-1].append(i)
         else:
             buckets.append([i])

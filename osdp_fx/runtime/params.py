@@ -288,8 +288,8 @@ def all_gather_param(
 
 
 SMALL_PARAM_BYTES = 64 * 1024
-"""Sharded parameters whose gathered size is at most this share one all-gather and one
-reduce-scatter with the parameter gathered just before them (``all_gather_params``)."""
+"""Consecutive sharded parameters whose gathered size is at most this share one all-gather and
+one reduce-scatter (``all_gather_params``)."""
 
 
 def _split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, ...],

@@ -345,14 +345,14 @@ def test_prefetch_distance_is_recorded_in_the_plan_and_its_file(tmp_path, prefet
     torch.testing.assert_close(compiled(*inputs), default(*inputs), rtol=0, atol=0)
 
 
-def test_small_parameters_join_the_bucket_of_the_gather_before_them():
+def test_runs_of_small_parameters_share_a_bucket():
     small, big = SMALL_PARAM_BYTES, SMALL_PARAM_BYTES + 1
-    sizes = [("a", small), ("a", big), ("a", small), ("a", small), ("b", small), ("a", big),
-             ("a", big)]
-    assert gather_buckets(sizes) == [[0], [1, 2, 3], [4], [5], [6]]
+    sizes = [("a", small), ("a", small), ("a", big), ("a", small), ("a", small), ("b", small),
+             ("b", small), ("a", big), ("a", big)]
+    assert gather_buckets(sizes) == [[0, 1], [2], [3, 4], [5, 6], [7], [8]]
 
 
-def test_each_weight_and_its_small_bias_share_one_gather():
+def test_consecutive_small_parameters_share_one_gather():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.LayerNorm(256))
     x = torch.randn(4, 256)
@@ -361,8 +361,8 @@ def test_each_weight_and_its_small_bias_share_one_gather():
     gm = compiled.graph_module
     buckets = [[p.target for p in n.args[0]] if n.target is all_gather_params else [n.args[0].target]
                for n in gathers(gm)]
-    # 256 KiB weights start buckets; the 1 KiB bias and LayerNorm parameters join the one before
-    assert buckets == [["0.weight", "0.bias"], ["2.weight", "2.bias", "3.weight", "3.bias"]]
+    # 256 KiB weights are gathered alone; the 1 KiB bias and LayerNorm parameters together
+    assert buckets == [["0.weight"], ["0.bias"], ["2.weight"], ["2.bias", "3.weight", "3.bias"]]
     assert len(frees(gm)) == 6  # each member is still freed on its own
     compiled(x).square().mean().backward()
     reference(x).square().mean().backward()
