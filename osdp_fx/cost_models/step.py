@@ -38,7 +38,7 @@ from .communication import all_reduce_time_s, collective_time_s, group_link
 from .compute import node_compute_time_s
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
 from ..plan import FREED_AFTER_FORWARD, REPLICATE, SHARD_GRAD_OP, collective_stages, shard_count
-from .timeline import BATCH, GraphFacts, ParamState
+from .timeline import BATCH, GraphFacts, ParamState, sharded_gather_buckets
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
 """Bytes one optimizer step moves per fp32 element: reads and writes of the parameter, gradient
@@ -171,6 +171,14 @@ def predict_step_time(
                          devices=devices, optimizer=optimizer)
         for name, state in params.items()
     }
+    # A bucket of small parameters pays each collective's latency once: its members after the
+    # first ride in the first one's all-gather and reduce-scatter.
+    for bucket in sharded_gather_buckets(facts, params, devices.world_size):
+        for node in bucket[1:]:
+            name = facts.param_of[node]
+            saved = sum(collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
+            costs[name] = dataclasses.replace(costs[name],
+                                              comm_s=max(0.0, costs[name].comm_s - saved))
     compute_s = other_s + sum(per_group.values())
     comm_s = sum(c.comm_s for c in costs.values())
     optim_s = sum(c.optim_s for c in costs.values())

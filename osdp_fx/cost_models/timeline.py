@@ -282,16 +282,12 @@ def predict_step_memory(
     uses_of = {node: facts.param_uses(node) for node in param_of}
     sharded = [node for node in param_of if params[param_of[node]].strategy != REPLICATE
                and uses_of[node]]
-    buckets, bucket_alloc = _prefetched_gathers(
-        sharded, uses_of, pos, prefetch,
-        {n: (params[param_of[n]].strategy
-             if params[param_of[n]].strategy in (SHARD_GRAD_OP, FULL_SHARD) else f"mesh {n}",
-             gathered_param_bytes(params[param_of[n]].numel,
-                                  element_size=params[param_of[n]].element_size,
-                                  world_size=world_size)) for n in sharded})
-    bucket_of = {n: i for i, bucket in enumerate(buckets) for n in bucket}
+    buckets = sharded_gather_buckets(facts, params, world_size)
     first_use = {n: min(pos[u] for u in uses_of[n]) for n in sharded}
-    # a bucket of several parameters is gathered into one flat buffer, then split into copies
+    bucket_alloc = [first_use[buckets[max(0, i - prefetch)][0]] for i in range(len(buckets))]
+    bucket_of = {n: i for i, bucket in enumerate(buckets) for n in bucket}
+    # a bucket of several parameters is gathered into one flat buffer, then split into copies:
+    # with prefetching a bucket allocates at the first use of the bucket ``prefetch`` before it
     gather_at = {n: bucket_alloc[bucket_of[n]] if len(buckets[bucket_of[n]]) == 1
                  else first_use[buckets[bucket_of[n]][0]] for n in sharded}
     # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
@@ -430,18 +426,24 @@ def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],
         tl.alive(at, starts[later][0] if later < len(starts) else end, flat, scaled=False)
 
 
-def _prefetched_gathers(
-    sharded: list[fx.Node], uses_of: Mapping[fx.Node, list[fx.Node]],
-    pos: Mapping[fx.Node, int], prefetch: int, sizes: Mapping[fx.Node, tuple[str, int]],
-) -> tuple[list[list[fx.Node]], list[int]]:
-    """The forward all-gathers (buckets of parameters) and when each allocates. Gathers run in
-    order of first use, small parameters bucketed with the gather before them
-    (``gather_buckets``); a bucket allocates at its first member's first use or, with
-    prefetching, at that of the bucket ``prefetch`` places before it."""
-    first = {n: min(pos[u] for u in uses_of[n]) for n in sharded}
+def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
+                           world_size: int) -> list[list[fx.Node]]:
+    """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
+    the runtime issues them: by first use, runs of small ``full_shard``/``shard_grad_op``
+    parameters bucketed into one (``passes.shard.gather_buckets``)."""
+    sharded = [n for n, name in facts.param_of.items()
+               if params[name].strategy != REPLICATE and facts.param_uses(n)]
+    first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
     order = sorted(sharded, key=first.__getitem__)
-    buckets = [[order[i] for i in b] for b in gather_buckets([sizes[n] for n in order])]
-    return buckets, [first[buckets[max(0, i - prefetch)][0]] for i in range(len(buckets))]
+
+    def key(n: fx.Node) -> tuple[str, int]:
+        state = params[facts.param_of[n]]
+        flat = state.strategy in (SHARD_GRAD_OP, FULL_SHARD)
+        return (state.strategy if flat else f"mesh {n}",
+                gathered_param_bytes(state.numel, element_size=state.element_size,
+                                     world_size=world_size))
+
+    return [[order[i] for i in b] for b in gather_buckets([key(n) for n in order])]
 
 
 def _prefetched_regathers(
