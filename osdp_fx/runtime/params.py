@@ -111,9 +111,9 @@ class StepContext:
         key = id(g.shard)
         full = self._regathered.get(key)
         if full is None:
-            pending = self._pending.pop(key, None) or self._start(g)
             with torch.no_grad():
-                full = pending.wait()[:math.prod(g.shape)].view(g.shape)
+                full = _gather_full(g.shard.detach(), g.shape, g.group, self._pending.pop(key, None),
+                                    g.dtype)
             self._regathered[key] = full
             self._started.add(key)
             index = self._index[key]
