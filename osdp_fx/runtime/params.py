@@ -171,7 +171,8 @@ class GradReduceScatters:
 
     def __init__(self, max_in_flight: int = 2) -> None:
         self.max_in_flight = max_in_flight
-        self._in_flight: collections.deque[tuple[list[torch.Tensor], Pending, int]] = (
+        self._in_flight: collections.deque[
+            tuple[list[torch.Tensor], Pending, int, torch.Tensor | None]] = (
             collections.deque())
         self._queued = False
 
@@ -179,22 +180,32 @@ class GradReduceScatters:
               padded_numel: int, reduce_dtype: torch.dtype | None = None) -> None:
         """Reduce-scatter one parameter's full gradient into ``shard.grad``."""
         grad = pad_flat(_cast(grad_full, reduce_dtype), padded_numel)
-        self.start_flat([shard], grad, group)
+        owned = grad.untyped_storage().data_ptr() != grad_full.untyped_storage().data_ptr()
+        self.start_flat([shard], grad, group, owned=owned)
 
-    def start_flat(self, shards: list[torch.Tensor], flat: torch.Tensor, group: str) -> None:
+    def start_flat(self, shards: list[torch.Tensor], flat: torch.Tensor, group: str, *,
+                   owned: bool = True) -> None:
         """Reduce-scatter ``flat``, laid out so that this rank's chunk is its ``shards``
-        concatenated, into their ``.grad``."""
+        concatenated, into their ``.grad``. ``owned``: ``flat`` is a buffer of this queue's
+        own, released as soon as the collective completes."""
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         while len(self._in_flight) >= self.max_in_flight:
             self._complete(*self._in_flight.popleft())
         pending = reduce_scatter_shards_start(flat, group)
-        self._in_flight.append((shards, pending, averaging_ranks(group)))
+        self._in_flight.append((shards, pending, averaging_ranks(group), flat if owned else None))
 
     @staticmethod
-    def _complete(shards: list[torch.Tensor], pending: Pending, world: int) -> None:
+    def _complete(shards: list[torch.Tensor], pending: Pending, world: int,
+                  owned: torch.Tensor | None) -> None:
         chunk = pending.wait().div_(world)
+        if owned is not None:
+            # gloo's worker may hold the input a few milliseconds after the collective
+            # completes: release its memory now rather than when the last reference goes
+            storage = owned.untyped_storage()
+            storage.resize_(0)
+            note_resized(storage)
         for shard, grad in zip(shards, chunk.split([s.numel() for s in shards])):
             grad = grad.to(shard.dtype) if len(shards) == 1 else grad.to(shard.dtype, copy=True)
             if shard.grad is None:
@@ -296,7 +307,7 @@ def _split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, 
                     shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
     """The full parameters from a gather of every rank's concatenated ``shards``: row r of
     ``flat.view(world, total)`` is rank r's concatenation; each parameter is a column block.
-    Each result owns its storage (so one can be freed without the others)."""
+    Each result owns its storage (so one can be freed without the others); ``flat`` is freed."""
     table = flat.view(world, -1)
     fulls, offset = [], 0
     for shard, shape in zip(shards, shapes):
@@ -305,6 +316,11 @@ def _split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, 
         if block.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
             block = block.clone()  # a contiguous block (world 1) is a view: make it its own
         fulls.append(block[:math.prod(shape)].view(shape))
+    # Every member is a copy now; gloo's worker may hold the gathered buffer a few milliseconds
+    # longer: release its memory at once.
+    storage = flat.untyped_storage()
+    storage.resize_(0)
+    note_resized(storage)
     return tuple(fulls)
 
 
