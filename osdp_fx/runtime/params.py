@@ -94,11 +94,14 @@ class StepContext:
     def pack(self, t: torch.Tensor) -> Any:
         entry = self._live.get(_storage_key(t)) if t.device.type != "meta" else None
         if entry is None:
-            return t
+            # Kept as is, an output its own operator saves would hold that operator's graph
+            # node in a reference cycle through C++ that only backward breaks: forwards without
+            # a backward would never free their activations.
+            return t.detach() if t.grad_fn is not None else t
         tracked, gathered = entry
         if tracked() is None:  # a gathered tensor that died unfreed: its storage key is reused
             del self._live[_storage_key(t)]
-            return t
+            return t.detach() if t.grad_fn is not None else t
         if id(gathered.shard) not in self._index:
             self._index[id(gathered.shard)] = len(self._saved)
             self._saved.append(gathered)

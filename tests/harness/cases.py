@@ -223,3 +223,24 @@ def export_rank0(rank: int, world: int, *, model: str, plan: str) -> dict[str, A
         loaded = all(torch.equal(fresh.state_dict()[k], everyone[k]) for k in everyone)
     return {"n_keys": len(exported), "loaded": loaded,
             "devices": {str(v.device) for v in exported.values()}}
+
+
+def forwards_without_backward(rank: int, world: int, *, model: str, plan: str,
+                              calls: int = 4) -> dict[str, Any]:
+    """Python tensors alive after each of ``calls`` forwards with autograd on and no backward
+    (evaluation without torch.no_grad), then whether a training step still works."""
+    import gc
+
+    from .models import with_loss
+
+    batch = local(batches(model, global_batch=4 * world, steps=1)[0], rank, world)
+    compiled = compile_osdp(with_loss(model), batch, plan=plan)
+    alive = []
+    for _ in range(calls):
+        compiled(*batch)
+        gc.collect()
+        alive.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
+    loss = compiled(*batch)
+    loss.backward()
+    return {"alive": alive, "loss": loss.item(),
+            "grads": all(p.grad is not None for p in compiled.parameters())}
