@@ -219,26 +219,43 @@ def _synchronize(device: Any) -> None:
 
 
 def _median_time_s(
-    fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None
+    fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None,
+    between: Callable[[], object] | None = None,
 ) -> float:
-    times = []
-    for i in range(1 + _REPEATS):
-        if barrier is not None:
-            barrier()
-        _synchronize(device)
-        start = time.perf_counter()
+    """Median time of ``fn``; with ``barrier``, of runs of ``_BACK_TO_BACK`` calls after one
+    barrier, each call preceded by ``between`` (whose own time is not counted)."""
+
+    def run() -> None:
         for _ in range(_BACK_TO_BACK if barrier is not None else 1):
+            if between is not None:
+                between()
             fn()
-        _synchronize(device)
-        if i:
-            times.append((time.perf_counter() - start) / (_BACK_TO_BACK if barrier else 1))
-    return statistics.median(times)
+
+    def median(body: Callable[[], None]) -> float:
+        times = []
+        for i in range(1 + _REPEATS):
+            if barrier is not None:
+                barrier()
+            _synchronize(device)
+            start = time.perf_counter()
+            body()
+            _synchronize(device)
+            if i:
+                times.append((time.perf_counter() - start) / (_BACK_TO_BACK if barrier else 1))
+        return statistics.median(times)
+
+    if between is None:
+        return median(run)
+
+    def between_only() -> None:
+        for _ in range(_BACK_TO_BACK):
+            between()
+
+    return max(median(run) - median(between_only), 1e-7)
 
 
 _BACK_TO_BACK = 4
-"""Collectives are timed in runs of this many back-to-back calls after one barrier, as a training
-step issues them: measured on CPU gloo at world 2, a 16 KiB all-gather costs ~0.3 ms right after
-a barrier but ~1 ms per call back to back, which is what a step sees."""
+"""Collectives are timed in runs of this many calls after one barrier."""
 
 
 def _matmul_flops_per_s(device: Any) -> float:
@@ -338,13 +355,18 @@ def _ring_time_s(sample: Any, link: Any) -> float:
 
 
 def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], list[float]]:
-    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size."""
+    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size, as a
+    training step issues them: started asynchronously and waited for, each after some compute
+    (a matmul, whose time is subtracted). Timed back to back instead, with nothing in between,
+    small collectives on CPU gloo cost about half as much as they do inside a step."""
     import torch
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     keys: list[tuple[str, int]] = []
     times: list[float] = []
     for nbytes in _COLLECTIVE_SIZES_BYTES:
@@ -352,11 +374,17 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
         full = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // size, device=device)
         runs: dict[str, Callable[[], object]] = {
-            "all_gather": lambda: all_gather(full, shard, group=group),
-            "reduce_scatter": lambda: reduce_scatter(shard, full, group=group),
-            "all_reduce": lambda: dist.all_reduce(full, group=group),
+            "all_gather": lambda: all_gather(full, shard, group=group, async_op=True).wait(),
+            "reduce_scatter": lambda: reduce_scatter(shard, full, group=group,
+                                                     async_op=True).wait(),
+            "all_reduce": lambda: dist.all_reduce(full, group=group, async_op=True).wait(),
         }
         for collective, run in runs.items():
             keys.append((collective, numel * 4))
-            times.append(_median_time_s(run, device, barrier=lambda: dist.barrier(group=group)))
+            times.append(_median_time_s(run, device, barrier=lambda: dist.barrier(group=group),
+                                        between=lambda: torch.mm(a, b)))
     return keys, times
+
+
+_FILLER_MATMUL_SIZE = 256
+"""Side of the square matmul run before each timed collective on CPU (about 0.5 ms here)."""

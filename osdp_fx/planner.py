@@ -35,7 +35,7 @@ from .cost_models.timeline import (
 from .devices import DEFAULT_CPU_MEMORY_BYTES, Devices
 from .errors import InputError, PlanError
 from .passes.precision import cast_params_pass
-from .passes.profile import profile_graph_pass
+from .passes.profile import profile_graph_pass, slowest_rank_times_pass
 from .passes.search import solve_min_time
 from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
 from .plan import (
@@ -199,11 +199,14 @@ def _prefetch(prefetch: int | None) -> int:
 def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
             warmup: int = 1, repeats: int = 3,
             precision: MixedPrecision | None = None) -> Analysis:
-    """Profile ``captured.gm`` on ``example_inputs``."""
+    """Profile ``captured.gm`` on ``example_inputs``; in a process group, every node's times are
+    the slowest rank's (``slowest_rank_times_pass``), so every rank predicts the same."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
     with unchanged_state(captured.gm):
         profile_graph_pass(captured.gm, example_inputs, warmup=warmup, repeats=repeats,
                            fake=fake)
+    if not fake:
+        slowest_rank_times_pass(captured.gm)
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch = next((int(x.shape[0]) for x in example_inputs
                   if isinstance(x, torch.Tensor) and x.dim() > 0), 1)

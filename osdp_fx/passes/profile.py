@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..errors import InputError
+from ..errors import InputError, PlanMismatchError
 from ..meta import osdp_meta, set_osdp_meta
 from ..runtime.memory import LiveTensorTracker
 
@@ -59,6 +59,7 @@ __all__ = [
     "NodeProfile",
     "ProfileSummary",
     "profile_graph_pass",
+    "slowest_rank_times_pass",
     "summarize_profile",
 ]
 
@@ -234,6 +235,37 @@ def profile_graph_pass(
         summary.num_nodes, summary.fwd_flops, summary.bwd_flops,
         _format_time(summary.fwd_time_s), _format_time(summary.bwd_time_s),
     )
+    return PassResult(gm, False)
+
+
+def slowest_rank_times_pass(gm: fx.GraphModule) -> PassResult:
+    """Replace every node's measured times by the largest over the ranks of the default
+    process group (nothing to do on one rank, or for nodes profiled without timing).
+
+    A data-parallel step runs in lock-step: every collective waits for the slowest rank, so the
+    step goes at its pace, node by node. It also makes every rank's profile, and so every
+    prediction derived from it, the same. Collective: every rank calls it on the same graph.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return PassResult(gm, False)
+    timed = [n for n in gm.graph.nodes
+             if (p := osdp_meta(n).profile) is not None and p.fwd_time_s is not None]
+    count = torch.tensor([len(timed), -len(timed)], dtype=torch.float64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if count.tolist() != [len(timed), -len(timed)]:
+        raise PlanMismatchError(
+            f"this rank profiled {len(timed)} timed nodes, others {int(count[0])} or "
+            f"{int(-count[1])}: every rank must compile the same model with inputs of the same "
+            "shapes"
+        )
+    times = torch.tensor([[osdp_meta(n).profile.fwd_time_s, osdp_meta(n).profile.bwd_time_s]
+                          for n in timed], dtype=torch.float64).reshape(-1, 2)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    for n, (fwd_s, bwd_s) in zip(timed, times.tolist()):
+        osdp_meta(n).profile = dataclasses.replace(osdp_meta(n).profile, fwd_time_s=fwd_s,
+                                                   bwd_time_s=bwd_s)
     return PassResult(gm, False)
 
 

@@ -244,3 +244,38 @@ def forwards_without_backward(rank: int, world: int, *, model: str, plan: str,
     loss.backward()
     return {"alive": alive, "loss": loss.item(),
             "grads": all(p.grad is not None for p in compiled.parameters())}
+
+
+def slowest_rank_times(rank: int, world: int, *, mismatch: bool = False) -> dict[str, Any]:
+    """Each rank's measured node times before and after ``slowest_rank_times_pass``; with
+    ``mismatch`` rank 1 profiles a deeper model (a different graph)."""
+    from osdp_fx.capture import capture
+    from osdp_fx.errors import PlanMismatchError
+    from osdp_fx.meta import osdp_meta
+    from osdp_fx.passes.profile import profile_graph_pass, slowest_rank_times_pass
+
+    from osdp_fx.examples import MLP
+
+    class Net(torch.nn.Module):
+        def __init__(self, sizes: tuple[int, ...]) -> None:
+            super().__init__()
+            self.mlp = MLP(sizes)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.mlp(x), y)
+
+    net = Net((24, 40, 8) if mismatch and rank == 1 else (24, 40, 33, 8))
+    batch = local(batches("mlp", global_batch=4 * world, steps=1)[0], rank, world)
+    gm = capture(net, batch).gm
+    profile_graph_pass(gm, batch, warmup=0, repeats=1)
+
+    def times() -> list[tuple[float, float]]:
+        return [(p.fwd_time_s, p.bwd_time_s) for n in gm.graph.nodes
+                if (p := osdp_meta(n).profile) is not None and p.fwd_time_s is not None]
+
+    before = times()
+    try:
+        slowest_rank_times_pass(gm)
+    except PlanMismatchError as e:
+        return {"error": str(e)}
+    return {"before": before, "after": times()}
