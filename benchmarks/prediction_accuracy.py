@@ -6,7 +6,7 @@ shard_grad_op and full_shard, with SGD and AdamW: compiles the model with measur
 (`Devices.detect()`), then measures the median step time over several steps and the peak memory
 of one step with the live-tensor tracker, and prints the predicted against the measured value.
 
-    python benchmarks/prediction_accuracy.py [--world-size 2] [--steps 10]
+    python benchmarks/prediction_accuracy.py [--world-size 2] [--steps 20]
 
 Prints a Markdown table and, last, one JSON line with the worst absolute errors. The targets:
 memory within 10 %, step time within 30 %.
@@ -15,6 +15,7 @@ memory within 10 %, step time within 30 %.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -74,40 +75,53 @@ def measure(rank: int, world: int, models: list[str], steps: int) -> list[dict[s
     for name in models:
         for plan in ("replicate", "shard_grad_op", "full_shard"):
             for optimizer in ("sgd", "adamw"):
-                model, inputs = build(name)
-                compiled = compile_osdp(model, inputs, devices, plan=plan, optimizer=optimizer)
-                del model
-                params = list(compiled.parameters())
-                opt = (torch.optim.AdamW(params, lr=1e-4) if optimizer == "adamw"
-                       else torch.optim.SGD(params, lr=1e-3))
-                times = []
-                for _ in range(steps + 2):
-                    torch.distributed.barrier()
-                    start = time.perf_counter()
-                    compiled(*inputs).backward()
-                    opt.step()
-                    times.append(time.perf_counter() - start)
-                    opt.zero_grad(set_to_none=True)
-
-                def step() -> None:
-                    compiled(*inputs).backward()
-                    opt.step()
-
-                peak = measure_step_peak_bytes(step, params, opt, warmup_steps=0,
-                                               zero_grad=lambda: opt.zero_grad(set_to_none=True))
-                pr = compiled.plan.prediction
-                rows.append({
-                    "model": name, "plan": plan, "optimizer": optimizer,
-                    "predicted_s": pr.step_time_s, "measured_s": statistics.median(times[2:]),
-                    "predicted_bytes": pr.peak_memory_bytes, "measured_bytes": peak,
-                })
+                rows.append(measure_case(name, plan, optimizer, devices, steps))
+                gc.collect()  # the next case starts (and profiles) without this one's memory
     return rows
+
+
+def measure_case(name: str, plan: str, optimizer: str, devices: Devices,
+                 steps: int) -> dict[str, Any]:
+    """Predicted and measured step time (and its phases) and peak memory of one case."""
+    model, inputs = build(name)
+    compiled = compile_osdp(model, inputs, devices, plan=plan, optimizer=optimizer)
+    del model
+    params = list(compiled.parameters())
+    opt = (torch.optim.AdamW(params, lr=1e-4) if optimizer == "adamw"
+           else torch.optim.SGD(params, lr=1e-3))
+    times, phases = [], []
+    for _ in range(steps + 2):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        loss = compiled(*inputs)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        phases.append((forward - start, backward - forward, start + times[-1] - backward))
+        opt.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        compiled(*inputs).backward()
+        opt.step()
+
+    peak = measure_step_peak_bytes(step, params, opt, warmup_steps=0,
+                                   zero_grad=lambda: opt.zero_grad(set_to_none=True))
+    pr = compiled.plan.prediction
+    return {
+        "model": name, "plan": plan, "optimizer": optimizer,
+        "predicted_s": pr.step_time_s, "measured_s": statistics.median(times[2:]),
+        "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s),
+        "measured_parts_s": tuple(statistics.median(p[i] for p in phases[2:]) for i in range(3)),
+        "predicted_bytes": pr.peak_memory_bytes, "measured_bytes": peak,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     models = ["mlp", "gpt"]
     try:
@@ -118,8 +132,9 @@ def main() -> None:
         pass
     rows = run_world(args.world_size, measure, models, args.steps, timeout_s=1800)[0]
     print("| model | plan | optimizer | step ms predicted | measured | error | peak MiB "
-          "predicted | measured | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "predicted | measured | error | predicted compute / comm / optimizer ms | measured "
+          "forward / backward / optimizer ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst_time = worst_memory = 0.0
     for r in rows:
         t_err = r["predicted_s"] / r["measured_s"] - 1
@@ -127,7 +142,9 @@ def main() -> None:
         worst_time, worst_memory = max(worst_time, abs(t_err)), max(worst_memory, abs(m_err))
         print(f"| {r['model']} | {r['plan']} | {r['optimizer']} | {r['predicted_s'] * 1e3:.2f} | "
               f"{r['measured_s'] * 1e3:.2f} | {t_err:+.1%} | {r['predicted_bytes'] / 2**20:.2f} | "
-              f"{r['measured_bytes'] / 2**20:.2f} | {m_err:+.1%} |")
+              f"{r['measured_bytes'] / 2**20:.2f} | {m_err:+.1%} | "
+              f"{' / '.join(f'{x * 1e3:.1f}' for x in r['predicted_parts_s'])} | "
+              f"{' / '.join(f'{x * 1e3:.1f}' for x in r['measured_parts_s'])} |")
     print(json.dumps({"world_size": args.world_size, "cases": len(rows),
                       "worst_time_error": round(worst_time, 4),
                       "worst_memory_error": round(worst_memory, 4)}))

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 """Memory limit per rank assumed on CPU when none is given (documented in docs/)."""
 
+OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+"""The optimizer kinds cost models know (torch.optim.SGD without and with momentum, Adam, AdamW)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Devices:
@@ -53,6 +56,13 @@ class Devices:
     are fitted to all-reduces); 1 where the backend implements all three collectives alike."""
     reduce_scatter_time_factor: float = 1.0
     """The same for reduce-scatter (measured on CPU gloo: 2-3 times the all-reduce's figures)."""
+    optimizer_element_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Measured optimizer step time per parameter element, by optimizer kind ("sgd",
+    "sgd_momentum", "adam", "adamw"); a kind missing here is modelled as memory-bound (the bytes
+    its update moves over the memory bandwidth)."""
+    optimizer_tensor_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Measured fixed time per parameter tensor of an optimizer step (its kernel launches and
+    Python), by optimizer kind; 0 for a kind missing here."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -67,6 +77,15 @@ class Devices:
             )
         if self.memory_bytes is not None:
             object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes))
+        for name in ("optimizer_element_time_s", "optimizer_tensor_time_s"):
+            times = getattr(self, name)
+            bad = {k: v for k, v in times.items() if k not in OPTIMIZERS
+                   or not isinstance(v, (int, float)) or not 0 <= v < float("inf")}
+            if bad:
+                raise InputError(
+                    f"Devices.{name} has invalid entries {bad}: keys are optimizer kinds "
+                    f"({', '.join(OPTIMIZERS)}), values non-negative seconds"
+                )
 
     @property
     def num_nodes(self) -> int:
@@ -129,6 +148,9 @@ _COLLECTIVE_SIZES_BYTES = (2**12, 2**16, 2**20, 2**22)
 """Message sizes of the collective benchmarks: small ones give latency, large ones bandwidth."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
+_COLLECTIVE_REPEATS = 9
+"""Timed runs per collective benchmark: collectives between processes sharing cores vary the
+most from run to run."""
 
 
 def _detect(
@@ -165,10 +187,14 @@ def _detect(
     flops_per_s, bandwidth, memory_bytes_f = _all_reduce_floats(
         [flops_per_s, bandwidth, float(memory_bytes)], "min", group, device, distributed
     )
+    per_element, per_tensor = _optimizer_times(device)
+    measured = _all_reduce_floats([*per_element, *per_tensor], "max", group, device, distributed)
     figures.update(
         compute_flops_per_s=flops_per_s,
         memory_bandwidth_bytes_per_s=bandwidth,
         memory_bytes=int(memory_bytes_f),
+        optimizer_element_time_s=dict(zip(OPTIMIZERS, measured[:len(OPTIMIZERS)])),
+        optimizer_tensor_time_s=dict(zip(OPTIMIZERS, measured[len(OPTIMIZERS):])),
     )
     if world_size > 1:
         figures.update(_measure_links(group, device, world_size, ranks_per_node))
@@ -220,10 +246,11 @@ def _synchronize(device: Any) -> None:
 
 def _median_time_s(
     fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None,
-    between: Callable[[], object] | None = None,
+    between: Callable[[], object] | None = None, repeats: int | None = None,
 ) -> float:
-    """Median time of ``fn``; with ``barrier``, of runs of ``_BACK_TO_BACK`` calls after one
-    barrier, each call preceded by ``between`` (whose own time is not counted)."""
+    """Median time of ``fn``; with ``barrier``, the trimmed mean over runs of ``_BACK_TO_BACK``
+    calls after one barrier, each call preceded by ``between`` (whose own time is not
+    counted)."""
 
     def run() -> None:
         for _ in range(_BACK_TO_BACK if barrier is not None else 1):
@@ -233,7 +260,7 @@ def _median_time_s(
 
     def median(body: Callable[[], None]) -> float:
         times = []
-        for i in range(1 + _REPEATS):
+        for i in range(1 + (repeats or _REPEATS)):
             if barrier is not None:
                 barrier()
             _synchronize(device)
@@ -242,7 +269,11 @@ def _median_time_s(
             _synchronize(device)
             if i:
                 times.append((time.perf_counter() - start) / (_BACK_TO_BACK if barrier else 1))
-        return statistics.median(times)
+        if barrier is None:
+            return statistics.median(times)
+        # A collective's time is bimodal (whether the ranks arrive together or not), and a step
+        # pays the mean of both modes: the mean of the runs without the fastest and slowest.
+        return statistics.mean(sorted(times)[1:-1])
 
     if between is None:
         return median(run)
@@ -276,6 +307,36 @@ def _copy_bandwidth_bytes_per_s(device: Any) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / _median_time_s(lambda: dst.copy_(src), device)
+
+
+def _optimizer(kind: str, params: list[Any]) -> Any:
+    import torch
+
+    if kind in ("sgd", "sgd_momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd_momentum" else 0)
+    return (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=1e-3)
+
+
+def _optimizer_times(device: Any) -> tuple[list[float], list[float]]:
+    """Per optimizer kind, the step time per element (4 tensors of 256 Ki elements) and per
+    tensor (64 tensors of 16 elements), with torch.optim's default implementation."""
+    import torch
+
+    def step_s(kind: str, tensors: int, numel: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = _optimizer(kind, params)
+        optimizer.step()  # creates the state
+        return _median_time_s(optimizer.step, device)
+
+    per_element, per_tensor = [], []
+    for kind in OPTIMIZERS:
+        small = step_s(kind, 64, 16) / 64
+        large = step_s(kind, 4, 2**18)
+        per_tensor.append(small)
+        per_element.append(max(large - 4 * small, 0.0) / 2**20)
+    return per_element, per_tensor
 
 
 def _device_memory_bytes(device: Any) -> int:
@@ -373,16 +434,19 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
         numel = max(size, nbytes // 4 // size * size)
         full = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // size, device=device)
+        # outputs are allocated per call, as the runtime does
         runs: dict[str, Callable[[], object]] = {
-            "all_gather": lambda: all_gather(full, shard, group=group, async_op=True).wait(),
-            "reduce_scatter": lambda: reduce_scatter(shard, full, group=group,
+            "all_gather": lambda: all_gather(torch.empty_like(full), shard, group=group,
+                                             async_op=True).wait(),
+            "reduce_scatter": lambda: reduce_scatter(torch.empty_like(shard), full, group=group,
                                                      async_op=True).wait(),
             "all_reduce": lambda: dist.all_reduce(full, group=group, async_op=True).wait(),
         }
         for collective, run in runs.items():
             keys.append((collective, numel * 4))
             times.append(_median_time_s(run, device, barrier=lambda: dist.barrier(group=group),
-                                        between=lambda: torch.mm(a, b)))
+                                        between=lambda: torch.mm(a, b),
+                                        repeats=_COLLECTIVE_REPEATS))
     return keys, times
 
 

@@ -32,10 +32,11 @@ from .cost_models.timeline import (
     graph_facts,
     predict_step_memory,
 )
-from .devices import DEFAULT_CPU_MEMORY_BYTES, Devices
+from .devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
 from .errors import InputError, PlanError
 from .passes.precision import cast_params_pass
 from .passes.profile import profile_graph_pass, slowest_rank_times_pass
+from .runtime.collectives import WORLD, group_size
 from .passes.search import solve_min_time
 from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
 from .plan import (
@@ -56,7 +57,6 @@ from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 _MAX_TIGHTENINGS = 8
 
 
@@ -199,9 +199,12 @@ def _prefetch(prefetch: int | None) -> int:
 def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
             warmup: int = 1, repeats: int = 3,
             precision: MixedPrecision | None = None) -> Analysis:
-    """Profile ``captured.gm`` on ``example_inputs``; in a process group, every node's times are
-    the slowest rank's (``slowest_rank_times_pass``), so every rank predicts the same."""
+    """Profile ``captured.gm`` on ``example_inputs``; in a process group, the node times are
+    made the same on every rank, summing to the slowest rank's (``slowest_rank_times_pass``)."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
+    if not fake and group_size(WORLD) > 1:
+        # ranks time their nodes together, sharing the machine as they do when training
+        torch.distributed.barrier()
     with unchanged_state(captured.gm):
         profile_graph_pass(captured.gm, example_inputs, warmup=warmup, repeats=repeats,
                            fake=fake)

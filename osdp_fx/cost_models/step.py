@@ -10,8 +10,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   re-gathers the parameter (some operator saved it); hybrid_shard and hierarchical: their
   collectives stage by stage (``plan.collective_stages``), each at the intra-node figures of
   ``Devices`` when it runs inside a node and at the inter-node figures when it crosses nodes;
-* optimizer time ``optim_s(g, s)``: memory-bound, ``bytes_per_element(optimizer) * local numel /
-  memory bandwidth``;
+* optimizer time ``optim_s(g, s)``: the measured per-tensor time plus the measured per-element
+  time of the optimizer kind times the local numel (``Devices.detect``); without measurements
+  memory-bound, ``bytes_per_element(optimizer) * local numel / memory bandwidth``;
 * compute time (forward + backward of the operators that read the group; the same for every
   strategy, attributed to the largest group an operator reads, for display);
 * search memory: ``persistent`` = local parameter + local gradient + local optimizer state (plus
@@ -63,6 +64,16 @@ class GroupCost:
     """Search memory held for the whole step (see module docstring)."""
     transient_bytes: int
     """Search memory held while the group's operators run."""
+
+
+def optimizer_time_s(optimizer: str, numel: int, devices: Devices) -> float:
+    """One optimizer step over one parameter tensor of ``numel`` elements: the measured
+    per-tensor and per-element times of ``devices`` where known, else memory-bound
+    (``OPTIMIZER_BYTES_PER_ELEMENT`` over the memory bandwidth)."""
+    per_element = devices.optimizer_element_time_s.get(optimizer)
+    if per_element is None:
+        per_element = OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / devices.memory_bandwidth_bytes_per_s
+    return devices.optimizer_tensor_time_s.get(optimizer, 0.0) + numel * per_element
 
 
 def regathered_params(facts: GraphFacts) -> set[str]:
@@ -120,8 +131,7 @@ def group_cost(
     persistent, transient, optim_s = local, 0, 0.0
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
-        optim_s = (OPTIMIZER_BYTES_PER_ELEMENT[optimizer] * local_numel
-                   / devices.memory_bandwidth_bytes_per_s)
+        optim_s = optimizer_time_s(optimizer, local_numel, devices)
     if state.strategy == SHARD_GRAD_OP:
         persistent += padded
         transient = padded

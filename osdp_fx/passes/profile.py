@@ -239,12 +239,14 @@ def profile_graph_pass(
 
 
 def slowest_rank_times_pass(gm: fx.GraphModule) -> PassResult:
-    """Replace every node's measured times by the largest over the ranks of the default
-    process group (nothing to do on one rank, or for nodes profiled without timing).
+    """Make every rank's measured node times the same: per node the mean over the ranks of the
+    default process group, scaled so that their sum is the slowest rank's total (nothing to do
+    on one rank, or for nodes profiled without timing).
 
-    A data-parallel step runs in lock-step: every collective waits for the slowest rank, so the
-    step goes at its pace, node by node. It also makes every rank's profile, and so every
-    prediction derived from it, the same. Collective: every rank calls it on the same graph.
+    A data-parallel step runs in lock-step, so it goes at the pace of its slowest rank; taking
+    each node's maximum instead would add up every rank's measurement noise. Identical profiles
+    also make every rank's predictions identical. Collective: every rank calls it on the same
+    graph.
     """
     import torch.distributed as dist
 
@@ -262,7 +264,12 @@ def slowest_rank_times_pass(gm: fx.GraphModule) -> PassResult:
         )
     times = torch.tensor([[osdp_meta(n).profile.fwd_time_s, osdp_meta(n).profile.bwd_time_s]
                           for n in timed], dtype=torch.float64).reshape(-1, 2)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    slowest = times.sum().reshape(1)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(times)
+    total = times.sum()
+    if total > 0:
+        times *= slowest / total
     for n, (fwd_s, bwd_s) in zip(timed, times.tolist()):
         osdp_meta(n).profile = dataclasses.replace(osdp_meta(n).profile, fwd_time_s=fwd_s,
                                                    bwd_time_s=bwd_s)

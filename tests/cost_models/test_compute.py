@@ -63,3 +63,17 @@ def test_missing_profile_and_bad_devices_are_user_errors() -> None:
         node_compute_time_s(None, DEVICES)
     with pytest.raises(InputError, match="compute_flops_per_s"):
         roofline_time_s(1.0, 1.0, Devices(compute_flops_per_s=0.0))
+
+
+def test_optimizer_time_uses_measured_figures_else_the_memory_bound() -> None:
+    from osdp_fx.cost_models.step import OPTIMIZER_BYTES_PER_ELEMENT, optimizer_time_s
+
+    plain = Devices(memory_bandwidth_bytes_per_s=1e10)
+    assert optimizer_time_s("adamw", 10**6, plain) == pytest.approx(
+        OPTIMIZER_BYTES_PER_ELEMENT["adamw"] * 10**6 / 1e10)
+    measured = Devices(memory_bandwidth_bytes_per_s=1e10,
+                       optimizer_element_time_s={"adamw": 4e-9},
+                       optimizer_tensor_time_s={"adamw": 25e-6})
+    assert optimizer_time_s("adamw", 10**6, measured) == pytest.approx(25e-6 + 4e-3)
+    # a kind without measurements keeps the memory-bound model and no per-tensor time
+    assert optimizer_time_s("sgd", 10**6, measured) == optimizer_time_s("sgd", 10**6, plain)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from osdp_fx.devices import Devices
+from osdp_fx.devices import OPTIMIZERS, Devices
 from osdp_fx.errors import InputError
 
 MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s")
@@ -48,6 +48,23 @@ def test_detect_without_process_group() -> None:
     devices = Devices.detect(memory_limit="2GiB")
     assert devices.world_size == 1 and devices.memory_bytes == 2 * 2**30
     _positive_finite(devices, MEASURED)
+    # every optimizer kind is timed, per element and per tensor
+    for times in (devices.optimizer_element_time_s, devices.optimizer_tensor_time_s):
+        assert sorted(times) == sorted(OPTIMIZERS)
+        assert all(0 <= t < 1e-3 and math.isfinite(t) for t in times.values()), times
+    assert devices.optimizer_tensor_time_s["adamw"] > 0
+
+
+def test_optimizer_times_round_trip_and_are_checked(tmp_path: Path) -> None:
+    devices = Devices(optimizer_element_time_s={"adamw": 4e-9},
+                      optimizer_tensor_time_s={"adamw": 2e-5, "sgd": 2e-6})
+    devices.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json") == devices
+    with pytest.raises(InputError, match=r"optimizer_element_time_s has invalid entries "
+                                         r"\{'lamb': 1e-09\}: keys are optimizer kinds"):
+        Devices(optimizer_element_time_s={"lamb": 1e-9})
+    with pytest.raises(InputError, match="non-negative seconds"):
+        Devices(optimizer_tensor_time_s={"sgd": -1.0})
 
 
 def _free_port() -> int:
