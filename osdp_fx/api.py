@@ -22,6 +22,7 @@ from .passes.runner import run_passes
 from .passes.shard import shard_of, shard_parameters_pass
 from .passes.split_linear import apply_splits
 from .plan import (
+    FREED_AFTER_FORWARD,
     MESH_STRATEGIES,
     REPLICATE,
     Plan,
@@ -214,6 +215,9 @@ class OSDPModule(nn.Module):
         self._parameters = gm._parameters
         self._buffers = gm._buffers
         self._plan = plan
+        # Saved-tensor hooks (which re-gather freed parameters in backward) only where needed:
+        # without them autograd keeps its own handling of saved tensors (double backward).
+        self._regathers = any(p.strategy in FREED_AFTER_FORWARD for p in plan.params)
         self._captured_by = captured.method
         self._state_keys = captured.state_keys
         self._alias_to_name = captured.alias_to_name
@@ -229,6 +233,8 @@ class OSDPModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reducer.new_step()
         reduce_scatters.reset()
+        if not self._regathers:
+            return self._gm(*args, **kwargs)
         with step_context(self._plan.prefetch):
             return self._gm(*args, **kwargs)
 
