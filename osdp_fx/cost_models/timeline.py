@@ -31,7 +31,8 @@ elements padded; for hybrid_shard read R for N throughout):
   in two stages: the Pp / R block of the first (inter-node) stage is alive from the (prefetched)
   start until the second (intra-node) stage runs, a quarter step before the use, which
   allocates Pp;
-* gradients of activations: from the backward of a node's last user to the node's own backward;
+* gradients of activations: from the backward of the last node that reads a node's output or a
+  view of it to the node's own backward;
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
   the full gradient P until the backward of the first use in graph order, then the asynchronous
   reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
@@ -266,11 +267,14 @@ def predict_step_memory(
         tl.alive(pos[j], pos[j], p.fwd_transient_bytes, scaled=True)
         tl.alive(bwd(pos[j]), bwd(pos[j]), p.bwd_transient_bytes, scaled=True)
 
-    # Gradients of activations: from the backward of the last user to the node's own backward.
+    # Gradients of activations: from the backward of the last user of the storage (of the node
+    # or of a view of it: the views' gradients are views of one gradient buffer, made by the
+    # backward of the last operator that reads any of them) to the node's own backward.
     for n in nodes:
         if not requires_grad[n] or n in param_of or prof[n].output_is_view or n.op == "output":
             continue
-        grad_users = [u for u in n.users if u.op != "output" and requires_grad[u]]
+        grad_users = [u for m in members[n] for u in m.users
+                      if u.op != "output" and requires_grad[u] and facts.root[u] is not n]
         if grad_users:
             tl.alive(bwd(max(pos[u] for u in grad_users)), bwd(pos[n]), prof[n].output_bytes,
                      scaled=True)

@@ -215,6 +215,11 @@ class GradReduceScatters:
                 shard.grad = grad
             else:
                 shard.grad.add_(grad)
+        storage = chunk.untyped_storage()
+        if all(s.grad.untyped_storage().data_ptr() != storage.data_ptr() for s in shards):
+            # copied out; gloo's worker may still hold the output for a few milliseconds
+            storage.resize_(0)
+            note_resized(storage)
 
     def finish(self) -> None:
         """Complete every reduce-scatter in flight (end of backward)."""
