@@ -51,11 +51,13 @@ class Devices:
     """Per-rank bus bandwidth of collectives across nodes."""
     inter_node_latency_s: float = 1e-4
     """Fixed cost of one collective step across nodes."""
-    all_gather_time_factor: float = 1.0
-    """Measured all-gather time over the ring model's prediction from the link figures (which
-    are fitted to all-reduces); 1 where the backend implements all three collectives alike."""
-    reduce_scatter_time_factor: float = 1.0
-    """The same for reduce-scatter (measured on CPU gloo: 2-3 times the all-reduce's figures)."""
+    collective_links: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Link figures of one collective in one scope, where it runs unlike the scope's figures
+    above: keys ``"<scope>.<collective>"`` (scope ``intra_node`` or ``inter_node``; collective
+    ``all_gather``, ``reduce_scatter`` or ``all_reduce``), values ``{"bandwidth_bytes_per_s": B,
+    "latency_s": alpha}``. ``detect`` fits every collective to its own timings (CPU gloo's
+    all-gather and reduce-scatter are slower than its all-reduce, by a ratio that changes with
+    the size); a collective without an entry runs at its scope's figures."""
     optimizer_element_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured optimizer step time per parameter element, by optimizer kind ("sgd",
     "sgd_momentum", "adam", "adamw"); a kind missing here is modelled as memory-bound (the bytes
@@ -77,6 +79,7 @@ class Devices:
             )
         if self.memory_bytes is not None:
             object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes))
+        _check_collective_links(self.collective_links)
         for name in ("optimizer_element_time_s", "optimizer_tensor_time_s"):
             times = getattr(self, name)
             bad = {k: v for k, v in times.items() if k not in OPTIMIZERS
@@ -103,9 +106,11 @@ class Devices:
 
         Every rank of ``group`` (default: the world) must call it, since it runs collectives;
         every rank returns the same Devices (timings are reduced to the slowest rank first).
-        Measured: dense matmul FLOP/s, memory bandwidth from a large copy, and, by a fit of the
-        ring alpha-beta model to all-gather, reduce-scatter and all-reduce over a few sizes,
-        bandwidth and latency inside a node (ranks sharing a host name) and across nodes.
+        Measured: dense matmul FLOP/s, memory bandwidth from a large copy, optimizer step
+        times, and, by a fit of the ring alpha-beta model to each of all-gather, reduce-scatter
+        and all-reduce over sizes from 4 KiB to 16 MiB, the bandwidth and latency of each
+        collective inside a node (ranks sharing a host name) and across nodes
+        (``collective_links``; the scope's figures are the all-reduce's).
         Figures that cannot be measured (inter-node on one node, all collectives without an
         initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
         defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
@@ -144,8 +149,33 @@ class Devices:
         return cls(**data)
 
 
-_COLLECTIVE_SIZES_BYTES = (2**12, 2**16, 2**20, 2**22)
-"""Message sizes of the collective benchmarks: small ones give latency, large ones bandwidth."""
+def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
+    from .cost_models.communication import COLLECTIVES
+
+    keys = {f"{scope}.{c}" for scope in LINK_SCOPES for c in COLLECTIVES}
+    for key, figures in links.items():
+        if key not in keys:
+            raise InputError(
+                f"Devices.collective_links has an unknown key {key!r}: keys are "
+                f"'<scope>.<collective>' with scope {' or '.join(LINK_SCOPES)} and collective "
+                f"one of {', '.join(COLLECTIVES)}, e.g. 'intra_node.all_gather'"
+            )
+        if (not isinstance(figures, dict) or set(figures) != {"bandwidth_bytes_per_s", "latency_s"}
+                or not 0 < figures["bandwidth_bytes_per_s"] < float("inf")
+                or not 0 <= figures["latency_s"] < float("inf")):
+            raise InputError(
+                f"Devices.collective_links[{key!r}] = {figures!r} must be "
+                '{"bandwidth_bytes_per_s": positive bytes/s, "latency_s": non-negative seconds}'
+            )
+
+
+LINK_SCOPES = ("intra_node", "inter_node")
+"""Scopes of link figures: collectives inside a node and collectives that cross nodes."""
+
+_COLLECTIVE_SIZES_BYTES = tuple(2**k for k in range(12, 25, 2))
+"""Message sizes of the collective benchmarks, 4 KiB to 16 MiB by factors of 4: small ones give
+latency, large ones bandwidth, and together they span the parameters plans move (a fit to
+4 KiB-4 MiB in four sizes was off by up to 2x at the sizes in between on CPU gloo)."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
 _COLLECTIVE_REPEATS = 9
@@ -364,9 +394,9 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
     """Fit intra-node figures on this node's ranks and inter-node figures on the whole group."""
     import torch.distributed as dist
 
-    from .cost_models.communication import CollectiveSample, fit_link
+    from .cost_models.communication import COLLECTIVES, CollectiveSample, fit_link
 
-    measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (figure prefix, ranks, keys)
+    measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (scope, ranks, keys)
     times: list[float] = []
     if ranks_per_node > 1:
         node_group = group
@@ -387,32 +417,24 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
         times += world_times
     times = _all_reduce_floats(times, "max", group, device, True)
 
-    figures: dict[str, float] = {}
-    for prefix, size, keys in measured:
+    figures: dict[str, Any] = {"collective_links": {}}
+    for scope, size, keys in measured:
         samples = [
             CollectiveSample(collective, nbytes, size, times.pop(0))  # type: ignore[arg-type]
             for collective, nbytes in keys
         ]
-        # The link is fitted to the all-reduces; all-gather and reduce-scatter get a factor of
-        # their own (gloo implements them much more slowly than its all-reduce).
-        link = fit_link([x for x in samples if x.collective == "all_reduce"])
-        figures[f"{prefix}_bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
-        figures[f"{prefix}_latency_s"] = link.latency_s
-        if "all_gather_time_factor" not in figures:
-            for collective in ("all_gather", "reduce_scatter"):
-                ratios = [x.time_s / _ring_time_s(x, link) for x in samples
-                          if x.collective == collective]
-                figures[f"{collective}_time_factor"] = statistics.median(ratios)
-        log.debug("%s link fitted to %s: %s", prefix, samples, link)
+        # Every collective is fitted to its own timings (gloo runs all-gather and reduce-scatter
+        # more slowly than all-reduce, by a ratio that changes with the size); the scope's
+        # figures are the all-reduce's.
+        for collective in COLLECTIVES:
+            link = fit_link([x for x in samples if x.collective == collective])
+            figures["collective_links"][f"{scope}.{collective}"] = {
+                "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
+            if collective == "all_reduce":
+                figures[f"{scope}_bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
+                figures[f"{scope}_latency_s"] = link.latency_s
+        log.debug("%s collectives measured: %s", scope, samples)
     return figures
-
-
-def _ring_time_s(sample: Any, link: Any) -> float:
-    from .cost_models.communication import all_gather_time_s, reduce_scatter_time_s
-
-    model = all_gather_time_s if sample.collective == "all_gather" else reduce_scatter_time_s
-    return model(sample.total_bytes, sample.group_size,
-                 bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, latency_s=link.latency_s)
 
 
 def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], list[float]]:

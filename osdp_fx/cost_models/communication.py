@@ -130,9 +130,11 @@ _TIME_FUNCTIONS = {
 
 
 def group_link(
-    devices: Devices, *, group_size: int | None = None, spans_nodes: bool | None = None
+    devices: Devices, collective: Collective, *, group_size: int | None = None,
+    spans_nodes: bool | None = None,
 ) -> Link:
-    """The link figures a collective over ``group_size`` ranks of ``devices`` runs at.
+    """The link figures ``collective`` over ``group_size`` ranks of ``devices`` runs at: its own
+    entry in ``devices.collective_links`` where there is one, else the scope's figures.
 
     ``group_size`` defaults to the whole world. Ranks are assumed placed node by node, so a group
     of consecutive ranks spans nodes when it is larger than ``devices.ranks_per_node``; pass
@@ -142,9 +144,12 @@ def group_link(
     size = devices.world_size if group_size is None else group_size
     if spans_nodes is None:
         spans_nodes = devices.ranks_per_node is not None and size > devices.ranks_per_node
-    if spans_nodes:
-        return Link(devices.inter_node_bandwidth_bytes_per_s, devices.inter_node_latency_s)
-    return Link(devices.intra_node_bandwidth_bytes_per_s, devices.intra_node_latency_s)
+    scope = "inter_node" if spans_nodes else "intra_node"
+    own = devices.collective_links.get(f"{scope}.{collective}")
+    if own is not None:
+        return Link(own["bandwidth_bytes_per_s"], own["latency_s"])
+    return Link(getattr(devices, f"{scope}_bandwidth_bytes_per_s"),
+                getattr(devices, f"{scope}_latency_s"))
 
 
 def collective_time_s(
@@ -156,7 +161,7 @@ def collective_time_s(
     spans_nodes: bool | None = None,
 ) -> float:
     """Predicted time of ``collective`` on ``total_bytes`` bytes over a group of ``devices``,
-    scaled by the devices' measured factor for all-gather or reduce-scatter.
+    at the collective's link figures (:func:`group_link`).
 
     ``group_size`` (default: the world) and ``spans_nodes`` choose intra- or inter-node figures
     as in :func:`group_link`.
@@ -166,10 +171,8 @@ def collective_time_s(
             f"unknown collective {collective!r}: use one of {', '.join(COLLECTIVES)}"
         )
     size = devices.world_size if group_size is None else group_size
-    link = group_link(devices, group_size=size, spans_nodes=spans_nodes)
-    factor = {"all_gather": devices.all_gather_time_factor,
-              "reduce_scatter": devices.reduce_scatter_time_factor}.get(collective, 1.0)
-    return factor * _TIME_FUNCTIONS[collective](
+    link = group_link(devices, collective, group_size=size, spans_nodes=spans_nodes)
+    return _TIME_FUNCTIONS[collective](
         total_bytes, size,
         bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, latency_s=link.latency_s,
     )

@@ -122,7 +122,7 @@ def group_cost(
     if state.strategy == REPLICATE and stages:
         # Replicated gradients share bucketed all-reduces: latency is paid per bucket, not per
         # parameter, so a parameter bears its byte share of it.
-        link = group_link(devices)
+        link = group_link(devices, "all_reduce")
         comm_s = all_reduce_time_s(
             full, world, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
             latency_s=link.latency_s * min(1.0, full / DEFAULT_BUCKET_BYTES))

@@ -49,10 +49,10 @@ def test_group_link_chooses_intra_or_inter_node() -> None:
                       intra_node_latency_s=1e-6, inter_node_bandwidth_bytes_per_s=1e10,
                       inter_node_latency_s=1e-5)
     intra, inter = Link(1e11, 1e-6), Link(1e10, 1e-5)
-    assert group_link(devices) == inter  # the world spans both nodes
-    assert group_link(devices, group_size=4) == intra
-    assert group_link(devices, group_size=2, spans_nodes=True) == inter
-    assert group_link(Devices(world_size=8), group_size=8) == Link(
+    assert group_link(devices, "all_gather") == inter  # the world spans both nodes
+    assert group_link(devices, "all_gather", group_size=4) == intra
+    assert group_link(devices, "all_reduce", group_size=2, spans_nodes=True) == inter
+    assert group_link(Devices(world_size=8), "reduce_scatter", group_size=8) == Link(
         Devices().intra_node_bandwidth_bytes_per_s, Devices().intra_node_latency_s)
     n = 64e6
     assert collective_time_s("all_gather", n, devices) == pytest.approx(
@@ -104,14 +104,31 @@ def test_fit_stays_positive_on_noisy_data() -> None:
     assert link.latency_s > 0 and link.bandwidth_bytes_per_s > 0
 
 
-def test_measured_time_factors_scale_only_their_collective():
-    from osdp_fx.cost_models.communication import collective_time_s
-    from osdp_fx.devices import Devices
-
-    plain = Devices(world_size=4)
-    slow = Devices(world_size=4, all_gather_time_factor=2.0, reduce_scatter_time_factor=3.0)
+def test_collective_links_override_only_their_collective_and_scope(tmp_path) -> None:
+    plain = Devices(world_size=4, ranks_per_node=2)
+    own = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-3}
+    measured = Devices(world_size=4, ranks_per_node=2,
+                       collective_links={"intra_node.all_gather": own})
     n = 8 * 2**20
-    assert collective_time_s("all_gather", n, slow) == 2.0 * collective_time_s("all_gather", n, plain)
-    assert collective_time_s("reduce_scatter", n, slow) == 3.0 * collective_time_s(
-        "reduce_scatter", n, plain)
-    assert collective_time_s("all_reduce", n, slow) == collective_time_s("all_reduce", n, plain)
+    # the intra-node all-gather runs at its own figures, in closed form
+    assert collective_time_s("all_gather", n, measured, group_size=2) == pytest.approx(
+        (2 - 1) / 2 * n / 1e9 + (2 - 1) * 1e-3)
+    assert group_link(measured, "all_gather", group_size=2) == Link(1e9, 1e-3)
+    # every other collective, and the all-gather across nodes, at the scope's figures
+    for collective, size in (("reduce_scatter", 2), ("all_reduce", 2), ("all_gather", 4)):
+        assert collective_time_s(collective, n, measured, group_size=size) == (
+            collective_time_s(collective, n, plain, group_size=size))
+    measured.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json") == measured
+
+
+@pytest.mark.parametrize("links, match", [
+    ({"intra_node.broadcast": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}},
+     "unknown key 'intra_node.broadcast'"),
+    ({"intra_node.all_gather": {"bandwidth_bytes_per_s": 0.0, "latency_s": 0.0}},
+     "positive bytes/s"),
+    ({"inter_node.all_reduce": {"bandwidth_bytes_per_s": 1e9}}, "non-negative seconds"),
+])
+def test_collective_links_are_checked(links, match) -> None:
+    with pytest.raises(InputError, match=match):
+        Devices(collective_links=links)

@@ -102,9 +102,16 @@ def test_detect_on_two_rank_gloo_world(tmp_path: Path) -> None:
     _positive_finite(node, MEASURED + intra)
     assert node.intra_node_bandwidth_bytes_per_s != defaults.intra_node_bandwidth_bytes_per_s
     assert [getattr(node, f) for f in inter] == [getattr(defaults, f) for f in inter]
+    # each collective fitted to its own timings; the scope's figures are the all-reduce's
+    assert sorted(node.collective_links) == [
+        "intra_node.all_gather", "intra_node.all_reduce", "intra_node.reduce_scatter"]
+    assert node.collective_links["intra_node.all_reduce"] == {
+        "bandwidth_bytes_per_s": node.intra_node_bandwidth_bytes_per_s,
+        "latency_s": node.intra_node_latency_s}
 
     nodes = two_nodes[0]
     assert (nodes.world_size, nodes.ranks_per_node, nodes.num_nodes) == (2, 1, 2)
     _positive_finite(nodes, MEASURED + inter)
     assert nodes.inter_node_bandwidth_bytes_per_s != defaults.inter_node_bandwidth_bytes_per_s
     assert [getattr(nodes, f) for f in intra] == [getattr(defaults, f) for f in intra]
+    assert all(key.startswith("inter_node.") for key in nodes.collective_links)
