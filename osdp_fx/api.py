@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .capture import META_UNSUPPORTED, Captured, as_input_tuple, capture
+from .capture import Captured, as_input_tuple, capture
 from .devices import Devices
 from .errors import InputError, PlanMismatchError
 from .materialize import (check_initializable, check_same_rng_state, is_on_meta,
@@ -112,10 +112,7 @@ def compile_osdp(
     if on_meta:  # captured and planned on the meta device; values come after sharding
         device = materialize_device(inputs)
         inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    captured = capture(model, inputs)
-    if on_meta and captured.method != "symbolic_trace":  # export bakes device=meta into the graph
-        raise InputError(f"{type(model).__name__} could only be captured by torch.export"
-                         f"{META_UNSUPPORTED}")
+    captured = capture(model, inputs, device=device if on_meta else "cpu")
     if plan is not None:  # a bad plan fails here, before any collective
         apply_splits(captured, requested_splits(plan))
         resolve_plan(plan, param_specs(captured), world_size=world_size,
@@ -129,7 +126,9 @@ def compile_osdp(
                             memory_limit_bytes=limit, optimizer=optimizer,
                             batch_sizes=batch_sizes, split=split, agree=_from_rank0,
                             prefetch=prefetch, precision=precision)
-    run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(g, inputs))])
+    run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
+        g, inputs, meta_device=captured.materialize_device if captured.method == "export"
+        else None))])
     _check_ranks_agree(resolved)
     if on_meta:
         check_same_rng_state(device)
@@ -252,6 +251,11 @@ class OSDPModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         """The rewritten torch.fx GraphModule."""
         return self._gm
+
+    @property
+    def captured_by(self) -> str:
+        """How the model was captured: ``"symbolic_trace"`` or ``"export"``."""
+        return self._captured_by
 
     @property
     def code(self) -> str:

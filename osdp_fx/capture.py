@@ -42,10 +42,9 @@ from .meta import set_osdp_meta
 
 log = logging.getLogger(__name__)
 
-META_UNSUPPORTED = (
-    ". The model is on the meta device, where it must run on meta tensors and be captured by "
-    "torch.fx.symbolic_trace: models that only torch.export captures (Hugging Face "
-    "transformers) cannot be compiled from the meta device yet; build them on the CPU"
+META_REJECTED = (
+    ". The model is on the meta device, where it must either run on meta tensors or be captured "
+    "by torch.export (which skips code that asks for values, such as Hugging Face's mask checks)"
 )
 
 
@@ -87,6 +86,9 @@ class Captured:
     """Keys of ``model.state_dict()``, in order."""
     alias_to_name: dict[str, str]
     """Every parameter name (canonical or alias) to its canonical name."""
+    materialize_device: torch.device | None = None
+    """For a model on the meta device: where its tensors will be materialised, which the
+    graph's tensor factories name when export captured it; None for other models."""
     splits: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Parameters split into parts (``passes.split_linear.SplitSpec`` by original name); their
     parts replace them in ``params``."""
@@ -118,16 +120,34 @@ def as_input_tuple(example_inputs: Any) -> tuple[Any, ...]:
     )
 
 
-def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captured:
-    """Capture ``model`` on ``example_inputs`` and normalise it (see the module docstring)."""
+def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
+            device: torch.device | str = "cpu") -> Captured:
+    """Capture ``model`` on ``example_inputs`` and normalise it (see the module docstring).
+
+    A model on the meta device is run on meta inputs. If it cannot run there eagerly (its
+    forward asks for a value, as Hugging Face models do), it is captured by torch.export alone,
+    and the meta device that export writes into the graph's tensor factories (``arange``,
+    ``to``, ...) is replaced by ``device``, where the model's tensors will be materialised.
+    """
     if not isinstance(model, nn.Module):
         raise InputError(
             f"compile_osdp needs a torch.nn.Module, got {type(model).__name__}; "
             "wrap your function in an nn.Module whose parameters are attributes"
         )
-    _check_inputs_accepted(model, example_inputs)
-    gm, method = _trace(model, example_inputs)
-    return _normalize(model, gm, method)
+    on_meta = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+    rejection = _rejection(model, example_inputs)
+    if rejection is None:
+        gm, method = _trace(model, example_inputs)
+    elif on_meta:
+        gm, method = _export(model, example_inputs, rejection), "export"
+    else:
+        raise rejection
+    if on_meta and method == "export":
+        _retarget_meta_device(gm, torch.device(device))
+    captured = _normalize(model, gm, method)
+    if on_meta:
+        captured.materialize_device = torch.device(device)
+    return captured
 
 
 @contextlib.contextmanager
@@ -144,18 +164,44 @@ def unchanged_state(module: nn.Module) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
-def _check_inputs_accepted(model: nn.Module, example_inputs: tuple[Any, ...]) -> None:
+def _rejection(model: nn.Module, example_inputs: tuple[Any, ...]) -> InputError | None:
+    """The error to raise if the model's forward rejects the example inputs, else None."""
     try:
         with torch.no_grad(), unchanged_state(model):
             model(*example_inputs)
     except Exception as exc:  # the user's model rejected the user's inputs
         on_meta = any(p.device.type == "meta" for p in model.parameters())
-        raise InputError(
+        error = InputError(
             f"{type(model).__name__} rejected the example inputs "
             f"({_describe(example_inputs)}): {type(exc).__name__}: {exc}. Pass example_inputs "
             "as a tuple of the positional arguments the model's forward accepts, for one rank's "
-            "batch" + (META_UNSUPPORTED if on_meta else "")
-        ) from exc
+            "batch" + (META_REJECTED if on_meta else "")
+        )
+        error.__cause__ = exc
+        return error
+    return None
+
+
+def _retarget_meta_device(gm: fx.GraphModule, device: torch.device) -> None:
+    """Replace the meta device in the arguments of ``gm``'s nodes by ``device``.
+
+    Before (a model on the meta device, captured by export)::
+
+        arange = torch.ops.aten.arange.default(16, device=device(type='meta'), pin_memory=False)
+
+    After (``device="cpu"``)::
+
+        arange = torch.ops.aten.arange.default(16, device=device(type='cpu'), pin_memory=False)
+    """
+    def retarget(value: Any) -> Any:
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, retarget)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
+    gm.recompile()
 
 
 def _describe(inputs: tuple[Any, ...]) -> str:
@@ -178,9 +224,7 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> tuple[fx.GraphM
         fx_reason = _reason(exc)
         log.info("symbolic_trace failed (%s); trying torch.export", fx_reason)
     try:
-        with unchanged_state(model):
-            ep = torch.export.export(model, example_inputs, strict=False)
-        return ep.module(), "export"
+        return _export_module(model, example_inputs), "export"
     except Exception as exc:
         raise CaptureError(
             f"could not capture {type(model).__name__} as a graph.\n"
@@ -189,6 +233,21 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> tuple[fx.GraphM
             "Make the failing line traceable (no Python control flow on tensor values, no "
             "data-dependent shapes), or move it out of the model's forward."
         ) from exc
+
+
+def _export(model: nn.Module, example_inputs: tuple[Any, ...],
+            rejection: InputError) -> fx.GraphModule:
+    """Capture a meta-device model that cannot run eagerly with torch.export; if export fails
+    too, the inputs (or the model's use of values) are the problem: raise ``rejection``."""
+    try:
+        return _export_module(model, example_inputs)
+    except Exception as exc:
+        raise InputError(f"{rejection}; torch.export failed too: {_reason(exc)}") from exc
+
+
+def _export_module(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
+    with unchanged_state(model):
+        return torch.export.export(model, example_inputs, strict=False).module()
 
 
 def _reason(exc: BaseException) -> str:

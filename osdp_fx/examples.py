@@ -94,6 +94,36 @@ def gpt2_48_layers_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randint(0, 50257, (1, 1024), device="meta"),)
 
 
+def hf_gpt2_xl_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Hugging Face GPT-2 XL (48 layers, hidden 1600, 1.56 B parameters) from its configuration,
+    built on the meta device with a sequence of 1024 and batch 1 per rank: planned without
+    allocating it (torch.export captures it; needs transformers)."""
+    return hf_gpt2_meta(n_layer=48, n_embd=1600, n_head=25)
+
+
+def hf_gpt2_meta(*, n_layer: int = 2, n_embd: int = 128, n_head: int = 4, vocab: int = 50257,
+                 seq: int = 1024, batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A Hugging Face GPT2LMHeadModel whose forward returns its loss, on the meta device."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab,
+                        n_positions=seq, use_cache=False, bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        model = HFCausalLMWithLoss(GPT2LMHeadModel(config))
+    return model, (torch.randint(0, vocab, (batch, seq), device="meta"),)
+
+
+class HFCausalLMWithLoss(nn.Module):
+    """A Hugging Face causal language model whose forward returns its next-token loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx, labels=idx).loss
+
+
 class GPTWithLoss(nn.Module):
     """A language model whose forward returns its next-token loss."""
 

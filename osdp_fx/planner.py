@@ -207,7 +207,7 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
         torch.distributed.barrier()
     with unchanged_state(captured.gm):
         profile_graph_pass(captured.gm, example_inputs, warmup=warmup, repeats=repeats,
-                           fake=fake)
+                           fake=fake, meta_device=captured.materialize_device or "cpu")
     if not fake:
         slowest_rank_times_pass(captured.gm)
     trainable = {name: p.trainable for name, p in captured.params.items()}

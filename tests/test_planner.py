@@ -172,3 +172,19 @@ def test_plan_table_shows_each_stage_and_the_bytes_across_nodes(two_nodes):
     assert "all_gather[inter] 32.0 KiB, all_gather[intra] 256.0 KiB" in row
     assert "reduce_scatter[intra] 256.0 KiB, reduce_scatter[inter] 32.0 KiB" in row
     assert "across nodes" in text
+
+
+def test_plan_command_plans_a_hugging_face_model_built_on_meta(capsys):
+    """`python -m osdp_fx plan` on a Hugging Face GPT-2 from its configuration, on the meta
+    device: nothing is allocated, the searched plan fits and is no slower than FSDP's."""
+    pytest.importorskip("transformers")
+    from osdp_fx.cli import main
+
+    assert main(["plan", "osdp_fx/examples.py:hf_gpt2_meta", "--world-size", "8",
+                 "--memory", "1GiB", "--fake"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines()
+            if line.startswith(("searched", "all "))}
+    searched, fsdp = rows["searched (osdp-fx)"], rows["all full_shard (FSDP)"]
+    assert searched[-1] == "yes" and float(searched[2]) <= float(fsdp[3]) * (1 + 1e-6)
+    assert "model.transformer.wte.weight" in out

@@ -9,22 +9,31 @@ It writes ``osdp_meta(node).aliases`` and never changes the graph.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_leaves
 
 from ..capture import unchanged_state
 from ..meta import osdp_meta, set_osdp_meta
+from .profile import fake_of
 
 
 class _AliasInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, storages: dict[int, str]) -> None:
+    def __init__(self, gm: fx.GraphModule, storages: dict[int, str],
+                 fakes: dict[int, torch.Tensor]) -> None:
         super().__init__(gm)
         self.storages = storages
+        self.fakes = fakes  # id of a meta tensor of gm -> its fake stand-in
         self.casts: list[torch.Tensor] = []
+
+    def get_attr(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        return self.fakes.get(id(value), value)
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
@@ -44,12 +53,24 @@ class _AliasInterpreter(fx.Interpreter):
         return result
 
 
-def annotate_aliases_pass(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> PassResult:
-    """Annotate every node with the parameters its output aliases (see module docstring)."""
-    storages = {
-        gm.get_parameter(n.target).untyped_storage()._cdata: n.target
-        for n in gm.graph.nodes if n.op == "get_attr" and osdp_meta(n).role == "param"
-    }
-    with torch.no_grad(), unchanged_state(gm):
-        _AliasInterpreter(gm, storages).run(*example_inputs)
+def annotate_aliases_pass(gm: fx.GraphModule, example_inputs: tuple[Any, ...], *,
+                          meta_device: torch.device | None = None) -> PassResult:
+    """Annotate every node with the parameters its output aliases (see module docstring).
+
+    A graph whose tensor factories name ``meta_device`` while its tensors are on the meta
+    device (a meta model captured by export) runs under FakeTensorMode, its meta tensors
+    standing in as fake tensors of ``meta_device``."""
+    params = {n.target: gm.get_parameter(n.target) for n in gm.graph.nodes
+              if n.op == "get_attr" and osdp_meta(n).role == "param"}
+    mode: Any = contextlib.nullcontext()
+    fakes: dict[int, torch.Tensor] = {}
+    if meta_device is not None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = {id(t): fake_of(t, mode, meta_device)
+                 for t in (*gm.parameters(), *gm.buffers()) if t.device.type == "meta"}
+        example_inputs = tuple(fake_of(x, mode, meta_device)
+                               if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    storages = {fakes.get(id(p), p).untyped_storage()._cdata: name for name, p in params.items()}
+    with torch.no_grad(), unchanged_state(gm), mode:
+        _AliasInterpreter(gm, storages, fakes).run(*example_inputs)
     return PassResult(gm, False)

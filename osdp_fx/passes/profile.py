@@ -26,8 +26,8 @@ It is an analysis pass: the graph is not changed. Each node gets ``osdp_meta(nod
 
 With ``fake=True`` the graph runs under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
 (parameters and inputs may be real, fake or on the ``meta`` device; meta tensors are profiled as
-CPU tensors): FLOPs and bytes are exact, times are None and the compute cost model uses a
-roofline instead.
+tensors of ``meta_device``, the CPU by default): FLOPs and bytes are exact, times are None and
+the compute cost model uses a roofline instead.
 """
 
 from __future__ import annotations
@@ -208,12 +208,15 @@ def profile_graph_pass(
     warmup: int = 2,
     repeats: int = 5,
     fake: bool = False,
+    meta_device: torch.device | str = "cpu",
 ) -> PassResult:
     """Write a :class:`NodeProfile` into ``osdp_meta(node).profile`` for every node of ``gm``.
 
     ``example_inputs`` are the positional inputs of ``gm`` (flattened as for ``gm(*inputs)``).
     Inputs keep their ``requires_grad``; parameters require grad as they do in ``gm``. With
-    ``fake=True`` nothing is computed for real: FLOPs and bytes are exact, times are None.
+    ``fake=True`` nothing is computed for real: FLOPs and bytes are exact, times are None;
+    meta tensors become fake tensors of ``meta_device`` (where a meta model will be
+    materialised: a graph captured by export names it in its tensor factories).
     Returns ``PassResult(gm, False)``: the graph is not changed.
     """
     if warmup < 0 or repeats < 1:
@@ -227,7 +230,8 @@ def profile_graph_pass(
             "profile_graph_pass got fake or meta tensors among the example inputs or parameters; "
             "pass fake=True to profile without running, or give real tensors to measure times"
         )
-    profiler = _NodeProfiler(gm, warmup=warmup, repeats=repeats, fake=fake)
+    profiler = _NodeProfiler(gm, warmup=warmup, repeats=repeats, fake=fake,
+                             meta_device=torch.device(meta_device))
     profiler.profile(list(example_inputs))
     summary = summarize_profile(gm)
     log.info(
@@ -312,11 +316,25 @@ class _PreparedInputs:
     """Storage key of each prepared input -> name of the node it came from."""
 
 
+def fake_of(value: torch.Tensor, fake_mode: FakeTensorMode,
+            meta_device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``fake_mode`` like ``value``; a meta tensor becomes one of
+    ``meta_device``, with the same shape, strides, dtype and ``requires_grad``."""
+    if value.device.type != "meta":
+        return fake_mode.from_tensor(value)
+    with fake_mode:
+        fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                   device=meta_device)
+    return fake.requires_grad_(value.requires_grad)
+
+
 class _NodeProfiler(fx.Interpreter):
     """Runs the graph and profiles each node in isolation (see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, *, warmup: int, repeats: int, fake: bool) -> None:
+    def __init__(self, gm: fx.GraphModule, *, warmup: int, repeats: int, fake: bool,
+                 meta_device: torch.device) -> None:
         super().__init__(gm)
+        self.meta_device = meta_device
         self.warmup = warmup
         self.repeats = repeats
         self.fake_mode: FakeTensorMode | None = None
@@ -339,14 +357,7 @@ class _NodeProfiler(fx.Interpreter):
             return value
         key = id(value)
         if key not in self._fake_attrs:
-            if value.device.type == "meta":
-                with self.fake_mode:
-                    fake = torch.empty_strided(
-                        value.shape, value.stride(), dtype=value.dtype, device="cpu"
-                    )
-                fake.requires_grad_(value.requires_grad)
-            else:
-                fake = self.fake_mode.from_tensor(value)
+            fake = fake_of(value, self.fake_mode, self.meta_device)
             self._fake_attrs[key] = (value, fake)  # keep value alive so its id stays unique
         return self._fake_attrs[key][1]
 

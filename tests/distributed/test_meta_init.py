@@ -85,6 +85,41 @@ def test_meta_errors_name_the_fix(worlds):
         assert "random states differ" in r["different_seeds"]
         assert "torch.manual_seed" in r["different_seeds"]
         assert "no meta tensors" in r["cpu_with_init_fn"]
-        assert "build them on the CPU" in r["hf_on_meta"] and "InputError" in r["hf_on_meta"]
+        assert "InputError" in r["meta_rejects_inputs"]
+        assert "rejected the example inputs (Tensor(2, 4):float32)" in r["meta_rejects_inputs"]
+        assert "torch.export failed too" in r["meta_rejects_inputs"]
         assert r["with_init_fn"] == "compiled"
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("plan", ["full_shard", "replicate"])
+def test_hugging_face_model_on_meta_trains_like_one_process(worlds, plan):
+    """GPT-2 from transformers, built on the meta device: captured by export, initialised by
+    its own _init_weights the same on every rank, then trained like a single process."""
+    from harness.models import batches, build
+
+    results = worlds(2).run(mc.hf_on_meta, plan=plan)
+    initial = results[0]["initial"]
+    for r in results:
+        assert r["method"] == "export" and r["devices"] == {"cpu"}
+        for key, value in initial.items():
+            torch.testing.assert_close(r["initial"][key], value, rtol=0, atol=0, msg=key)
+    assert all(torch.isfinite(v).all() for v in initial.values())
+    assert initial["transformer.wte.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(initial["transformer.ln_f.weight"], torch.ones(32))
+    assert torch.count_nonzero(initial["transformer.h.0.attn.c_attn.bias"]) == 0
+
+    net, loss_fn = build("hf_gpt2")
+    net.load_state_dict(initial)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses = []
+    for batch in batches("hf_gpt2", global_batch=4, steps=3):
+        loss = loss_fn(net(batch[0]), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(losses), atol=1e-5, rtol=0)
+    for key, expected in net.state_dict().items():
+        torch.testing.assert_close(results[0]["final"][key], expected, atol=1e-4, rtol=0, msg=key)

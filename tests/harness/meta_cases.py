@@ -166,8 +166,8 @@ class CachedLinear(nn.Linear):
 
 def meta_errors(rank: int, world: int) -> dict[str, str]:
     """What compile_osdp says about a meta module it cannot initialise, a buffer nobody sets,
-    ranks seeded differently, init_fn on a CPU model, and a Hugging Face model on meta (only
-    torch.export captures it); then a good compile still works."""
+    ranks seeded differently, init_fn on a CPU model, and a meta model that rejects its
+    inputs; then a good compile still works."""
     x = torch.randn(2, 3)
 
     def error(make: Callable[[], nn.Module], seed: int = 0, **kwargs: Any) -> str:
@@ -190,16 +190,34 @@ def meta_errors(rank: int, world: int) -> dict[str, str]:
         out["cpu_with_init_fn"] = ""
     except OSDPError as exc:
         out["cpu_with_init_fn"] = f"{type(exc).__name__}: {exc}"
-    from .models import build as build_test_model
-
-    idx = torch.randint(0, 67, (2, 12))
-    with torch.device("meta"):
-        hf, _ = build_test_model("hf_gpt2")
-    try:
-        compile_osdp(hf, (idx,), plan="full_shard", init_fn=hf._init_weights)
-        out["hf_on_meta"] = ""
+    try:  # a model on the meta device that rejects its inputs: named like on the CPU
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            net = nn.Linear(3, 3)
+        compile_osdp(net, (torch.randn(2, 4),), plan="full_shard")
+        out["meta_rejects_inputs"] = ""
     except OSDPError as exc:
-        out["hf_on_meta"] = f"{type(exc).__name__}: {exc}"
+        out["meta_rejects_inputs"] = f"{type(exc).__name__}: {exc}"
     out["with_init_fn"] = error(Unresettable, init_fn=lambda m: [
         nn.init.ones_(p) for p in m.parameters(recurse=False)]) or "compiled"
     return out
+
+
+def hf_on_meta(rank: int, world: int, *, plan: Any) -> dict[str, Any]:
+    """A Hugging Face GPT-2 built on the meta device (only torch.export captures it), initialised
+    by its own ``_init_weights`` and trained 3 SGD steps: its initial full state, its losses
+    and its final full state."""
+    from .models import batches, build as build_test_model
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        hf, loss_fn = build_test_model("hf_gpt2")
+    data = batches("hf_gpt2", global_batch=2 * world, steps=3)
+    compiled = compile_osdp(hf, local(data[0], rank, world)[:1], plan=plan,
+                            init_fn=hf._init_weights)
+    initial = compiled.full_state_dict()
+    losses = train_steps(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), loss_fn,
+                         data, rank, world)
+    return {"initial": initial, "losses": losses, "final": compiled.full_state_dict(),
+            "method": compiled.captured_by,
+            "devices": {str(t.device) for t in (*compiled.parameters(), *compiled.buffers())}}

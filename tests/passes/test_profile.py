@@ -325,3 +325,38 @@ def test_meta_inputs_need_fake_mode() -> None:
 def test_summary_needs_a_profile() -> None:
     with pytest.raises(InputError, match="run profile_graph_pass"):
         summarize_profile(trace(MLP()))
+
+
+def test_hugging_face_model_on_meta_profiles_like_the_one_on_the_cpu():
+    """GPT-2 from transformers on the meta device (captured by export, whose tensor factories
+    then name the CPU, not meta) gets, node by node, the FLOPs and bytes of the same model built
+    on the CPU and profiled for real."""
+    pytest.importorskip("transformers")
+    from osdp_fx.capture import capture
+    from osdp_fx.examples import hf_gpt2_meta
+
+    shape = {"n_layer": 1, "n_embd": 64, "n_head": 4, "vocab": 97, "seq": 32, "batch": 2}
+    meta_model, meta_inputs = hf_gpt2_meta(**shape)
+    meta = capture(meta_model, meta_inputs)
+    assert meta.method == "export" and meta.materialize_device == torch.device("cpu")
+    assert not [n.format_node() for n in meta.gm.graph.nodes
+                if "meta" in str(n.args) + str(n.kwargs)]
+    profile_graph_pass(meta.gm, meta_inputs, fake=True)
+
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        real_model = type(meta_model)(type(meta_model.model)(meta_model.model.config))
+    real_inputs = (torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"])),)
+    real = capture(real_model, real_inputs)
+    assert real.materialize_device is None
+    profile_graph_pass(real.gm, real_inputs, **FAST)
+
+    fields = ("fwd_flops", "bwd_flops", "output_bytes", "saved_bytes", "param_bytes")
+    real_profiles = {n.name: osdp_meta(n).profile for n in real.gm.graph.nodes}
+    compared = 0
+    for n in meta.gm.graph.nodes:
+        mine, theirs = osdp_meta(n).profile, real_profiles[n.name]
+        assert [getattr(mine, f) for f in fields] == [getattr(theirs, f) for f in fields], n.name
+        compared += 1
+    assert compared == len(real_profiles) > 50
+    assert sum(osdp_meta(n).profile.fwd_flops for n in meta.gm.graph.nodes) > 0
