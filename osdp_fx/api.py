@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .capture import Captured, as_input_tuple, capture
+from .capture import Captured, as_input_tuple, capture, is_on_meta
 from .devices import Devices
 from .errors import InputError, PlanMismatchError
-from .materialize import (check_initializable, check_same_rng_state, is_on_meta,
-                          materialize_device, materialize_meta_model)
+from .materialize import (check_initializable, check_same_rng_state, materialize_device,
+                          materialize_meta_model)
 from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
 from .passes.shard import shard_of, shard_parameters_pass
@@ -127,8 +127,7 @@ def compile_osdp(
                             batch_sizes=batch_sizes, split=split, agree=_from_rank0,
                             prefetch=prefetch, precision=precision)
     run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
-        g, inputs, meta_device=captured.materialize_device if captured.method == "export"
-        else None))])
+        g, inputs, meta_device=captured.materialize_device))])
     _check_ranks_agree(resolved)
     if on_meta:
         check_same_rng_state(device)

@@ -108,6 +108,12 @@ class _ParamTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name) and not owns_params
 
 
+def is_on_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device."""
+    return isinstance(model, nn.Module) and any(
+        t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+
+
 def as_input_tuple(example_inputs: Any) -> tuple[Any, ...]:
     """Accept a tuple/list of inputs or a single tensor."""
     if isinstance(example_inputs, torch.Tensor):
@@ -134,7 +140,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
             f"compile_osdp needs a torch.nn.Module, got {type(model).__name__}; "
             "wrap your function in an nn.Module whose parameters are attributes"
         )
-    on_meta = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+    on_meta = is_on_meta(model)
     rejection = _rejection(model, example_inputs)
     if rejection is None:
         gm, method = _trace(model, example_inputs)
@@ -170,12 +176,11 @@ def _rejection(model: nn.Module, example_inputs: tuple[Any, ...]) -> InputError 
         with torch.no_grad(), unchanged_state(model):
             model(*example_inputs)
     except Exception as exc:  # the user's model rejected the user's inputs
-        on_meta = any(p.device.type == "meta" for p in model.parameters())
         error = InputError(
             f"{type(model).__name__} rejected the example inputs "
             f"({_describe(example_inputs)}): {type(exc).__name__}: {exc}. Pass example_inputs "
             "as a tuple of the positional arguments the model's forward accepts, for one rank's "
-            "batch" + (META_REJECTED if on_meta else "")
+            "batch" + (META_REJECTED if is_on_meta(model) else "")
         )
         error.__cause__ = exc
         return error

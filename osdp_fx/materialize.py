@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .capture import Captured
+from .capture import Captured, is_on_meta
 from .errors import InputError
 from .passes.shard import shard_of
 from .plan import REPLICATE, Plan
@@ -58,11 +58,6 @@ from .runtime.collectives import WORLD, group_size
 log = logging.getLogger(__name__)
 
 InitFn = Callable[[nn.Module], None]
-
-
-def is_on_meta(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` is on the meta device."""
-    return isinstance(model, nn.Module) and any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -57,9 +57,9 @@ def annotate_aliases_pass(gm: fx.GraphModule, example_inputs: tuple[Any, ...], *
                           meta_device: torch.device | None = None) -> PassResult:
     """Annotate every node with the parameters its output aliases (see module docstring).
 
-    A graph whose tensor factories name ``meta_device`` while its tensors are on the meta
-    device (a meta model captured by export) runs under FakeTensorMode, its meta tensors
-    standing in as fake tensors of ``meta_device``."""
+    A model on the meta device (``meta_device``: where it will be materialised, which an
+    export graph's tensor factories name) runs under FakeTensorMode, its meta tensors standing
+    in as fake tensors of ``meta_device``."""
     params = {n.target: gm.get_parameter(n.target) for n in gm.graph.nodes
               if n.op == "get_attr" and osdp_meta(n).role == "param"}
     mode: Any = contextlib.nullcontext()
