@@ -40,7 +40,7 @@ def _demo_rank(rank: int, world_size: int, steps: int, plan: str | None,
         losses.append(mean.item() / world_size)
     shard_numel = sum(p.numel() for p in compiled.parameters())
     return {"plan": str(compiled.plan), "code": compiled.code, "losses": losses,
-            "local_param_numel": shard_numel}
+            "local_param_numel": shard_numel, "plan_obj": compiled.plan}
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -57,6 +57,10 @@ def demo(args: argparse.Namespace) -> int:
         print(f"step {step}: loss {loss:.4f}")
     per_rank = ", ".join(f"rank {r}: {res['local_param_numel']:,}" for r, res in enumerate(results))
     print(f"parameter elements held per rank: {per_rank}")
+    if args.memory_plot:
+        from .plotting import plot_memory_timeline
+
+        print(f"memory plot of the plan: {plot_memory_timeline(first['plan_obj'], args.memory_plot)}")
     return 0
 
 
@@ -137,6 +141,10 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.save:
         plan.save(args.save)
         print(f"plan saved to {args.save}")
+    if args.memory_plot:
+        from .plotting import plot_memory_timeline
+
+        print(f"memory plot: {plot_memory_timeline(plan, args.memory_plot)}")
     return 0
 
 
@@ -220,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: searched under --memory)")
     p_demo.add_argument("--memory", default="12MiB",
                         help="memory limit per rank for the searched plan")
+    p_demo.add_argument("--memory-plot", default=None, metavar="FILE.png",
+                        help="draw the plan's predicted memory over one step (needs matplotlib)")
     p_demo.set_defaults(func=demo)
 
     p_plan = sub.add_parser("plan", help="plan a model offline for hardware you describe")
@@ -238,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="gather and compute in bf16 or fp16 (fp32 shards and reduction)")
     p_plan.add_argument("--threads", type=int, default=1)
     p_plan.add_argument("--save", default=None, help="write the plan as JSON to this path")
+    p_plan.add_argument("--memory-plot", default=None, metavar="FILE.png",
+                        help="draw the predicted memory over one step, stacked by category, "
+                             "with the limit (needs matplotlib: pip install 'osdp-fx[bench]')")
     p_plan.set_defaults(func=plan_command)
 
     p_prof = sub.add_parser("profile", help="per-node FLOPs, bytes and time of a model")

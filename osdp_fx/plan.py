@@ -248,12 +248,27 @@ class Prediction:
     """Step time as a sympy expression of the per-rank batch size ``b``."""
     peak_memory_expr: Any = None
     """Peak memory as a sympy expression of the per-rank batch size ``b``."""
+    first_step_peak_bytes: int | None = None
+    """Peak of the first step, before the optimizer's first ``step()`` allocates its state."""
+    peak_by_category: tuple[tuple[str, int], ...] = ()
+    """The peak's bytes by category (parameters, optimizer state, gradients, gathered
+    parameters, communication buffers, activations, ...; ``cost_models.timeline.Category``)."""
+    memory_timeline: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    """Predicted live bytes by category at every time point of a steady-state step
+    (``cost_models.timeline.MemoryPoint``); not saved with the plan."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["step_time_expr"] = str(self.step_time_expr)
         out["peak_memory_expr"] = str(self.peak_memory_expr)
+        out["peak_by_category"] = dict(self.peak_by_category)
+        del out["memory_timeline"]
         return out
+
+    def breakdown(self) -> str:
+        """The peak's categories, largest first, e.g. 'activations 40.0 MiB, parameters ...'."""
+        parts = sorted(((b, c) for c, b in self.peak_by_category if b), reverse=True)
+        return ", ".join(f"{c} {format_bytes(b)}" for b, c in parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +447,10 @@ class Plan:
                 f"{pr.comm_s * 1e3:.2f}, optimizer {pr.optim_s * 1e3:.2f}); peak memory "
                 f"{format_bytes(pr.peak_memory_bytes)} at {pr.peak_at}"
             )
+            if pr.peak_by_category:
+                first = (f"; first step {format_bytes(pr.first_step_peak_bytes)} (before the "
+                         "optimizer state exists)" if pr.first_step_peak_bytes is not None else "")
+                lines.append(f"peak memory by category: {pr.breakdown()}{first}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -52,6 +52,7 @@ of lines in ``b``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -106,6 +107,53 @@ class ParamState:
         return self.reduce_element_size or self.element_size
 
 
+class Category(str, enum.Enum):
+    """What a predicted byte is, for the breakdown of the peak and the memory plot."""
+
+    PARAMETERS = "parameters"
+    """This rank's parameters: shards, or full replicated tensors."""
+    OPTIMIZER_STATE = "optimizer state"
+    """The optimizer's per-parameter state (Adam: two fp32 tensors per element)."""
+    GRADIENTS = "gradients"
+    """Parameter gradients: full before a reduce-scatter, shards after, full when replicated."""
+    GATHERED = "gathered parameters"
+    """All-gathered (or cast) copies of sharded parameters while they are in use."""
+    COMMUNICATION = "communication buffers"
+    """Flat buffers of bucketed collectives and gradients held by reduce-scatters in flight."""
+    ACTIVATIONS = "activations"
+    """Operator outputs until their last use, and what autograd saves for backward."""
+    ACTIVATION_GRADIENTS = "activation gradients"
+    """Gradients flowing backward through activations."""
+    TEMPORARIES = "operator temporaries"
+    """Scratch memory inside one operator's forward or backward."""
+    OPTIMIZER_TEMPORARIES = "optimizer temporaries"
+    """Scratch memory of the optimizer step."""
+    INPUTS = "inputs"
+    """The step's input tensors, alive for the whole step."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_CATEGORIES = tuple(Category)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPoint:
+    """Predicted live bytes by category at one time point of the step."""
+
+    t: float
+    """Time point (forward of node i: i; its backward: 2N - 1 - i; see module docstring)."""
+    where: str
+    """What happens then, e.g. 'backward of linear_3'."""
+    bytes_by_category: tuple[tuple[str, int], ...]
+    """(category, bytes) for every category, in ``Category`` order."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b for _, b in self.bytes_by_category)
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPrediction:
     """Predicted memory of one steady-state training step on one rank."""
@@ -120,6 +168,13 @@ class MemoryPrediction:
     """Peak as a function of the per-rank batch size ``BATCH``."""
     profiled_batch: int
     """Per-rank batch size the graph was profiled at."""
+    first_step_peak_bytes: int = 0
+    """Peak of the first step, before the optimizer has allocated its state (its first
+    ``step()`` does, after backward)."""
+    peak_by_category: tuple[tuple[str, int], ...] = ()
+    """The peak's bytes by ``Category``, in ``Category`` order."""
+    timeline: tuple[MemoryPoint, ...] = ()
+    """Live bytes by category at every time point of a steady-state step."""
 
     def peak_bytes_at(self, batch: int) -> int:
         """Predicted peak at another per-rank batch size."""
@@ -192,30 +247,35 @@ def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts
 
 
 class _Timeline:
-    """Allocation events on integer time points; each amount is (batch-scaled, fixed) bytes."""
+    """Allocation events on time points; each amount is (batch-scaled, fixed) bytes of one
+    category."""
 
     def __init__(self) -> None:
-        self.allocs: dict[float, list[tuple[int, int]]] = defaultdict(list)
-        self.frees: dict[float, list[tuple[int, int]]] = defaultdict(list)
+        self.allocs: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
+        self.frees: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
 
-    def alive(self, start: float, end: float, nbytes: int, *, scaled: bool) -> None:
-        """``nbytes`` allocated at ``start`` and freed after ``end`` (``end >= start``)."""
+    def alive(self, start: float, end: float, nbytes: int, category: Category, *,
+              scaled: bool) -> None:
+        """``nbytes`` of ``category`` allocated at ``start`` and freed after ``end``."""
         if nbytes <= 0:
             return
-        amount = (nbytes, 0) if scaled else (0, nbytes)
+        amount = (category, nbytes, 0) if scaled else (category, 0, nbytes)
         self.allocs[start].append(amount)
         self.frees[max(start, end)].append(amount)
 
-    def sweep(self, base: int) -> list[tuple[float, int, int]]:
-        """(time, scaled, fixed) live totals after each time point's allocations."""
+    def sweep(self, base: Mapping[Category, int]) -> list[tuple[float, dict[Category, tuple[int, int]]]]:
+        """(time, {category: (scaled, fixed)}) live totals after each time point's
+        allocations, starting from ``base`` fixed bytes per category."""
+        live = {c: [0, base.get(c, 0)] for c in _CATEGORIES}
         points = []
-        scaled, fixed = 0, base
         for t in sorted(set(self.allocs) | set(self.frees)):
-            for s, f in self.allocs.get(t, ()):
-                scaled, fixed = scaled + s, fixed + f
-            points.append((t, scaled, fixed))
-            for s, f in self.frees.get(t, ()):
-                scaled, fixed = scaled - s, fixed - f
+            for c, sc, fx_ in self.allocs.get(t, ()):
+                live[c][0] += sc
+                live[c][1] += fx_
+            points.append((t, {c: (v[0], v[1]) for c, v in live.items()}))
+            for c, sc, fx_ in self.frees.get(t, ()):
+                live[c][0] -= sc
+                live[c][1] -= fx_
         return points
 
 
@@ -259,13 +319,13 @@ def predict_step_memory(
             continue
         last_use = max((pos[u] if u.op != "output" else grad_sync for u in users), default=pos[r])
         end = bwd(min(pos[s] for s in savers[r])) if savers.get(r) else last_use
-        tl.alive(pos[r], max(end, last_use), prof[r].output_bytes, scaled=True)
+        tl.alive(pos[r], max(end, last_use), prof[r].output_bytes, Category.ACTIVATIONS, scaled=True)
     for j in nodes:
         p = prof[j]
         internal = p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes
-        tl.alive(pos[j], bwd(pos[j]), internal, scaled=True)
-        tl.alive(pos[j], pos[j], p.fwd_transient_bytes, scaled=True)
-        tl.alive(bwd(pos[j]), bwd(pos[j]), p.bwd_transient_bytes, scaled=True)
+        tl.alive(pos[j], bwd(pos[j]), internal, Category.ACTIVATIONS, scaled=True)
+        tl.alive(pos[j], pos[j], p.fwd_transient_bytes, Category.TEMPORARIES, scaled=True)
+        tl.alive(bwd(pos[j]), bwd(pos[j]), p.bwd_transient_bytes, Category.TEMPORARIES, scaled=True)
 
     # Gradients of activations: from the backward of the last user of the storage (of the node
     # or of a view of it: the views' gradients are views of one gradient buffer, made by the
@@ -277,10 +337,15 @@ def predict_step_memory(
                       if u.op != "output" and requires_grad[u] and facts.root[u] is not n]
         if grad_users:
             tl.alive(bwd(max(pos[u] for u in grad_users)), bwd(pos[n]), prof[n].output_bytes,
-                     scaled=True)
+                     Category.ACTIVATION_GRADIENTS, scaled=True)
+
+    # The step's inputs: held by the caller for the whole step.
+    for n in nodes:
+        if n.op == "placeholder":
+            tl.alive(0, optim_t, prof[n].output_bytes, Category.INPUTS, scaled=True)
 
     # Parameters: gathered copies and gradients.
-    base = 0
+    base = {Category.PARAMETERS: 0, Category.OPTIMIZER_STATE: 0}
     local_bytes: list[int] = []
     replicated_ready: dict[str, float] = {}  # when each replicated gradient is complete
     uses_of = {node: facts.param_uses(node) for node in param_of}
@@ -315,9 +380,9 @@ def predict_step_memory(
         staged = (state.strategy == HIERARCHICAL and ranks_per_node is not None
                   and 1 < ranks_per_node and nodes_in_mesh > 1)
         block = gathered // ranks_per_node if staged and ranks_per_node else 0
-        base += local
+        base[Category.PARAMETERS] += local
         if state.trainable:
-            base += optimizer_state_bytes(local_numel, optimizer=optimizer)
+            base[Category.OPTIMIZER_STATE] += optimizer_state_bytes(local_numel, optimizer=optimizer)
             local_bytes.append(local)
         uses = uses_of[node]
         if not uses:
@@ -330,26 +395,34 @@ def predict_step_memory(
             # before the use, when it is waited for; its first stage's block is alive from its
             # start.
             wait = min(pos[u] for u in uses) - 0.25 if block else gather_at[node]
-            tl.alive(min(gather_at[node], wait), wait, block, scaled=False)
-            tl.alive(wait, last, gathered, scaled=False)
+            tl.alive(min(gather_at[node], wait), wait, block, Category.COMMUNICATION, scaled=False)
+            tl.alive(wait, last, gathered, Category.GATHERED, scaled=False)
             for j in saved_by:
                 start = regather_at.get((node, j), bwd(pos[j]))
                 wait = bwd(pos[j]) - 0.25 if block else start
-                tl.alive(min(start, wait), wait, block, scaled=False)
-                tl.alive(wait, bwd(pos[j]), gathered, scaled=False)
+                tl.alive(min(start, wait), wait, block, Category.COMMUNICATION, scaled=False)
+                tl.alive(wait, bwd(pos[j]), gathered, Category.GATHERED, scaled=False)
         elif state.strategy == SHARD_GRAD_OP:
-            tl.alive(gather_at[node], kept_until, gathered, scaled=False)
+            tl.alive(gather_at[node], kept_until, gathered, Category.GATHERED, scaled=False)
         elif state.compute_size != state.element_size:  # replicate: the cast copy
             tl.alive(min(pos[u] for u in uses), kept_until, state.numel * state.compute_size,
-                     scaled=False)
+                     Category.GATHERED, scaled=False)
         if not state.trainable:
             continue
         grad_uses = [u for u in uses if requires_grad[u]]
         if not grad_uses:
             continue
         grad_start, grad_done = bwd(max(pos[u] for u in grad_uses)), bwd(min(pos[u] for u in grad_uses))
+        # A parameter read by several operators (tied weights) gets its gradient summed out of
+        # place (autograd's input buffer): the backward of every use but the first to run
+        # allocates its contribution and the sum while the gradient so far is alive.
+        grad_bytes = full if state.strategy == REPLICATE else state.numel * state.compute_size
+        for u in grad_uses:
+            if bwd(pos[u]) != grad_start:
+                tl.alive(bwd(pos[u]), bwd(pos[u]), 2 * grad_bytes, Category.GRADIENTS,
+                         scaled=False)
         if state.strategy == REPLICATE:
-            tl.alive(grad_start, optim_t, full, scaled=False)
+            tl.alive(grad_start, optim_t, full, Category.GRADIENTS, scaled=False)
             replicated_ready[name] = grad_done + 0.5
         else:
             held = padded // state.element_size * state.reduce_size
@@ -362,7 +435,7 @@ def predict_step_memory(
                      sum(gathered_param_bytes(params[param_of[n]].numel,
                                               element_size=params[param_of[n]].compute_size,
                                               world_size=world_size) for n in bucket),
-                     scaled=False)
+                     Category.COMMUNICATION, scaled=False)
         grads = bucket_grads.get(i)
         if not grads:
             continue
@@ -375,35 +448,57 @@ def predict_step_memory(
             scatters.append((scatter, grads[0][0], held, held_block))
         else:
             for start, _, grad, *_ in grads:
-                tl.alive(start, scatter, grad, scaled=False)
+                tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False)
             scatters.append((scatter, scatter, held, held_block))
         for *_, shard, _ in grads:
-            tl.alive(scatter, optim_t, shard, scaled=False)
+            tl.alive(scatter, optim_t, shard, Category.GRADIENTS, scaled=False)
     # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
     # the rest complete at the end of backward.
     scatters.sort()
     for i, (launch, since, held, held_block) in enumerate(scatters):
         later = i + reduce_scatters_in_flight
         done = scatters[later][0] if later < len(scatters) else grad_sync
-        tl.alive(since, done, held, scaled=False)
-        tl.alive(launch, done, held_block, scaled=False)
+        if since < launch:  # the gradient itself, handed to the reduce-scatter at its launch
+            tl.alive(since, launch - 0.125, held, Category.GRADIENTS, scaled=False)
+        tl.alive(launch, done, held, Category.COMMUNICATION, scaled=False)
+        tl.alive(launch, done, held_block, Category.COMMUNICATION, scaled=False)
 
     if world_size > 1:
         _replicated_buckets(tl, params, replicated_ready, bucket_bytes=bucket_bytes,
                             in_flight=reduce_scatters_in_flight, end=grad_sync)
     if OPTIMIZER_STATES[optimizer] == 2 and local_bytes:
-        tl.alive(optim_t, optim_t, 2 * max(local_bytes), scaled=False)
+        tl.alive(optim_t, optim_t, 2 * max(local_bytes), Category.OPTIMIZER_TEMPORARIES,
+                 scaled=False)
 
-    points = tl.sweep(base)
     batch = batch_size or profiled_batch
-    t_peak, s_peak, f_peak = max(
-        points, key=lambda p: (p[1] * batch // profiled_batch + p[2], -p[0]))
+    steady = tl.sweep(base)
+    # The first step: the optimizer allocates its state in its first step() (torch.optim's
+    # lazy ``_init_group``), after backward, while the gradients are alive.
+    tl.alive(optim_t, optim_t + 1, base[Category.OPTIMIZER_STATE], Category.OPTIMIZER_STATE,
+             scaled=False)
+    first = tl.sweep({Category.PARAMETERS: base[Category.PARAMETERS]})
+
+    def total(point: tuple[float, dict[Category, tuple[int, int]]]) -> int:
+        return sum(sc * batch // profiled_batch + fx_ for sc, fx_ in point[1].values())
+
+    # the earliest of equal peaks
+    t_peak, at_peak = max(steady, key=lambda p: (total(p), -p[0]))
+    lines = [(sum(sc for sc, _ in by.values()), sum(fx_ for _, fx_ in by.values()))
+             for _, by in steady]
     return MemoryPrediction(
-        peak_bytes=s_peak * batch // profiled_batch + f_peak,
+        peak_bytes=total((t_peak, at_peak)),
         peak_at=_describe_time(t_peak, nodes),
-        persistent_bytes=base,
-        peak_bytes_expr=_envelope(points, profiled_batch),
+        persistent_bytes=sum(base.values()),
+        peak_bytes_expr=_envelope(lines, profiled_batch),
         profiled_batch=profiled_batch,
+        first_step_peak_bytes=max(total(p) for p in first),
+        peak_by_category=tuple((str(c), sc * batch // profiled_batch + fx_)
+                               for c, (sc, fx_) in at_peak.items()),
+        timeline=tuple(
+            MemoryPoint(t, _describe_time(t, nodes) if t <= optim_t else "after the step",
+                        tuple((str(c), sc * batch // profiled_batch + fx_)
+                              for c, (sc, fx_) in by.items()))
+            for t, by in steady),
     )
 
 
@@ -427,7 +522,7 @@ def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],
             starts.append((at, flat))
     for i, (at, flat) in enumerate(starts):
         later = i + in_flight
-        tl.alive(at, starts[later][0] if later < len(starts) else end, flat, scaled=False)
+        tl.alive(at, starts[later][0] if later < len(starts) else end, flat, Category.COMMUNICATION, scaled=False)
 
 
 def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
@@ -480,11 +575,11 @@ def _describe_time(t: float, nodes: list[fx.Node]) -> str:
     return "gradient all-reduce" if t == 2 * n else "optimizer step"
 
 
-def _envelope(points: list[tuple[float, int, int]], profiled_batch: int) -> sympy.Expr:
+def _envelope(points: list[tuple[int, int]], profiled_batch: int) -> sympy.Expr:
     """``Max`` over time points of ``scaled * b / profiled_batch + fixed`` for batch sizes b >= 1,
     keeping only the lines on the upper envelope (an upper convex hull over the slopes)."""
     best: dict[int, int] = {}
-    for _, s, f in points:  # for equal slopes only the highest intercept matters
+    for s, f in points:  # for equal slopes only the highest intercept matters
         best[s] = max(best.get(s, f), f)
     hull: list[tuple[int, int]] = []  # lines by increasing slope, each maximal somewhere on b >= 1
 

@@ -483,7 +483,9 @@ class _NodeProfiler(fx.Interpreter):
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved.setdefault(_storage_key(t), t.untyped_storage().nbytes())
-            return t
+            # Detached: an op that saves its own output would otherwise hold it through its
+            # grad_fn, a C++ reference cycle that retain_graph keeps alive for good.
+            return t.detach()
 
         fwd_tracker = self._tracker()
         with FlopCounterMode(display=False) as fwd_counter, fwd_tracker:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,7 +62,16 @@ class GradReducer:
         self.buckets = [[order[i] for i in b] for b in plan_buckets(
             [(p.dtype, p.numel() * p.element_size()) for p in order], bucket_bytes)]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        # The hooks live on the parameters (in C++, out of the garbage collector's sight): they
+        # must not hold the reducer, which holds the parameters, or neither is ever freed.
+        this = weakref.ref(self)
+
+        def on_grad(param: torch.Tensor) -> None:
+            reducer = this()
+            if reducer is not None:
+                reducer._on_grad(param)
+
+        self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
         self.new_step()
 
     def new_step(self) -> None:

@@ -1,0 +1,132 @@
+"""The memory promise, measured as a user measures it (an independent storage tracker, from the
+first step, no ``gc.collect()`` for the user): cases run on every rank of a test world."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from osdp_fx import Devices, compile_osdp
+from osdp_fx.examples import GPTWithLoss, TinyGPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from storage_tracker import StorageTracker, dense_tensors, held_tensors  # noqa: E402
+
+VOCAB = 512
+
+
+class HFCausalLMLoss(nn.Module):
+    """A Hugging Face causal LM called with ``labels``: its forward returns the model's own loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, labels=idx).loss
+
+
+def build(model: str, *, device: str = "cpu") -> nn.Module:
+    """'gpt': the traced GPT of compare.py, smaller; 'llama' and 'gpt2': Hugging Face models
+    (captured by torch.export)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        if model == "gpt":
+            return GPTWithLoss(TinyGPT(vocab=VOCAB, dim=256, depth=2, heads=4, max_seq=64))
+        if model == "llama":
+            from transformers import LlamaConfig, LlamaForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                              max_position_embeddings=64)
+            return HFCausalLMLoss(LlamaForCausalLM(cfg))
+        if model == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=64,
+                             use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            return HFCausalLMLoss(GPT2LMHeadModel(cfg))
+    raise ValueError(model)
+
+
+def batch(rank: int, *, seq: int = 64, size: int = 4) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(0, VOCAB, (size, seq), generator=gen)
+
+
+def _stray_tensors(compiled: nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[str]:
+    """Tensors the process holds that are none of the compiled module's parameters, buffers
+    (or their gradients) and the user's inputs."""
+    own = {t.untyped_storage()._cdata for t in (*compiled.parameters(), *compiled.buffers(),
+                                                  *inputs)}
+    return sorted({f"{tuple(d.shape)} {d.dtype} {d.untyped_storage().nbytes()} B"
+                   for t in held_tensors() for d in dense_tensors(t)
+                   if d.untyped_storage().nbytes() and d.untyped_storage()._cdata not in own})
+
+
+def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
+                      limit: int | None = None, steps: int = 5, optimizer: str = "adamw",
+                      on_meta: bool = False, **options: Any) -> dict[str, Any]:
+    """Compile with the cyclic collector off (so cycles left by compile stay visible), then
+    train ``steps`` steps, each measured from its start by a fresh :class:`StorageTracker`.
+
+    Returns the predictions, the tracker's (start, peak) bytes per step, the bytes of tensors
+    that compile left in reference cycles, and the tensors held besides the compiled module's.
+    """
+    gc.collect()  # what earlier cases in this process left, so that it is not counted here
+    net = build(model, device="meta" if on_meta else "cpu")
+    if options.get("init_fn") == "hf":  # a Hugging Face model's own initialisation
+        options["init_fn"] = net.model._init_weights
+    x = batch(rank)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        compiled = compile_osdp(net, (x,), Devices(world_size=world), plan=plan,
+                                memory_limit=limit, optimizer=optimizer, **options)
+        del net
+        stray = _stray_tensors(compiled, (x,))
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cycles = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                  for t in gc.garbage if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        garbage = len(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
+    opt = opt_class(compiled.parameters(), lr=1e-3)
+    measured = []
+    for _ in range(steps):
+        tracker = StorageTracker()
+        with tracker:
+            loss = compiled(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            del loss
+        measured.append((tracker.start_bytes, tracker.peak_bytes))
+    pr = compiled.plan.prediction
+    assert pr is not None
+    return {"first_step": pr.first_step_peak_bytes, "steady": pr.peak_memory_bytes,
+            "breakdown": pr.breakdown(), "peak_at": pr.peak_at, "limit": limit,
+            "counts": compiled.plan.counts(), "measured": measured,
+            "cycle_bytes": sum(cycles.values()), "garbage_objects": garbage, "stray": stray}
+
+
+def split_plan_file(path: str) -> str:
+    """A plan that splits the GPT's first MLP weight in 4, sharded part by part."""
+    with open(path, "w") as f:
+        json.dump({"format": "osdp-fx-plan", "version": 1,
+                   "splits": {"model.blocks.0.fc.weight": 4}, "default": "full_shard",
+                   "params": {}}, f)
+    return path
