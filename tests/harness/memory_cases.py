@@ -62,11 +62,16 @@ def batch(rank: int, *, seq: int = 64, size: int = 4) -> torch.Tensor:
     return torch.randint(0, VOCAB, (size, seq), generator=gen)
 
 
-def _stray_tensors(compiled: nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[str]:
-    """Tensors the process holds that are none of the compiled module's parameters, buffers
-    (or their gradients) and the user's inputs."""
-    own = {t.untyped_storage()._cdata for t in (*compiled.parameters(), *compiled.buffers(),
-                                                  *inputs)}
+def _held_storages() -> set[int]:
+    return {d.untyped_storage()._cdata for t in held_tensors() for d in dense_tensors(t)}
+
+
+def _stray_tensors(compiled: nn.Module, inputs: tuple[torch.Tensor, ...],
+                   before: set[int]) -> list[str]:
+    """Tensors the process holds that it did not hold ``before`` compiling and that are none of
+    the compiled module's parameters and buffers and the user's inputs."""
+    own = before | {t.untyped_storage()._cdata for t in (*compiled.parameters(),
+                                                         *compiled.buffers(), *inputs)}
     return sorted({f"{tuple(d.shape)} {d.dtype} {d.untyped_storage().nbytes()} B"
                    for t in held_tensors() for d in dense_tensors(t)
                    if d.untyped_storage().nbytes() and d.untyped_storage()._cdata not in own})
@@ -88,11 +93,12 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
     x = batch(rank)
     enabled = gc.isenabled()
     gc.disable()
+    before = _held_storages() - {p.untyped_storage()._cdata for p in net.parameters()}
     try:
         compiled = compile_osdp(net, (x,), Devices(world_size=world), plan=plan,
                                 memory_limit=limit, optimizer=optimizer, **options)
         del net
-        stray = _stray_tensors(compiled, (x,))
+        stray = _stray_tensors(compiled, (x,), before)
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         cycles = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
