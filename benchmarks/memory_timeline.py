@@ -30,22 +30,13 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from osdp_fx import Devices, compile_osdp  # noqa: E402
-from osdp_fx.examples import GPTWithLoss, TinyGPT  # noqa: E402
+from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.plotting import phase_positions, plot_memory_timeline  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
 from osdp_fx.units import format_bytes, parse_bytes  # noqa: E402
 from storage_tracker import StorageTracker  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-
-
-class _HFLoss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, labels=idx).loss
 
 
 def build(model: str) -> tuple[nn.Module, int, int]:
@@ -59,7 +50,7 @@ def build(model: str) -> tuple[nn.Module, int, int]:
         cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
                           max_position_embeddings=64)
-        return _HFLoss(LlamaForCausalLM(cfg)), 2048, 64
+        return HFCausalLMWithLoss(LlamaForCausalLM(cfg)), 2048, 64
     raise ValueError(f"unknown model {model!r}: gpt or llama")
 
 

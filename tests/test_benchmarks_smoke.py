@@ -64,3 +64,20 @@ def test_paper_setting_searched_plan_is_at_least_as_fast_as_fsdp() -> None:
     assert searched["peak_bytes"] <= paper_setting.PAPER_DEVICES.memory_bytes
     # full_shard at every batch size is among the options the search weighs
     assert searched["samples_per_s"] >= fsdp["samples_per_s"] * (1 - 1e-9)
+
+
+def test_memory_timeline_measures_and_draws_every_plan(tmp_path: Path) -> None:
+    """benchmarks/memory_timeline.py on one plan: the table's figures, a plot per plan."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import memory_timeline
+
+    rows = memory_timeline.main(["--plans", "full_shard,searched", "--limit", "150MiB",
+                                 "--steps", "2", "--out-dir", str(tmp_path)])
+    assert [r["plan"] for r in rows] == ["full_shard", "searched @ 150.0 MiB"]
+    for r in rows:
+        # the tracker and the prediction are independent: agreement is a measurement
+        assert abs(r["steady_measured"] / r["steady_predicted"] - 1) <= 0.05, r
+        assert abs(r["first_measured"] / r["first_predicted"] - 1) <= 0.05, r
+        assert Path(r["plot"]).read_bytes()[:4] == b"\x89PNG"
+    assert rows[1]["steady_measured"] <= 150 * 2**20
+    assert "| full_shard |" in (tmp_path / "memory-timeline-gpt.md").read_text()

@@ -13,23 +13,12 @@ import torch
 from torch import nn
 
 from osdp_fx import Devices, compile_osdp
-from osdp_fx.examples import GPTWithLoss, TinyGPT
+from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from storage_tracker import StorageTracker, dense_tensors, held_tensors  # noqa: E402
 
 VOCAB = 512
-
-
-class HFCausalLMLoss(nn.Module):
-    """A Hugging Face causal LM called with ``labels``: its forward returns the model's own loss."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, labels=idx).loss
 
 
 def build(model: str, *, device: str = "cpu") -> nn.Module:
@@ -47,13 +36,13 @@ def build(model: str, *, device: str = "cpu") -> nn.Module:
             cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                               max_position_embeddings=64)
-            return HFCausalLMLoss(LlamaForCausalLM(cfg))
+            return HFCausalLMWithLoss(LlamaForCausalLM(cfg))
         if model == "gpt2":
             from transformers import GPT2Config, GPT2LMHeadModel
 
             cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=64,
                              use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-            return HFCausalLMLoss(GPT2LMHeadModel(cfg))
+            return HFCausalLMWithLoss(GPT2LMHeadModel(cfg))
     raise ValueError(model)
 
 
