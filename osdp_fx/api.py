@@ -37,7 +37,7 @@ from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import ShardLayout, init_mesh, ranks_per_node_for, shard_layout
-from .runtime.params import _gather_full, reduce_scatters, step_context
+from .runtime.params import GradReduceScatters, _gather_full, module_scope
 from .runtime.reducer import GradReducer
 from .units import parse_bytes
 
@@ -248,14 +248,13 @@ class OSDPModule(nn.Module):
             if p.strategy == REPLICATE and not p.note
         ]
         self._reducer = GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype)
+        self._scatters = GradReduceScatters()
 
     # ---- running ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reducer.new_step()
-        reduce_scatters.reset()
-        if not self._regathers:
-            return self._gm(*args, **kwargs)
-        with step_context(self._plan.prefetch):
+        self._scatters.reset()
+        with module_scope(self._scatters, regather=self._regathers, prefetch=self._plan.prefetch):
             return self._gm(*args, **kwargs)
 
     def train(self, mode: bool = True) -> OSDPModule:

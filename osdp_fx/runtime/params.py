@@ -134,21 +134,48 @@ class StepContext:
 _local = threading.local()
 
 
-def _active() -> StepContext | None:
+@dataclasses.dataclass
+class _Scope:
+    """The runtime state of one compiled module's forward: its reduce-scatter queue and, for
+    plans that free parameters after forward, the step context that re-gathers them."""
+
+    scatters: GradReduceScatters
+    step: StepContext | None
+
+
+def _scope() -> _Scope | None:
     stack = getattr(_local, "stack", None)
     return stack[-1] if stack else None
 
 
+def _active() -> StepContext | None:
+    scope = _scope()
+    return scope.step if scope is not None else None
+
+
+def _scatters() -> GradReduceScatters:
+    """The reduce-scatter queue of the compiled module running this forward (a bare call of a
+    graph module gets a queue of its own)."""
+    scope = _scope()
+    return scope.scatters if scope is not None else GradReduceScatters()
+
+
 @contextlib.contextmanager
-def step_context(prefetch: int = 1) -> Iterator[StepContext]:
-    """Run a forward with re-gathering of freed full_shard parameters in backward, ``prefetch``
-    parameters ahead."""
-    ctx = StepContext(prefetch)
+def module_scope(scatters: GradReduceScatters, *, regather: bool,
+                 prefetch: int = 1) -> Iterator[StepContext | None]:
+    """Run one compiled module's forward: its gathers' gradients go to ``scatters`` (the
+    module's own queue, so two compiled models whose forwards and backwards interleave keep
+    their collectives apart); with ``regather``, freed parameters are re-gathered in backward,
+    ``prefetch`` parameters ahead."""
+    step = StepContext(prefetch) if regather else None
     stack = _local.__dict__.setdefault("stack", [])
-    stack.append(ctx)
+    stack.append(_Scope(scatters, step))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(ctx.pack, ctx.unpack):
-            yield ctx
+        if step is None:
+            yield None
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
+                yield step
     finally:
         stack.pop()
 
@@ -233,10 +260,6 @@ class GradReduceScatters:
         self._in_flight.clear()
 
 
-reduce_scatters = GradReduceScatters()
-"""The process's reduce-scatter queue (backward runs on one thread per device)."""
-
-
 class _AllGatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, shape: tuple[int, ...], group: str,
@@ -245,14 +268,15 @@ class _AllGatherParam(torch.autograd.Function):
         ctx.group, ctx.reduce_dtype = group, reduce_dtype
         ctx.padded_numel = shard.numel() * shard_chunks(group)
         ctx.shard = shard  # the leaf itself: saved_tensors would give a new tensor object
+        ctx.scatters = _scatters()
         return _gather_full(shard, shape, group, pending, dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, ...]:
         # The shard's gradient is not returned to autograd: the asynchronous reduce-scatter
         # accumulates it into ``shard.grad`` itself (by the end of backward).
-        reduce_scatters.start(ctx.shard, grad_full, ctx.group, ctx.padded_numel,
-                              ctx.reduce_dtype)
+        ctx.scatters.start(ctx.shard, grad_full, ctx.group, ctx.padded_numel,
+                           ctx.reduce_dtype)
         return None, None, None, None, None, None
 
 
@@ -343,6 +367,7 @@ class _AllGatherParams(torch.autograd.Function):
                 pending: Pending | None, dtype: torch.dtype | None,
                 reduce_dtype: torch.dtype | None, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.reduce_dtype, ctx.shards = group, reduce_dtype, shards
+        ctx.scatters = _scatters()
         flat = (pending or _start_params(shards, group, dtype)).wait()
         return _split_gathered(flat, shard_chunks(group), shards, shapes)
 
@@ -365,7 +390,7 @@ class _AllGatherParams(torch.autograd.Function):
                     flat[rows, offset:offset + g.numel() - rows * c].copy_(g[rows * c:])
             offset += c
         flat = flat.view(-1)
-        reduce_scatters.start_flat(list(ctx.shards), flat, ctx.group)
+        ctx.scatters.start_flat(list(ctx.shards), flat, ctx.group)
         return (None,) * (5 + len(ctx.shards))
 
 
