@@ -1,0 +1,29 @@
+"""A plan searched for the same model, inputs and Devices stays the same: its hash is pinned.
+
+The hash covers every decision that must agree across ranks (strategies, shapes, splits, world,
+mesh, prefetch). Restructuring the code must not change it; a change of the cost models that
+does is a deliberate one, and this test's pinned value changes with it in the same commit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from osdp_fx import Devices
+from osdp_fx.capture import capture
+from osdp_fx.examples import GPTWithLoss, TinyGPT
+from osdp_fx.planner import make_plan
+
+LIMIT = 2202009  # bytes: between the all-full_shard and all-replicate peaks of this model
+
+
+def test_searched_plan_hash_is_pinned():
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=64, depth=2, heads=4, max_seq=32))
+    x = torch.randint(0, 256, (4, 32))
+    plan, _ = make_plan(capture(model, (x,)), (x,), plan=None,
+                        devices=Devices(world_size=4, memory_bytes=LIMIT),
+                        memory_limit_bytes=LIMIT, optimizer="adamw", fake=True)
+    assert plan.counts() == {"replicate": 21, "shard_grad_op": 2, "full_shard": 5,
+                             "hybrid_shard": 0, "hierarchical": 0}
+    assert plan.hash() == "444275f3306309f7"
