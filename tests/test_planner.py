@@ -5,6 +5,7 @@ when memory is tight), never offers either on one node, and the plan table shows
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.plan import MESH_STRATEGIES, build_plan, resolve_plan
 from osdp_fx.planner import (
+    MEMORY_MARGIN,
     make_plan,
     param_specs,
     predict,
@@ -142,7 +144,9 @@ def test_search_picks_hierarchical_when_memory_is_tight(two_nodes):
     peaks = {s: uniform(analysis, captured, TWO_NODES, s).peak_memory_bytes
              for s in ("hybrid_shard", "hierarchical")}
     assert peaks["hierarchical"] < peaks["hybrid_shard"]
-    tight = dataclasses.replace(TWO_NODES, memory_bytes=sum(peaks.values()) // 2)
+    # the search plans for (1 - MEMORY_MARGIN) of the limit: that is halfway between the two
+    tight = dataclasses.replace(
+        TWO_NODES, memory_bytes=math.ceil(sum(peaks.values()) / 2 / (1 - MEMORY_MARGIN)))
     plan = uniform(analysis, captured, tight, search(analysis, tight))
     assert plan.peak_memory_bytes <= tight.memory_bytes
     assert plan.counts()["hierarchical"] > 0, plan
