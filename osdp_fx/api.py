@@ -245,7 +245,7 @@ class OSDPModule(nn.Module):
         self._groups = list(dict.fromkeys(captured.alias_to_name.values()))
         replicated = [
             gm.get_parameter(p.name) for p in plan.params
-            if p.strategy == REPLICATE and not p.note
+            if p.strategy == REPLICATE and p.trainable
         ]
         self._reducer = GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype)
         self._scatters = GradReduceScatters()

@@ -46,18 +46,20 @@ from tabulate import tabulate
 from .errors import PlanError
 from .units import format_bytes
 
-REPLICATE = "replicate"
-SHARD_GRAD_OP = "shard_grad_op"
-FULL_SHARD = "full_shard"
-HYBRID_SHARD = "hybrid_shard"
-HIERARCHICAL = "hierarchical"
-STRATEGIES = (REPLICATE, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HIERARCHICAL)
-SHARDED = (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HIERARCHICAL)
-MESH_STRATEGIES = (HYBRID_SHARD, HIERARCHICAL)
-"""Strategies whose collectives use the nodes x ranks_per_node mesh (equal to full_shard on one
-node)."""
-FREED_AFTER_FORWARD = (FULL_SHARD, HYBRID_SHARD, HIERARCHICAL)
-"""Strategies that free the gathered parameter after its last forward use and re-gather it."""
+from .layout import shard_count  # noqa: F401  (re-exported)
+from .strategies import (  # noqa: F401  (re-exported: the plan's vocabulary)
+    FREED_AFTER_FORWARD,
+    FULL_SHARD,
+    HIERARCHICAL,
+    HYBRID_SHARD,
+    MESH_STRATEGIES,
+    REPLICATE,
+    SHARD_GRAD_OP,
+    SHARDED,
+    STRATEGIES,
+    Strategy,
+    traits,
+)
 
 DEFAULT_PREFETCH = 1
 """All-gathers start this many sharded parameters ahead of their use, unless a plan says."""
@@ -98,6 +100,9 @@ class ParamPlan:
     regathered: bool = True
     """Strategies that free after forward (FREED_AFTER_FORWARD) only: whether backward re-gathers
     the parameter (some operator saved it for backward; known once the model is profiled)."""
+    trainable: bool = True
+    """Whether it gets a gradient (False for frozen and non-float parameters, which stay
+    replicated; ``note`` says which). Not saved: a plan is resolved against the model."""
 
     @property
     def numel(self) -> int:
@@ -123,19 +128,9 @@ class ParamPlan:
         return collective_stages(
             self.strategy, self.numel, self.element_size, world_size=world_size,
             ranks_per_node=ranks_per_node, regathered=self.regathered,
-            trainable=not (self.strategy == REPLICATE and self.note),
+            trainable=self.trainable,
             gather_element_size=gather_element_size, reduce_element_size=reduce_element_size,
         )
-
-
-def shard_count(strategy: str, world_size: int, ranks_per_node: int | None = None) -> int:
-    """Distinct flat shards a parameter under ``strategy`` is cut into: 1 for replicate, the
-    ranks of one node for hybrid_shard (every node holds them all), else every rank."""
-    if strategy == REPLICATE:
-        return 1
-    if strategy == HYBRID_SHARD:
-        return ranks_per_node or world_size
-    return world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,26 +195,24 @@ def collective_stages(
     nodes = world_size // per_node
     if world_size == 1:
         return [], []
+    t = traits(strategy)
     reduced = reduce_element_size or element_size
-    if strategy == REPLICATE:
+    if not t.sharded:
         return [], ([Stage("all_reduce", numel * reduced, world_size, "world")]
                     if trainable else [])
     chunks = shard_count(strategy, world_size, ranks_per_node)
     padded_numel = -(-numel // chunks) * chunks
     padded, grad = padded_numel * (gather_element_size or element_size), padded_numel * reduced
-    if strategy == HYBRID_SHARD:
-        gather = [Stage("all_gather", padded, per_node, "intra")]
-        scatter = [Stage("reduce_scatter", grad, per_node, "intra"),
-                   Stage("all_reduce", grad // per_node, nodes, "inter")]
-    elif strategy == HIERARCHICAL:
-        gather = [Stage("all_gather", padded // per_node, nodes, "inter"),
-                  Stage("all_gather", padded, per_node, "intra")]
-        scatter = [Stage("reduce_scatter", grad, per_node, "intra"),
-                   Stage("reduce_scatter", grad // per_node, nodes, "inter")]
-    else:
-        gather = [Stage("all_gather", padded, world_size, "world")]
-        scatter = [Stage("reduce_scatter", grad, world_size, "world")]
-    again = gather if strategy in FREED_AFTER_FORWARD and regathered else []
+    ranks = {"world": world_size, "intra": per_node, "inter": nodes}
+
+    def size(nbytes: int, part: str) -> int:
+        return nbytes if part == "full" else nbytes // per_node
+
+    gather = [Stage("all_gather", size(padded, part), ranks[scope], scope)
+              for scope, part in t.gather_stages]
+    scatter = [Stage(collective, size(grad, part), ranks[scope], scope)
+               for collective, scope, part in t.reduce_stages]
+    again = gather if t.freed_after_forward and regathered else []
     return ([s for s in gather if s.ranks > 1],
             [s for s in again + scatter if s.ranks > 1])
 
@@ -322,7 +315,7 @@ class Plan:
 
     def counts(self) -> dict[str, int]:
         """Number of parameter groups per strategy."""
-        out = {s: 0 for s in STRATEGIES}
+        out = {s.value: 0 for s in STRATEGIES}
         for p in self.params:
             out[p.strategy] += 1
         return out
@@ -580,7 +573,7 @@ def build_plan(
             strategy, note = REPLICATE, "frozen" if s.frozen else f"{s.dtype}, not float"
         entries.append(ParamPlan(
             name=s.name, strategy=strategy, shape=s.shape, dtype=s.dtype,
-            element_size=s.element_size, aliases=s.aliases, note=note,
+            element_size=s.element_size, aliases=s.aliases, note=note, trainable=s.trainable,
         ))
     return Plan(params=tuple(entries), world_size=world_size,
                 memory_limit_bytes=memory_limit_bytes, source=source,

@@ -24,11 +24,11 @@ search's business; this module only prices them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
 
 from ..errors import InputError, PlanError
-from ..plan import STRATEGIES, shard_count
-from ..runtime.collectives import shard_numel as runtime_shard_numel
+from ..layout import shard_count
+from ..layout import shard_numel as layout_shard_numel
+from ..strategies import STRATEGIES, Strategy, traits
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -43,8 +43,6 @@ __all__ = [
     "unsharded_grad_bytes",
 ]
 
-Strategy = Literal["replicate", "shard_grad_op", "full_shard", "hybrid_shard", "hierarchical"]
-assert get_args(Strategy) == STRATEGIES, "Strategy must list plan.STRATEGIES"
 
 OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """fp32 tensors of optimizer state per parameter, by optimizer kind."""
@@ -62,7 +60,7 @@ def _check_sizes(numel: int, world_size: int) -> None:
 def shard_numel(numel: int, world_size: int) -> int:
     """Elements of one rank's shard: ``ceil(numel / world_size)`` (the last shard is padded)."""
     _check_sizes(numel, world_size)
-    return runtime_shard_numel(numel, world_size)
+    return layout_shard_numel(numel, world_size)
 
 
 def optimizer_state_bytes(numel: int, *, optimizer: str) -> int:
@@ -114,10 +112,11 @@ def param_memory(
     shard_bytes = shard * element_size
     full_state = optimizer_state_bytes(numel, optimizer=optimizer)
     shard_state = optimizer_state_bytes(shard, optimizer=optimizer)
-    if strategy == "replicate":
+    t = traits(strategy)
+    if not t.sharded:
         return ParamMemory(full_bytes, full_bytes, full_state, 0)
     gathered = gathered_param_bytes(numel, element_size=element_size, world_size=chunks)
-    if strategy == "shard_grad_op":
+    if t.keeps_gathered:
         return ParamMemory(full_bytes, shard_bytes, shard_state, gathered)
     return ParamMemory(shard_bytes, shard_bytes, shard_state, gathered)
 

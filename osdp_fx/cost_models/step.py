@@ -34,11 +34,13 @@ import sympy
 from torch import fx
 
 from ..devices import Devices
-from ..runtime.reducer import DEFAULT_BUCKET_BYTES
+from ..buckets import DEFAULT_BUCKET_BYTES
 from .communication import all_reduce_time_s, collective_time_s, group_link
 from .compute import node_compute_time_s
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from ..plan import FREED_AFTER_FORWARD, REPLICATE, SHARD_GRAD_OP, collective_stages, shard_count
+from ..layout import shard_count
+from ..plan import collective_stages
+from ..strategies import traits
 from .timeline import BATCH, GraphFacts, ParamState, sharded_gather_buckets
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
@@ -119,7 +121,8 @@ def group_cost(
     comm_s = sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
                                    spans_nodes=st.spans_nodes(devices.num_nodes))
                  for st in stages)
-    if state.strategy == REPLICATE and stages:
+    t = traits(state.strategy)
+    if not t.sharded and stages:
         # Replicated gradients share bucketed all-reduces: latency is paid per bucket, not per
         # parameter, so a parameter bears its byte share of it.
         link = group_link(devices, "all_reduce")
@@ -132,10 +135,10 @@ def group_cost(
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
         optim_s = optimizer_time_s(optimizer, local_numel, devices)
-    if state.strategy == SHARD_GRAD_OP:
+    if t.keeps_gathered:
         persistent += padded
         transient = padded
-    elif state.strategy in FREED_AFTER_FORWARD:
+    elif t.freed_after_forward:
         transient = 2 * padded
     elif state.compute_size != state.element_size:  # mixed precision: the cast copy
         persistent += state.numel * state.compute_size

@@ -63,17 +63,10 @@ from torch import fx
 
 from ..errors import InputError
 from ..meta import osdp_meta
-from ..plan import (
-    DEFAULT_PREFETCH,
-    FULL_SHARD,
-    FREED_AFTER_FORWARD,
-    HIERARCHICAL,
-    REPLICATE,
-    SHARD_GRAD_OP,
-    shard_count,
-)
-from ..passes.shard import gather_buckets
-from ..runtime.reducer import DEFAULT_BUCKET_BYTES, plan_buckets
+from ..layout import shard_count
+from ..plan import DEFAULT_PREFETCH
+from ..strategies import traits
+from ..buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, gather_buckets, plan_buckets
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 
 BATCH = sympy.Symbol("b", positive=True, integer=True)
@@ -290,7 +283,7 @@ def predict_step_memory(
     batch_size: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     prefetch: int = DEFAULT_PREFETCH,
-    reduce_scatters_in_flight: int = 2,
+    reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
@@ -349,7 +342,7 @@ def predict_step_memory(
     local_bytes: list[int] = []
     replicated_ready: dict[str, float] = {}  # when each replicated gradient is complete
     uses_of = {node: facts.param_uses(node) for node in param_of}
-    sharded = [node for node in param_of if params[param_of[node]].strategy != REPLICATE
+    sharded = [node for node in param_of if traits(params[param_of[node]].strategy).sharded
                and uses_of[node]]
     buckets = sharded_gather_buckets(facts, params, world_size)
     first_use = {n: min(pos[u] for u in uses_of[n]) for n in sharded}
@@ -362,7 +355,7 @@ def predict_step_memory(
     # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
     bucket_grads: dict[int, list[tuple[float, float, int, int, int, int]]] = defaultdict(list)
     regather_at = _prefetched_regathers(
-        [node for node in sharded if params[param_of[node]].strategy in FREED_AFTER_FORWARD
+        [node for node in sharded if traits(params[param_of[node]].strategy).freed_after_forward
          and savers.get(node)], savers, pos, bwd, prefetch)
     # (launch time, since, bytes held from then until it completes, staged block from launch)
     scatters: list[tuple[float, float, int, int]] = []
@@ -375,9 +368,10 @@ def predict_step_memory(
                                       world_size=chunks)
         gathered = padded // state.element_size * state.compute_size
         local_numel = shard_numel(state.numel, chunks)
-        local = full if state.strategy == REPLICATE else padded // chunks
+        t = traits(state.strategy)
+        local = padded // chunks if t.sharded else full
         # hierarchical: the block of the first stage (1/R of the buffer) while the second runs
-        staged = (state.strategy == HIERARCHICAL and ranks_per_node is not None
+        staged = (len(t.gather_stages) > 1 and ranks_per_node is not None
                   and 1 < ranks_per_node and nodes_in_mesh > 1)
         block = gathered // ranks_per_node if staged and ranks_per_node else 0
         base[Category.PARAMETERS] += local
@@ -390,7 +384,7 @@ def predict_step_memory(
         last = max(pos[u] for u in uses)
         saved_by = savers.get(node, [])
         kept_until = max(bwd(min(pos[j] for j in saved_by)) if saved_by else last, last)
-        if state.strategy in FREED_AFTER_FORWARD:
+        if t.freed_after_forward:
             # A two-stage gather's second stage runs (allocating the buffer) a quarter step
             # before the use, when it is waited for; its first stage's block is alive from its
             # start.
@@ -402,7 +396,7 @@ def predict_step_memory(
                 wait = bwd(pos[j]) - 0.25 if block else start
                 tl.alive(min(start, wait), wait, block, Category.COMMUNICATION, scaled=False)
                 tl.alive(wait, bwd(pos[j]), gathered, Category.GATHERED, scaled=False)
-        elif state.strategy == SHARD_GRAD_OP:
+        elif t.keeps_gathered:
             tl.alive(gather_at[node], kept_until, gathered, Category.GATHERED, scaled=False)
         elif state.compute_size != state.element_size:  # replicate: the cast copy
             tl.alive(min(pos[u] for u in uses), kept_until, state.numel * state.compute_size,
@@ -416,12 +410,12 @@ def predict_step_memory(
         # A parameter read by several operators (tied weights) gets its gradient summed out of
         # place (autograd's input buffer): the backward of every use but the first to run
         # allocates its contribution and the sum while the gradient so far is alive.
-        grad_bytes = full if state.strategy == REPLICATE else state.numel * state.compute_size
+        grad_bytes = state.numel * state.compute_size if t.sharded else full
         for u in grad_uses:
             if bwd(pos[u]) != grad_start:
                 tl.alive(bwd(pos[u]), bwd(pos[u]), 2 * grad_bytes, Category.GRADIENTS,
                          scaled=False)
-        if state.strategy == REPLICATE:
+        if not t.sharded:
             tl.alive(grad_start, optim_t, full, Category.GRADIENTS, scaled=False)
             replicated_ready[name] = grad_done + 0.5
         else:
@@ -508,7 +502,7 @@ def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],
     """The runtime's gradient buckets (``GradReducer``): replicated trainable groups in reverse
     order; a bucket's flat copy is allocated when its last gradient is ready (buckets start in
     order) and freed when the bucket ``in_flight`` later starts, or when backward ends."""
-    order = [n for n, p in params.items() if p.strategy == REPLICATE and p.trainable][::-1]
+    order = [n for n, p in params.items() if not traits(p.strategy).sharded and p.trainable][::-1]
     groups = plan_buckets([(params[n].element_size, params[n].numel * params[n].element_size)
                            for n in order], bucket_bytes)
     starts: list[tuple[float, int]] = []
@@ -531,13 +525,13 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     the runtime issues them: by first use, runs of small ``full_shard``/``shard_grad_op``
     parameters bucketed into one (``passes.shard.gather_buckets``)."""
     sharded = [n for n, name in facts.param_of.items()
-               if params[name].strategy != REPLICATE and facts.param_uses(n)]
+               if traits(params[name].strategy).sharded and facts.param_uses(n)]
     first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
     order = sorted(sharded, key=first.__getitem__)
 
     def key(n: fx.Node) -> tuple[str, int]:
         state = params[facts.param_of[n]]
-        flat = state.strategy in (SHARD_GRAD_OP, FULL_SHARD)
+        flat = not traits(state.strategy).needs_mesh
         return (state.strategy if flat else f"mesh {n}",
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size))

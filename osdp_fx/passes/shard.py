@@ -53,12 +53,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..capture import set_attr
 from ..meta import osdp_meta, set_osdp_meta
-from ..plan import FREED_AFTER_FORWARD, SHARDED, Plan
+from ..buckets import gather_buckets
+from ..plan import Plan
+from ..strategies import traits
 from .precision import cast_of
-from ..runtime.collectives import WORLD, pad_flat, shard_numel
-from ..runtime.hierarchy import shard_layout
+from ..layout import WORLD, shard_layout, shard_numel
+from ..runtime.collectives import pad_flat
 from ..runtime.params import (
-    SMALL_PARAM_BYTES,
     all_gather_param,
     all_gather_params,
     free_param,
@@ -82,22 +83,6 @@ def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_no
     layout = shard_layout(strategy, world_size=world_size, ranks_per_node=ranks_per_node,
                           rank=rank)
     return make_shard(full, world_size=layout.chunks, rank=layout.index)
-
-
-def gather_buckets(sizes: list[tuple[str, int]], small_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
-    """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
-    order: a parameter of at most ``small_bytes`` joins the bucket of the gather before it when
-    that bucket holds small parameters only (a large one would pay a copy of its gradient into
-    the bucket's flat buffer) and their keys (strategy, dtypes; unique for the mesh strategies,
-    which are never bucketed) agree. Returns index lists."""
-    buckets: list[list[int]] = []
-    for i, (key, nbytes) in enumerate(sizes):
-        if (buckets and nbytes <= small_bytes and sizes[buckets[-1][0]][0] == key
-                and sizes[buckets[-1][0]][1] <= small_bytes):
-            buckets[-1].append(i)
-        else:
-            buckets.append([i])
-    return buckets
 
 
 def _bucket_small_gathers(gm: fx.GraphModule, world_size: int) -> None:
@@ -169,7 +154,7 @@ def shard_parameters_pass(
     n_gathers = n_frees = 0
     for node in param_nodes:
         entry = plan[node.target]
-        if entry.strategy not in SHARDED:
+        if not traits(entry.strategy).sharded:
             continue
         full = gm.get_parameter(node.target)
         layout = shard_layout(entry.strategy, world_size=world_size,
@@ -193,7 +178,7 @@ def shard_parameters_pass(
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
         n_gathers += 1
 
-        if entry.strategy not in FREED_AFTER_FORWARD:
+        if not traits(entry.strategy).freed_after_forward:
             continue
         uses = [u for v in [gathered, *views] for u in v.users]
         if any(u.op == "output" for u in uses):
@@ -210,7 +195,7 @@ def shard_parameters_pass(
 
     in_graph = {n.target for n in param_nodes}
     for entry in plan.params:  # parameters the forward never reads: sharded all the same
-        if entry.strategy in SHARDED and entry.name not in in_graph:
+        if traits(entry.strategy).sharded and entry.name not in in_graph:
             full = gm.get_parameter(entry.name)
             set_attr(gm, entry.name, shard_of(full, entry.strategy, world_size=world_size,
                                               ranks_per_node=plan.ranks_per_node, rank=rank))

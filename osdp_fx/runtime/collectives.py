@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-WORLD = "world"
+from ..layout import WORLD, shard_numel  # noqa: F401  (re-exported)
 
 _named_groups: dict[str, Any] = {}
 
@@ -47,11 +47,6 @@ def group_rank(name: str) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(resolve_group(name))
-
-
-def shard_numel(numel: int, world: int) -> int:
-    """Elements of each rank's flat shard of a ``numel``-element tensor (padded up)."""
-    return -(-numel // world)
 
 
 class Pending:

@@ -12,13 +12,8 @@ created once per world and mesh shape by :func:`init_mesh` (collective: every ra
 subgroups in the same order) and registered in :mod:`.collectives` under names, because graph
 nodes carry group names, not ProcessGroup objects.
 
-Which flat chunk of a parameter a rank holds (:func:`shard_layout`)::
-
-    full_shard, shard_grad_op:  N chunks, rank r holds chunk r
-    hybrid_shard:               R chunks, rank r holds chunk r % R (each node holds all R)
-    hierarchical:               N chunks, rank (node k, local l) holds chunk l * n + k
-
-The hierarchical order makes the two-stage all-gather reassemble the flat order: the inter
+Which flat chunk of a parameter a rank holds is shard arithmetic (``osdp_fx/layout.py``). The
+hierarchical order makes the two-stage all-gather reassemble the flat order: the inter
 all-gather of local index ``l`` concatenates chunks ``l*n .. l*n + n-1`` (a contiguous block
 that each node receives once), and the intra all-gather then concatenates the blocks of local
 indices ``0 .. R-1``. Its reduce-scatter runs the same stages backwards: inside the node, every
@@ -44,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..plan import HIERARCHICAL, HYBRID_SHARD, MESH_STRATEGIES, shard_count
+from ..layout import ShardLayout, mesh_group_name, mesh_shape, shard_count, shard_layout  # noqa: F401
+from ..strategies import MESH_STRATEGIES, traits
 from .collectives import (
     WORLD,
     Pending,
@@ -88,49 +84,6 @@ def ranks_per_node_for(devices: Any, world_size: int) -> int | None:
             "torchrun --nproc-per-node, or pass Devices(ranks_per_node=...) to compile_osdp"
         )
     return per_node
-
-
-def mesh_shape(world_size: int, ranks_per_node: int | None) -> tuple[int, int]:
-    """(nodes, ranks per node) of a world; one node when ``ranks_per_node`` is None."""
-    per_node = ranks_per_node or world_size
-    return world_size // per_node, per_node
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardLayout:
-    """Where one rank's shard of a parameter under some strategy lies."""
-
-    group: str
-    """Name of the sharding group the graph's all_gather_param node carries."""
-    chunks: int
-    """Number of distinct flat chunks the padded parameter is cut into."""
-    index: int
-    """The chunk this rank holds."""
-    copies: int
-    """Ranks that hold each chunk (the number of nodes for hybrid_shard, else 1)."""
-
-
-def mesh_group_name(strategy: str, world_size: int, ranks_per_node: int | None) -> str:
-    """Name of a two-level sharding group, e.g. ``'hybrid_shard/2x4'`` (2 nodes of 4 ranks)."""
-    nodes, per_node = mesh_shape(world_size, ranks_per_node)
-    return f"{strategy}/{nodes}x{per_node}"
-
-
-def shard_layout(strategy: str, *, world_size: int, ranks_per_node: int | None, rank: int,
-                 flat_group: str = WORLD) -> ShardLayout:
-    """The chunk ``rank`` holds of a parameter sharded under ``strategy`` (module docstring);
-    ``flat_group`` names the group of shard_grad_op and full_shard."""
-    nodes, per_node = mesh_shape(world_size, ranks_per_node)
-    chunks = shard_count(strategy, world_size, ranks_per_node)
-    if strategy == HYBRID_SHARD:
-        index = rank % per_node
-    elif strategy == HIERARCHICAL:
-        index = rank % per_node * nodes + rank // per_node
-    else:
-        index = rank if chunks > 1 else 0
-    group = (mesh_group_name(strategy, world_size, ranks_per_node)
-             if strategy in MESH_STRATEGIES else flat_group)
-    return ShardLayout(group, chunks, index, world_size // chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +180,7 @@ def gather_shards_start(shard: torch.Tensor, group: str) -> Pending:
     two = _two_level.get(group)
     if two is None:
         return all_gather_flat_start(shard, group)
-    stages = [two.intra] if two.strategy == HYBRID_SHARD else [two.inter, two.intra]
+    stages = [getattr(two, scope) for scope, _ in traits(two.strategy).gather_stages]
     return _staged(shard, stages, all_gather_flat_start, all_gather_flat)
 
 
@@ -237,14 +190,13 @@ def reduce_scatter_shards_start(full: torch.Tensor, group: str) -> Pending:
     two = _two_level.get(group)
     if two is None:
         return reduce_scatter_flat_start(full, group)
-    if two.strategy == HIERARCHICAL:
-        return _staged(full, [two.intra, two.inter], reduce_scatter_flat_start,
-                       reduce_scatter_flat)
-    chunk = _staged(full, [two.intra], reduce_scatter_flat_start, reduce_scatter_flat)
-    inter = two.inter
-    if inter is None:
-        return chunk
-    return StagedPending(chunk, lambda out: all_reduce_sum_(out, inter))
+    stages = traits(two.strategy).reduce_stages
+    scatters = [getattr(two, scope) for c, scope, _ in stages if c == "reduce_scatter"]
+    pending = _staged(full, scatters, reduce_scatter_flat_start, reduce_scatter_flat)
+    for group in (getattr(two, scope) for c, scope, _ in stages if c == "all_reduce"):
+        if group is not None:  # the shard, summed over the nodes
+            pending = StagedPending(pending, lambda out, g=group: all_reduce_sum_(out, g))
+    return pending
 
 
 def gather_shards(shard: torch.Tensor, group: str) -> torch.Tensor:

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from ..plan import FREED_AFTER_FORWARD
+from ..buckets import MAX_IN_FLIGHT
+from ..strategies import traits
 from .collectives import Pending, pad_flat
 from .hierarchy import (
     averaging_ranks,
@@ -199,7 +200,7 @@ class GradReduceScatters:
     it over the ranks and accumulates it into the shard's ``.grad``.
     """
 
-    def __init__(self, max_in_flight: int = 2) -> None:
+    def __init__(self, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.max_in_flight = max_in_flight
         self._in_flight: collections.deque[
             tuple[list[torch.Tensor], Pending, int, torch.Tensor | None]] = (
@@ -325,14 +326,9 @@ def all_gather_param(
         with torch.no_grad():
             full = _gather_full(shard, shape, group, pending, dtype)
     ctx = _active()
-    if strategy in FREED_AFTER_FORWARD and ctx is not None:
+    if traits(strategy).freed_after_forward and ctx is not None:
         ctx.track(full, _Gathered(shard, shape, group, dtype))
     return full
-
-
-SMALL_PARAM_BYTES = 64 * 1024
-"""Consecutive sharded parameters whose gathered size is at most this share one all-gather and
-one reduce-scatter (``all_gather_params``)."""
 
 
 def _split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, ...],
@@ -417,7 +413,7 @@ def all_gather_params(
             flat = (pending or _start_params(shards, group, dtype)).wait()
             fulls = _split_gathered(flat, shard_chunks(group), shards, shapes)
     ctx = _active()
-    if strategy in FREED_AFTER_FORWARD and ctx is not None:
+    if traits(strategy).freed_after_forward and ctx is not None:
         for shard, shape, full in zip(shards, shapes, fulls):
             ctx.track(full, _Gathered(shard, shape, group, dtype))
     return tuple(fulls)

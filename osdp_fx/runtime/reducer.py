@@ -23,28 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
 from .collectives import all_reduce_sum_start, group_size
 from .memory import note_resized
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-
-def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[list[int]]:
-    """Group tensors, given as (dtype, bytes) in order, into buckets of one dtype and at most
-    ``bucket_bytes`` (a larger tensor gets a bucket of its own). Returns index lists."""
-    buckets: list[list[int]] = []
-    open_bucket: dict[Any, tuple[list[int], int]] = {}
-    for i, (dtype, nbytes) in enumerate(sizes):
-        bucket, filled = open_bucket.get(dtype, (None, 0))
-        if bucket is None or filled + nbytes > bucket_bytes:
-            bucket, filled = [], 0
-            buckets.append(bucket)
-        bucket.append(i)
-        open_bucket[dtype] = (bucket, filled + nbytes)
-    return buckets
-
 
 class GradReducer:
     """Averages the gradients of ``params`` over the ranks of ``group`` during and at the end of
@@ -52,7 +35,7 @@ class GradReducer:
 
     def __init__(
         self, params: Sequence[nn.Parameter], group: str, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        reduce_dtype: torch.dtype | None = None, max_in_flight: int = 2,
+        reduce_dtype: torch.dtype | None = None, max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         self.params = list(params)
         self.group = group

@@ -32,9 +32,8 @@ from osdp_fx.meta import osdp_meta
 from osdp_fx.passes.aliases import annotate_aliases_pass
 from osdp_fx.passes.shard import make_shard, shard_parameters_pass
 from osdp_fx.plan import ParamSpec, Plan, build_plan
-from osdp_fx.passes.shard import gather_buckets
+from osdp_fx.buckets import SMALL_PARAM_BYTES, gather_buckets
 from osdp_fx.runtime.params import (
-    SMALL_PARAM_BYTES,
     all_gather_param,
     all_gather_params,
     free_param,

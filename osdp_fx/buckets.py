@@ -1,0 +1,61 @@
+"""Bucketing rules: which collectives are fused into one, and how many may be in flight.
+
+The runtime (``runtime/reducer.py``, ``runtime/params.py``, the shard pass) applies these rules
+and the cost models (``cost_models/step.py``, ``cost_models/timeline.py``) predict with the same
+ones, so both read them here. Torch-free.
+
+* Replicated gradients are all-reduced in flat buckets of at most :data:`DEFAULT_BUCKET_BYTES`
+  per dtype, filled in reverse parameter order (about the order backward produces them), DDP's
+  way (:func:`plan_buckets`).
+* Consecutive sharded parameters whose gathered size is at most :data:`SMALL_PARAM_BYTES` share
+  one all-gather and one reduce-scatter (:func:`gather_buckets`).
+* At most :data:`MAX_IN_FLIGHT` gradient collectives (reduce-scatters, all-reduce buckets) run at
+  once: starting one more first completes the oldest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Bytes of one all-reduce bucket of replicated gradients (DDP's default)."""
+
+SMALL_PARAM_BYTES = 64 * 1024
+"""Consecutive sharded parameters whose gathered size is at most this share one all-gather and
+one reduce-scatter (``runtime.params.all_gather_params``)."""
+
+MAX_IN_FLIGHT = 2
+"""Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once."""
+
+
+def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[list[int]]:
+    """Group tensors, given as (dtype, bytes) in order, into buckets of one dtype and at most
+    ``bucket_bytes`` (a larger tensor gets a bucket of its own). Returns index lists."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[Any, tuple[list[int], int]] = {}
+    for i, (dtype, nbytes) in enumerate(sizes):
+        bucket, filled = open_bucket.get(dtype, (None, 0))
+        if bucket is None or filled + nbytes > bucket_bytes:
+            bucket, filled = [], 0
+            buckets.append(bucket)
+        bucket.append(i)
+        open_bucket[dtype] = (bucket, filled + nbytes)
+    return buckets
+
+
+def gather_buckets(sizes: list[tuple[str, int]],
+                   small_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
+    """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
+    order: a parameter of at most ``small_bytes`` joins the bucket of the gather before it when
+    that bucket holds small parameters only (a large one would pay a copy of its gradient into
+    the bucket's flat buffer) and their keys (strategy, dtypes; unique for the mesh strategies,
+    which are never bucketed) agree. Returns index lists."""
+    buckets: list[list[int]] = []
+    for i, (key, nbytes) in enumerate(sizes):
+        if (buckets and nbytes <= small_bytes and sizes[buckets[-1][0]][0] == key
+                and sizes[buckets[-1][0]][1] <= small_bytes):
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
