@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from osdp_fx.capture import capture  # noqa: E402
 from osdp_fx.devices import Devices  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, TinyGPT  # noqa: E402
-from osdp_fx.plan import resolve_plan  # noqa: E402
+from osdp_fx.plan_request import resolve_plan  # noqa: E402
 from osdp_fx.planner import make_plan, param_specs, predict  # noqa: E402
 from osdp_fx.precision import resolve_mixed_precision  # noqa: E402
 from osdp_fx.units import format_bytes  # noqa: E402

@@ -14,31 +14,26 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .capture import Captured, as_input_tuple, capture, is_on_meta
+from . import progress
+from .capture import as_input_tuple, capture, is_on_meta
 from .devices import Devices
 from .errors import InputError, PlanMismatchError
 from .materialize import (check_initializable, check_same_rng_state, materialize_device,
                           materialize_meta_model)
 from .passes.aliases import annotate_aliases_pass
 from .passes.runner import run_passes
-from .passes.shard import shard_of, shard_parameters_pass
+from .param_table import ParamTable
+from .passes.shard import shard_parameters_pass
 from .passes.split_linear import apply_splits
-from .plan import (
-    FREED_AFTER_FORWARD,
-    MESH_STRATEGIES,
-    REPLICATE,
-    Plan,
-    check_prefetch,
-    requested_precision,
-    requested_splits,
-    resolve_plan,
-)
+from .plan import Plan, check_prefetch
+from .plan_request import PlanRequest, resolve_plan
 from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
-from .runtime.hierarchy import ShardLayout, init_mesh, ranks_per_node_for, shard_layout
-from .runtime.params import GradReduceScatters, _gather_full, module_scope
+from .runtime.hierarchy import init_mesh, ranks_per_node_for
+from .runtime.params import GradReduceScatters, module_scope
 from .runtime.reducer import GradReducer
+from .strategies import traits
 from .units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -99,13 +94,19 @@ def compile_osdp(
         init_fn: for a model on the meta device: ``init_fn(module)`` initialises the tensors a
             module owns directly, instead of its ``reset_parameters()``.
 
-    Collective: every rank of the world must call it with the same model and plan.
+    Collective: every rank of the world must call it with the same model and plan. Its stages
+    (capture, plan: profile and search, shard, ...) log their seconds at INFO through
+    ``logging``; on a terminal rank 0 shows a progress bar (``osdp_fx.progress.configure``).
     """
+    start = time.perf_counter()
+    times: dict[str, float] = {}
     inputs = as_input_tuple(example_inputs)
     check_optimizer(optimizer)
     if prefetch is not None:
         check_prefetch(prefetch)
     precision = resolve_mixed_precision(mixed_precision)
+    request = PlanRequest.parse(plan)  # read once (a plan file too); a bad one fails here
+    search = request.kind == "search"
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
     per_node = ranks_per_node_for(devices, world_size)
@@ -114,41 +115,50 @@ def compile_osdp(
     if on_meta:  # captured and planned on the meta device; values come after sharding
         device = materialize_device(inputs)
         inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    captured = capture(model, inputs, device=device if on_meta else "cpu")
-    if plan is not None:  # a bad plan fails here, before any collective
-        apply_splits(captured, requested_splits(plan))
-        resolve_plan(plan, param_specs(captured), world_size=world_size,
+    with progress.stage("capture", log, times):
+        captured = capture(model, inputs, device=device if on_meta else "cpu")
+    if not search:  # a plan that does not fit the model fails here, before any collective
+        apply_splits(captured, request.splits)
+        resolve_plan(request, param_specs(captured), world_size=world_size,
                      ranks_per_node=per_node, memory_limit_bytes=limit)
-        from_plan = requested_precision(plan)
-        if precision is None and from_plan is not None:
-            precision = MixedPrecision(*map(dtype_from_name, from_plan))
+        if precision is None and request.precision is not None:
+            precision = MixedPrecision(*map(dtype_from_name, request.precision))
     devices = devices_for(devices, world_size=world_size, memory_limit_bytes=limit,
-                          detect=plan is None, ranks_per_node=per_node)
-    resolved, _ = make_plan(captured, inputs, plan=plan, devices=devices,
-                            memory_limit_bytes=limit, optimizer=optimizer,
-                            batch_sizes=batch_sizes, split=split, agree=_from_rank0,
-                            prefetch=prefetch, precision=precision)
-    run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
-        g, inputs, meta_device=captured.materialize_device))])
+                          detect=search, ranks_per_node=per_node)
+    with progress.stage("plan (profile, search)" if search else "plan (profile)", log,
+                        times):
+        resolved, _ = make_plan(captured, inputs, plan=request, devices=devices,
+                                memory_limit_bytes=limit, optimizer=optimizer,
+                                batch_sizes=batch_sizes, split=split, agree=_from_rank0,
+                                prefetch=prefetch, precision=precision)
+    meta_device = captured.materialize_device
+    with progress.stage("aliases", log, times):
+        run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
+            g, inputs, meta_device=meta_device))])
     _check_ranks_agree(resolved)
     if on_meta:
         check_same_rng_state(device)
     else:
         _broadcast_from_rank0(captured.gm)
-    if any(p.strategy in MESH_STRATEGIES for p in resolved.params):
+    if any(traits(p.strategy).needs_mesh for p in resolved.params):
         init_mesh(world_size, resolved.ranks_per_node)
     reduce_dtype = precision.reduce_dtype if precision is not None else None
-    gm = run_passes(captured.gm, [
-        ("shard", lambda g: shard_parameters_pass(
-            g, plan=resolved, world_size=world_size, rank=rank, group=WORLD,
-            prefetch=resolved.prefetch, reduce_dtype=reduce_dtype)),
-    ])
+    with progress.stage("shard", log, times):
+        gm = run_passes(captured.gm, [
+            ("shard", lambda g: shard_parameters_pass(
+                g, plan=resolved, world_size=world_size, rank=rank, group=WORLD,
+                prefetch=resolved.prefetch, reduce_dtype=reduce_dtype)),
+        ])
+    table = ParamTable(gm, resolved, state_keys=captured.state_keys,
+                       alias_to_name=captured.alias_to_name, splits=captured.splits, rank=rank)
     if on_meta:
-        materialize_meta_model(model, gm, captured, resolved, world_size=world_size, rank=rank,
-                               device=device, init_fn=init_fn)
-    compiled = OSDPModule(gm, resolved, captured, reduce_dtype)
+        with progress.stage("materialize", log, times):
+            materialize_meta_model(model, table, device=device, init_fn=init_fn)
+    compiled = OSDPModule(table, captured_by=captured.method, reduce_dtype=reduce_dtype)
     del captured
     _collect_capture_cycles()
+    log.info("compile_osdp: %.2f s (%s)", time.perf_counter() - start,
+             ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
     return compiled
 
 
@@ -226,27 +236,23 @@ class OSDPModule(nn.Module):
     ``.grad`` holds the gradient averaged over ranks.
     """
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, captured: Captured,
+    def __init__(self, table: ParamTable, *, captured_by: str,
                  reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        gm, plan = table.gm, table.plan
         object.__setattr__(self, "_gm", gm)
         # Share the graph module's attributes so names are the model's own.
         self._modules = gm._modules
         self._parameters = gm._parameters
         self._buffers = gm._buffers
         self._plan = plan
+        self._table = table
         # Saved-tensor hooks (which re-gather freed parameters in backward) only where needed:
         # without them autograd keeps its own handling of saved tensors (double backward).
-        self._regathers = any(p.strategy in FREED_AFTER_FORWARD for p in plan.params)
-        self._captured_by = captured.method
-        self._state_keys = captured.state_keys
-        self._alias_to_name = captured.alias_to_name
-        self._splits = dict(captured.splits)
-        self._groups = list(dict.fromkeys(captured.alias_to_name.values()))
-        replicated = [
-            gm.get_parameter(p.name) for p in plan.params
-            if p.strategy == REPLICATE and p.trainable
-        ]
+        self._regathers = any(traits(p.strategy).freed_after_forward for p in plan.params)
+        self._captured_by = captured_by
+        replicated = [table.local(p.name) for p in plan.params
+                      if not traits(p.strategy).sharded and p.trainable]
         self._reducer = GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype)
         self._scatters = GradReduceScatters()
 
@@ -268,6 +274,11 @@ class OSDPModule(nn.Module):
         return self._plan
 
     @property
+    def param_table(self) -> ParamTable:
+        """This rank's parameters: names, aliases, splits, strategies, shard layouts."""
+        return self._table
+
+    @property
     def graph_module(self) -> fx.GraphModule:
         """The rewritten torch.fx GraphModule."""
         return self._gm
@@ -286,22 +297,6 @@ class OSDPModule(nn.Module):
         return self._gm.print_readable(print_output=print_output)
 
     # ---- state --------------------------------------------------------------------------
-    def _full(self, name: str, *, grad: bool = False) -> torch.Tensor | None:
-        split = self._splits.get(name)
-        if split is not None:  # a split parameter: its parts, concatenated back
-            parts = [self._full(part, grad=grad) for part in split.parts]
-            return None if any(p is None for p in parts) else torch.cat(parts, split.dim)
-        entry = self._plan[name]
-        local = self._gm.get_parameter(name)
-        if grad:
-            local = local.grad
-            if local is None:
-                return None
-        with torch.no_grad():
-            if entry.strategy == REPLICATE:
-                return local.detach().clone()
-            return _gather_full(local.detach(), entry.shape, self._layout(name).group).clone()
-
     def full_state_dict(self, *, rank0_only: bool = False,
                         cpu_offload: bool = False) -> OrderedDict[str, torch.Tensor]:
         """Full tensors under exactly the keys of the original ``model.state_dict()``, loadable
@@ -311,16 +306,17 @@ class OSDPModule(nn.Module):
         ``rank0_only``: other ranks return an empty dict (they still take part in the gathers).
         ``cpu_offload``: the tensors are moved to the CPU one by one as they are gathered.
         """
+        table = self._table
         keep = not rank0_only or group_rank(WORLD) == 0
         gathered: dict[str, torch.Tensor] = {}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for key in self._state_keys:
-            canon = self._alias_to_name.get(key)
+        for key in table.state_keys:
+            canon = table.alias_to_name.get(key)
             if canon is None:
-                value = self._gm.get_buffer(key).detach().clone()
+                value = table.buffer(key).detach().clone()
             else:
                 if canon not in gathered:
-                    full = self._full(canon)
+                    full = table.full(canon)
                     assert full is not None, canon
                     gathered[canon] = full.cpu() if cpu_offload else full
                 value = gathered[canon]
@@ -330,12 +326,13 @@ class OSDPModule(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Full averaged gradients by canonical parameter name (collective; for inspection)."""
-        return {name: self._full(name, grad=True) for name in self._groups}
+        return {name: self._table.full(name, grad=True) for name in self._table.groups}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full tensors (keys of the original ``model.state_dict()``) into this rank's shards."""
-        missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._state_keys]
+        table = self._table
+        missing = [k for k in table.state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in table.state_keys]
         if missing or unexpected:
             raise InputError(
                 f"load_full_state_dict: state dict does not match the model (missing: "
@@ -343,9 +340,9 @@ class OSDPModule(nn.Module):
                 "full_state_dict() or the original model's state_dict()"
             )
         expected = {
-            key: self._shape(self._alias_to_name[key]) if key in self._alias_to_name
-            else tuple(self._gm.get_buffer(key).shape)
-            for key in self._state_keys
+            key: table.full_shape(table.alias_to_name[key]) if key in table.alias_to_name
+            else tuple(table.buffer(key).shape)
+            for key in table.state_keys
         }
         wrong = [f"{k!r} has shape {tuple(getattr(state_dict[k], 'shape', ()))}, the model "
                  f"expects {shape}" for k, shape in expected.items()
@@ -356,35 +353,11 @@ class OSDPModule(nn.Module):
                 "pass full tensors as returned by full_state_dict() or model.state_dict()"
             )
         with torch.no_grad():
-            for key in self._state_keys:
-                canon = self._alias_to_name.get(key)
+            for key in table.state_keys:
+                canon = table.alias_to_name.get(key)
                 if canon is None:
-                    self._gm.get_buffer(key).copy_(state_dict[key])
-                    continue
-                if key != canon:
-                    continue
-                split = self._splits.get(canon)
-                pieces = (zip(split.parts, state_dict[key].split(split.sizes, split.dim))
-                          if split is not None else [(canon, state_dict[key])])
-                for name, full in pieces:
-                    local = self._gm.get_parameter(name)
-                    if self._plan[name].strategy != REPLICATE:
-                        full = shard_of(full.to(local.dtype), self._plan[name].strategy,
-                                        world_size=self._plan.world_size,
-                                        ranks_per_node=self._plan.ranks_per_node,
-                                        rank=group_rank(WORLD))
-                    local.copy_(full)
-
-    def _layout(self, name: str) -> ShardLayout:
-        """Which chunk of parameter group ``name`` this rank holds, and over which group."""
-        return shard_layout(self._plan[name].strategy, world_size=self._plan.world_size,
-                            ranks_per_node=self._plan.ranks_per_node, rank=group_rank(WORLD))
-
-    def _shape(self, name: str) -> tuple[int, ...]:
-        """Full shape of a parameter group, or of a split parameter before splitting."""
-        split = self._splits.get(name)
-        if split is None:
-            return self._plan[name].shape
-        shape = list(self._plan[split.parts[0]].shape)
-        shape[split.dim] = sum(split.sizes)
-        return tuple(shape)
+                    table.buffer(key).copy_(state_dict[key])
+                elif key == canon:
+                    for part, full in table.pieces(canon, state_dict[key]):
+                        local = table.local(part)
+                        local.copy_(table.to_local(part, full.to(local.dtype)))

@@ -38,7 +38,7 @@ import torch
 from torch import fx, nn
 
 from .errors import CaptureError, InputError
-from .meta import set_osdp_meta
+from .meta import NodeRole, set_osdp_meta
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def _normalize(model: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
         else:
             node.target = canon
             kept[canon] = node
-            set_osdp_meta(node, role="param", param=canon)
+            set_osdp_meta(node, role=NodeRole.PARAM, param=canon)
 
     # The graph module owns exactly the model's parameters and buffers, under original names.
     for module in gm.modules():

@@ -55,9 +55,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .api import OSDPModule
 from .errors import InputError, OSDPError
-from .plan import MESH_STRATEGIES
 from .runtime.collectives import WORLD, group_rank, group_size
-from .runtime.hierarchy import checkpoint_mesh, shard_layout
+from .runtime.hierarchy import checkpoint_mesh
+from .strategies import traits
 
 FORMAT = "osdp-fx-checkpoint"
 VERSION = 1
@@ -84,7 +84,7 @@ class _Layout:
     strategy: str = ""
     """The parameter's strategy."""
     index: int = 0
-    """Which flat chunk of the parameter ``local`` is (``runtime.hierarchy.shard_layout``)."""
+    """Which flat chunk of the parameter ``local`` is (``layout.shard_layout``)."""
     ranks_per_node: int | None = None
     """The plan's ranks per node."""
 
@@ -104,7 +104,7 @@ class _Layout:
         from torch.distributed.tensor import DTensor, Shard
 
         mesh, placements = _mesh(local.device.type), [Shard(0)]
-        if self.strategy in MESH_STRATEGIES:
+        if traits(self.strategy).needs_mesh:
             mesh, placements = checkpoint_mesh(
                 self.strategy, world_size=group_size(WORLD), ranks_per_node=self.ranks_per_node,
                 device_type=local.device.type)
@@ -126,19 +126,15 @@ def _mesh(device_type: str) -> Any:
 
 
 def _layouts(compiled: OSDPModule) -> dict[str, _Layout]:
-    plan, rank = compiled.plan, group_rank(WORLD)
-    layouts = {}
-    for p in plan.params:
-        chunk = shard_layout(p.strategy, world_size=group_size(WORLD),
-                             ranks_per_node=plan.ranks_per_node, rank=rank)
-        layouts[p.name] = _Layout(local=compiled._gm.get_parameter(p.name), numel=p.numel,
-                                  sharded=chunk.chunks > 1, strategy=p.strategy,
-                                  index=chunk.index, ranks_per_node=plan.ranks_per_node)
-    return layouts
+    table = compiled.param_table
+    return {name: _Layout(local=table.local(name), numel=e.numel, sharded=e.layout.chunks > 1,
+                          strategy=e.strategy, index=e.layout.index,
+                          ranks_per_node=compiled.plan.ranks_per_node)
+            for name, e in table.entries.items()}
 
 
 def _buffer_keys(compiled: OSDPModule) -> list[str]:
-    return [k for k in compiled._state_keys if k not in compiled._alias_to_name]
+    return compiled.param_table.buffer_keys
 
 
 def _param_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -247,7 +243,7 @@ def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optim
     layouts = _layouts(compiled)
     state: dict[str, Any] = {f"model.{n}": lay.wrap(lay.local) for n, lay in layouts.items()}
     for key in _buffer_keys(compiled):
-        state[f"model.{key}"] = compiled._gm.get_buffer(key).detach()
+        state[f"model.{key}"] = compiled.param_table.buffer(key).detach()
     optim_info = None
     if optimizer is not None:
         groups = _param_names(compiled, optimizer)
@@ -274,7 +270,7 @@ def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optim
         "format": FORMAT, "version": VERSION, "world_size": group_size(WORLD),
         "params": {p.name: p.shape for p in compiled.plan.params},
         "buffers": {k: tuple(state[f"model.{k}"].shape) for k in _buffer_keys(compiled)},
-        "splits": {name: len(s.parts) for name, s in compiled._splits.items()},
+        "splits": {name: len(s.parts) for name, s in compiled.param_table.splits.items()},
         "plan": compiled.plan.to_dict(), "optimizer": optim_info, "extra": extra,
     }
     blob = io.BytesIO()
@@ -323,7 +319,7 @@ def load_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
     _agree(error, f"load_checkpoint({path!r})")
     with torch.no_grad():
         for key, loaded in reading.buffers.items():
-            compiled._gm.get_buffer(key).copy_(loaded)
+            compiled.param_table.buffer(key).copy_(loaded)
     if optimizer is not None:
         optimizer.load_state_dict(reading.optimizer_state(optimizer))
     return reading.info["extra"]
@@ -343,7 +339,7 @@ class _Reading:
         self.state: dict[str, Any] = {
             f"model.{name}": lay.wrap(lay.local) for name, lay in self.layouts.items()
         }
-        self.buffers = {k: torch.empty_like(compiled._gm.get_buffer(k))
+        self.buffers = {k: torch.empty_like(compiled.param_table.buffer(k))
                         for k in _buffer_keys(compiled)}
         self.state.update({f"model.{k}": t for k, t in self.buffers.items()})
         self.optim: dict[tuple[str, str], torch.Tensor] = {}
@@ -425,17 +421,18 @@ def _check_model(path: str, info: dict[str, Any], compiled: OSDPModule) -> None:
     saved = info["params"]
     missing = [n for n in mine if n not in saved]
     unexpected = [n for n in saved if n not in mine]
-    if (missing or unexpected) and (info["splits"] or compiled._splits):
+    splits = compiled.param_table.splits
+    if (missing or unexpected) and (info["splits"] or splits):
         raise CheckpointError(
             f"the checkpoint at {path!r} was saved from a model split as {info['splits'] or {}} "
             f"and this model is split as "
-            f"{ {n: len(s.parts) for n, s in compiled._splits.items()} }: the part parameters "
+            f"{ {n: len(s.parts) for n, s in splits.items()} }: the part parameters "
             f"differ (missing {missing[:4]}, unexpected {unexpected[:4]}). Compile with the "
             f"saved plan, compile_osdp(model, inputs, plan={os.path.join(path, _PLAN_FILE)!r}), "
             "or with a plan that names the same splits")
     wrong = [f"{n}: saved {tuple(saved[n])}, model {mine[n]}" for n in mine
              if n in saved and tuple(saved[n]) != mine[n]]
-    buffers = {k: tuple(compiled._gm.get_buffer(k).shape) for k in _buffer_keys(compiled)}
+    buffers = {k: tuple(compiled.param_table.buffer(k).shape) for k in _buffer_keys(compiled)}
     missing += [k for k in buffers if k not in info["buffers"]]
     unexpected += [k for k in info["buffers"] if k not in buffers]
     wrong += [f"{k}: saved {info['buffers'][k]}, model {s}" for k, s in buffers.items()

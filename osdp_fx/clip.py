@@ -28,15 +28,12 @@ import torch.distributed as dist
 
 from .api import OSDPModule
 from .errors import InputError
-from .plan import REPLICATE
 from .runtime.collectives import (
     WORLD,
     all_reduce_sum_,
-    group_rank,
     group_size,
     resolve_group,
 )
-from .runtime.hierarchy import shard_layout
 
 __all__ = ["clip_grad_norm_"]
 
@@ -83,21 +80,19 @@ def clip_grad_norm_(
             "use 2.0 (Euclidean) or float('inf') (largest absolute element)"
         )
 
-    world, rank = group_size(WORLD), group_rank(WORLD)
     sharded: list[tuple[torch.nn.Parameter, int, int]] = []  # (shard, real elements, copies)
     replicated: list[torch.nn.Parameter] = []
-    for entry in compiled.plan.params:  # one entry per group: tied parameters counted once
-        param = compiled.graph_module.get_parameter(entry.name)
+    table = compiled.param_table
+    for entry in table.entries.values():  # one entry per group: tied parameters counted once
+        param = table.local(entry.name)
         if not param.requires_grad:
             continue
-        if entry.strategy == REPLICATE:
+        if not entry.sharded:
             replicated.append(param)
         else:
-            layout = shard_layout(entry.strategy, world_size=world,
-                                  ranks_per_node=compiled.plan.ranks_per_node, rank=rank)
             per_rank = param.numel()
-            real = max(0, min(per_rank, entry.numel - layout.index * per_rank))
-            sharded.append((param, real, layout.copies))
+            real = max(0, min(per_rank, entry.numel - entry.layout.index * per_rank))
+            sharded.append((param, real, entry.layout.copies))
 
     trainable = [q for q, _, _ in sharded] + replicated
     if not trainable:
@@ -112,7 +107,7 @@ def clip_grad_norm_(
     rep = [q.grad for q in replicated if q.grad is not None]
     if math.isinf(p):
         total = _max_abs([g for grads in local.values() for g in grads], acc, device)
-        if sharded and world > 1:
+        if sharded and group_size(WORLD) > 1:
             # MAX drops a nan on some reductions; carry "some rank saw nan" as a second value.
             both = torch.stack([torch.where(total.isnan(), 0.0, total), total.isnan().to(acc)])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=resolve_group(WORLD))

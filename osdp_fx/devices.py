@@ -11,13 +11,10 @@ import dataclasses
 import json
 import logging
 import os
-import socket
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 from .errors import InputError
+from .strategies import COLLECTIVES
 from .units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -27,6 +24,8 @@ DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 """The optimizer kinds cost models know (torch.optim.SGD without and with momentum, Adam, AdamW)."""
+DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+"""Dtype names ``Devices.compute_flops_per_s_by_dtype`` takes (torch's, without 'torch.')."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +64,11 @@ class Devices:
     optimizer_tensor_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured fixed time per parameter tensor of an optimizer step (its kernel launches and
     Python), by optimizer kind; 0 for a kind missing here."""
+    compute_flops_per_s_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Sustained matmul throughput of operators computing in a dtype ("bfloat16", ...) where it
+    differs from ``compute_flops_per_s`` (tensor cores); the roofline uses :meth:`flops_per_s`."""
+    source: str = ""
+    """Where the figures come from: "preset:<name>", "detected", or "" (defaults, by hand)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -80,19 +84,35 @@ class Devices:
         if self.memory_bytes is not None:
             object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes))
         _check_collective_links(self.collective_links)
-        for name in ("optimizer_element_time_s", "optimizer_tensor_time_s"):
-            times = getattr(self, name)
-            bad = {k: v for k, v in times.items() if k not in OPTIMIZERS
-                   or not isinstance(v, (int, float)) or not 0 <= v < float("inf")}
+        for name, keys, low, what in (
+                ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),
+                ("optimizer_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
+                ("compute_flops_per_s_by_dtype", DTYPES, 1e-300, "positive FLOP/s")):
+            bad = {k: v for k, v in getattr(self, name).items() if k not in keys
+                   or not isinstance(v, (int, float)) or not low <= v < float("inf")}
             if bad:
-                raise InputError(
-                    f"Devices.{name} has invalid entries {bad}: keys are optimizer kinds "
-                    f"({', '.join(OPTIMIZERS)}), values non-negative seconds"
-                )
+                raise InputError(f"Devices.{name} has invalid entries {bad}: keys are "
+                                 f"{'optimizer kinds' if keys is OPTIMIZERS else 'dtype names'}"
+                                 f" ({', '.join(keys)}), values {what}")
 
     @property
     def num_nodes(self) -> int:
         return self.world_size // (self.ranks_per_node or self.world_size)
+
+    def flops_per_s(self, dtype: str = "") -> float:
+        """Matmul throughput of an operator computing in ``dtype`` (a torch dtype name)."""
+        return self.compute_flops_per_s_by_dtype.get(dtype, self.compute_flops_per_s)
+
+    @classmethod
+    def preset(cls, name: str, *, world_size: int | None = None,
+               memory_limit: int | str | None = None) -> Devices:
+        """``world_size`` ranks (default: one node) of a known cluster kind, e.g. ``Devices.
+        preset("h100-sxm-8x", world_size=64)``: datasheet figures times stated efficiencies,
+        sources in ``osdp_fx/presets.py`` (``python -m osdp_fx devices`` lists the names);
+        ``memory_limit`` defaults to the GPU's memory."""
+        from .presets import preset_figures
+
+        return cls(**preset_figures(name, world_size=world_size, memory_limit=memory_limit))
 
     @classmethod
     def detect(
@@ -116,7 +136,11 @@ class Devices:
         defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
         ``ranks_per_node`` overrides the node layout found from host names.
         """
-        return _detect(cls, memory_limit=memory_limit, group=group, ranks_per_node=ranks_per_node)
+        from .detect import detect_devices
+
+        return detect_devices(cls, memory_limit=memory_limit, group=group,
+                              ranks_per_node=ranks_per_node, optimizers=OPTIMIZERS,
+                              default_memory_bytes=DEFAULT_CPU_MEMORY_BYTES)
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write these figures as a JSON object (one key per field) to ``path``."""
@@ -150,8 +174,6 @@ class Devices:
 
 
 def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
-    from .cost_models.communication import COLLECTIVES
-
     keys = {f"{scope}.{c}" for scope in LINK_SCOPES for c in COLLECTIVES}
     for key, figures in links.items():
         if key not in keys:
@@ -171,306 +193,3 @@ def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
 
 LINK_SCOPES = ("intra_node", "inter_node")
 """Scopes of link figures: collectives inside a node and collectives that cross nodes."""
-
-_COLLECTIVE_SIZES_BYTES = tuple(2**k for k in range(12, 25, 2))
-"""Message sizes of the collective benchmarks, 4 KiB to 16 MiB by factors of 4: small ones give
-latency, large ones bandwidth, and together they span the parameters plans move (a fit to
-4 KiB-4 MiB in four sizes was off by up to 2x at the sizes in between on CPU gloo)."""
-_REPEATS = 5
-"""Timed runs per benchmark (after one warmup); the median is kept."""
-_COLLECTIVE_REPEATS = 9
-"""Timed runs per collective benchmark: collectives between processes sharing cores vary the
-most from run to run."""
-
-
-def _detect(
-    cls: type[Devices], *, memory_limit: int | str | None, group: Any, ranks_per_node: int | None
-) -> Devices:
-    import torch
-    import torch.distributed as dist
-
-    distributed = dist.is_available() and dist.is_initialized()
-    if group is not None and not distributed:
-        raise InputError(
-            "Devices.detect(group=...) needs an initialized process group: call "
-            "torch.distributed.init_process_group first, or omit group to measure one process"
-        )
-    world_size = dist.get_world_size(group) if distributed else 1
-    device = _benchmark_device(group) if distributed else torch.device("cpu")
-    if ranks_per_node is None:
-        ranks_per_node = _ranks_per_node_from_hosts(group) if world_size > 1 else 1
-    if ranks_per_node < 1 or world_size % ranks_per_node:
-        raise InputError(
-            f"ranks_per_node={ranks_per_node} must divide the group's {world_size} ranks"
-        )
-    barrier = (lambda: dist.barrier(group=group)) if world_size > 1 else None
-
-    figures: dict[str, Any] = {}
-    if barrier is not None:
-        barrier()  # ranks share the machine's cores while they measure, as when training
-    flops_per_s = _matmul_flops_per_s(device)
-    bandwidth = _copy_bandwidth_bytes_per_s(device)
-    memory_bytes = (
-        parse_bytes(memory_limit) if memory_limit is not None else _device_memory_bytes(device)
-    )
-    # The slowest rank bounds a synchronous step, and every rank must plan with the same figures.
-    flops_per_s, bandwidth, memory_bytes_f = _all_reduce_floats(
-        [flops_per_s, bandwidth, float(memory_bytes)], "min", group, device, distributed
-    )
-    per_element, per_tensor = _optimizer_times(device)
-    measured = _all_reduce_floats([*per_element, *per_tensor], "max", group, device, distributed)
-    figures.update(
-        compute_flops_per_s=flops_per_s,
-        memory_bandwidth_bytes_per_s=bandwidth,
-        memory_bytes=int(memory_bytes_f),
-        optimizer_element_time_s=dict(zip(OPTIMIZERS, measured[:len(OPTIMIZERS)])),
-        optimizer_tensor_time_s=dict(zip(OPTIMIZERS, measured[len(OPTIMIZERS):])),
-    )
-    if world_size > 1:
-        figures.update(_measure_links(group, device, world_size, ranks_per_node))
-    devices = cls(
-        world_size=world_size,
-        ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
-        **figures,
-    )
-    log.info("detected %s", devices)
-    return devices
-
-
-def _benchmark_device(group: Any) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _ranks_per_node_from_hosts(group: Any) -> int:
-    """Ranks per host name; the ranks of one node are expected to be consecutive."""
-    import torch.distributed as dist
-
-    hosts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    counts = {h: hosts.count(h) for h in hosts}
-    if len(set(counts.values())) != 1:
-        raise InputError(
-            f"nodes run different numbers of ranks ({counts}); osdp-fx needs the same number on "
-            f"every node: launch evenly, or pass Devices.detect(ranks_per_node=...)"
-        )
-    per_node = next(iter(counts.values()))
-    if any(hosts[i] != hosts[i - i % per_node] for i in range(len(hosts))):
-        log.warning(
-            "ranks of one host are not consecutive (%s); cost models assume node-major rank "
-            "order, so inter-node estimates may be off", hosts,
-        )
-    return per_node
-
-
-def _synchronize(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time_s(
-    fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None,
-    between: Callable[[], object] | None = None, repeats: int | None = None,
-) -> float:
-    """Median time of ``fn``; with ``barrier``, the trimmed mean over runs of ``_BACK_TO_BACK``
-    calls after one barrier, each call preceded by ``between`` (whose own time is not
-    counted)."""
-
-    def run() -> None:
-        for _ in range(_BACK_TO_BACK if barrier is not None else 1):
-            if between is not None:
-                between()
-            fn()
-
-    def median(body: Callable[[], None]) -> float:
-        times = []
-        for i in range(1 + (repeats or _REPEATS)):
-            if barrier is not None:
-                barrier()
-            _synchronize(device)
-            start = time.perf_counter()
-            body()
-            _synchronize(device)
-            if i:
-                times.append((time.perf_counter() - start) / (_BACK_TO_BACK if barrier else 1))
-        if barrier is None:
-            return statistics.median(times)
-        # A collective's time is bimodal (whether the ranks arrive together or not), and a step
-        # pays the mean of both modes: the mean of the runs without the fastest and slowest.
-        return statistics.mean(sorted(times)[1:-1])
-
-    if between is None:
-        return median(run)
-
-    def between_only() -> None:
-        for _ in range(_BACK_TO_BACK):
-            between()
-
-    return max(median(run) - median(between_only), 1e-7)
-
-
-_BACK_TO_BACK = 4
-"""Collectives are timed in runs of this many calls after one barrier."""
-
-
-def _matmul_flops_per_s(device: Any) -> float:
-    """Dense matmul throughput in the default dtype."""
-    import torch
-
-    n = 4096 if device.type == "cuda" else 512
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    return 2 * n**3 / _median_time_s(lambda: torch.mm(a, b), device)
-
-
-def _copy_bandwidth_bytes_per_s(device: Any) -> float:
-    """Bytes read plus written per second by a copy much larger than caches."""
-    import torch
-
-    nbytes = (256 if device.type == "cuda" else 64) * 2**20
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time_s(lambda: dst.copy_(src), device)
-
-
-def _optimizer(kind: str, params: list[Any]) -> Any:
-    import torch
-
-    if kind in ("sgd", "sgd_momentum"):
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd_momentum" else 0)
-    return (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=1e-3)
-
-
-def _optimizer_times(device: Any) -> tuple[list[float], list[float]]:
-    """Per optimizer kind, the step time per element (4 tensors of 256 Ki elements) and per
-    tensor (64 tensors of 16 elements), with torch.optim's default implementation."""
-    import torch
-
-    def step_s(kind: str, tensors: int, numel: int) -> float:
-        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        optimizer = _optimizer(kind, params)
-        optimizer.step()  # creates the state
-        return _median_time_s(optimizer.step, device)
-
-    per_element, per_tensor = [], []
-    for kind in OPTIMIZERS:
-        small = step_s(kind, 64, 16) / 64
-        large = step_s(kind, 4, 2**18)
-        per_tensor.append(small)
-        per_element.append(max(large - 4 * small, 0.0) / 2**20)
-    return per_element, per_tensor
-
-
-def _device_memory_bytes(device: Any) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return DEFAULT_CPU_MEMORY_BYTES
-
-
-def _all_reduce_floats(
-    values: list[float], op: str, group: Any, device: Any, distributed: bool
-) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    if not distributed or dist.get_world_size(group) == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
-
-
-def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, float]:
-    """Fit intra-node figures on this node's ranks and inter-node figures on the whole group."""
-    import torch.distributed as dist
-
-    from .cost_models.communication import COLLECTIVES, CollectiveSample, fit_link
-
-    measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (scope, ranks, keys)
-    times: list[float] = []
-    if ranks_per_node > 1:
-        node_group = group
-        if ranks_per_node < world_size:
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            first = dist.get_rank(group) // ranks_per_node * ranks_per_node
-            node_group = dist.new_group(
-                ranks[first:first + ranks_per_node], use_local_synchronization=True
-            )
-        keys, node_times = _time_collectives(node_group, device)
-        if node_group is not group:
-            dist.destroy_process_group(node_group)
-        measured.append(("intra_node", ranks_per_node, keys))
-        times += node_times
-    if ranks_per_node < world_size:
-        keys, world_times = _time_collectives(group, device)
-        measured.append(("inter_node", world_size, keys))
-        times += world_times
-    times = _all_reduce_floats(times, "max", group, device, True)
-
-    figures: dict[str, Any] = {"collective_links": {}}
-    for scope, size, keys in measured:
-        samples = [
-            CollectiveSample(collective, nbytes, size, times.pop(0))  # type: ignore[arg-type]
-            for collective, nbytes in keys
-        ]
-        # Every collective is fitted to its own timings (gloo runs all-gather and reduce-scatter
-        # more slowly than all-reduce, by a ratio that changes with the size); the scope's
-        # figures are the all-reduce's.
-        for collective in COLLECTIVES:
-            link = fit_link([x for x in samples if x.collective == collective])
-            figures["collective_links"][f"{scope}.{collective}"] = {
-                "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
-            if collective == "all_reduce":
-                figures[f"{scope}_bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
-                figures[f"{scope}_latency_s"] = link.latency_s
-        log.debug("%s collectives measured: %s", scope, samples)
-    return figures
-
-
-def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], list[float]]:
-    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size, as a
-    training step issues them: started asynchronously and waited for, each after some compute
-    (a matmul, whose time is subtracted). Timed back to back instead, with nothing in between,
-    small collectives on CPU gloo cost about half as much as they do inside a step."""
-    import torch
-    import torch.distributed as dist
-
-    size = dist.get_world_size(group)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    keys: list[tuple[str, int]] = []
-    times: list[float] = []
-    for nbytes in _COLLECTIVE_SIZES_BYTES:
-        numel = max(size, nbytes // 4 // size * size)
-        full = torch.zeros(numel, device=device)
-        shard = torch.zeros(numel // size, device=device)
-        # outputs are allocated per call, as the runtime does
-        runs: dict[str, Callable[[], object]] = {
-            "all_gather": lambda: all_gather(torch.empty_like(full), shard, group=group,
-                                             async_op=True).wait(),
-            "reduce_scatter": lambda: reduce_scatter(torch.empty_like(shard), full, group=group,
-                                                     async_op=True).wait(),
-            "all_reduce": lambda: dist.all_reduce(full, group=group, async_op=True).wait(),
-        }
-        for collective, run in runs.items():
-            keys.append((collective, numel * 4))
-            times.append(_median_time_s(run, device, barrier=lambda: dist.barrier(group=group),
-                                        between=lambda: torch.mm(a, b),
-                                        repeats=_COLLECTIVE_REPEATS))
-    return keys, times
-
-
-_FILLER_MATMUL_SIZE = 256
-"""Side of the square matmul run before each timed collective on CPU (about 0.5 ms here)."""

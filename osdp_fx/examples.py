@@ -94,6 +94,17 @@ def gpt2_48_layers_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randint(0, 50257, (1, 1024), device="meta"),)
 
 
+def mpt_1b_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A GPT of the shape of llm-foundry's MPT-1b benchmark (24 layers, hidden 2048, 16 heads,
+    vocab 50368, learned positions, biases, tied embedding: 1,315,950,592 parameters, the count
+    its benchmark table gives) at sequence 2048 and micro batch 14 per rank, its 8 x H100
+    FULL_SHARD configuration; built on the meta device (docs/benchmarks.md validates the
+    h100-sxm-8x preset on it)."""
+    with torch.device("meta"):
+        model = GPTWithLoss(TinyGPT(vocab=50368, dim=2048, depth=24, heads=16, max_seq=2048))
+    return model, (torch.randint(0, 50368, (14, 2048), device="meta"),)
+
+
 def hf_gpt2_xl_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Hugging Face GPT-2 XL (48 layers, hidden 1600, 1.56 B parameters) from its configuration,
     built on the meta device with a sequence of 1024 and batch 1 per rank: planned without

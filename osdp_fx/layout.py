@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from .strategies import traits
+from .units import format_bytes
 
 WORLD = "world"
 """Name of the default process group (graph nodes carry group names, not group objects)."""
@@ -82,3 +83,87 @@ def shard_layout(strategy: str, *, world_size: int, ranks_per_node: int | None, 
         index = rank if chunks > 1 else 0
     group = mesh_group_name(strategy, world_size, ranks_per_node) if t.needs_mesh else flat_group
     return ShardLayout(group, chunks, index, world_size // chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One collective of a parameter group's training step."""
+
+    collective: str
+    """'all_gather', 'reduce_scatter' or 'all_reduce'."""
+    nbytes: int
+    """Bytes of this collective's full buffer: the gathered result, the reduce-scatter's input,
+    or the all-reduced tensor."""
+    ranks: int
+    """Ranks in the group it runs over."""
+    scope: str
+    """'world' (every rank), 'intra' (the ranks of one node) or 'inter' (the ranks with the same
+    local index, one per node)."""
+
+    def spans_nodes(self, num_nodes: int) -> bool:
+        """Whether it runs over inter-node links."""
+        return self.scope == "inter" or (self.scope == "world" and num_nodes > 1)
+
+    def __str__(self) -> str:
+        where = "" if self.scope == "world" else f"[{self.scope}]"
+        return f"{self.collective}{where} {format_bytes(self.nbytes)}"
+
+
+def collective_stages(
+    strategy: str,
+    numel: int,
+    element_size: int,
+    *,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    regathered: bool = True,
+    trainable: bool = True,
+    gather_element_size: int | None = None,
+    reduce_element_size: int | None = None,
+) -> tuple[list[Stage], list[Stage]]:
+    """(forward, backward) collectives of one step of a group of ``numel`` elements of
+    ``element_size`` bytes (gathered at ``gather_element_size`` and reduced at
+    ``reduce_element_size`` bytes per element, when mixed precision makes them differ).
+
+    With ``N = world_size`` ranks as ``n`` nodes of ``R = ranks_per_node`` and ``Pp`` the bytes
+    of the parameter padded to its :func:`shard_count`:
+
+    * replicate: all-reduce of the gradient (``P`` bytes, unpadded) over N ranks;
+    * shard_grad_op: all-gather of ``Pp`` over N; reduce-scatter of ``Pp`` over N;
+      full_shard also re-gathers in backward when ``regathered`` (an operator saved it);
+    * hybrid_shard: all-gather of ``Pp`` over the R ranks of the node (re-gathered likewise);
+      reduce-scatter of ``Pp`` over the node, then all-reduce of the ``Pp / R`` shard over the
+      n ranks with the same local index;
+    * hierarchical: all-gather of ``Pp / R`` over the n ranks with the same local index (each
+      brings its shard: inter-node links carry each byte once per node), then of ``Pp`` over the
+      node (re-gathered likewise); reduce-scatter of ``Pp`` over the node, then of ``Pp / R``
+      across nodes.
+
+    Stages over a single rank are left out, so on one node hybrid_shard and hierarchical have
+    full_shard's collectives; nothing is communicated at world size 1 or when not ``trainable``
+    (a frozen replicated parameter).
+    """
+    per_node = ranks_per_node or world_size
+    nodes = world_size // per_node
+    if world_size == 1:
+        return [], []
+    t = traits(strategy)
+    reduced = reduce_element_size or element_size
+    if not t.sharded:
+        return [], ([Stage("all_reduce", numel * reduced, world_size, "world")]
+                    if trainable else [])
+    chunks = shard_count(strategy, world_size, ranks_per_node)
+    padded_numel = -(-numel // chunks) * chunks
+    padded, grad = padded_numel * (gather_element_size or element_size), padded_numel * reduced
+    ranks = {"world": world_size, "intra": per_node, "inter": nodes}
+
+    def size(nbytes: int, part: str) -> int:
+        return nbytes if part == "full" else nbytes // per_node
+
+    gather = [Stage("all_gather", size(padded, part), ranks[scope], scope)
+              for scope, part in t.gather_stages]
+    scatter = [Stage(collective, size(grad, part), ranks[scope], scope)
+               for collective, scope, part in t.reduce_stages]
+    again = gather if t.freed_after_forward and regathered else []
+    return ([s for s in gather if s.ranks > 1],
+            [s for s in again + scatter if s.ranks > 1])

@@ -14,7 +14,7 @@ directly:
    an error naming it: buffers computed in ``__init__`` are not recomputed by
    ``reset_parameters``, see below),
 4. hands each parameter to the compiled graph module: a sharded one as this rank's flat shard
-   (``passes.shard.shard_of``), after which the full tensor is dropped; a replicated one as
+   (``ParamTable.to_local``), after which the full tensor is dropped; a replicated one as
    it is (the model and the compiled module then share it, as for a model built on the CPU);
    buffers are shared the same way.
 
@@ -47,12 +47,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 
-from .capture import Captured, is_on_meta
 from .errors import InputError
-from .passes.shard import shard_of
-from .plan import REPLICATE, Plan
+from .param_table import ParamTable
 from .runtime.collectives import WORLD, group_size
 
 log = logging.getLogger(__name__)
@@ -122,26 +120,23 @@ def check_same_rng_state(device: torch.device) -> None:
         )
 
 
-def materialize_meta_model(
-    model: nn.Module, gm: fx.GraphModule, captured: Captured, plan: Plan, *,
-    world_size: int, rank: int, device: torch.device, init_fn: InitFn | None,
-) -> None:
-    """Initialise ``model``'s meta tensors module by module and put them, sharded as ``plan``
-    says, into the compiled graph module ``gm`` (module docstring)."""
+def materialize_meta_model(model: nn.Module, table: ParamTable, *, device: torch.device,
+                           init_fn: InitFn | None) -> None:
+    """Initialise ``model``'s meta tensors module by module and put them, sharded as the plan
+    says, into the compiled graph module of ``table`` (module docstring)."""
     done: dict[int, torch.Tensor] = {}  # id of a meta tensor -> what replaced it (tied weights)
     n_modules = 0
     for prefix, module in model.named_modules():
         if any(t.device.type == "meta" for t in _own_tensors(module).values()):
             # one module at a time: its full tensors die when the call returns
-            _materialize_module(prefix, module, done, gm, captured, plan, world_size=world_size,
-                                rank=rank, device=device, init_fn=init_fn)
+            _materialize_module(prefix, module, done, table, device=device, init_fn=init_fn)
             n_modules += 1
     log.info("materialised %d modules of a meta model on %s", n_modules, device)
 
 
 def _materialize_module(prefix: str, module: nn.Module, done: dict[int, torch.Tensor],
-                        gm: fx.GraphModule, captured: Captured, plan: Plan, *, world_size: int,
-                        rank: int, device: torch.device, init_fn: InitFn | None) -> None:
+                        table: ParamTable, *, device: torch.device,
+                        init_fn: InitFn | None) -> None:
     own = {n: t for n, t in _own_tensors(module).items() if t.device.type == "meta"}
     tied = {n: done[id(t)] for n, t in own.items() if id(t) in done}
     real = {n: t for n, t in _own_tensors(module).items() if n not in own}
@@ -166,8 +161,7 @@ def _materialize_module(prefix: str, module: nn.Module, done: dict[int, torch.Te
         if n in tied:  # its first owner initialised it; this module's values are discarded
             _put(module, n, tied[n])
             continue
-        done[id(t)] = _hand_over(qual + n, _own_tensors(module)[n], gm, captured, plan,
-                                 world_size=world_size, rank=rank)
+        done[id(t)] = _hand_over(qual + n, _own_tensors(module)[n], table)
         _put(module, n, done[id(t)])
 
 
@@ -194,31 +188,29 @@ def _put(module: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[name] = value
 
 
-def _hand_over(name: str, value: torch.Tensor, gm: fx.GraphModule, captured: Captured,
-               plan: Plan, *, world_size: int, rank: int) -> torch.Tensor:
-    """Put one materialised tensor into ``gm``; return what the model keeps in its place: the
-    tensor itself when ``gm`` shares it, else a meta placeholder (so the full tensor is freed)."""
-    canon = captured.alias_to_name.get(name)
+def _hand_over(name: str, value: torch.Tensor, table: ParamTable) -> torch.Tensor:
+    """Put one materialised tensor into the compiled graph module; return what the model keeps
+    in its place: the tensor itself when the graph module shares it, else a meta placeholder
+    (so the full tensor is freed)."""
+    gm = table.gm
+    canon = table.alias_to_name.get(name)
     if canon is None:  # a buffer
         if _has_tensor(gm, name):
             _replace(gm, name, value)
         return value
-    split = captured.splits.get(canon)
-    pieces = (list(zip(split.parts, value.detach().split(split.sizes, split.dim)))
-              if split is not None else [(canon, value)])
+    whole = canon not in table.splits
     shared = False
-    for part, full in pieces:
-        if plan[part].strategy == REPLICATE:
-            if split is None:
-                _replace(gm, part, value)
-                shared = True
-            else:
-                _replace(gm, part, nn.Parameter(full.clone(), requires_grad=value.requires_grad))
-        else:
-            shard = shard_of(full, plan[part].strategy, world_size=world_size,
-                             ranks_per_node=plan.ranks_per_node, rank=rank)
+    for part, full in table.pieces(canon, value.detach()):
+        if table.entries[part].sharded:
+            shard = table.to_local(part, full)
+            assert isinstance(shard, nn.Parameter), part
             shard.requires_grad_(value.requires_grad)
             _replace(gm, part, shard)
+        elif whole:
+            _replace(gm, part, value)
+            shared = True
+        else:
+            _replace(gm, part, nn.Parameter(full.clone(), requires_grad=value.requires_grad))
     if shared:
         return value
     placeholder = torch.empty_like(value, device="meta")

@@ -8,7 +8,7 @@
    models predict (``cost_models.step``, ``cost_models.timeline``);
 3. :func:`search_strategies` chooses a strategy per parameter group that minimises the predicted
    step time under a memory limit: it builds each group's options from ``cost_models.step``,
-   solves the exact problem of ``passes.search`` with the activation memory as its base, checks
+   solves the exact problem of ``solver`` with the activation memory as its base, checks
    the answer against the timeline's peak, and tightens the limit by any excess until the
    timeline agrees (the search's separable memory model is an approximation of the timeline).
 """
@@ -25,33 +25,18 @@ import torch
 
 from .capture import Captured, unchanged_state
 from .cost_models.step import group_cost, predict_step_time, regathered_params
-from .cost_models.timeline import (
-    BATCH,
-    GraphFacts,
-    ParamState,
-    graph_facts,
-    predict_step_memory,
-)
+from .cost_models.graph_facts import GraphFacts, ParamState, graph_facts
+from .cost_models.timeline import BATCH, predict_step_memory
 from .devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
 from .errors import InputError, PlanError
 from .passes.precision import cast_params_pass
 from .passes.profile import profile_graph_pass, slowest_rank_times_pass
 from .runtime.collectives import WORLD, group_size
-from .passes.search import solve_min_time
+from .solver import solve_min_time
 from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
-from .plan import (
-    DEFAULT_PREFETCH,
-    FULL_SHARD,
-    MESH_STRATEGIES,
-    REPLICATE,
-    STRATEGIES,
-    ParamSpec,
-    Plan,
-    Prediction,
-    build_plan,
-    requested_splits,
-    resolve_plan,
-)
+from .plan import DEFAULT_PREFETCH, Plan, Prediction
+from .plan_request import ParamSpec, PlanRequest, build_plan, resolve_plan
+from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, STRATEGIES
 from .precision import MixedPrecision, dtype_name
 from .units import format_bytes
 
@@ -136,7 +121,7 @@ def make_plan(
     captured: Captured,
     example_inputs: tuple[Any, ...],
     *,
-    plan: str | os.PathLike[str] | Plan | None,
+    plan: str | os.PathLike[str] | Plan | PlanRequest | None,
     devices: Devices,
     memory_limit_bytes: int | None,
     optimizer: str,
@@ -156,9 +141,10 @@ def make_plan(
     from rank 0). The captured graph is split in place.
     """
     check_optimizer(optimizer)
-    splits = requested_splits(plan)
+    request = PlanRequest.parse(plan)
+    splits = request.splits
     apply_splits(captured, splits)
-    search = plan is None
+    search = request.kind == "search"
     split_search = search and split and devices.world_size > 1
     if split_search or precision is None:
         analysis = analyze(captured, example_inputs, fake=fake)
@@ -193,7 +179,7 @@ def make_plan(
                               prefetch=_prefetch(prefetch),
                               ranks_per_node=devices.ranks_per_node)
     else:
-        resolved = resolve_plan(plan, param_specs(captured), world_size=devices.world_size,
+        resolved = resolve_plan(request, param_specs(captured), world_size=devices.world_size,
                                 ranks_per_node=devices.ranks_per_node,
                                 memory_limit_bytes=memory_limit_bytes)
         if prefetch is not None:

@@ -68,8 +68,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError, PlanError
-from ..units import format_bytes, parse_bytes
+from .errors import InputError, PlanError
+from .units import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
 

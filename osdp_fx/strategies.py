@@ -26,7 +26,7 @@ import enum
 from typing import Literal
 
 __all__ = [
-    "FREED_AFTER_FORWARD", "FULL_SHARD", "HIERARCHICAL", "HYBRID_SHARD", "MESH_STRATEGIES",
+    "COLLECTIVES", "Collective", "FREED_AFTER_FORWARD", "FULL_SHARD", "HIERARCHICAL", "HYBRID_SHARD", "MESH_STRATEGIES",
     "REPLICATE", "SHARDED", "SHARD_GRAD_OP", "STRATEGIES", "Strategy", "StrategyTraits",
     "TRAITS", "traits",
 ]
@@ -44,6 +44,10 @@ class Strategy(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce"]
+"""A collective a strategy issues (``StrategyTraits.reduce_stages``, ``layout.Stage``)."""
+COLLECTIVES: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")
 
 Scope = Literal["world", "intra", "inter"]
 """Which ranks a collective stage spans: all ranks, the ranks of one node, or one rank per node

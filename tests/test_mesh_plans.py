@@ -16,7 +16,7 @@ from osdp_fx.capture import capture
 from osdp_fx.errors import InputError, PlanError
 from osdp_fx.passes.aliases import annotate_aliases_pass
 from osdp_fx.passes.shard import shard_parameters_pass
-from osdp_fx.plan import resolve_plan
+from osdp_fx.plan_request import resolve_plan
 from osdp_fx.planner import param_specs
 from osdp_fx.runtime.hierarchy import ranks_per_node_for, shard_layout
 

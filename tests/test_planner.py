@@ -15,7 +15,8 @@ from osdp_fx.cost_models.timeline import BATCH
 from osdp_fx.devices import Devices
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
-from osdp_fx.plan import MESH_STRATEGIES, build_plan, resolve_plan
+from osdp_fx.plan_request import build_plan, resolve_plan
+from osdp_fx.strategies import MESH_STRATEGIES
 from osdp_fx.planner import (
     MEMORY_MARGIN,
     make_plan,

@@ -10,7 +10,7 @@ from osdp_fx.capture import capture
 from osdp_fx.errors import InputError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.planner import make_plan
-from osdp_fx.plan import resolve_plan
+from osdp_fx.plan_request import resolve_plan
 from osdp_fx.plotting import plot_memory_timeline
 
 pytest.importorskip("matplotlib")

@@ -1,4 +1,4 @@
-"""Tests of the exact search (osdp_fx.passes.search) against brute force and the OSDP seed tables."""
+"""Tests of the exact search (osdp_fx.solver) against brute force and the OSDP seed tables."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from osdp_fx.errors import InputError, PlanError
-from osdp_fx.passes.search import SearchResult, default_granularity_bytes, solve_min_time
+from osdp_fx.solver import SearchResult, default_granularity_bytes, solve_min_time
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_benchmark():

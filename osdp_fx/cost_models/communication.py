@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
+from ..strategies import COLLECTIVES, Collective
 
 if TYPE_CHECKING:
     from ..devices import Devices
@@ -41,8 +42,6 @@ __all__ = [
     "reduce_scatter_time_s",
 ]
 
-Collective = Literal["all_gather", "reduce_scatter", "all_reduce"]
-COLLECTIVES: tuple[str, ...] = get_args(Collective)
 
 
 @dataclasses.dataclass(frozen=True)

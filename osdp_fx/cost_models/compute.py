@@ -4,9 +4,12 @@ Where the profile pass measured a node (``NodeProfile.fwd_time_s``/``bwd_time_s`
 measurement is used; otherwise (``fake=True`` profiles, or hardware one plans for but does not
 have) a roofline::
 
-    time_s = max(flops / devices.compute_flops_per_s, bytes / devices.memory_bandwidth_bytes_per_s)
+    time_s = max(flops / devices.flops_per_s(dtype), bytes / devices.memory_bandwidth_bytes_per_s)
 
-with the bytes a node moves estimated from its profile:
+where ``dtype`` is the dtype the node computes in (``NodeProfile.compute_dtype``):
+``Devices.compute_flops_per_s_by_dtype`` gives tensor-core throughputs (a hardware preset, e.g.
+``Devices.preset("h100-sxm-8x")``, fills it from datasheets), ``compute_flops_per_s`` the
+rest. The bytes a node moves are estimated from its profile:
 
 - forward: inputs read + outputs written (0 for a view, which moves nothing);
 - backward: output gradients read + tensors saved for it read + input gradients written.
@@ -22,7 +25,7 @@ from ..errors import InputError
 
 if TYPE_CHECKING:
     from ..devices import Devices
-    from ..passes.profile import NodeProfile
+    from ..meta import NodeProfile
 
 __all__ = [
     "ComputeTime",
@@ -51,15 +54,18 @@ class ComputeTime:
         return self.fwd_s + self.bwd_s
 
 
-def roofline_time_s(flops: float, bytes_moved: float, devices: Devices) -> float:
-    """``max(flops / compute throughput, bytes / memory bandwidth)`` on one device of ``devices``."""
+def roofline_time_s(flops: float, bytes_moved: float, devices: Devices, *,
+                    dtype: str = "") -> float:
+    """``max(flops / compute throughput, bytes / memory bandwidth)`` on one device of
+    ``devices``, at the throughput of ``dtype`` (a torch dtype name; '' for the default)."""
     if devices.compute_flops_per_s <= 0 or devices.memory_bandwidth_bytes_per_s <= 0:
         raise InputError(
             f"Devices.compute_flops_per_s ({devices.compute_flops_per_s}) and "
             f"memory_bandwidth_bytes_per_s ({devices.memory_bandwidth_bytes_per_s}) must be "
             f"positive: fix them, or measure them with Devices.detect()"
         )
-    return max(flops / devices.compute_flops_per_s, bytes_moved / devices.memory_bandwidth_bytes_per_s)
+    return max(flops / devices.flops_per_s(dtype),
+               bytes_moved / devices.memory_bandwidth_bytes_per_s)
 
 
 def forward_bytes(profile: NodeProfile) -> int:
@@ -86,10 +92,11 @@ def node_compute_time_s(profile: NodeProfile | None, devices: Devices) -> Comput
     fwd_s = profile.fwd_time_s
     bwd_s = profile.bwd_time_s
     measured = fwd_s is not None and bwd_s is not None
+    dtype = profile.compute_dtype
     if fwd_s is None:
-        fwd_s = roofline_time_s(profile.fwd_flops, forward_bytes(profile), devices)
+        fwd_s = roofline_time_s(profile.fwd_flops, forward_bytes(profile), devices, dtype=dtype)
     if bwd_s is None:
-        bwd_s = roofline_time_s(profile.bwd_flops, backward_bytes(profile), devices)
+        bwd_s = roofline_time_s(profile.bwd_flops, backward_bytes(profile), devices, dtype=dtype)
     return ComputeTime(fwd_s=fwd_s, bwd_s=bwd_s, measured=measured)
 
 

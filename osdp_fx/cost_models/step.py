@@ -20,8 +20,12 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   = ``2 Pp`` for full_shard, hybrid_shard and hierarchical (a re-gathered parameter and its full
   gradient in backward), ``Pp`` for shard_grad_op (the full gradient before its reduce-scatter).
 
-A plan's predicted step time is total compute + the communication of every group (today's runtime
-overlaps nothing) + the optimizer; its peak memory comes from :mod:`.timeline`. Both are also
+A plan's predicted step time is total compute + the communication of every group + the
+optimizer: the model adds them and credits no overlap, although the runtime prefetches
+all-gathers and runs gradient reduce-scatters and all-reduces asynchronously during backward (on
+this project's 2-core CPU machine gloo's threads compete with the computation, and the sum
+predicts measured steps within ±30 %, ``docs/cost-models.md``). Its peak memory comes from
+:mod:`.timeline`. Both are also
 given as functions of the per-rank batch size ``b`` (compute and activations scale with ``b``).
 """
 
@@ -41,7 +45,8 @@ from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
 from ..layout import shard_count
 from ..plan import collective_stages
 from ..strategies import traits
-from .timeline import BATCH, GraphFacts, ParamState, sharded_gather_buckets
+from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets
+from .timeline import BATCH
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
 """Bytes one optimizer step moves per fp32 element: reads and writes of the parameter, gradient
@@ -57,7 +62,7 @@ class GroupCost:
     compute_s: float
     """Forward + backward time of the operators attributed to the group."""
     comm_s: float
-    """Time of the group's collectives (not overlapped)."""
+    """Time of the group's collectives (the model credits no overlap with computation)."""
     comm_bytes: int
     """Bytes of the buffers the group's collectives move (sum over collectives)."""
     optim_s: float
@@ -156,7 +161,7 @@ class StepTime:
     compute_s: float
     """Forward + backward of every operator."""
     comm_s: float
-    """Collectives (none overlapped today)."""
+    """Collectives (added to compute: the model credits no overlap)."""
     optim_s: float
     """Optimizer step."""
     step_time_expr: sympy.Expr

@@ -19,7 +19,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_leaves
 
 from ..capture import unchanged_state
-from ..meta import osdp_meta, set_osdp_meta
+from ..meta import NodeRole, osdp_meta, set_osdp_meta
 from .profile import fake_of
 
 
@@ -37,7 +37,7 @@ class _AliasInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        if osdp_meta(n).role == "cast" and isinstance(result, torch.Tensor):
+        if osdp_meta(n).role == NodeRole.CAST and isinstance(result, torch.Tensor):
             # A mixed-precision cast is the parameter as computed with: its views count too.
             # Keep it alive, so that no later tensor reuses its storage's address.
             self.casts.append(result)
@@ -61,7 +61,7 @@ def annotate_aliases_pass(gm: fx.GraphModule, example_inputs: tuple[Any, ...], *
     export graph's tensor factories name) runs under FakeTensorMode, its meta tensors standing
     in as fake tensors of ``meta_device``."""
     params = {n.target: gm.get_parameter(n.target) for n in gm.graph.nodes
-              if n.op == "get_attr" and osdp_meta(n).role == "param"}
+              if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM}
     mode: Any = contextlib.nullcontext()
     fakes: dict[int, torch.Tensor] = {}
     if meta_device is not None:

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from ..meta import osdp_meta, set_osdp_meta
+from ..meta import NodeRole, osdp_meta, set_osdp_meta
 from ..precision import cast_input, cast_param
 
 
@@ -34,10 +34,10 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
     """Insert the casts of the module docstring for compute dtype ``dtype``."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    params = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == "param"
+    params = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM
               and gm.get_parameter(n.target).is_floating_point()]
     for node in [*placeholders, *params]:
-        fn, role = (cast_input, "cast_input") if node.op == "placeholder" else (cast_param, "cast")
+        fn, role = (cast_input, NodeRole.CAST_INPUT) if node.op == "placeholder" else (cast_param, NodeRole.CAST)
         with graph.inserting_after(placeholders[-1] if node.op == "placeholder" else node):
             cast = graph.call_function(fn, (node, dtype))
         set_osdp_meta(cast, role=role, param=osdp_meta(node).param)
@@ -74,5 +74,5 @@ def _traced_as_same_dtype_conversion(node: fx.Node) -> bool:
 
 def cast_of(node: fx.Node) -> fx.Node | None:
     """The ``cast_param`` node of a parameter's get_attr, if the graph has one."""
-    casts = [u for u in node.users if osdp_meta(u).role == "cast"]
+    casts = [u for u in node.users if osdp_meta(u).role == NodeRole.CAST]
     return casts[0] if casts else None

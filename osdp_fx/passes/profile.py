@@ -27,7 +27,9 @@ It is an analysis pass: the graph is not changed. Each node gets ``osdp_meta(nod
 With ``fake=True`` the graph runs under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
 (parameters and inputs may be real, fake or on the ``meta`` device; meta tensors are profiled as
 tensors of ``meta_device``, the CPU by default): FLOPs and bytes are exact, times are None and
-the compute cost model uses a roofline instead.
+the compute cost model uses a roofline instead (at the throughput of the dtype each node computes
+in, ``NodeProfile.compute_dtype``). Long profiles report progress node by node
+(``osdp_fx.progress``, [Note: progress]).
 """
 
 from __future__ import annotations
@@ -35,10 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import operator
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,11 +46,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils import _pytree as pytree
 from torch.utils import flop_counter
-from torch.utils.flop_counter import FlopCounterMode
 
+from .. import progress
 from ..errors import InputError, PlanMismatchError
-from ..meta import osdp_meta, set_osdp_meta
+from ..meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..runtime.memory import LiveTensorTracker
+from .profile_node import PreparedInputs, profile_compute_node, storage_key, tensor_bytes
+from .profile_node import tensors as _tensor_list
 
 log = logging.getLogger(__name__)
 
@@ -95,55 +96,6 @@ def _register_cpu_sdpa_flop_formulas() -> None:
 
 
 _register_cpu_sdpa_flop_formulas()
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeProfile:
-    """Measured costs of one node, for one training step at the profiled batch size."""
-
-    fwd_flops: int
-    """FLOPs of the node's forward (FlopCounterMode: matmuls, convolutions, attention)."""
-    bwd_flops: int
-    """FLOPs of the node's backward: gradients of its inputs that require grad."""
-    input_bytes: int
-    """Bytes of the tensors the node reads (arguments, parameters included)."""
-    output_bytes: int
-    """Bytes of the tensors the node returns (numel x element size, summed over outputs)."""
-    output_is_view: bool
-    """True when every tensor output shares storage with an input or parameter (no new memory)."""
-    saved_bytes: int
-    """Bytes of the distinct storages autograd keeps for backward, parameters' storages excluded."""
-    saved_inputs: tuple[str, ...]
-    """Names of the argument nodes whose tensors are among those saved (shared activations)."""
-    grad_input_bytes: int
-    """Bytes of the gradients the backward produces (0 when no input requires grad)."""
-    param_bytes: int
-    """For a parameter's get_attr node: numel x element size of the parameter; else 0."""
-    fwd_time_s: float | None
-    """Median measured forward time (autograd recording on); None when profiled with fake=True."""
-    bwd_time_s: float | None
-    """Median measured backward time; None when profiled with fake=True."""
-    saved_params: tuple[str, ...] = ()
-    """Names of the parameter (get_attr) argument nodes whose tensors autograd saves."""
-    saved_output_bytes: int = 0
-    """Bytes of the node's own outputs among the saved storages (counted in saved_bytes too)."""
-    saved_input_bytes: int = 0
-    """Bytes of the saved storages that are the node's (non-parameter) inputs."""
-    fwd_transient_bytes: int = 0
-    """Peak bytes the forward allocates beyond what it leaves alive (workspaces); 0 if fake."""
-    bwd_transient_bytes: int = 0
-    """Peak bytes the backward allocates beyond the gradients it returns; 0 if fake."""
-
-    @classmethod
-    def zero(cls, *, output_bytes: int = 0, param_bytes: int = 0, output_is_view: bool = False,
-             timed: bool = True) -> NodeProfile:
-        """A node that costs nothing to run (placeholder, output, guards, non-tensor ops)."""
-        time_s = 0.0 if timed else None
-        return cls(
-            fwd_flops=0, bwd_flops=0, input_bytes=0, output_bytes=output_bytes,
-            output_is_view=output_is_view, saved_bytes=0, saved_inputs=(), grad_input_bytes=0,
-            param_bytes=param_bytes, fwd_time_s=time_s, bwd_time_s=time_s,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +176,7 @@ def profile_graph_pass(
             f"profile_graph_pass needs warmup >= 0 and repeats >= 1, got warmup={warmup}, "
             f"repeats={repeats}"
         )
-    tensors = _tensors(list(example_inputs)) + list(gm.parameters())
+    tensors = _tensor_list(list(example_inputs)) + list(gm.parameters())
     if not fake and any(_is_fake_or_meta(t) for t in tensors):
         raise InputError(
             "profile_graph_pass got fake or meta tensors among the example inputs or parameters; "
@@ -288,34 +240,6 @@ def _is_fake_or_meta(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or is_fake(t)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
-
-
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.dtype.is_floating_point or t.dtype.is_complex
-
-
-@dataclasses.dataclass
-class _PreparedInputs:
-    """Fresh copies of one node's inputs, ready for a local forward and backward."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    leaves: list[torch.Tensor]
-    """Leaf tensors requiring grad that the backward differentiates with respect to."""
-    storages: dict[int, str]
-    """Storage key of each prepared input -> name of the node it came from."""
-
-
 def fake_of(value: torch.Tensor, fake_mode: FakeTensorMode,
             meta_device: torch.device) -> torch.Tensor:
     """A fake tensor of ``fake_mode`` like ``value``; a meta tensor becomes one of
@@ -342,7 +266,8 @@ class _NodeProfiler(fx.Interpreter):
             self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._fake_attrs: dict[int, Any] = {}
         self._param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-        self._param_storages: set[int] = set()
+        self.param_storages: set[int] = set()
+        self._task: progress.Task | None = None
 
     # -- running ---------------------------------------------------------------------------
 
@@ -367,7 +292,7 @@ class _NodeProfiler(fx.Interpreter):
             params = [self._to_fake(p) for p in self.module.parameters()]
         else:
             params = list(self.module.parameters())
-        self._param_storages = {_storage_key(p) for p in params}
+        self.param_storages = {storage_key(p) for p in params}
         num_placeholders = sum(1 for n in self.graph.nodes if n.op == "placeholder")
         flat_inputs = self.graph.process_inputs(*example_inputs)
         if len(flat_inputs) != num_placeholders:
@@ -375,7 +300,9 @@ class _NodeProfiler(fx.Interpreter):
                 f"profile_graph_pass got {len(flat_inputs)} example inputs for a graph with "
                 f"{num_placeholders} placeholders; pass the positional inputs of the model's forward"
             )
-        self.run(*flat_inputs, enable_io_processing=False)
+        with progress.task("profile", total=len(self.graph.nodes), unit="nodes") as task:
+            self._task = task
+            self.run(*flat_inputs, enable_io_processing=False)
 
     def get_attr(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         value = super().get_attr(target, args, kwargs)
@@ -394,19 +321,21 @@ class _NodeProfiler(fx.Interpreter):
                 f"as gm(*example_inputs)"
             ) from e
         set_osdp_meta(n, profile=profile)
+        if self._task is not None:
+            self._task.advance()
         return result
 
     def _run_and_profile(self, n: fx.Node) -> tuple[Any, NodeProfile]:
         timed = self.fake_mode is None
         if n.op == "placeholder":
             result = super().run_node(n)
-            return result, NodeProfile.zero(output_bytes=_tensor_bytes(result), timed=timed)
+            return result, NodeProfile.zero(output_bytes=tensor_bytes(result), timed=timed)
         if n.op == "get_attr":
             result = super().run_node(n)
             is_param = n.target in self._param_names
             return result, NodeProfile.zero(
-                output_bytes=_tensor_bytes(result),
-                param_bytes=_tensor_bytes(result) if is_param else 0,
+                output_bytes=tensor_bytes(result),
+                param_bytes=tensor_bytes(result) if is_param else 0,
                 output_is_view=True,
                 timed=timed,
             )
@@ -418,174 +347,15 @@ class _NodeProfiler(fx.Interpreter):
                 f"profile pass expects every parameter to be read by a get_attr node: capture the "
                 f"model with osdp_fx.capture (which normalizes modules into functional calls) first"
             )
-        return self._profile_compute_node(n)
+        return profile_compute_node(self, n)
 
     # -- one compute node --------------------------------------------------------------------
 
-    def _prepare(self, n: fx.Node, args: Any, kwargs: Any) -> _PreparedInputs:
-        """Copies of the node's inputs: parameters as detached leaves (their storage kept),
-        activations as ``detach().requires_grad_().clone()`` so in-place ops stay legal."""
-        names: dict[int, str] = {}
-        for inp in n.all_input_nodes:
-            for t in _tensors(self.env.get(inp)):
-                names.setdefault(id(t), inp.name)
-        leaves: list[torch.Tensor] = []
-        storages: dict[int, str] = {}
-        memo: dict[int, torch.Tensor] = {}
-
-        def prepare(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if id(t) in memo:
-                return memo[id(t)]
-            needs_grad = t.requires_grad and _differentiable(t)
-            overlaps = any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.size()))
-            if _storage_key(t) in self._param_storages or t.is_contiguous() or overlaps:
-                leaf = t.detach().requires_grad_(needs_grad)
-                fresh = leaf if _storage_key(t) in self._param_storages else leaf.clone()
-            else:  # keep the exact strides: ops such as reshape copy only non-contiguous inputs
-                with torch.no_grad():
-                    buffer = torch.empty(t.untyped_storage().nbytes() // t.element_size(),
-                                         dtype=t.dtype, device=t.device)
-                    leaf = buffer.as_strided(t.size(), t.stride(), t.storage_offset()).copy_(t)
-                fresh = leaf.requires_grad_(needs_grad)
-            if needs_grad:
-                leaves.append(leaf)
-            if id(t) in names:
-                storages[_storage_key(fresh)] = names[id(t)]
-            memo[id(t)] = fresh
-            return fresh
-
-        new_args, new_kwargs = pytree.tree_map(prepare, (tuple(args), dict(kwargs)))
-        return _PreparedInputs(new_args, new_kwargs, leaves, storages)
-
-    def _tracker(self) -> Any:
+    def tracker(self) -> Any:
         """A live-tensor tracker for real runs (nothing to count under fake mode)."""
         return LiveTensorTracker() if self.fake_mode is None else contextlib.nullcontext()
 
-    def _call(self, n: fx.Node, inputs: _PreparedInputs) -> Any:
+    def call(self, n: fx.Node, inputs: PreparedInputs) -> Any:
         with torch.enable_grad():
             return getattr(self, n.op)(n.target, inputs.args, inputs.kwargs)
 
-    def _grad_outputs(self, n: fx.Node, result: Any) -> list[torch.Tensor]:
-        """Outputs the backward starts from: those requiring grad that a user reads."""
-        if isinstance(result, (tuple, list)) and n.users and all(
-            u.op == "call_function" and u.target is operator.getitem for u in n.users
-        ):
-            used = {u.args[1] for u in n.users}
-            result = [r for i, r in enumerate(result) if i in used]
-        return [t for t in _tensors(result) if t.requires_grad]
-
-    def _profile_compute_node(self, n: fx.Node) -> tuple[Any, NodeProfile]:
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        inputs = self._prepare(n, args, kwargs)
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.setdefault(_storage_key(t), t.untyped_storage().nbytes())
-            # Detached: an op that saves its own output would otherwise hold it through its
-            # grad_fn, a C++ reference cycle that retain_graph keeps alive for good.
-            return t.detach()
-
-        fwd_tracker = self._tracker()
-        with FlopCounterMode(display=False) as fwd_counter, fwd_tracker:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                result = self._call(n, inputs)
-        outputs = _tensors(result)
-        if not outputs:  # shape arithmetic, asserts: nothing worth timing
-            profile = NodeProfile.zero(timed=self.fake_mode is None)
-            return result, dataclasses.replace(profile, fwd_flops=fwd_counter.get_total_flops())
-        input_storages = set(inputs.storages) | self._param_storages
-        input_storages |= {_storage_key(t) for t in _tensors((inputs.args, inputs.kwargs))}
-
-        grad_outputs = self._grad_outputs(n, result)
-        seeds = [torch.ones_like(t) for t in grad_outputs]
-        bwd_flops, grad_input_bytes, bwd_transient_bytes = 0, 0, 0
-        has_backward = bool(grad_outputs and inputs.leaves)
-        if has_backward:
-            bwd_tracker = self._tracker()
-            with FlopCounterMode(display=False) as bwd_counter, bwd_tracker:
-                grads = torch.autograd.grad(
-                    grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
-                )
-            bwd_transient_bytes = _transient_bytes(bwd_tracker)
-            bwd_flops = bwd_counter.get_total_flops()
-            grad_input_bytes = _tensor_bytes([g for g in grads if g is not None])
-
-        fwd_time_s: float | None = None
-        bwd_time_s: float | None = None
-        if self.fake_mode is None:
-            fwd_time_s = self._median_time_s(lambda: self._prepare(n, args, kwargs),
-                                             lambda prepared: self._call(n, prepared))
-            bwd_time_s = 0.0
-            if has_backward:
-                bwd_time_s = self._median_time_s(
-                    lambda: None,
-                    lambda _: torch.autograd.grad(
-                        grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
-                    ),
-                )
-
-        saved_storages = {k: v for k, v in saved.items() if k not in self._param_storages}
-        output_storages = {_storage_key(t) for t in outputs}
-        profile = NodeProfile(
-            fwd_flops=fwd_counter.get_total_flops(),
-            bwd_flops=bwd_flops,
-            input_bytes=_tensor_bytes((inputs.args, inputs.kwargs)),
-            output_bytes=_tensor_bytes(result),
-            output_is_view=bool(outputs)
-            and all(_storage_key(t) in input_storages for t in outputs),
-            saved_bytes=sum(saved_storages.values()),
-            saved_inputs=tuple(sorted({inputs.storages[k] for k in saved_storages
-                                       if k in inputs.storages})),
-            grad_input_bytes=grad_input_bytes,
-            param_bytes=0,
-            fwd_time_s=fwd_time_s,
-            bwd_time_s=bwd_time_s,
-            saved_params=tuple(sorted({inputs.storages[k] for k in saved
-                                       if k in self._param_storages and k in inputs.storages})),
-            saved_output_bytes=sum(v for k, v in saved_storages.items()
-                                   if k in output_storages and k not in input_storages),
-            saved_input_bytes=sum(v for k, v in saved_storages.items() if k in inputs.storages),
-            fwd_transient_bytes=_transient_bytes(fwd_tracker),
-            bwd_transient_bytes=bwd_transient_bytes,
-        )
-        return self._detached(result), profile
-
-    @staticmethod
-    def _detached(result: Any) -> Any:
-        """The node's value for its users: cut from the local autograd graph, same flags."""
-
-        def detach(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            return t.detach().requires_grad_(t.requires_grad and _differentiable(t))
-
-        return pytree.tree_map(detach, result)
-
-    def _median_time_s(self, setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
-        times: list[float] = []
-        for i in range(self.warmup + self.repeats):
-            state = setup()
-            _synchronize()
-            start = time.perf_counter()
-            out = run(state)
-            _synchronize()
-            elapsed = time.perf_counter() - start
-            if i >= self.warmup:
-                times.append(elapsed)
-            del out, state
-        return statistics.median(times)
-
-
-def _transient_bytes(tracker: Any) -> int:
-    """Peak minus what stayed alive, for a LiveTensorTracker (0 for a null context)."""
-    if not isinstance(tracker, LiveTensorTracker):
-        return 0
-    return max(0, tracker.peak_bytes - tracker.live_bytes)
-
-
-def _synchronize() -> None:
-    """Wait for queued device work (CUDA runs asynchronously; CPU needs nothing)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()

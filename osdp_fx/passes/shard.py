@@ -52,7 +52,7 @@ from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..capture import set_attr
-from ..meta import osdp_meta, set_osdp_meta
+from ..meta import NodeRole, osdp_meta, set_osdp_meta
 from ..buckets import gather_buckets
 from ..plan import Plan
 from ..strategies import traits
@@ -89,7 +89,7 @@ def _bucket_small_gathers(gm: fx.GraphModule, world_size: int) -> None:
     """Merge each bucket of :func:`gather_buckets` into one ``all_gather_params`` node whose
     outputs (``getitem``) replace the members' gathers."""
     graph = gm.graph
-    gathers = [n for n in graph.nodes if osdp_meta(n).role == "all_gather"]
+    gathers = [n for n in graph.nodes if osdp_meta(n).role == NodeRole.ALL_GATHER]
 
     def gathered_bytes(node: fx.Node) -> int:
         shard = gm.get_parameter(node.args[0].target)
@@ -111,12 +111,12 @@ def _bucket_small_gathers(gm: fx.GraphModule, world_size: int) -> None:
                 all_gather_params,
                 (shards, tuple(m.args[1] for m in members), head.args[2], head.args[3]),
                 dict(head.kwargs))
-        set_osdp_meta(merged, role="all_gather", aliases=frozenset())
+        set_osdp_meta(merged, role=NodeRole.ALL_GATHER, aliases=frozenset())
         cursor = merged
         for i, member in enumerate(members):
             with graph.inserting_after(cursor):
                 cursor = graph.call_function(operator.getitem, (merged, i))
-            set_osdp_meta(cursor, role="gathered", param=osdp_meta(member).param)
+            set_osdp_meta(cursor, role=NodeRole.GATHERED, param=osdp_meta(member).param)
             member.replace_all_uses_with(cursor)
             graph.erase_node(member)
 
@@ -124,7 +124,7 @@ def _bucket_small_gathers(gm: fx.GraphModule, world_size: int) -> None:
 def _insert_prefetches(graph: fx.Graph, distance: int) -> None:
     """Start each all-gather ``distance`` gathers early: right after the gather ``distance``
     places before it in graph order, so it overlaps the computation in between."""
-    gathers = [n for n in graph.nodes if osdp_meta(n).role == "all_gather"]
+    gathers = [n for n in graph.nodes if osdp_meta(n).role == NodeRole.ALL_GATHER]
     for anchor, target in zip(gathers, gathers[distance:]) if distance > 0 else ():
         shard, _, _, group = target.args
         bucket = isinstance(shard, tuple)
@@ -136,7 +136,7 @@ def _insert_prefetches(graph: fx.Graph, distance: int) -> None:
             started = graph.call_function(prefetch_params if bucket else prefetch_param,
                                           (shard, group),
                                           {k: v for k, v in target.kwargs.items() if k == "dtype"})
-        set_osdp_meta(started, role="prefetch")
+        set_osdp_meta(started, role=NodeRole.PREFETCH)
         target.args = (*target.args, started)
 
 
@@ -150,7 +150,7 @@ def shard_parameters_pass(
     use the two-level groups of the plan's mesh (``runtime.hierarchy.init_mesh``)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    param_nodes = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == "param"]
+    param_nodes = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM]
     n_gathers = n_frees = 0
     for node in param_nodes:
         entry = plan[node.target]
@@ -171,7 +171,7 @@ def shard_parameters_pass(
             gathered = graph.call_function(
                 all_gather_param, (node, entry.shape, entry.strategy, layout.group), kwargs
             )
-        set_osdp_meta(gathered, role="all_gather", param=node.target, aliases=frozenset())
+        set_osdp_meta(gathered, role=NodeRole.ALL_GATHER, param=node.target, aliases=frozenset())
         if cast is not None:
             cast.replace_all_uses_with(gathered)
             graph.erase_node(cast)
@@ -187,7 +187,7 @@ def shard_parameters_pass(
         last_use = max(uses, key=lambda u: order.get(u, -1))
         with graph.inserting_after(last_use):
             freed = graph.call_function(free_param, (gathered,))
-        set_osdp_meta(freed, role="free", param=node.target)
+        set_osdp_meta(freed, role=NodeRole.FREE, param=node.target)
         n_frees += 1
 
     _bucket_small_gathers(gm, world_size)

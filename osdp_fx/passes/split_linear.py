@@ -49,7 +49,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..capture import Captured, ParamInfo, set_attr
 from ..errors import PlanError
-from ..meta import osdp_meta, set_osdp_meta
+from ..meta import NodeRole, osdp_meta, set_osdp_meta
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class LinearSite:
 def linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
     """Splittable linear operators of a normalised graph, by weight name."""
     params = {n: osdp_meta(n).param for n in gm.graph.nodes
-              if n.op == "get_attr" and osdp_meta(n).role == "param"}
+              if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM}
     sites = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -170,11 +170,11 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
         for i in range(len(specs[weight].parts)):
             with graph.inserting_before(node):
                 w = graph.get_attr(part_params[weight][i])
-                set_osdp_meta(w, role="param", param=part_params[weight][i])
+                set_osdp_meta(w, role=NodeRole.PARAM, param=part_params[weight][i])
                 b = None
                 if site.bias is not None:
                     b = graph.get_attr(part_params[site.bias][i])
-                    set_osdp_meta(b, role="param", param=part_params[site.bias][i])
+                    set_osdp_meta(b, role=NodeRole.PARAM, param=part_params[site.bias][i])
                 if node.target in _LINEARS:
                     args = (node.args[0], w, b)
                 elif node.target in _ADDMM:

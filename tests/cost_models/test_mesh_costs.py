@@ -7,7 +7,7 @@ import pytest
 from osdp_fx.cost_models.communication import all_gather_time_s, all_reduce_time_s
 from osdp_fx.cost_models.memory import param_memory, persistent_bytes
 from osdp_fx.cost_models.step import group_cost
-from osdp_fx.cost_models.timeline import ParamState
+from osdp_fx.cost_models.graph_facts import ParamState
 from osdp_fx.devices import Devices
 from osdp_fx.plan import Stage, collective_stages, shard_count
 

@@ -31,7 +31,8 @@ from osdp_fx.examples import lm_loss
 from osdp_fx.meta import osdp_meta
 from osdp_fx.passes.aliases import annotate_aliases_pass
 from osdp_fx.passes.shard import make_shard, shard_parameters_pass
-from osdp_fx.plan import ParamSpec, Plan, build_plan
+from osdp_fx.plan import Plan
+from osdp_fx.plan_request import ParamSpec, build_plan
 from osdp_fx.buckets import SMALL_PARAM_BYTES, gather_buckets
 from osdp_fx.runtime.params import (
     all_gather_param,

@@ -1,0 +1,129 @@
+"""What the memory and step-time models read off a profiled, normalised graph: which storage
+each node's output shares, who saves it for backward, where gradients flow, and the parameter
+groups with their strategies (:class:`ParamState`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from torch import fx
+
+from ..buckets import gather_buckets
+from ..errors import InputError
+from ..meta import NodeRole, osdp_meta
+from ..strategies import traits
+from .memory import gathered_param_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamState:
+    """What the timeline needs about one parameter group."""
+
+    numel: int
+    """Elements of the full parameter."""
+    element_size: int
+    """Bytes per element."""
+    strategy: str
+    """replicate, shard_grad_op or full_shard."""
+    trainable: bool
+    """Whether it gets a gradient and optimizer state."""
+    compute_element_size: int | None = None
+    """Mixed precision: bytes per element of the gathered / cast parameter (None: its own)."""
+    reduce_element_size: int | None = None
+    """Mixed precision: bytes per element of the reduced gradient (None: its own)."""
+
+    @property
+    def compute_size(self) -> int:
+        return self.compute_element_size or self.element_size
+
+    @property
+    def reduce_size(self) -> int:
+        return self.reduce_element_size or self.element_size
+
+
+@dataclasses.dataclass
+class GraphFacts:
+    """Storage roots, savers and gradient flow of a profiled, normalised graph."""
+
+    nodes: list[fx.Node]
+    """Nodes in graph order."""
+    pos: dict[fx.Node, int]
+    """Index of each node."""
+    profile: dict[fx.Node, Any]
+    """Each node's NodeProfile."""
+    root: dict[fx.Node, fx.Node]
+    """The node whose output storage each node's output shares (itself if new)."""
+    members: dict[fx.Node, list[fx.Node]]
+    """Nodes sharing each root's storage."""
+    savers: dict[fx.Node, list[fx.Node]]
+    """Nodes that save (a view of) each root's storage for backward."""
+    requires_grad: dict[fx.Node, bool]
+    """Whether each node's output takes part in backward."""
+    param_of: dict[fx.Node, str]
+    """Parameter get_attr nodes and their group names."""
+
+    def param_uses(self, node: fx.Node) -> list[fx.Node]:
+        """Nodes that read parameter node ``node`` or a view of it (excluding the views)."""
+        return [u for m in self.members[node] for u in m.users if self.root[u] is not node]
+
+
+def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts:
+    """Analyse ``gm`` (profiled by ``profile_graph_pass``); ``trainable`` by parameter group."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    prof = {n: osdp_meta(n).profile for n in nodes}
+    missing = [n for n in nodes if prof[n] is None]
+    if missing:
+        raise InputError(f"node {missing[0].format_node()} has no profile: run "
+                         "profile_graph_pass on the graph first")
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        inputs = [a for a in n.all_input_nodes if prof[a].output_bytes > 0]
+        # a parameter's mixed-precision cast counts as the parameter (its compute copy)
+        view = inputs and n.op != "get_attr" and (prof[n].output_is_view
+                                                  or osdp_meta(n).role == NodeRole.CAST)
+        root[n] = root[inputs[0]] if view else n
+    param_of = {n: osdp_meta(n).param for n in nodes if n.op == "get_attr" and osdp_meta(n).param}
+    requires_grad: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n in param_of:
+            requires_grad[n] = trainable[param_of[n]]
+        else:
+            requires_grad[n] = (
+                n.op not in ("placeholder", "get_attr") and prof[n].output_bytes > 0
+                and any(requires_grad[a] for a in n.all_input_nodes))
+    members: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        members[root[n]].append(n)
+    savers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for j in nodes:
+        p = prof[j]
+        for name in (*p.saved_inputs, *p.saved_params):
+            savers[root[by_name[name]]].append(j)
+        if p.saved_output_bytes:
+            savers[root[j]].append(j)
+    return GraphFacts(nodes, pos, prof, root, members, savers, requires_grad, param_of)
+
+
+def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
+                           world_size: int) -> list[list[fx.Node]]:
+    """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
+    the runtime issues them: by first use, runs of small ``full_shard``/``shard_grad_op``
+    parameters bucketed into one (``passes.shard.gather_buckets``)."""
+    sharded = [n for n, name in facts.param_of.items()
+               if traits(params[name].strategy).sharded and facts.param_uses(n)]
+    first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
+    order = sorted(sharded, key=first.__getitem__)
+
+    def key(n: fx.Node) -> tuple[str, int]:
+        state = params[facts.param_of[n]]
+        flat = not traits(state.strategy).needs_mesh
+        return (state.strategy if flat else f"mesh {n}",
+                gathered_param_bytes(state.numel, element_size=state.element_size,
+                                     world_size=world_size))
+
+    return [[order[i] for i in b] for b in gather_buckets([key(n) for n in order])]

@@ -1,0 +1,227 @@
+"""Profiling one compute node alone: its inputs copied, its forward and a local backward run
+under FLOP counters, saved-tensor hooks and a live-tensor tracker, and both timed.
+
+The profile pass (``passes/profile.py``) walks the graph and calls :func:`profile_compute_node`
+for every node that computes; its docstring says what is measured and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..meta import NodeProfile
+from ..runtime.memory import LiveTensorTracker
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(value))
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+@dataclasses.dataclass
+class PreparedInputs:
+    """Fresh copies of one node's inputs, ready for a local forward and backward."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    leaves: list[torch.Tensor]
+    """Leaf tensors requiring grad that the backward differentiates with respect to."""
+    storages: dict[int, str]
+    """Storage key of each prepared input -> name of the node it came from."""
+
+
+def prepare_inputs(profiler: Any, n: fx.Node, args: Any, kwargs: Any) -> PreparedInputs:
+    """Copies of the node's inputs: parameters as detached leaves (their storage kept),
+    activations as ``detach().requires_grad_().clone()`` so in-place ops stay legal."""
+    names: dict[int, str] = {}
+    for inp in n.all_input_nodes:
+        for t in tensors(profiler.env.get(inp)):
+            names.setdefault(id(t), inp.name)
+    leaves: list[torch.Tensor] = []
+    storages: dict[int, str] = {}
+    memo: dict[int, torch.Tensor] = {}
+
+    def prepare(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) in memo:
+            return memo[id(t)]
+        needs_grad = t.requires_grad and differentiable(t)
+        overlaps = any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.size()))
+        if storage_key(t) in profiler.param_storages or t.is_contiguous() or overlaps:
+            leaf = t.detach().requires_grad_(needs_grad)
+            fresh = leaf if storage_key(t) in profiler.param_storages else leaf.clone()
+        else:  # keep the exact strides: ops such as reshape copy only non-contiguous inputs
+            with torch.no_grad():
+                buffer = torch.empty(t.untyped_storage().nbytes() // t.element_size(),
+                                     dtype=t.dtype, device=t.device)
+                leaf = buffer.as_strided(t.size(), t.stride(), t.storage_offset()).copy_(t)
+            fresh = leaf.requires_grad_(needs_grad)
+        if needs_grad:
+            leaves.append(leaf)
+        if id(t) in names:
+            storages[storage_key(fresh)] = names[id(t)]
+        memo[id(t)] = fresh
+        return fresh
+
+    new_args, new_kwargs = pytree.tree_map(prepare, (tuple(args), dict(kwargs)))
+    return PreparedInputs(new_args, new_kwargs, leaves, storages)
+
+
+def outputs_to_differentiate(n: fx.Node, result: Any) -> list[torch.Tensor]:
+    """Outputs the backward starts from: those requiring grad that a user reads."""
+    if isinstance(result, (tuple, list)) and n.users and all(
+        u.op == "call_function" and u.target is operator.getitem for u in n.users
+    ):
+        used = {u.args[1] for u in n.users}
+        result = [r for i, r in enumerate(result) if i in used]
+    return [t for t in tensors(result) if t.requires_grad]
+
+
+def detached(result: Any) -> Any:
+    """The node's value for its users: cut from the local autograd graph, same flags."""
+
+    def detach(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().requires_grad_(t.requires_grad and differentiable(t))
+
+    return pytree.tree_map(detach, result)
+
+
+def median_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, warmup: int,
+                  repeats: int) -> float:
+    """Median seconds of ``run(setup())`` over ``repeats`` runs after ``warmup`` (device work
+    waited for)."""
+    times: list[float] = []
+    for i in range(warmup + repeats):
+        state = setup()
+        synchronize()
+        start = time.perf_counter()
+        out = run(state)
+        synchronize()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed)
+        del out, state
+    return statistics.median(times)
+
+
+def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
+    """Run one compute node alone on copies of its inputs and measure it (``profile.py``'s
+    docstring); ``profiler`` is the running ``_NodeProfiler``. Returns the node's value for its
+    users and its profile."""
+
+    def timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
+        return median_time_s(setup, run, warmup=profiler.warmup, repeats=profiler.repeats)
+
+    args, kwargs = profiler.fetch_args_kwargs_from_env(n)
+    inputs = prepare_inputs(profiler, n, args, kwargs)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.setdefault(storage_key(t), t.untyped_storage().nbytes())
+        # Detached: an op that saves its own output would otherwise hold it through its
+        # grad_fn, a C++ reference cycle that retain_graph keeps alive for good.
+        return t.detach()
+
+    fwd_tracker = profiler.tracker()
+    with FlopCounterMode(display=False) as fwd_counter, fwd_tracker:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = profiler.call(n, inputs)
+    outputs = tensors(result)
+    if not outputs:  # shape arithmetic, asserts: nothing worth timing
+        profile = NodeProfile.zero(timed=profiler.fake_mode is None)
+        return result, dataclasses.replace(profile, fwd_flops=fwd_counter.get_total_flops())
+    input_storages = set(inputs.storages) | profiler.param_storages
+    input_storages |= {storage_key(t) for t in tensors((inputs.args, inputs.kwargs))}
+
+    grad_outputs = outputs_to_differentiate(n, result)
+    seeds = [torch.ones_like(t) for t in grad_outputs]
+    bwd_flops, grad_input_bytes, bwd_transient_bytes = 0, 0, 0
+    has_backward = bool(grad_outputs and inputs.leaves)
+    if has_backward:
+        bwd_tracker = profiler.tracker()
+        with FlopCounterMode(display=False) as bwd_counter, bwd_tracker:
+            grads = torch.autograd.grad(
+                grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
+            )
+        bwd_transient_bytes = transient_bytes(bwd_tracker)
+        bwd_flops = bwd_counter.get_total_flops()
+        grad_input_bytes = tensor_bytes([g for g in grads if g is not None])
+
+    fwd_time_s: float | None = None
+    bwd_time_s: float | None = None
+    if profiler.fake_mode is None:
+        fwd_time_s = timed(lambda: prepare_inputs(profiler, n, args, kwargs),
+                           lambda prepared: profiler.call(n, prepared))
+        bwd_time_s = 0.0
+        if has_backward:
+            bwd_time_s = timed(
+                lambda: None,
+                lambda _: torch.autograd.grad(
+                    grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
+                ),
+            )
+
+    saved_storages = {k: v for k, v in saved.items() if k not in profiler.param_storages}
+    output_storages = {storage_key(t) for t in outputs}
+    profile = NodeProfile(
+        fwd_flops=fwd_counter.get_total_flops(),
+        bwd_flops=bwd_flops,
+        input_bytes=tensor_bytes((inputs.args, inputs.kwargs)),
+        output_bytes=tensor_bytes(result),
+        output_is_view=bool(outputs)
+        and all(storage_key(t) in input_storages for t in outputs),
+        saved_bytes=sum(saved_storages.values()),
+        saved_inputs=tuple(sorted({inputs.storages[k] for k in saved_storages
+                                   if k in inputs.storages})),
+        grad_input_bytes=grad_input_bytes,
+        param_bytes=0,
+        fwd_time_s=fwd_time_s,
+        bwd_time_s=bwd_time_s,
+        saved_params=tuple(sorted({inputs.storages[k] for k in saved
+                                   if k in profiler.param_storages and k in inputs.storages})),
+        saved_output_bytes=sum(v for k, v in saved_storages.items()
+                               if k in output_storages and k not in input_storages),
+        saved_input_bytes=sum(v for k, v in saved_storages.items() if k in inputs.storages),
+        fwd_transient_bytes=transient_bytes(fwd_tracker),
+        bwd_transient_bytes=bwd_transient_bytes,
+        compute_dtype=next((str(t.dtype).removeprefix("torch.") for t in tensors(
+            (inputs.args, inputs.kwargs, outputs)) if t.dtype.is_floating_point), ""),
+    )
+    return detached(result), profile
+
+
+def transient_bytes(tracker: Any) -> int:
+    """Peak minus what stayed alive, for a LiveTensorTracker (0 for a null context)."""
+    if not isinstance(tracker, LiveTensorTracker):
+        return 0
+    return max(0, tracker.peak_bytes - tracker.live_bytes)
+
+
+def synchronize() -> None:
+    """Wait for queued device work (CUDA runs asynchronously; CPU needs nothing)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
