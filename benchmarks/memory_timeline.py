@@ -44,6 +44,8 @@ def build(model: str) -> tuple[nn.Module, int, int]:
     torch.manual_seed(0)
     if model == "gpt":
         return GPTWithLoss(TinyGPT(vocab=2048, dim=512, depth=4, heads=8, max_seq=32)), 2048, 32
+    if model == "tiny":  # for smoke tests of the benchmarks
+        return GPTWithLoss(TinyGPT(vocab=256, dim=64, depth=2, heads=4, max_seq=16)), 256, 16
     if model == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,7 +53,7 @@ def build(model: str) -> tuple[nn.Module, int, int]:
                           num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
                           max_position_embeddings=64)
         return HFCausalLMWithLoss(LlamaForCausalLM(cfg)), 2048, 64
-    raise ValueError(f"unknown model {model!r}: gpt or llama")
+    raise ValueError(f"unknown model {model!r}: gpt, llama or tiny")
 
 
 def measure(rank: int, world: int, model_name: str, plan: str, limit: int | None,
@@ -99,7 +101,7 @@ def on_timeline(samples: list[tuple[int, int, str]], n_nodes: int) -> list[tuple
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt", choices=["gpt", "llama"])
+    parser.add_argument("--model", default="gpt", choices=["gpt", "llama", "tiny"])
     parser.add_argument("--plans", default="replicate,shard_grad_op,full_shard,searched")
     parser.add_argument("--limit", default="150MiB",
                         help="memory limit per rank for the searched plan")

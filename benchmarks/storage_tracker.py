@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -68,7 +69,9 @@ def _saved_by_graph(t: torch.Tensor, seen: set[int]) -> Iterable[torch.Tensor]:
 def held_tensors() -> list[torch.Tensor]:
     """Every tensor reachable by the garbage collector's list of objects (no collection), and
     the tensors their autograd graphs save."""
-    found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore", FutureWarning)
+        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     seen_fns: set[int] = set()
     saved = [s for t in found if t.grad_fn is not None for s in _saved_by_graph(t, seen_fns)]
     return found + saved

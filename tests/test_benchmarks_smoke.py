@@ -81,3 +81,24 @@ def test_memory_timeline_measures_and_draws_every_plan(tmp_path: Path) -> None:
         assert Path(r["plot"]).read_bytes()[:4] == b"\x89PNG"
     assert rows[1]["steady_measured"] <= 150 * 2**20
     assert "| full_shard |" in (tmp_path / "memory-timeline-gpt.md").read_text()
+
+
+def test_optimality_times_every_plan_that_fits(tmp_path: Path) -> None:
+    """benchmarks/optimality.py on a tiny GPT: every hand-written plan is measured, those that
+    fit are timed, and the summary's figures come from them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import optimality
+
+    limit = 3 * 2**20
+    out = optimality.main(["--model", "tiny", "--limit", "3MiB", "--rounds", "1", "--random",
+                           "1", "--out-dir", str(tmp_path)])
+    labels = [r["plan"] for r in out["rows"]]
+    assert labels[:4] == ["searched", "replicate", "shard_grad_op", "full_shard"]
+    assert "random mix 0" in labels and len(labels) >= 10
+    timed = [r for r in out["rows"] if r.get("measured_step_s") is not None]
+    assert out["plans_timed"] == len(timed) >= 2
+    assert all(r["measured_peak"] <= limit for r in timed)
+    assert all(not r["fits"] for r in out["rows"] if "fits" in r and r not in timed)
+    assert -1.0 <= out["spearman"] <= 1.0
+    assert out["searched_over_fastest"] >= 1.0 - 1e-12
+    assert "Spearman" in (tmp_path / "optimality-tiny.md").read_text()

@@ -1,0 +1,222 @@
+"""Is the searched plan the fastest plan that fits, on the clock?
+
+Starts a local world (gloo on CPU), and on one model and memory limit compiles the searched plan
+and the plans a user could write by hand:
+
+- the uniform ones (replicate, shard_grad_op, full_shard);
+- "shard the k largest parameter groups, replicate the rest" with full_shard or shard_grad_op,
+  for k = 1, 2, 4, 8, 12, 16, 24 (when the model has that many groups);
+- ``--random`` random mixes of the three strategies (seeded).
+
+Each plan's peak memory is measured over a steady-state step with ``storage_tracker.
+StorageTracker`` (independent of osdp-fx: every storage the process holds, at its current size):
+what the step adds to what the process held before it, plus the plan's own parameters, buffers,
+optimizer state and input (the other plans stay alive for the timing);
+every plan that fits the limit is then timed round-robin in the same world (``--rounds``
+rounds, the order rotated each round; a step's time is the slowest rank's; the median is kept).
+Prints the table, the Spearman rank correlation between predicted and measured step time, and
+the ratio of the searched plan's time to the fastest measured plan that fits.
+
+    python benchmarks/optimality.py [--model gpt|llama] [--limit 200MiB] [--world-size 2]
+        [--rounds 8] [--random 6] [--out-dir benchmarks/results]
+
+Default model: the GPT of ``compare.py`` (vocab 2048, dim 512, depth 4, sequence 32, batch 4 per
+rank), AdamW, with a hand-written ``Devices`` measured once by ``Devices.detect`` on rank 0's
+world before anything is compiled (every plan is predicted with the same figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from memory_timeline import build  # noqa: E402
+from osdp_fx import Devices, compile_osdp  # noqa: E402
+from osdp_fx.errors import PlanError  # noqa: E402
+from osdp_fx.runtime.launch import run_world  # noqa: E402
+from osdp_fx.units import format_bytes, parse_bytes  # noqa: E402
+from storage_tracker import StorageTracker  # noqa: E402
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+STRATEGIES = ("replicate", "shard_grad_op", "full_shard")
+
+
+def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0) -> dict[str, dict]:
+    """Hand-written plans as {label: {parameter name: strategy}} (tied weights once)."""
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    largest = sorted(sizes, key=sizes.__getitem__, reverse=True)
+    plans = {s: {n: s for n in sizes} for s in STRATEGIES}
+    for strategy in ("full_shard", "shard_grad_op"):
+        for k in (1, 2, 4, 8, 12, 16, 24):
+            if k < len(sizes):
+                chosen = set(largest[:k])
+                plans[f"{strategy} on the {k} largest"] = {
+                    n: strategy if n in chosen else "replicate" for n in sizes}
+    rng = random.Random(seed)
+    for i in range(n_random):
+        plans[f"random mix {i}"] = {n: rng.choice(STRATEGIES) for n in sizes}
+    return plans
+
+
+def _plan_file(strategies: dict[str, str], directory: str, label: str) -> str:
+    path = Path(directory) / (label.replace(" ", "_") + ".json")
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "params": strategies}))
+    return str(path)
+
+
+class _Run:
+    """One compiled plan with its optimizer and batch."""
+
+    def __init__(self, label: str, compiled: Any, x: torch.Tensor) -> None:
+        self.label, self.compiled, self.x = label, compiled, x
+        self.opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
+        self.times: list[float] = []
+
+    def step(self) -> None:
+        self.compiled(self.x).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_random: int,
+            plan_dir: str) -> list[dict[str, Any]]:
+    devices = Devices.detect(memory_limit=limit)
+    model, vocab, seq = build(model_name)
+    plans = candidate_plans(model, n_random)
+    del model
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randint(0, vocab, (4, seq), generator=gen)
+    rows: list[dict[str, Any]] = []
+    runs: list[_Run] = []
+    for label, strategies in {"searched": None, **plans}.items():
+        model, _, _ = build(model_name)
+        spec = None if strategies is None else _plan_file(strategies, plan_dir, label)
+        start = time.perf_counter()
+        try:
+            compiled = compile_osdp(model, (x,), devices, plan=spec, memory_limit=limit,
+                                    optimizer="adamw")
+        except PlanError as e:  # the searched plan when nothing fits
+            rows.append({"plan": label, "error": str(e).splitlines()[0]})
+            continue
+        compile_s = time.perf_counter() - start
+        del model
+        run = _Run(label, compiled, x)
+        run.step()  # the optimizer's state exists from here on
+        # The other plans' models stay alive for the timing: count what this step adds to what
+        # the process held before it, plus this plan's own parameters, buffers, optimizer
+        # state and input.
+        tracker = StorageTracker()
+        with tracker:
+            run.step()
+        own = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (
+            *compiled.parameters(), *compiled.buffers(), x,
+            *(v for s in run.opt.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor)))}
+        peak = torch.tensor([float(tracker.peak_bytes - tracker.start_bytes + sum(own.values()))])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        pr = compiled.plan.prediction
+        rows.append({"plan": label, "counts": compiled.plan.counts(),
+                     "predicted_step_s": pr.step_time_s, "predicted_peak": pr.peak_memory_bytes,
+                     "measured_peak": int(peak.item()), "compile_s": compile_s,
+                     "fits": peak.item() <= limit})
+        if peak.item() <= limit:
+            runs.append(run)
+    for r in range(rounds):
+        k = r % len(runs)
+        for run in runs[k:] + runs[:k]:
+            dist.barrier()
+            start = time.perf_counter()
+            run.step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            run.times.append(elapsed.item())
+    timed = {run.label: statistics.median(run.times) for run in runs}
+    for row in rows:
+        row["measured_step_s"] = timed.get(row["plan"])
+    return rows
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt", choices=["gpt", "llama", "tiny"])
+    parser.add_argument("--limit", default="200MiB", help="memory limit per rank")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds of every plan")
+    parser.add_argument("--random", type=int, default=6, help="random mixes to add")
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    args = parser.parse_args(argv)
+    limit = parse_bytes(args.limit)
+    with tempfile.TemporaryDirectory() as plan_dir:
+        rows = run_world(args.world_size, measure, args.model, limit, args.rounds, args.random,
+                         plan_dir, timeout_s=3600.0)[0]
+    timed = [r for r in rows if r.get("measured_step_s") is not None]
+    timed.sort(key=lambda r: r["measured_step_s"])
+    searched = next((r for r in rows if r["plan"] == "searched"), None)
+    fastest = timed[0] if timed else None
+    ratio = (searched["measured_step_s"] / fastest["measured_step_s"]
+             if searched and searched.get("measured_step_s") and fastest else None)
+    rho = spearman([r["predicted_step_s"] for r in timed], [r["measured_step_s"] for r in timed])
+    lines = [f"{args.model}, world {args.world_size}, limit {format_bytes(limit)}, AdamW, "
+             f"{args.rounds} rounds", "",
+             "| plan | measured step | predicted step | measured peak | predicted peak |",
+             "|---|---|---|---|---|"]
+    for r in timed + [r for r in rows if r.get("measured_step_s") is None]:
+        if "error" in r:
+            lines.append(f"| {r['plan']} | {r['error']} | | | |")
+            continue
+        step = f"{r['measured_step_s'] * 1e3:.1f} ms" if r.get("measured_step_s") else "over the limit"
+        lines.append(f"| {r['plan']} | {step} | {r['predicted_step_s'] * 1e3:.1f} ms | "
+                     f"{format_bytes(r['measured_peak'])} | {format_bytes(r['predicted_peak'])} |")
+    lines += ["", f"Spearman (predicted vs measured step, {len(timed)} plans that fit): {rho:.3f}",
+              f"searched / fastest measured: {ratio:.3f}" if ratio else "searched: not timed",
+              f"fastest: {fastest['plan']}" if fastest else ""]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"optimality-{args.model}.md").write_text(text + "\n")
+    summary = {"spearman": rho, "searched_over_fastest": ratio,
+               "fastest": fastest["plan"] if fastest else None, "plans_timed": len(timed)}
+    print(json.dumps(summary))
+    return {"rows": rows, **summary}
+
+
+if __name__ == "__main__":
+    main()
