@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -228,6 +229,11 @@ def _broadcast_from_rank0(gm: fx.GraphModule) -> None:
             broadcast_(t.data, WORLD)
 
 
+def _release_graphs(graphs: list[fx.Graph]) -> None:
+    for graph in graphs:
+        graph._owning_module = None
+
+
 class OSDPModule(nn.Module):
     """A compiled model: called like the original, parameters are this rank's shards.
 
@@ -255,6 +261,11 @@ class OSDPModule(nn.Module):
                       if not traits(p.strategy).sharded and p.trainable]
         self._reducer = GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype)
         self._scatters = GradReduceScatters()
+        # An fx GraphModule is in a reference cycle with its own graph (graph.owning_module),
+        # so without this its shards would outlive a dropped compiled model until Python's
+        # cyclic collector runs; cut the cycles (export nests graph modules) when this goes.
+        graphs = [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)]
+        weakref.finalize(self, _release_graphs, graphs)
 
     # ---- running ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

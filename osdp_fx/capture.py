@@ -252,7 +252,13 @@ def _export(model: nn.Module, example_inputs: tuple[Any, ...],
 
 def _export_module(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     with unchanged_state(model):
-        return torch.export.export(model, example_inputs, strict=False).module()
+        gm = torch.export.export(model, example_inputs, strict=False).module()
+    # ExportedProgram.module() binds train() and eval() (which only raise) to the module itself,
+    # a reference cycle that would keep a dropped compiled model's tensors until Python's
+    # collector runs; OSDPModule.train switches modes itself.
+    for name in ("train", "eval"):
+        gm.__dict__.pop(name, None)
+    return gm
 
 
 def _reason(exc: BaseException) -> str:

@@ -65,7 +65,8 @@ def test_measured_peaks_match_the_prediction_from_the_first_step(worlds, model):
     "replicate", "shard_grad_op", "full_shard", "split", "bf16", "meta", "llama", "gpt2_meta"])
 def test_compile_leaves_nothing_behind(worlds, variant, tmp_path_factory):
     """No tensor in a reference cycle after compile_osdp, nothing held but the compiled
-    module's parameters and buffers, and nothing that accumulates from step to step."""
+    module's parameters and buffers, nothing that accumulates from step to step, and nothing
+    left in a cycle when the compiled module is dropped."""
     options: dict = {"plan": "full_shard", "model": "gpt", "steps": 3, "optimizer": "sgd"}
     if variant in ("replicate", "shard_grad_op", "full_shard"):
         options["plan"] = variant
@@ -82,6 +83,7 @@ def test_compile_leaves_nothing_behind(worlds, variant, tmp_path_factory):
         options["on_meta"] = True
     for rank, r in enumerate(worlds(2).run(memory_cases.compile_and_steps, **options)):
         assert r["cycle_bytes"] == 0, (rank, r["cycle_bytes"], r["garbage_objects"])
+        assert r["dropped_cycle_bytes"] == 0, (rank, r["dropped_cycle_bytes"])
         assert not r["stray"], (rank, r["stray"][:10])
         starts = [s for s, _ in r["measured"][1:]]
         assert max(starts) == min(starts), (rank, r["measured"])

@@ -112,10 +112,25 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
         measured.append((tracker.start_bytes, tracker.peak_bytes))
     pr = compiled.plan.prediction
     assert pr is not None
-    return {"first_step": pr.first_step_peak_bytes, "steady": pr.peak_memory_bytes,
-            "breakdown": pr.breakdown(), "peak_at": pr.peak_at, "limit": limit,
-            "counts": compiled.plan.counts(), "measured": measured,
-            "cycle_bytes": sum(cycles.values()), "garbage_objects": garbage, "stray": stray}
+    out = {"first_step": pr.first_step_peak_bytes, "steady": pr.peak_memory_bytes,
+           "breakdown": pr.breakdown(), "peak_at": pr.peak_at, "limit": limit,
+           "counts": compiled.plan.counts(), "measured": measured,
+           "cycle_bytes": sum(cycles.values()), "garbage_objects": garbage, "stray": stray}
+    # Dropping the compiled model frees its tensors at once, not at the next collection.
+    gc.disable()
+    try:
+        del compiled, opt
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        out["dropped_cycle_bytes"] = sum(
+            t.untyped_storage().nbytes() for t in gc.garbage
+            if isinstance(t, torch.Tensor) and t.device.type != "meta")
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    return out
 
 
 def split_plan_file(path: str) -> str:
