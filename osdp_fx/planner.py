@@ -31,6 +31,7 @@ from .devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
 from .errors import InputError, PlanError
 from .passes.precision import cast_params_pass
 from .passes.profile import profile_graph_pass, slowest_rank_times_pass
+from .passes.runner import run_passes
 from .runtime.collectives import WORLD, group_size
 from .solver import solve_min_time
 from .passes.split_linear import SPLIT_FACTORS, apply_splits, linear_sites
@@ -159,7 +160,8 @@ def make_plan(
             apply_splits(captured, splits)
             analysis = analyze(captured, example_inputs, fake=fake)
     if precision is not None:
-        cast_params_pass(captured.gm, precision.param_dtype)
+        run_passes(captured.gm, [("cast_params",
+                                  lambda g: cast_params_pass(g, precision.param_dtype))])
         analysis = analyze(captured, example_inputs, fake=fake, precision=precision)
     batch = None
     if search:
@@ -205,10 +207,11 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
         # ranks time their nodes together, sharing the machine as they do when training
         torch.distributed.barrier()
     with unchanged_state(captured.gm):
-        profile_graph_pass(captured.gm, example_inputs, warmup=warmup, repeats=repeats,
-                           fake=fake, meta_device=captured.materialize_device or "cpu")
+        run_passes(captured.gm, [("profile", lambda g: profile_graph_pass(
+            g, example_inputs, warmup=warmup, repeats=repeats, fake=fake,
+            meta_device=captured.materialize_device or "cpu"))])
     if not fake:
-        slowest_rank_times_pass(captured.gm)
+        run_passes(captured.gm, [("slowest_rank_times", slowest_rank_times_pass)])
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch = next((int(x.shape[0]) for x in example_inputs
                   if isinstance(x, torch.Tensor) and x.dim() > 0), 1)

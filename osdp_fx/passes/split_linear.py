@@ -50,6 +50,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from ..capture import Captured, ParamInfo, set_attr
 from ..errors import PlanError
 from ..meta import NodeRole, osdp_meta, set_osdp_meta
+from .runner import run_passes
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def apply_splits(captured: Captured, splits: Mapping[str, int]) -> list[SplitSpe
     specs = split_specs(captured.gm, splits)
     if not specs:
         return []
-    split_linear_pass(captured.gm, splits=splits)
+    run_passes(captured.gm, [("split_linear", lambda g: split_linear_pass(g, splits=splits))])
     params: dict[str, ParamInfo] = {}
     by_name = {s.name: s for s in specs}
     for name, info in captured.params.items():
