@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
 
 from torch import fx
 
@@ -114,7 +113,7 @@ def osdp_meta(node: fx.Node) -> OSDPNodeMeta:
     return meta
 
 
-def set_osdp_meta(node: fx.Node, **fields: Any) -> OSDPNodeMeta:
+def set_osdp_meta(node: fx.Node, **fields: object) -> OSDPNodeMeta:
     """Replace the given fields of the node's OSDPNodeMeta and return it."""
     meta = dataclasses.replace(osdp_meta(node), **fields)
     node.meta[META_KEY] = meta
