@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -31,6 +32,7 @@ from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .planner import check_optimizer, devices_for, make_plan, param_specs
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
+from .runtime.accumulation import GradSync, HeldGrads
 from .runtime.params import GradReduceScatters, module_scope
 from .runtime.reducer import GradReducer
 from .strategies import traits
@@ -233,7 +235,7 @@ class OSDPModule(nn.Module):
 
     Parameter and buffer names are the model's own. ``parameters()`` yields the flat shard of a
     sharded parameter and the full tensor of a replicated one; after ``backward()`` every
-    ``.grad`` holds the gradient averaged over ranks.
+    ``.grad`` holds the gradient averaged over ranks (``no_sync()`` accumulates without it).
     """
 
     def __init__(self, table: ParamTable, *, captured_by: str,
@@ -253,15 +255,28 @@ class OSDPModule(nn.Module):
         self._captured_by = captured_by
         replicated = [table.local(p.name) for p in plan.params
                       if not traits(p.strategy).sharded and p.trainable]
-        self._reducer = GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype)
-        self._scatters = GradReduceScatters()
+        held = HeldGrads()  # the reducer, reduce-scatter queue and no_sync state of this module
+        self._sync = GradSync(GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype),
+                              GradReduceScatters(held=held), held)
 
     # ---- running ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._reducer.new_step()
-        self._scatters.reset()
-        with module_scope(self._scatters, regather=self._regathers, prefetch=self._plan.prefetch):
-            return self._gm(*args, **kwargs)
+        sync, scatters = self._sync.begin_forward()
+        with module_scope(scatters, regather=self._regathers, prefetch=self._plan.prefetch):
+            out = self._gm(*args, **kwargs)
+        return self._sync.end_forward(out, sync)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """The backwards of forwards run inside this context run no collective: gradients
+        accumulate on this rank, and the next backward of a forward run outside reduces their
+        sum once, as DDP's ``no_sync()``. Sharded parameters hold a full gradient meanwhile;
+        plan for it with ``compile_osdp(..., grad_accumulation=k)`` (``docs/training.md``)."""
+        return self._sync.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops what an unfinished ``no_sync()`` accumulation holds."""
+        self._sync.drop()
+        super().zero_grad(set_to_none)
 
     def train(self, mode: bool = True) -> OSDPModule:
         self._gm.training = mode
