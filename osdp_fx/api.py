@@ -29,7 +29,8 @@ from .passes.split_linear import apply_splits
 from .plan import Plan, check_prefetch
 from .plan_request import PlanRequest, resolve_plan
 from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
-from .planner import check_optimizer, devices_for, make_plan, param_specs
+from .planner import (check_grad_accumulation, check_optimizer, devices_for, make_plan,
+                      param_specs)
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
 from .runtime.accumulation import GradSync, HeldGrads
@@ -54,6 +55,7 @@ def compile_osdp(
     prefetch: int | None = None,
     mixed_precision: MixedPrecision | str | torch.dtype | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    grad_accumulation: int = 1,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -95,6 +97,11 @@ def compile_osdp(
             are reduced in ``reduce_dtype`` (default float32). Default: the plan's, else none.
         init_fn: for a model on the meta device: ``init_fn(module)`` initialises the tensors a
             module owns directly, instead of its ``reset_parameters()``.
+        grad_accumulation: how many micro-batches each optimizer step accumulates gradients
+            over, all but the last inside ``compiled.no_sync()``: the predicted peak memory
+            (and the search's memory limit) then includes the full gradient every sharded
+            parameter holds between micro-batches (``docs/training.md``). It changes no
+            collective, so not the plan either. Default 1: no accumulation.
 
     Collective: every rank of the world must call it with the same model and plan. Its stages
     (capture, plan: profile and search, shard, ...) log their seconds at INFO through
@@ -104,6 +111,7 @@ def compile_osdp(
     times: dict[str, float] = {}
     inputs = as_input_tuple(example_inputs)
     check_optimizer(optimizer)
+    check_grad_accumulation(grad_accumulation)
     if prefetch is not None:
         check_prefetch(prefetch)
     precision = resolve_mixed_precision(mixed_precision)
@@ -132,7 +140,8 @@ def compile_osdp(
         resolved, _ = make_plan(captured, inputs, plan=request, devices=devices,
                                 memory_limit_bytes=limit, optimizer=optimizer,
                                 batch_sizes=batch_sizes, split=split, agree=_from_rank0,
-                                prefetch=prefetch, precision=precision)
+                                prefetch=prefetch, precision=precision,
+                                grad_accumulation=grad_accumulation)
     meta_device = captured.materialize_device
     with progress.stage("aliases", log, times):
         run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
