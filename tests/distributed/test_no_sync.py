@@ -10,8 +10,7 @@ import torch
 
 from harness import cases
 from harness import no_sync_cases as nc
-from osdp_fx import Devices, compile_osdp
-from osdp_fx.errors import InputError
+from osdp_fx import Devices
 
 MESH = Devices(world_size=4, ranks_per_node=2)
 LOSS_ATOL, PARAM_ATOL = 1e-5, 1e-4
@@ -108,10 +107,3 @@ def test_accumulation_memory_is_predicted(worlds, plan):
         if plan != "replicate":
             extra = peaks[-1] - r["predicted_k1"]
             assert abs(extra / r["sharded_full_grad_bytes"] - 1) <= 0.10, (rank, extra, r)
-
-
-@pytest.mark.parametrize("value", [0, -2, 2.5, "3", True])
-def test_grad_accumulation_must_be_a_positive_int(value):
-    with pytest.raises(InputError, match="grad_accumulation"):
-        compile_osdp(torch.nn.Linear(4, 4), (torch.randn(2, 4),), plan="replicate",
-                     grad_accumulation=value)
