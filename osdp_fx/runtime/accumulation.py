@@ -50,11 +50,6 @@ class HeldGrads:
     def __bool__(self) -> bool:
         return bool(self._held)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held (a full padded gradient per sharded parameter reached by a backward)."""
-        return sum(flat.untyped_storage().nbytes() for _, flat, _ in self._held.values())
-
     def take(self, shards: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The buffer held for ``shards``, which is no longer held (None if none is)."""
         entry = self._held.pop(tuple(id(s) for s in shards), None)

@@ -5,6 +5,8 @@ the prediction with ``grad_accumulation=3``."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -48,6 +50,25 @@ def test_the_forward_decides_and_leaves_an_outer_step_alone(worlds, tmp_path, pl
     for r in results:  # per step: micro-batch 0's, 2's, then 1's backward
         for local0, local2, synced in zip(*[iter(r["grad_collectives"])] * 3):
             assert local0 == local2 == 0 and synced > 0, r["grad_collectives"]
+
+
+@pytest.mark.parametrize("plan", ["replicate", "full_shard", "sharded_first"])
+def test_gradients_the_synchronised_backward_does_not_reach_are_reduced(worlds, tmp_path, plan):
+    """The last micro-batch's loss skips a head the no_sync one used: its held full gradient
+    (sharded) or accumulated ``.grad`` (replicated; ``sharded_first``: the only replicated
+    parameters, so no all-reduce bucket starts during that backward) is reduced at its end."""
+    if plan == "sharded_first":
+        path = tmp_path / "two_heads.json"
+        path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "params": {
+            "first.weight": "full_shard", "first.bias": "full_shard",
+            "second.weight": "replicate", "second.bias": "replicate"}}))
+        plan = str(path)
+    ref = nc.unreached_reference(world=2)
+    for r in worlds(2).run(nc.unreached, plan=plan):
+        assert set(r["grads"]) == set(ref)
+        for name, grad in ref.items():
+            torch.testing.assert_close(r["grads"][name], grad, atol=1e-6, rtol=0, msg=name)
+        assert r["counted"].get("reduce_scatter", 0) + r["counted"].get("all_reduce", 0) > 0
 
 
 @pytest.mark.parametrize("plan", ["hybrid_shard", "hierarchical"])

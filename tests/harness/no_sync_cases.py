@@ -89,6 +89,50 @@ def train_interleaved(rank: int, world: int, *, model: str, plan: Any, steps: in
             "grad_collectives": grad_collectives}
 
 
+class TwoHeads(torch.nn.Module):
+    """Two linears read by two outputs; the second's weight is gathered alone when sharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(64, 300)
+        self.second = torch.nn.Linear(64, 300)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.first(x), self.second(x)
+
+
+def _two_heads_losses(out: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+    """Micro-batch 0 reads both heads, micro-batch 1 only the first."""
+    first, second = out
+    return first.square().mean() + (second.square().mean() if i == 0 else 0)
+
+
+def unreached(rank: int, world: int, *, plan: Any) -> dict[str, Any]:
+    """A no_sync micro-batch reaches both heads, the synchronised one only the first: the
+    second's gradients (held, or in ``.grad``) must still be reduced, at the end of backward.
+    Returns the full gradients after the step and the gradient collectives of that backward."""
+    torch.manual_seed(0)
+    net = TwoHeads()
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(2 * world, 64, generator=gen)[2 * rank:2 * rank + 2] for _ in range(2)]
+    compiled = compile_osdp(net, (xs[0],), plan=plan, grad_accumulation=2)
+    with compiled.no_sync():
+        _two_heads_losses(compiled(xs[0]), 0).backward()
+    loss = _two_heads_losses(compiled(xs[1]), 1)
+    with counting_collectives() as counted:
+        loss.backward()
+    return {"grads": compiled.full_grads(), "counted": dict(counted)}
+
+
+def unreached_reference(world: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    net = TwoHeads()
+    gen = torch.Generator().manual_seed(5)
+    for i in range(2):
+        _two_heads_losses(net(torch.randn(2 * world, 64, generator=gen)), i).backward()
+    return {n: p.grad for n, p in net.named_parameters()}
+
+
 def reference_accumulating(model: str, *, world: int, k: int = 3, steps: int = 3,
                            lr: float = 0.05, local_batch: int = 2, seed: int = 0,
                            param_dtype: torch.dtype | None = None) -> dict[str, Any]:
