@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -29,9 +30,11 @@ from .passes.split_linear import apply_splits
 from .plan import Plan, check_prefetch
 from .plan_request import PlanRequest, resolve_plan
 from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
-from .planner import check_optimizer, devices_for, make_plan, param_specs
+from .planner import (check_grad_accumulation, check_optimizer, devices_for, make_plan,
+                      param_specs)
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
+from .runtime.accumulation import GradSync, HeldGrads
 from .runtime.params import GradReduceScatters, module_scope
 from .runtime.reducer import GradReducer
 from .strategies import traits
@@ -53,6 +56,7 @@ def compile_osdp(
     prefetch: int | None = None,
     mixed_precision: MixedPrecision | str | torch.dtype | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    grad_accumulation: int = 1,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -94,6 +98,11 @@ def compile_osdp(
             are reduced in ``reduce_dtype`` (default float32). Default: the plan's, else none.
         init_fn: for a model on the meta device: ``init_fn(module)`` initialises the tensors a
             module owns directly, instead of its ``reset_parameters()``.
+        grad_accumulation: how many micro-batches each optimizer step accumulates gradients
+            over, all but the last inside ``compiled.no_sync()``: the predicted peak memory
+            (and the search's memory limit) then includes the full gradient every sharded
+            parameter holds between micro-batches (``docs/training.md``). It changes no
+            collective, so not the plan either. Default 1: no accumulation.
 
     Collective: every rank of the world must call it with the same model and plan. Its stages
     (capture, plan: profile and search, shard, ...) log their seconds at INFO through
@@ -103,6 +112,7 @@ def compile_osdp(
     times: dict[str, float] = {}
     inputs = as_input_tuple(example_inputs)
     check_optimizer(optimizer)
+    check_grad_accumulation(grad_accumulation)
     if prefetch is not None:
         check_prefetch(prefetch)
     precision = resolve_mixed_precision(mixed_precision)
@@ -131,7 +141,8 @@ def compile_osdp(
         resolved, _ = make_plan(captured, inputs, plan=request, devices=devices,
                                 memory_limit_bytes=limit, optimizer=optimizer,
                                 batch_sizes=batch_sizes, split=split, agree=_from_rank0,
-                                prefetch=prefetch, precision=precision)
+                                prefetch=prefetch, precision=precision,
+                                grad_accumulation=grad_accumulation)
     meta_device = captured.materialize_device
     with progress.stage("aliases", log, times):
         run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
@@ -239,7 +250,7 @@ class OSDPModule(nn.Module):
 
     Parameter and buffer names are the model's own. ``parameters()`` yields the flat shard of a
     sharded parameter and the full tensor of a replicated one; after ``backward()`` every
-    ``.grad`` holds the gradient averaged over ranks.
+    ``.grad`` holds the gradient averaged over ranks (``no_sync()`` accumulates without it).
     """
 
     def __init__(self, table: ParamTable, *, captured_by: str,
@@ -259,20 +270,32 @@ class OSDPModule(nn.Module):
         self._captured_by = captured_by
         replicated = [table.local(p.name) for p in plan.params
                       if not traits(p.strategy).sharded and p.trainable]
-        self._reducer = GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype)
-        self._scatters = GradReduceScatters()
-        # An fx GraphModule is in a reference cycle with its own graph (graph.owning_module),
-        # so without this its shards would outlive a dropped compiled model until Python's
-        # cyclic collector runs; cut the cycles (export nests graph modules) when this goes.
-        graphs = [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)]
-        weakref.finalize(self, _release_graphs, graphs)
+        held = HeldGrads()  # the reducer, reduce-scatter queue and no_sync state of this module
+        self._sync = GradSync(GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype),
+                              GradReduceScatters(held=held), held)
+        # A graph module and its graph refer to each other: cut that when this module goes, or
+        # its shards outlive it until Python's collector runs (export nests graph modules).
+        weakref.finalize(self, _release_graphs, [
+            m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)])
 
     # ---- running ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._reducer.new_step()
-        self._scatters.reset()
-        with module_scope(self._scatters, regather=self._regathers, prefetch=self._plan.prefetch):
-            return self._gm(*args, **kwargs)
+        sync, scatters = self._sync.begin_forward()
+        with module_scope(scatters, regather=self._regathers, prefetch=self._plan.prefetch):
+            out = self._gm(*args, **kwargs)
+        return self._sync.end_forward(out, sync)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """The backwards of forwards run inside this context run no collective: gradients
+        accumulate on this rank, and the next backward of a forward run outside reduces their
+        sum once, as DDP's ``no_sync()``. Sharded parameters hold a full gradient meanwhile;
+        plan for it with ``compile_osdp(..., grad_accumulation=k)`` (``docs/training.md``)."""
+        return self._sync.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops what an unfinished ``no_sync()`` accumulation holds."""
+        self._sync.drop()
+        super().zero_grad(set_to_none)
 
     def train(self, mode: bool = True) -> OSDPModule:
         self._gm.training = mode

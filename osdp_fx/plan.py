@@ -164,6 +164,9 @@ class Prediction:
     memory_timeline: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
     """Predicted live bytes by category at every time point of a steady-state step
     (``cost_models.timeline.MemoryPoint``); not saved with the plan."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step the memory is predicted for, all but the last inside
+    ``no_sync()`` (``compile_osdp(grad_accumulation=)``); 1: no accumulation."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -373,7 +376,9 @@ def _table(self: Plan) -> str:
     if self.prediction is not None:
         pr = self.prediction
         lines.append(
-            f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}): step "
+            f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}"
+            + (f", memory of {pr.grad_accumulation} micro-batches per step with no_sync"
+               if pr.grad_accumulation > 1 else "") + "): step "
             f"{pr.step_time_s * 1e3:.2f} ms (compute {pr.compute_s * 1e3:.2f}, communication "
             f"{pr.comm_s * 1e3:.2f}, optimizer {pr.optim_s * 1e3:.2f}); peak memory "
             f"{format_bytes(pr.peak_memory_bytes)} at {pr.peak_at}"

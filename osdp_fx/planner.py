@@ -73,6 +73,16 @@ class Analysis:
     """Mixed precision the graph was cast for before profiling (``cast_params_pass``)."""
 
 
+def check_grad_accumulation(grad_accumulation: Any) -> None:
+    """Raise InputError unless ``grad_accumulation`` is an int >= 1."""
+    if (isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int)
+            or grad_accumulation < 1):
+        raise InputError(
+            f"grad_accumulation={grad_accumulation!r} is not a number of micro-batches: pass an "
+            "int >= 1, the micro-batches each optimizer step accumulates gradients over (all "
+            "but the last run inside compiled.no_sync()); 1 means no accumulation")
+
+
 def check_optimizer(optimizer: str) -> None:
     """Raise InputError unless ``optimizer`` is a kind the cost models know."""
     if optimizer not in OPTIMIZERS:
@@ -132,6 +142,7 @@ def make_plan(
     agree: Callable[[Any], Any] = lambda choice: choice,
     prefetch: int | None = None,
     precision: MixedPrecision | None = None,
+    grad_accumulation: int = 1,
 ) -> tuple[Plan, Analysis]:
     """Profile the model and return the plan in force with its predictions.
 
@@ -139,9 +150,12 @@ def make_plan(
     into how many parts (``split``), then a strategy per parameter group, jointly over the
     per-rank ``batch_sizes`` when given. A plan that names splits is applied to the graph first.
     ``agree`` makes every rank use the same searched choice (compile_osdp passes a broadcast
-    from rank 0). The captured graph is split in place.
+    from rank 0). The captured graph is split in place. ``grad_accumulation`` k > 1: memory is
+    predicted and planned for steps of k micro-batches, all but the last inside ``no_sync()``.
     """
     check_optimizer(optimizer)
+    check_grad_accumulation(grad_accumulation)
+    acc = grad_accumulation
     request = PlanRequest.parse(plan)
     splits = request.splits
     apply_splits(captured, splits)
@@ -154,7 +168,8 @@ def make_plan(
         # with mixed precision the splits are chosen on the full-precision profile
         chosen = agree(choose_splits(analysis, devices=devices,
                                      memory_limit_bytes=devices.memory_bytes,
-                                     optimizer=optimizer, prefetch=_prefetch(prefetch)))
+                                     optimizer=optimizer, prefetch=_prefetch(prefetch),
+                                     grad_accumulation=acc))
         if chosen:
             splits = chosen
             apply_splits(captured, splits)
@@ -171,11 +186,12 @@ def make_plan(
         if batch_sizes:
             batch, strategies = agree(search_batch_size(
                 analysis, batch_sizes, devices=devices, memory_limit_bytes=limit,
-                optimizer=optimizer, prefetch=_prefetch(prefetch)))
+                optimizer=optimizer, prefetch=_prefetch(prefetch), grad_accumulation=acc))
         else:
             strategies = agree(search_strategies(analysis, devices=devices,
                                                  memory_limit_bytes=limit, optimizer=optimizer,
-                                                 prefetch=_prefetch(prefetch)))
+                                                 prefetch=_prefetch(prefetch),
+                                                 grad_accumulation=acc))
         resolved = build_plan(strategies, specs, world_size=devices.world_size,
                               memory_limit_bytes=limit, source="search", splits=splits,
                               prefetch=_prefetch(prefetch),
@@ -189,7 +205,8 @@ def make_plan(
     if precision is not None:
         resolved = dataclasses.replace(resolved, param_dtype=dtype_name(precision.param_dtype),
                                        reduce_dtype=dtype_name(precision.reduce_dtype))
-    plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch)
+    plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch,
+                       grad_accumulation=acc)
     return plan_out, analysis
 
 
@@ -232,9 +249,11 @@ def _states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, Para
 
 
 def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
-            batch_size: int | None = None) -> Plan:
+            batch_size: int | None = None, grad_accumulation: int = 1) -> Plan:
     """``plan`` with the predicted step time, peak memory and per-group costs attached, at
-    ``batch_size`` per rank (default: the profiled batch size)."""
+    ``batch_size`` per rank (default: the profiled batch size); the memory of steps of
+    ``grad_accumulation`` micro-batches (all but the last inside ``no_sync()``). The step time
+    stays that of one synchronised micro-batch and optimizer step."""
     batch = batch_size or analysis.batch_size
     states = _states(analysis, {p.name: p.strategy for p in plan.params})
     step, costs = predict_step_time(analysis.captured.gm, states, analysis.facts, devices=devices,
@@ -242,7 +261,7 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
     memory = predict_step_memory(analysis.captured.gm, states, world_size=devices.world_size,
                                  ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
                                  profiled_batch=analysis.batch_size, batch_size=batch,
-                                 prefetch=plan.prefetch)
+                                 prefetch=plan.prefetch, grad_accumulation=grad_accumulation)
     compute_s = step.compute_s * batch / analysis.batch_size
     prediction = Prediction(
         step_time_s=compute_s + step.comm_s + step.optim_s, compute_s=compute_s,
@@ -251,6 +270,7 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
         step_time_expr=step.step_time_expr, peak_memory_expr=memory.peak_bytes_expr,
         first_step_peak_bytes=memory.first_step_peak_bytes,
         peak_by_category=memory.peak_by_category, memory_timeline=memory.timeline,
+        grad_accumulation=grad_accumulation,
     )
     regathered = regathered_params(analysis.facts)
     params = tuple(
@@ -263,7 +283,7 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
 
 def choose_splits(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    prefetch: int = DEFAULT_PREFETCH,
+    prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
 ) -> dict[str, int]:
     """Which linear weights to split into how many parts (k in 2, 4, 8).
 
@@ -282,7 +302,8 @@ def choose_splits(
         info = analysis.captured.params[n]
         strategies = searched_strategies(devices) if info.trainable else [REPLICATE]
         costs = [group_cost(_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
-                            devices=devices, optimizer=optimizer) for st in strategies]
+                            devices=devices, optimizer=optimizer,
+                            grad_accumulation=grad_accumulation) for st in strategies]
         options = [(1, c.comm_s + c.optim_s, c.persistent_bytes, c.transient_bytes)
                    for c in costs]
         site = sites.get(n)
@@ -293,7 +314,8 @@ def choose_splits(
                 part = dataclasses.replace(_state(analysis, n, REPLICATE), numel=info.numel // k)
                 rep, full = (group_cost(dataclasses.replace(part, strategy=st),
                                         regathered=n in regathered, compute_s=0.0,
-                                        devices=devices, optimizer=optimizer)
+                                        devices=devices, optimizer=optimizer,
+                                        grad_accumulation=grad_accumulation)
                              for st in (REPLICATE, FULL_SHARD))
                 for j in range(k + 1):
                     options.append((
@@ -305,7 +327,7 @@ def choose_splits(
         persistent.append([o[2] for o in options])
         transient.append([o[3] for o in options])
     _, base = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None,
-                               prefetch=prefetch)
+                               prefetch=prefetch, grad_accumulation=grad_accumulation)
     try:
         result = solve_min_time(times, persistent, transient,
                                 limit_bytes=plannable_bytes(memory_limit_bytes),
@@ -318,7 +340,7 @@ def choose_splits(
 
 def search_batch_size(
     analysis: Analysis, batch_sizes: Sequence[int], *, devices: Devices, memory_limit_bytes: int,
-    optimizer: str, prefetch: int = DEFAULT_PREFETCH,
+    optimizer: str, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
 ) -> tuple[int, dict[str, str]]:
     """The per-rank batch size among ``batch_sizes`` and the strategies that maximise predicted
     samples per second (``b * N / step_time(b)``) within the memory limit."""
@@ -329,7 +351,7 @@ def search_batch_size(
         try:
             strategies = search_strategies(analysis, devices=devices, optimizer=optimizer,
                                            memory_limit_bytes=memory_limit_bytes, batch_size=b,
-                                           prefetch=prefetch)
+                                           prefetch=prefetch, grad_accumulation=grad_accumulation)
         except PlanError:
             continue
         step, _ = predict_step_time(analysis.captured.gm, _states(analysis, strategies),
@@ -348,7 +370,8 @@ def search_batch_size(
 
 
 def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
-                     batch_size: int | None, prefetch: int) -> tuple[int, int]:
+                     batch_size: int | None, prefetch: int,
+                     grad_accumulation: int = 1) -> tuple[int, int]:
     """(peak of the most sharded plan, the search's base memory): that peak minus what the
     search itself accounts for (persistent and largest transient bytes), i.e. activations."""
     lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
@@ -356,10 +379,12 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
     peak = predict_step_memory(
         analysis.captured.gm, _states(analysis, lowest), world_size=devices.world_size,
         ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-        profiled_batch=analysis.batch_size, batch_size=batch_size, prefetch=prefetch).peak_bytes
+        profiled_batch=analysis.batch_size, batch_size=batch_size, prefetch=prefetch,
+        grad_accumulation=grad_accumulation).peak_bytes
     regathered = regathered_params(analysis.facts)
     costs = [group_cost(_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
-                        devices=devices, optimizer=optimizer) for n, st in lowest.items()]
+                        devices=devices, optimizer=optimizer,
+                        grad_accumulation=grad_accumulation) for n, st in lowest.items()]
     return peak, max(0, peak - sum(c.persistent_bytes for c in costs)
                      - max((c.transient_bytes for c in costs), default=0))
 
@@ -374,11 +399,11 @@ def searched_strategies(devices: Devices) -> list[str]:
 
 def search_strategies(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    batch_size: int | None = None, prefetch: int = DEFAULT_PREFETCH,
+    batch_size: int | None = None, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
 ) -> dict[str, str]:
     """The per-group strategies with the least predicted step time whose predicted peak memory
-    (timeline, at ``batch_size``, default the profiled one) fits ``memory_limit_bytes``. Raises
-    PlanError when none does."""
+    (timeline, at ``batch_size``, default the profiled one; of steps of ``grad_accumulation``
+    micro-batches) fits ``memory_limit_bytes``. Raises PlanError when none does."""
     names = list(analysis.captured.params)
     trainable = {n: analysis.captured.params[n].trainable for n in names}
     sharding_helps = devices.world_size > 1
@@ -387,11 +412,13 @@ def search_strategies(
     regathered = regathered_params(analysis.facts)
     table = {
         n: [group_cost(_state(analysis, n, s), regathered=n in regathered, compute_s=0.0,
-                       devices=devices, optimizer=optimizer) for s in options[n]]
+                       devices=devices, optimizer=optimizer, grad_accumulation=grad_accumulation)
+            for s in options[n]]
         for n in names
     }
     lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
-                                         batch_size=batch_size, prefetch=prefetch)
+                                         batch_size=batch_size, prefetch=prefetch,
+                                         grad_accumulation=grad_accumulation)
     target = plannable_bytes(memory_limit_bytes)
     limit = target
     for _ in range(_MAX_TIGHTENINGS):
@@ -406,7 +433,7 @@ def search_strategies(
             analysis.captured.gm, _states(analysis, strategies), world_size=devices.world_size,
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
             profiled_batch=analysis.batch_size, batch_size=batch_size,
-            prefetch=prefetch).peak_bytes
+            prefetch=prefetch, grad_accumulation=grad_accumulation).peak_bytes
         if peak <= target:
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, predicted peak %s of %s", counts, format_bytes(peak),

@@ -108,9 +108,12 @@ def attributed_compute_s(facts: GraphFacts, devices: Devices) -> tuple[dict[str,
 
 
 def group_cost(
-    state: ParamState, *, regathered: bool, compute_s: float, devices: Devices, optimizer: str
+    state: ParamState, *, regathered: bool, compute_s: float, devices: Devices, optimizer: str,
+    grad_accumulation: int = 1,
 ) -> GroupCost:
-    """Costs of one group under ``state.strategy`` (see the module docstring)."""
+    """Costs of one group under ``state.strategy`` (see the module docstring); accumulating
+    over ``grad_accumulation`` > 1 micro-batches with ``no_sync()``, a sharded group also holds
+    its padded full gradient in the reduce dtype for the whole step."""
     world = devices.world_size
     full = state.numel * state.reduce_size  # the gradient, as reduced
     chunks = shard_count(state.strategy, world, devices.ranks_per_node)
@@ -140,6 +143,8 @@ def group_cost(
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
         optim_s = optimizer_time_s(optimizer, local_numel, devices)
+        if t.sharded and grad_accumulation > 1:
+            persistent += padded_numel * state.reduce_size
     if t.keeps_gathered:
         persistent += padded
         transient = padded

@@ -44,6 +44,14 @@ elements padded; for hybrid_shard read R for N throughout):
   starts or backward ends;
 * optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter.
 
+Gradient accumulation (``grad_accumulation`` k > 1, the first k - 1 micro-batches of a step inside
+``no_sync()``): a no_sync micro-batch runs no collective (no reduce-scatter or all-reduce buffers,
+no shard gradients) and adds each sharded gradient into a held buffer (Pp in the reduce dtype,
+alive from the start of the micro-batch when k > 2, from its first backward when k = 2); the last
+micro-batch starts with those buffers and reduce-scatters each after adding its gradient;
+replicated gradients are alive from the start of every micro-batch but the first. The peak is
+the larger of a no_sync micro-batch's and the last one's.
+
 Every activation-related term scales with the batch size; parameter terms do not. The prediction
 is therefore also returned as a function of the batch size (``peak_bytes_expr``: a sympy ``Max``
 of lines in ``b``).
@@ -65,11 +73,9 @@ from ..layout import shard_count
 from ..plan import DEFAULT_PREFETCH
 from ..strategies import traits
 from ..buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
+from .envelope import BATCH, envelope as _envelope  # noqa: F401  (BATCH re-exported)
 from .graph_facts import ParamState, graph_facts, sharded_gather_buckets
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
-
-BATCH = sympy.Symbol("b", positive=True, integer=True)
-"""The per-rank batch size in ``MemoryPrediction.peak_bytes_expr``."""
 
 
 class Category(str, enum.Enum):
@@ -146,36 +152,45 @@ class MemoryPrediction:
         return int(self.peak_bytes_expr.subs(BATCH, batch))
 
 
+SYNC, LOCAL = "sync", "local"
+"""Micro-batches of a step that accumulates gradients: the synchronised one (the last; the only
+one without accumulation) and one run inside ``no_sync()``."""
+
+
 class _Timeline:
     """Allocation events on time points; each amount is (batch-scaled, fixed) bytes of one
-    category."""
+    category, in every micro-batch or only in the ``SYNC`` or ``LOCAL`` one."""
 
     def __init__(self) -> None:
-        self.allocs: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
-        self.frees: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
+        self.allocs: dict[float, list[tuple[Category, int, int, str]]] = defaultdict(list)
+        self.frees: dict[float, list[tuple[Category, int, int, str]]] = defaultdict(list)
 
     def alive(self, start: float, end: float, nbytes: int, category: Category, *,
-              scaled: bool) -> None:
-        """``nbytes`` of ``category`` allocated at ``start`` and freed after ``end``."""
+              scaled: bool, only: str = "") -> None:
+        """``nbytes`` of ``category`` allocated at ``start`` and freed after ``end`` (in the
+        micro-batch ``only`` names, else in every one)."""
         if nbytes <= 0:
             return
-        amount = (category, nbytes, 0) if scaled else (category, 0, nbytes)
+        amount = (category, nbytes, 0, only) if scaled else (category, 0, nbytes, only)
         self.allocs[start].append(amount)
         self.frees[max(start, end)].append(amount)
 
-    def sweep(self, base: Mapping[Category, int]) -> list[tuple[float, dict[Category, tuple[int, int]]]]:
+    def sweep(self, base: Mapping[Category, int],
+              micro: str = SYNC) -> list[tuple[float, dict[Category, tuple[int, int]]]]:
         """(time, {category: (scaled, fixed)}) live totals after each time point's
-        allocations, starting from ``base`` fixed bytes per category."""
+        allocations in the micro-batch ``micro``, starting from ``base`` fixed bytes."""
         live = {c: [0, base.get(c, 0)] for c in _CATEGORIES}
         points = []
         for t in sorted(set(self.allocs) | set(self.frees)):
-            for c, sc, fx_ in self.allocs.get(t, ()):
-                live[c][0] += sc
-                live[c][1] += fx_
+            for c, sc, fx_, only in self.allocs.get(t, ()):
+                if only in ("", micro):
+                    live[c][0] += sc
+                    live[c][1] += fx_
             points.append((t, {c: (v[0], v[1]) for c, v in live.items()}))
-            for c, sc, fx_ in self.frees.get(t, ()):
-                live[c][0] -= sc
-                live[c][1] -= fx_
+            for c, sc, fx_, only in self.frees.get(t, ()):
+                if only in ("", micro):
+                    live[c][0] -= sc
+                    live[c][1] -= fx_
         return points
 
 
@@ -191,6 +206,7 @@ def predict_step_memory(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     prefetch: int = DEFAULT_PREFETCH,
     reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
+    grad_accumulation: int = 1,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
@@ -198,6 +214,9 @@ def predict_step_memory(
     names the group), profiled by ``profile_graph_pass`` at ``profiled_batch``; ``params`` maps
     each parameter group to its size and strategy; ``batch_size`` scales activations;
     ``ranks_per_node`` (None: one node) sizes hybrid_shard's shards and hierarchical's stages.
+    ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
+    ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
+    the micro-batch that holds the most.
     """
     facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
     nodes, pos, prof = facts.nodes, facts.pos, facts.profile
@@ -210,6 +229,7 @@ def predict_step_memory(
         return 2 * n_nodes - 1 - i
 
     grad_sync, optim_t = 2 * n_nodes, 2 * n_nodes + 1
+    acc = grad_accumulation > 1
 
     tl = _Timeline()
 
@@ -322,8 +342,14 @@ def predict_step_memory(
             if bwd(pos[u]) != grad_start:
                 tl.alive(bwd(pos[u]), bwd(pos[u]), 2 * grad_bytes, Category.GRADIENTS,
                          scaled=False)
-        if not t.sharded:
-            tl.alive(grad_start, optim_t, full, Category.GRADIENTS, scaled=False)
+        if not t.sharded:  # accumulated by earlier micro-batches: alive from the start, and
+            # this backward's gradient is a new tensor until autograd adds it to ``.grad``
+            for micro, since in ((SYNC, 0 if acc else grad_start),
+                                 (LOCAL, 0 if grad_accumulation > 2 else grad_start)):
+                tl.alive(since, optim_t, full, Category.GRADIENTS, scaled=False, only=micro)
+                if since == 0:
+                    tl.alive(grad_start, grad_done, full, Category.GRADIENTS, scaled=False,
+                             only=micro)
             replicated_ready[name] = grad_done + 0.5
         else:
             held = padded // state.element_size * state.reduce_size
@@ -349,10 +375,18 @@ def predict_step_memory(
             scatters.append((scatter, grads[0][0], held, held_block))
         else:
             for start, _, grad, *_ in grads:
-                tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False)
+                tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=SYNC)
             scatters.append((scatter, scatter, held, held_block))
         for *_, shard, _ in grads:
-            tl.alive(scatter, optim_t, shard, Category.GRADIENTS, scaled=False)
+            tl.alive(scatter, optim_t, shard, Category.GRADIENTS, scaled=False, only=SYNC)
+        # Accumulating: the synchronised backward adds into the held buffer and reduce-scatters
+        # it; a no_sync backward adds its gradients into it (the first allocates it).
+        if acc:
+            tl.alive(0, scatter - 0.125, held, Category.GRADIENTS, scaled=False, only=SYNC)
+            tl.alive(0 if grad_accumulation > 2 else scatter, grad_sync, held,
+                     Category.GRADIENTS, scaled=False, only=LOCAL)
+            for start, _, grad, *_ in grads:
+                tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=LOCAL)
     # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
     # the rest complete at the end of backward.
     scatters.sort()
@@ -360,27 +394,35 @@ def predict_step_memory(
         later = i + reduce_scatters_in_flight
         done = scatters[later][0] if later < len(scatters) else grad_sync
         if since < launch:  # the gradient itself, handed to the reduce-scatter at its launch
-            tl.alive(since, launch - 0.125, held, Category.GRADIENTS, scaled=False)
-        tl.alive(launch, done, held, Category.COMMUNICATION, scaled=False)
-        tl.alive(launch, done, held_block, Category.COMMUNICATION, scaled=False)
+            tl.alive(since, launch - 0.125, held, Category.GRADIENTS, scaled=False, only=SYNC)
+        tl.alive(launch, done, held, Category.COMMUNICATION, scaled=False, only=SYNC)
+        tl.alive(launch, done, held_block, Category.COMMUNICATION, scaled=False, only=SYNC)
 
     if world_size > 1:
         _replicated_buckets(tl, params, replicated_ready, bucket_bytes=bucket_bytes,
                             in_flight=reduce_scatters_in_flight, end=grad_sync)
     if OPTIMIZER_STATES[optimizer] == 2 and local_bytes:
         tl.alive(optim_t, optim_t, 2 * max(local_bytes), Category.OPTIMIZER_TEMPORARIES,
-                 scaled=False)
+                 scaled=False, only=SYNC)
 
     batch = batch_size or profiled_batch
-    steady = tl.sweep(base)
+    # Accumulating, a no_sync micro-batch comes first on the timeline (shifted before t = 0).
+    micros = ((-(optim_t + 1), LOCAL), (0, SYNC)) if acc else ((0, SYNC),)
+    steady = [(t + shift, by) for shift, micro in micros for t, by in tl.sweep(base, micro)]
     # The first step: the optimizer allocates its state in its first step() (torch.optim's
     # lazy ``_init_group``), after backward, while the gradients are alive.
     tl.alive(optim_t, optim_t + 1, base[Category.OPTIMIZER_STATE], Category.OPTIMIZER_STATE,
-             scaled=False)
-    first = tl.sweep({Category.PARAMETERS: base[Category.PARAMETERS]})
+             scaled=False, only=SYNC)
+    first = [p for _, micro in micros
+             for p in tl.sweep({Category.PARAMETERS: base[Category.PARAMETERS]}, micro)]
 
     def total(point: tuple[float, dict[Category, tuple[int, int]]]) -> int:
         return sum(sc * batch // profiled_batch + fx_ for sc, fx_ in point[1].values())
+
+    def where(t: float) -> str:
+        if t < 0:
+            return f"{_describe_time(t + optim_t + 1, nodes)} (a no_sync micro-batch)"
+        return _describe_time(t, nodes) if t <= optim_t else "after the step"
 
     # the earliest of equal peaks
     t_peak, at_peak = max(steady, key=lambda p: (total(p), -p[0]))
@@ -388,7 +430,7 @@ def predict_step_memory(
              for _, by in steady]
     return MemoryPrediction(
         peak_bytes=total((t_peak, at_peak)),
-        peak_at=_describe_time(t_peak, nodes),
+        peak_at=where(t_peak),
         persistent_bytes=sum(base.values()),
         peak_bytes_expr=_envelope(lines, profiled_batch),
         profiled_batch=profiled_batch,
@@ -396,8 +438,7 @@ def predict_step_memory(
         peak_by_category=tuple((str(c), sc * batch // profiled_batch + fx_)
                                for c, (sc, fx_) in at_peak.items()),
         timeline=tuple(
-            MemoryPoint(t, _describe_time(t, nodes) if t <= optim_t else "after the step",
-                        tuple((str(c), sc * batch // profiled_batch + fx_)
+            MemoryPoint(t, where(t), tuple((str(c), sc * batch // profiled_batch + fx_)
                               for c, (sc, fx_) in by.items()))
             for t, by in steady),
     )
@@ -423,7 +464,8 @@ def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],
             starts.append((at, flat))
     for i, (at, flat) in enumerate(starts):
         later = i + in_flight
-        tl.alive(at, starts[later][0] if later < len(starts) else end, flat, Category.COMMUNICATION, scaled=False)
+        tl.alive(at, starts[later][0] if later < len(starts) else end, flat,
+                 Category.COMMUNICATION, scaled=False, only=SYNC)
 
 
 def _prefetched_regathers(
@@ -454,36 +496,3 @@ def _describe_time(t: float, nodes: list[fx.Node]) -> str:
         node = nodes[2 * n - 1 - math.ceil(t)].name
         return f"re-gather before backward of {node}" if t % 1 else f"backward of {node}"
     return "gradient all-reduce" if t == 2 * n else "optimizer step"
-
-
-def _envelope(points: list[tuple[int, int]], profiled_batch: int) -> sympy.Expr:
-    """``Max`` over time points of ``scaled * b / profiled_batch + fixed`` for batch sizes b >= 1,
-    keeping only the lines on the upper envelope (an upper convex hull over the slopes)."""
-    best: dict[int, int] = {}
-    for s, f in points:  # for equal slopes only the highest intercept matters
-        best[s] = max(best.get(s, f), f)
-    hull: list[tuple[int, int]] = []  # lines by increasing slope, each maximal somewhere on b >= 1
-
-    def at(line: tuple[int, int], b: float) -> float:
-        return line[0] * b / profiled_batch + line[1]
-
-    for line in sorted(best.items()):
-        while hull:
-            top = hull[-1]
-            # b where the new, steeper line overtakes the top line
-            cross = (top[1] - line[1]) * profiled_batch / (line[0] - top[0])
-            start = max(1.0, cross)
-            if len(hull) >= 2:
-                prev = hull[-2]
-                prev_cross = max(1.0, (prev[1] - top[1]) * profiled_batch / (top[0] - prev[0]))
-                if start <= prev_cross:
-                    hull.pop()
-                    continue
-            elif cross <= 1.0:
-                hull.pop()
-                continue
-            break
-        if not hull or at(line, 1e18) > at(hull[-1], 1e18):
-            hull.append(line)
-    lines = [sympy.Rational(s, profiled_batch) * BATCH + f for s, f in hull]
-    return sympy.Max(*lines, evaluate=False) if len(lines) > 1 else lines[0]

@@ -34,6 +34,7 @@ import torch
 
 from ..buckets import MAX_IN_FLIGHT
 from ..strategies import traits
+from .accumulation import HeldGrads, LocalScatters
 from .collectives import Pending, pad_flat
 from .hierarchy import (
     averaging_ranks,
@@ -140,7 +141,7 @@ class _Scope:
     """The runtime state of one compiled module's forward: its reduce-scatter queue and, for
     plans that free parameters after forward, the step context that re-gathers them."""
 
-    scatters: GradReduceScatters
+    scatters: GradReduceScatters | LocalScatters
     step: StepContext | None
 
 
@@ -154,7 +155,7 @@ def _active() -> StepContext | None:
     return scope.step if scope is not None else None
 
 
-def _scatters() -> GradReduceScatters:
+def _scatters() -> GradReduceScatters | LocalScatters:
     """The reduce-scatter queue of the compiled module running this forward (a bare call of a
     graph module gets a queue of its own)."""
     scope = _scope()
@@ -162,12 +163,13 @@ def _scatters() -> GradReduceScatters:
 
 
 @contextlib.contextmanager
-def module_scope(scatters: GradReduceScatters, *, regather: bool,
+def module_scope(scatters: GradReduceScatters | LocalScatters, *, regather: bool,
                  prefetch: int = 1) -> Iterator[StepContext | None]:
     """Run one compiled module's forward: its gathers' gradients go to ``scatters`` (the
     module's own queue, so two compiled models whose forwards and backwards interleave keep
     their collectives apart); with ``regather``, freed parameters are re-gathered in backward,
-    ``prefetch`` parameters ahead."""
+    ``prefetch`` parameters ahead. A no_sync forward passes :class:`LocalScatters` instead of
+    the queue ([Note: no_sync])."""
     step = StepContext(prefetch) if regather else None
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(_Scope(scatters, step))
@@ -200,8 +202,9 @@ class GradReduceScatters:
     it over the ranks and accumulates it into the shard's ``.grad``.
     """
 
-    def __init__(self, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+    def __init__(self, max_in_flight: int = MAX_IN_FLIGHT, held: HeldGrads | None = None) -> None:
         self.max_in_flight = max_in_flight
+        self.held = held if held is not None else HeldGrads()  # [Note: no_sync]
         self._in_flight: collections.deque[
             tuple[list[torch.Tensor], Pending, int, torch.Tensor | None]] = (
             collections.deque())
@@ -209,10 +212,22 @@ class GradReduceScatters:
 
     def start(self, shard: torch.Tensor, grad_full: torch.Tensor, group: str,
               padded_numel: int, reduce_dtype: torch.dtype | None = None) -> None:
-        """Reduce-scatter one parameter's full gradient into ``shard.grad``."""
+        """Reduce-scatter one parameter's full gradient into ``shard.grad`` (added to the
+        gradient earlier no_sync backwards held, if any)."""
+        held = self.held.take([shard]) if self.held else None
+        if held is not None:
+            held[:grad_full.numel()].add_(grad_full.reshape(-1))
+            self.start_flat([shard], held, group)
+            return
         grad = pad_flat(_cast(grad_full, reduce_dtype), padded_numel)
         owned = grad.untyped_storage().data_ptr() != grad_full.untyped_storage().data_ptr()
         self.start_flat([shard], grad, group, owned=owned)
+
+    def buffer(self, shards: list[torch.Tensor], numel: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        """A flat buffer for the gradients of ``shards``, zero or holding what earlier no_sync
+        backwards accumulated: the caller adds its gradients, then :meth:`start_flat`."""
+        return self.held.buffer(shards, numel, dtype, device)
 
     def start_flat(self, shards: list[torch.Tensor], flat: torch.Tensor, group: str, *,
                    owned: bool = True) -> None:
@@ -375,15 +390,17 @@ class _AllGatherParams(torch.autograd.Function):
         present = [g for g in grads if g is not None]
         dtype = ctx.reduce_dtype or (present[0].dtype if present else ctx.shards[0].dtype)
         total = sum(s.numel() for s in ctx.shards)
-        flat = ctx.shards[0].new_zeros(world, total, dtype=dtype)
+        # zero, or what no_sync backwards accumulated ([Note: no_sync]): gradients are added
+        flat = ctx.scatters.buffer(list(ctx.shards), world * total, dtype,
+                                   ctx.shards[0].device).view(world, total)
         offset = 0
         for shard, grad in zip(ctx.shards, grads):
             c = shard.numel()
             if grad is not None:
                 g, rows = grad.reshape(-1), grad.numel() // c
-                flat[:rows, offset:offset + c].copy_(g[:rows * c].view(rows, c))
+                flat[:rows, offset:offset + c].add_(g[:rows * c].view(rows, c))
                 if rows * c < g.numel():
-                    flat[rows, offset:offset + g.numel() - rows * c].copy_(g[rows * c:])
+                    flat[rows, offset:offset + g.numel() - rows * c].add_(g[rows * c:])
             offset += c
         flat = flat.view(-1)
         ctx.scatters.start_flat(list(ctx.shards), flat, ctx.group)

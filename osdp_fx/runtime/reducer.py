@@ -10,6 +10,10 @@ produced the gradients in. At most ``max_in_flight`` run at once: starting one m
 the oldest (divide by the world size, copy back into the ``.grad`` tensors, free the bucket). A
 callback queued on the autograd engine starts what is left (parameters without a gradient in
 this backward are skipped) and completes everything when backward ends.
+
+A backward of a forward run inside ``OSDPModule.no_sync()`` pauses the reducer (:meth:`pause`):
+its gradients stay in ``.grad``, and the next synchronised backward all-reduces the sum
+([Note: no_sync] in ``accumulation.py``).
 """
 
 from __future__ import annotations
@@ -55,19 +59,39 @@ class GradReducer:
                 reducer._on_grad(param)
 
         self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
+        self.unsynced = False  # gradients accumulated by a paused backward, not yet reduced
         self.new_step()
 
     def new_step(self) -> None:
         """Start a step afresh (also forgets what a failed backward left: autograd drops its
         end-of-backward callback)."""
         self._queued = False
+        self._paused = False
         self._missing = [len(b) for b in self.buckets]
         self._next = 0  # the next bucket to start
         self._in_flight: collections.deque[tuple[list[nn.Parameter], torch.Tensor, Any]] = (
             collections.deque())
 
+    def pause(self) -> None:
+        """Leave the gradients of the backward now running in ``.grad``, unreduced."""
+        if not self._paused:
+            self._paused = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._resume)
+
+    def _resume(self) -> None:
+        self._paused = False
+
+    def flush(self) -> None:
+        """End of a synchronised backward that produced no replicated gradient: all-reduce the
+        ones earlier paused backwards accumulated."""
+        if self.unsynced and not self._queued:
+            self._finish()
+
     def _on_grad(self, param: torch.Tensor) -> None:
         if group_size(self.group) == 1:
+            return
+        if self._paused:
+            self.unsynced = True
             return
         if not self._queued:
             self._queued = True
@@ -107,6 +131,7 @@ class GradReducer:
             self._start(self._next)
         while self._in_flight:
             self._complete(*self._in_flight.popleft())
+        self.unsynced = False
         self.new_step()
 
     def remove(self) -> None:

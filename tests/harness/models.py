@@ -19,6 +19,8 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[Any, Batch], t
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP((24, 40, 33, 8)), lambda out, batch: F.mse_loss(out, batch[1])
+    if name == "wide_mlp":  # a weight gathered alone (> SMALL_PARAM_BYTES), the rest in buckets
+        return MLP((24, 40, 520, 8)), lambda out, batch: F.mse_loss(out, batch[1])
     if name == "gpt":
         return TinyGPT(vocab=67, dim=32, depth=2, heads=4, max_seq=16), _lm_loss
     if name == "hf_gpt2":
@@ -40,7 +42,7 @@ def _lm_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
 def batches(name: str, *, global_batch: int, steps: int, seed: int = 1) -> list[Batch]:
     """``steps`` global batches; the model's inputs come first, then targets."""
     gen = torch.Generator().manual_seed(seed)
-    if name == "mlp":
+    if name in ("mlp", "wide_mlp"):
         return [(torch.randn(global_batch, 24, generator=gen),
                  torch.randn(global_batch, 8, generator=gen)) for _ in range(steps)]
     return [(torch.randint(0, 67, (global_batch, 12), generator=gen),) for _ in range(steps)]
