@@ -72,9 +72,10 @@ def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0) -> dic
     return plans
 
 
-def _plan_file(strategies: dict[str, str], directory: str, label: str) -> str:
+def _plan_file(strategies: dict[str, str], directory: str, label: str, *, write: bool) -> str:
     path = Path(directory) / (label.replace(" ", "_") + ".json")
-    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "params": strategies}))
+    if write:
+        path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "params": strategies}))
     return str(path)
 
 
@@ -102,9 +103,13 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
     x = torch.randint(0, vocab, (4, seq), generator=gen)
     rows: list[dict[str, Any]] = []
     runs: list[_Run] = []
+    # One writer: a rank reading a file that another rank is still writing sees it cut short.
+    files = {label: _plan_file(strategies, plan_dir, label, write=rank == 0)
+             for label, strategies in plans.items()}
+    dist.barrier()
     for label, strategies in {"searched": None, **plans}.items():
         model, _, _ = build(model_name)
-        spec = None if strategies is None else _plan_file(strategies, plan_dir, label)
+        spec = None if strategies is None else files[label]
         start = time.perf_counter()
         try:
             compiled = compile_osdp(model, (x,), devices, plan=spec, memory_limit=limit,
