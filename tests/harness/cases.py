@@ -9,7 +9,7 @@ import torch
 
 from osdp_fx import compile_osdp
 
-from .models import batches, build, local
+from .models import batches, build, cast_forward, local
 
 
 def mixed_plan_file(model: str, path: Any, strategies: list[str]) -> str:
@@ -55,13 +55,7 @@ def reference_train(model: str, *, world: int, steps: int = 5, lr: float = 0.05,
     net, loss_fn = build(model, seed)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
     losses = []
-
-    def forward(x: torch.Tensor) -> Any:
-        if param_dtype is None:
-            return net(x)
-        cast = {n: p.to(param_dtype) for n, p in net.named_parameters()}
-        return torch.func.functional_call(
-            net, cast, (x.to(param_dtype) if x.is_floating_point() else x,))
+    forward = cast_forward(net, param_dtype)
 
     for batch in batches(model, global_batch=local_batch * world, steps=steps):
         loss = loss_fn(forward(batch[0]), batch)

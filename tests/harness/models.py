@@ -84,3 +84,17 @@ class MLPWithLoss(nn.Module):
 def with_loss(name: str, seed: int = 0) -> nn.Module:
     """``name``'s model wrapped so that its forward takes a whole batch and returns the loss."""
     return MLPWithLoss(seed) if name == "mlp" else WithLoss(name, seed)
+
+
+def cast_forward(net: nn.Module, param_dtype: torch.dtype | None) -> Callable[[torch.Tensor], Any]:
+    """``net``'s forward computing with its parameters and floating inputs cast to
+    ``param_dtype`` (as mixed precision does; None: as they are)."""
+
+    def forward(x: torch.Tensor) -> Any:
+        if param_dtype is None:
+            return net(x)
+        cast = {n: p.to(param_dtype) for n, p in net.named_parameters()}
+        return torch.func.functional_call(
+            net, cast, (x.to(param_dtype) if x.is_floating_point() else x,))
+
+    return forward

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.runtime import collectives
 
-from .models import batches, build, local
+from .models import batches, build, cast_forward, local
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from storage_tracker import StorageTracker  # noqa: E402
@@ -140,13 +140,7 @@ def reference_accumulating(model: str, *, world: int, k: int = 3, steps: int = 3
     each, gradients accumulating), then one SGD step."""
     net, loss_fn = build(model, seed)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
-
-    def forward(x: torch.Tensor) -> Any:
-        if param_dtype is None:
-            return net(x)
-        cast = {n: p.to(param_dtype) for n, p in net.named_parameters()}
-        return torch.func.functional_call(
-            net, cast, (x.to(param_dtype) if x.is_floating_point() else x,))
+    forward = cast_forward(net, param_dtype)
 
     losses = []
     for micro_batches in _micro_batches(model, world=world, k=k, steps=steps,
