@@ -204,10 +204,13 @@ def _retarget_meta_device(gm: fx.GraphModule, device: torch.device) -> None:
             return device
         return value
 
-    for node in gm.graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, retarget)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
-    gm.recompile()
+    # export nests graph modules (e.g. the body of a wrap_with_set_grad_enabled region)
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = fx.node.map_aggregate(node.args, retarget)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
+            module.recompile()
 
 
 def _describe(inputs: tuple[Any, ...]) -> str:
