@@ -265,29 +265,6 @@ def resolve_plan(
                       ranks_per_node=ranks_per_node)
 
 
-def requested_precision(spec: PlanSpec) -> tuple[str, str] | None:
-    """(param_dtype, reduce_dtype) names a Plan or plan file's "mixed_precision" asks for."""
-    if spec is None or (isinstance(spec, str) and spec in STRATEGIES):
-        return None
-    if isinstance(spec, (str, os.PathLike)) and not os.fspath(spec).endswith(".json") \
-            and not os.path.exists(spec):
-        return None  # an unknown strategy name: resolve_plan says so
-    return PlanRequest.parse(spec).precision
-
-
-def requested_splits(spec: PlanSpec) -> dict[str, int]:
-    """The linear splits a plan argument asks for (weight name -> parts); none for a strategy
-    name or None."""
-    if spec is None or (isinstance(spec, str) and spec in STRATEGIES):
-        return {}
-    if isinstance(spec, (str, os.PathLike)) and not os.fspath(spec).endswith(".json") \
-            and not os.path.exists(spec):
-        return {}
-    if not isinstance(spec, (str, os.PathLike, Plan, PlanRequest)):
-        return {}
-    return PlanRequest.parse(spec).splits
-
-
 def _requested_from_mapping(
     entries: Mapping[str, Any],
     by_any_name: dict[str, str],
