@@ -104,7 +104,7 @@ class Config:
 # ---- the world ----------------------------------------------------------------------------
 
 def _on_local_device(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(rank, world, local_device(rank), *args)
+    return fn(rank, world, local_device(rank, world), *args)
 
 
 def start_world(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:

@@ -17,8 +17,12 @@ rounds, the order rotated each round; a step's time is the slowest rank's; the m
 Prints the table, the Spearman rank correlation between predicted and measured step time, and
 the ratio of the searched plan's time to the fastest measured plan that fits.
 
-    python benchmarks/optimality.py [--model gpt|llama] [--limit 200MiB] [--world-size 2]
-        [--rounds 8] [--random 6] [--out-dir benchmarks/results]
+    python benchmarks/optimality.py [--model gpt llama] [--limit 200MiB 160MiB] [--world-size 2]
+        [--rounds 8] [--random 6] [--autotune 3] [--quick] [--out-dir benchmarks/results]
+
+``--autotune K`` adds the row "autotuned": the search with ``compile_osdp(autotune=K)``
+(timed like every other plan after it is chosen). ``--quick``: 2 rounds and no random mixes,
+to check that it runs (its timings are no figures).
 
 Default model: the GPT of ``compare.py`` (vocab 2048, dim 512, depth 4, sequence 32, batch 4 per
 rank), AdamW, with a hand-written ``Devices`` measured once by ``Devices.detect`` on rank 0's
@@ -53,6 +57,8 @@ from storage_tracker import StorageTracker  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 STRATEGIES = ("replicate", "shard_grad_op", "full_shard")
+DEFAULT_LIMITS = {"gpt": ["200MiB", "160MiB"], "llama": ["70MiB", "60MiB"],
+                  "tiny": ["2MiB", "1MiB"]}
 
 
 def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0) -> dict[str, dict]:
@@ -94,7 +100,7 @@ class _Run:
 
 
 def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_random: int,
-            plan_dir: str) -> list[dict[str, Any]]:
+            plan_dir: str, autotune: int = 0) -> list[dict[str, Any]]:
     devices = Devices.detect(memory_limit=limit)
     model, vocab, seq = build(model_name)
     plans = candidate_plans(model, n_random)
@@ -107,13 +113,15 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
     files = {label: _plan_file(strategies, plan_dir, label, write=rank == 0)
              for label, strategies in plans.items()}
     dist.barrier()
-    for label, strategies in {"searched": None, **plans}.items():
+    searched = {"searched": None, **({"autotuned": None} if autotune else {})}
+    for label, strategies in {**searched, **plans}.items():
         model, _, _ = build(model_name)
         spec = None if strategies is None else files[label]
         start = time.perf_counter()
         try:
             compiled = compile_osdp(model, (x,), devices, plan=spec, memory_limit=limit,
-                                    optimizer="adamw")
+                                    optimizer="adamw",
+                                    autotune=autotune if label == "autotuned" else None)
         except PlanError as e:  # the searched plan when nothing fits
             rows.append({"plan": label, "error": str(e).splitlines()[0]})
             continue
@@ -135,6 +143,7 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         pr = compiled.plan.prediction
         rows.append({"plan": label, "counts": compiled.plan.counts(),
+                     "schedule": str(compiled.plan.schedule), "hash": compiled.plan.hash(),
                      "predicted_step_s": pr.step_time_s, "predicted_peak": pr.peak_memory_bytes,
                      "measured_peak": int(peak.item()), "compile_s": compile_s,
                      "fits": peak.item() <= limit})
@@ -177,29 +186,20 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt", choices=["gpt", "llama", "tiny"])
-    parser.add_argument("--limit", default="200MiB", help="memory limit per rank")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=8, help="timed rounds of every plan")
-    parser.add_argument("--random", type=int, default=6, help="random mixes to add")
-    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
-    args = parser.parse_args(argv)
-    limit = parse_bytes(args.limit)
-    with tempfile.TemporaryDirectory() as plan_dir:
-        rows = run_world(args.world_size, measure, args.model, limit, args.rounds, args.random,
-                         plan_dir, timeout_s=3600.0)[0]
+def report(rows: list[dict[str, Any]], title: str) -> tuple[str, dict[str, Any]]:
+    """The table of one model and limit, and its summary: Spearman between predicted and
+    measured step time over the plans that fit, searched / fastest and autotuned / fastest."""
     timed = [r for r in rows if r.get("measured_step_s") is not None]
     timed.sort(key=lambda r: r["measured_step_s"])
-    searched = next((r for r in rows if r["plan"] == "searched"), None)
+    others = [r for r in timed if r["plan"] not in ("searched", "autotuned")]
     fastest = timed[0] if timed else None
-    ratio = (searched["measured_step_s"] / fastest["measured_step_s"]
-             if searched and searched.get("measured_step_s") and fastest else None)
+
+    def ratio(label: str) -> float | None:
+        row = next((r for r in timed if r["plan"] == label), None)
+        return row["measured_step_s"] / fastest["measured_step_s"] if row and fastest else None
+
     rho = spearman([r["predicted_step_s"] for r in timed], [r["measured_step_s"] for r in timed])
-    lines = [f"{args.model}, world {args.world_size}, limit {format_bytes(limit)}, AdamW, "
-             f"{args.rounds} rounds", "",
+    lines = [title, "",
              "| plan | measured step | predicted step | measured peak | predicted peak |",
              "|---|---|---|---|---|"]
     for r in timed + [r for r in rows if r.get("measured_step_s") is None]:
@@ -207,20 +207,57 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lines.append(f"| {r['plan']} | {r['error']} | | | |")
             continue
         step = f"{r['measured_step_s'] * 1e3:.1f} ms" if r.get("measured_step_s") else "over the limit"
-        lines.append(f"| {r['plan']} | {step} | {r['predicted_step_s'] * 1e3:.1f} ms | "
+        name = (f"**{r['plan']}** ({r['schedule']})" if r["plan"] in ("searched", "autotuned")
+                else r["plan"])
+        lines.append(f"| {name} | {step} | {r['predicted_step_s'] * 1e3:.1f} ms | "
                      f"{format_bytes(r['measured_peak'])} | {format_bytes(r['predicted_peak'])} |")
+    summary = {"spearman": rho, "searched_over_fastest": ratio("searched"),
+               "autotuned_over_fastest": ratio("autotuned"),
+               "fastest": fastest["plan"] if fastest else None, "plans_timed": len(timed),
+               "alternatives_timed": len(others)}
+    fmt = lambda v: f"{v:.3f}" if v else "not timed"  # noqa: E731
     lines += ["", f"Spearman (predicted vs measured step, {len(timed)} plans that fit): {rho:.3f}",
-              f"searched / fastest measured: {ratio:.3f}" if ratio else "searched: not timed",
-              f"fastest: {fastest['plan']}" if fastest else ""]
-    text = "\n".join(lines)
-    print(text)
+              f"searched / fastest measured: {fmt(summary['searched_over_fastest'])}",
+              f"autotuned / fastest measured: {fmt(summary['autotuned_over_fastest'])}",
+              f"fastest: {summary['fastest']}"]
+    return "\n".join(lines), summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", nargs="+", default=["gpt", "llama"],
+                        choices=["gpt", "llama", "tiny"])
+    parser.add_argument("--limit", nargs="+", default=None,
+                        help="memory limits per rank (default: 200MiB 160MiB for gpt, "
+                             "the model's own pair for the others)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds of every plan")
+    parser.add_argument("--random", type=int, default=6, help="random mixes to add")
+    parser.add_argument("--autotune", type=int, default=3,
+                        help="plans the autotuned row times (0: no autotuned row)")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 rounds, no random mixes: checks that it runs, not a figure")
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.random = 2, 0
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"optimality-{args.model}.md").write_text(text + "\n")
-    summary = {"spearman": rho, "searched_over_fastest": ratio,
-               "fastest": fastest["plan"] if fastest else None, "plans_timed": len(timed)}
-    print(json.dumps(summary))
-    return {"rows": rows, **summary}
+    results = {}
+    for model in args.model:
+        for limit_text in args.limit or DEFAULT_LIMITS[model]:
+            limit = parse_bytes(limit_text)
+            with tempfile.TemporaryDirectory() as plan_dir:
+                rows = run_world(args.world_size, measure, model, limit, args.rounds,
+                                 args.random, plan_dir, args.autotune, timeout_s=3600.0)[0]
+            title = (f"{model}, world {args.world_size}, limit {format_bytes(limit)}, AdamW, "
+                     f"{args.rounds} rounds" + (" (--quick)" if args.quick else ""))
+            text, summary = report(rows, title)
+            print(text + "\n" + json.dumps(summary), flush=True)
+            (out / f"optimality-{model}-{limit_text}.md").write_text(text + "\n")
+            results[f"{model} {limit_text}"] = {"rows": rows, **summary}
+    return results
 
 
 if __name__ == "__main__":

@@ -66,12 +66,19 @@ def _saved_by_graph(t: torch.Tensor, seen: set[int]) -> Iterable[torch.Tensor]:
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
+def _is_tensor(o: Any) -> bool:
+    try:
+        return isinstance(o, torch.Tensor)
+    except ReferenceError:  # a weakref.proxy whose referent died (torch.compile makes some)
+        return False
+
+
 def held_tensors() -> list[torch.Tensor]:
     """Every tensor reachable by the garbage collector's list of objects (no collection), and
     the tensors their autograd graphs save."""
     with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
         warnings.simplefilter("ignore", FutureWarning)
-        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        found = [o for o in gc.get_objects() if _is_tensor(o)]
     seen_fns: set[int] = set()
     saved = [s for t in found if t.grad_fn is not None for s in _saved_by_graph(t, seen_fns)]
     return found + saved

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import gc
 import logging
 import os
@@ -17,12 +19,15 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from . import progress
-from .capture import as_input_tuple, capture, is_on_meta
-from .devices import Devices
+from .autotune import autotune_plans, check_autotune
+from .capture import Captured, as_input_tuple, capture, is_on_meta
+from .devices import Devices, devices_for
 from .errors import InputError, PlanMismatchError
+from .io_spec import CallCheck, ShapeGuard, bind_example, check_max_shape
 from .materialize import (check_initializable, check_same_rng_state, materialize_device,
                           materialize_meta_model)
 from .passes.aliases import annotate_aliases_pass
+from .passes.recompute import recompute_regions_pass
 from .passes.runner import run_passes
 from .param_table import ParamTable
 from .passes.shard import shard_parameters_pass
@@ -30,12 +35,13 @@ from .passes.split_linear import apply_splits
 from .plan import Plan, check_prefetch
 from .plan_request import PlanRequest, resolve_plan
 from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
-from .planner import (check_grad_accumulation, check_optimizer, devices_for, make_plan,
+from .planner import (check_grad_accumulation, check_optimizer, make_plan,
                       param_specs)
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
 from .runtime.accumulation import GradSync, HeldGrads
-from .runtime.params import GradReduceScatters, module_scope
+from .runtime.forward import ModuleRuntime
+from .runtime.params import GradReduceScatters
 from .runtime.reducer import GradReducer
 from .strategies import traits
 from .units import parse_bytes
@@ -57,6 +63,9 @@ def compile_osdp(
     mixed_precision: MixedPrecision | str | torch.dtype | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     grad_accumulation: int = 1,
+    example_kwargs: dict[str, Any] | None = None,
+    max_shape: Sequence[int] | None = None,
+    autotune: int | None = None,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -69,7 +78,8 @@ def compile_osdp(
             tensors are then replaced: replicated parameters and buffers by the values the
             compiled module uses, sharded parameters by new meta tensors.
         example_inputs: this rank's inputs for one step, a tuple of the forward's positional
-            arguments (a single tensor is accepted).
+            arguments (a single tensor is accepted; ``()`` with ``example_kwargs``). Batch
+            (dimension 0) and sequence length (dimension 1) may differ from call to call.
         devices: the cluster; None means the current default process group (world size 1 when
             torch.distributed is not initialised). Its ``ranks_per_node`` sets the mesh of
             nodes x ranks per node that hybrid_shard and hierarchical use; without it, torchrun's
@@ -103,6 +113,20 @@ def compile_osdp(
             (and the search's memory limit) then includes the full gradient every sharded
             parameter holds between micro-batches (``docs/training.md``). It changes no
             collective, so not the plan either. Default 1: no accumulation.
+        example_kwargs: keyword arguments of the example step (``input_ids=``,
+            ``attention_mask=``, ``labels=``); the compiled module is then called with the same
+            keywords and returns what the model returns (a ``ModelOutput``, a dict, a tuple).
+            An argument absent here must stay absent (``docs/guide.md``).
+        max_shape: ``(batch, sequence length)``, the largest per-rank shape you will feed: the
+            plan is made and its memory predicted for it. Default: the example's. A call whose
+            shape is larger, and whose predicted peak exceeds the memory limit, raises an
+            ``InputError`` before anything runs.
+        autotune: with the search (plan=None), time the ``autotune`` best predicted plans that
+            fit (distinct strategies or schedules) for a few training steps each on
+            ``example_inputs``, on copies of the model, and keep the fastest measured (the
+            slowest rank's time decides, so every rank keeps the same plan);
+            ``compiled.plan.measured`` records the times. Costs about ``4 * autotune`` steps;
+            logged as the "autotune" stage. Default None: the predicted best, nothing timed.
 
     Collective: every rank of the world must call it with the same model and plan. Its stages
     (capture, plan: profile and search, shard, ...) log their seconds at INFO through
@@ -110,7 +134,8 @@ def compile_osdp(
     """
     start = time.perf_counter()
     times: dict[str, float] = {}
-    inputs = as_input_tuple(example_inputs)
+    io, target, inputs = bind_example(model, as_input_tuple(example_inputs), example_kwargs)
+    shape = check_max_shape(max_shape)
     check_optimizer(optimizer)
     check_grad_accumulation(grad_accumulation)
     if prefetch is not None:
@@ -118,6 +143,7 @@ def compile_osdp(
     precision = resolve_mixed_precision(mixed_precision)
     request = PlanRequest.parse(plan)  # read once (a plan file too); a bad one fails here
     search = request.kind == "search"
+    check_autotune(autotune, search=search, on_meta=is_on_meta(model))
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     world_size, rank = _world(devices)
     per_node = ranks_per_node_for(devices, world_size)
@@ -127,7 +153,7 @@ def compile_osdp(
         device = materialize_device(inputs)
         inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     with progress.stage("capture", log, times):
-        captured = capture(model, inputs, device=device if on_meta else "cpu")
+        captured = capture(target, inputs, device=device if on_meta else "cpu")
     if not search:  # a plan that does not fit the model fails here, before any collective
         apply_splits(captured, request.splits)
         resolve_plan(request, param_specs(captured), world_size=world_size,
@@ -138,40 +164,77 @@ def compile_osdp(
                           detect=search, ranks_per_node=per_node)
     with progress.stage("plan (profile, search)" if search else "plan (profile)", log,
                         times):
-        resolved, _ = make_plan(captured, inputs, plan=request, devices=devices,
-                                memory_limit_bytes=limit, optimizer=optimizer,
-                                batch_sizes=batch_sizes, split=split, agree=_from_rank0,
-                                prefetch=prefetch, precision=precision,
-                                grad_accumulation=grad_accumulation)
+        resolved, analysis = make_plan(captured, inputs, plan=request, devices=devices,
+                                       memory_limit_bytes=limit, optimizer=optimizer,
+                                       batch_sizes=batch_sizes, split=split, agree=_from_rank0,
+                                       prefetch=prefetch, precision=precision,
+                                       grad_accumulation=grad_accumulation,
+                                       candidates=autotune or 1, max_shape=shape)
+    candidates = [resolved, *analysis.alternatives]
+    del analysis
     meta_device = captured.materialize_device
+    if resolved.recompute:
+        run_passes(captured.gm, [("recompute", lambda g: recompute_regions_pass(
+            g, policies=dict(resolved.recompute)))])
     with progress.stage("aliases", log, times):
         run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
             g, inputs, meta_device=meta_device))])
-    _check_ranks_agree(resolved)
+    for candidate in candidates:
+        _check_ranks_agree(candidate)
     if on_meta:
         check_same_rng_state(device)
     else:
         _broadcast_from_rank0(captured.gm)
-    if any(traits(p.strategy).needs_mesh for p in resolved.params):
+    if any(traits(p.strategy).needs_mesh for c in candidates for p in c.params):
         init_mesh(world_size, resolved.ranks_per_node)
     reduce_dtype = precision.reduce_dtype if precision is not None else None
+    if autotune:
+        with progress.stage(f"autotune ({len(candidates)} plans)", log, times):
+            resolved = autotune_plans(
+                candidates, functools.partial(_trial_module, captured, rank=rank,
+                                              reduce_dtype=reduce_dtype),
+                inputs, optimizer=optimizer)
+        _check_ranks_agree(resolved)
     with progress.stage("shard", log, times):
-        gm = run_passes(captured.gm, [
-            ("shard", lambda g: shard_parameters_pass(
-                g, plan=resolved, world_size=world_size, rank=rank, group=WORLD,
-                prefetch=resolved.prefetch, reduce_dtype=reduce_dtype)),
-        ])
-    table = ParamTable(gm, resolved, state_keys=captured.state_keys,
-                       alias_to_name=captured.alias_to_name, splits=captured.splits, rank=rank)
+        table = _shard(captured.gm, resolved, captured, rank=rank, reduce_dtype=reduce_dtype)
     if on_meta:
         with progress.stage("materialize", log, times):
             materialize_meta_model(model, table, device=device, init_fn=init_fn)
-    compiled = OSDPModule(table, captured_by=captured.method, reduce_dtype=reduce_dtype)
+    compiled = OSDPModule(table, captured_by=captured.method, reduce_dtype=reduce_dtype,
+                          io=CallCheck(io, _shape_guard(resolved, devices.memory_bytes)))
     del captured
     _collect_capture_cycles()
     log.info("compile_osdp: %.2f s (%s)", time.perf_counter() - start,
              ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
     return compiled
+
+
+def _shape_guard(plan: Plan, limit: int | None) -> ShapeGuard | None:
+    """What checks a call's shape against the memory limit (None: no prediction)."""
+    # rank 0's predictions on every rank, so that every rank decides alike (collective)
+    pr = _from_rank0(plan.prediction)
+    if pr is None or limit is None:
+        return None
+    return ShapeGuard(pr.batch_size, pr.seq_len, limit, pr.peak_bytes_at)
+
+
+def _shard(gm: fx.GraphModule, plan: Plan, captured: Captured, *, rank: int,
+           reduce_dtype: torch.dtype | None) -> ParamTable:
+    """Shard ``gm`` (the captured graph, or a copy of it) under ``plan``: this rank's table."""
+    gm = run_passes(gm, [("shard", lambda g: shard_parameters_pass(
+        g, plan=plan, world_size=plan.world_size, rank=rank, group=WORLD,
+        prefetch=plan.prefetch, reduce_dtype=reduce_dtype))])
+    return ParamTable(gm, plan, state_keys=captured.state_keys,
+                      alias_to_name=captured.alias_to_name, splits=captured.splits, rank=rank)
+
+
+def _trial_module(captured: Captured, plan: Plan, *, rank: int,
+                  reduce_dtype: torch.dtype | None) -> OSDPModule:
+    """A compiled module of ``plan`` on a copy of the captured graph (autotuning): its
+    parameters are copies, so training it leaves the model's values alone."""
+    table = _shard(copy.deepcopy(captured.gm), plan, captured, rank=rank,
+                   reduce_dtype=reduce_dtype)
+    return OSDPModule(table, captured_by=captured.method, reduce_dtype=reduce_dtype)
 
 
 def _collect_capture_cycles() -> None:
@@ -245,6 +308,18 @@ def _release_graphs(graphs: list[fx.Graph]) -> None:
         graph._owning_module = None
 
 
+def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
+    """The reducer (all-reduce buckets of the plan's size), reduce-scatter queue and no_sync
+    state of one compiled module."""
+    plan = table.plan
+    replicated = [table.local(p.name) for p in plan.params
+                  if not traits(p.strategy).sharded and p.trainable]
+    held = HeldGrads()
+    return GradSync(GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype,
+                                bucket_bytes=plan.reduce_bucket_bytes),
+                    GradReduceScatters(held=held), held)
+
+
 class OSDPModule(nn.Module):
     """A compiled model: called like the original, parameters are this rank's shards.
 
@@ -254,7 +329,7 @@ class OSDPModule(nn.Module):
     """
 
     def __init__(self, table: ParamTable, *, captured_by: str,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, io: CallCheck | None = None) -> None:
         super().__init__()
         gm, plan = table.gm, table.plan
         object.__setattr__(self, "_gm", gm)
@@ -264,37 +339,33 @@ class OSDPModule(nn.Module):
         self._buffers = gm._buffers
         self._plan = plan
         self._table = table
-        # Saved-tensor hooks (which re-gather freed parameters in backward) only where needed:
-        # without them autograd keeps its own handling of saved tensors (double backward).
-        self._regathers = any(traits(p.strategy).freed_after_forward for p in plan.params)
-        self._captured_by = captured_by
-        replicated = [table.local(p.name) for p in plan.params
-                      if not traits(p.strategy).sharded and p.trainable]
-        held = HeldGrads()  # the reducer, reduce-scatter queue and no_sync state of this module
-        self._sync = GradSync(GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype),
-                              GradReduceScatters(held=held), held)
+        self._captured_by, self._io = captured_by, io  # io: calls -> graph inputs (io_spec)
+        self._runtime = ModuleRuntime(  # reducer, reduce-scatters, no_sync state
+            _grad_sync(table, reduce_dtype), prefetch=plan.prefetch,
+            regather=any(traits(p.strategy).freed_after_forward for p in plan.params))
         # A graph module and its graph refer to each other: cut that when this module goes, or
         # its shards outlive it until Python's collector runs (export nests graph modules).
         weakref.finalize(self, _release_graphs, [
             m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)])
 
     # ---- running ------------------------------------------------------------------------
+    @torch.compiler.disable(recursive=False)  # torch.compile compiles self._gm only
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        sync, scatters = self._sync.begin_forward()
-        with module_scope(scatters, regather=self._regathers, prefetch=self._plan.prefetch):
-            out = self._gm(*args, **kwargs)
-        return self._sync.end_forward(out, sync)
+        inputs = self._io(args, kwargs) if self._io else args  # io_spec.py; before any collective
+        with self._runtime.forward() as scope:
+            scope.output = self._gm(*inputs)
+        return scope.end()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """The backwards of forwards run inside this context run no collective: gradients
         accumulate on this rank, and the next backward of a forward run outside reduces their
         sum once, as DDP's ``no_sync()``. Sharded parameters hold a full gradient meanwhile;
         plan for it with ``compile_osdp(..., grad_accumulation=k)`` (``docs/training.md``)."""
-        return self._sync.no_sync()
+        return self._runtime.grad_sync.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also drops what an unfinished ``no_sync()`` accumulation holds."""
-        self._sync.drop()
+        self._runtime.grad_sync.drop()
         super().zero_grad(set_to_none)
 
     def train(self, mode: bool = True) -> OSDPModule:

@@ -11,10 +11,14 @@ ones, so both read them here. Torch-free.
   one all-gather and one reduce-scatter (:func:`gather_buckets`).
 * At most :data:`MAX_IN_FLIGHT` gradient collectives (reduce-scatters, all-reduce buckets) run at
   once: starting one more first completes the oldest.
+
+A plan's :class:`Schedule` (prefetch distance, the two bucket sizes) sets these per plan; the
+search chooses it among :func:`candidate_schedules` (``search.search_schedules``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +31,33 @@ one reduce-scatter (``runtime.params.all_gather_params``)."""
 
 MAX_IN_FLIGHT = 2
 """Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once."""
+
+DEFAULT_PREFETCH = 1
+"""All-gathers start this many sharded parameters ahead of their use, unless a plan says."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When collectives start and how they are fused: part of a plan, searched with it."""
+
+    prefetch: int = DEFAULT_PREFETCH
+    """How many sharded parameters (gather buckets) ahead each all-gather starts, in forward
+    and in backward (0: each is gathered when it is needed)."""
+    gather_bucket_bytes: int = SMALL_PARAM_BYTES
+    """Consecutive sharded parameters of at most this many gathered bytes share one all-gather
+    and one reduce-scatter (:func:`gather_buckets`)."""
+    reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Bytes of one all-reduce bucket of replicated gradients (:func:`plan_buckets`)."""
+
+
+def candidate_schedules(prefetch: int | None = None) -> list[Schedule]:
+    """The schedules the search tries (the default first): prefetch 0, 1 or 2 (or only
+    ``prefetch`` when the user fixed it), small-parameter buckets of 64 KiB or 1 MiB, all-reduce
+    buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds more gathered
+    parameters, a larger bucket a larger flat buffer) and saves time (overlap, latency)."""
+    depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
+    return [Schedule(d, g, r) for d in depths for g in (SMALL_PARAM_BYTES, 2**20)
+            for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)]
 
 
 def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[list[int]]:

@@ -239,9 +239,16 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> tuple[fx.GraphM
             f"could not capture {type(model).__name__} as a graph.\n"
             f"  torch.fx.symbolic_trace: {fx_reason}\n"
             f"  torch.export.export(strict=False): {_reason(exc)}\n"
-            "Make the failing line traceable (no Python control flow on tensor values, no "
-            "data-dependent shapes), or move it out of the model's forward."
+            + (_CACHE_FIX if "Cache'> in output" in str(exc) else
+               "Make the failing line traceable (no Python control flow on tensor values, no "
+               "data-dependent shapes), or move it out of the model's forward.")
         ) from exc
+
+
+_CACHE_FIX = (
+    "The model returns a key/value cache for generation (a transformers Cache), which a graph "
+    "cannot output: for training, turn it off with model.config.use_cache = False before "
+    "compile_osdp (or pass use_cache=False in example_kwargs and in every call).")
 
 
 def _export(model: nn.Module, example_inputs: tuple[Any, ...],
@@ -256,13 +263,24 @@ def _export(model: nn.Module, example_inputs: tuple[Any, ...],
 
 def _export_module(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     with unchanged_state(model):
-        gm = torch.export.export(model, example_inputs, strict=False).module()
+        gm = torch.export.export(model, example_inputs, strict=False,
+                                 dynamic_shapes=dynamic_shapes(example_inputs)).module()
     # ExportedProgram.module() binds train() and eval() (which only raise) to the module itself,
     # a reference cycle that would keep a dropped compiled model's tensors until Python's
     # collector runs; OSDPModule.train switches modes itself.
     for name in ("train", "eval"):
         gm.__dict__.pop(name, None)
     return gm
+
+
+def dynamic_shapes(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """torch.export's ``dynamic_shapes`` for positional inputs: the batch (dimension 0) and
+    sequence (dimension 1) of every tensor are ``Dim.AUTO``, so one graph takes any batch size
+    and sequence length; a dimension the model fixes (a size of 1 in the example, a feature
+    dimension a weight fixes) stays static ([Note: input shapes] in ``io_spec.py``)."""
+    auto = torch.export.Dim.AUTO
+    return tuple({d: auto for d in range(min(x.dim(), 2))} if isinstance(x, torch.Tensor)
+                 else None for x in example_inputs)
 
 
 def _reason(exc: BaseException) -> str:

@@ -193,3 +193,31 @@ def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
 
 LINK_SCOPES = ("intra_node", "inter_node")
 """Scopes of link figures: collectives inside a node and collectives that cross nodes."""
+
+
+def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
+                detect: bool, ranks_per_node: int | None = None) -> Devices:
+    """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
+    the defaults; its world size set to ``world_size``, its memory limit filled in, and its
+    ranks per node set to ``ranks_per_node`` when given."""
+    if devices is None:
+        devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
+                   else Devices())
+    memory = memory_limit_bytes or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
+    return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
+                               ranks_per_node=ranks_per_node or devices.ranks_per_node)
+
+
+_detected_devices: dict[tuple[int, int, int | None], Devices] = {}
+
+
+def _detected(world_size: int, ranks_per_node: int | None = None) -> Devices:
+    """Devices.detect() of the current default process group, measured once per group so that
+    compiling the same model twice gives the same plan (collective on first use);
+    ``ranks_per_node`` None finds the nodes from host names."""
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), world_size, ranks_per_node)
+    if key not in _detected_devices:
+        _detected_devices[key] = Devices.detect(ranks_per_node=ranks_per_node)
+    return _detected_devices[key]

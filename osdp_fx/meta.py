@@ -34,6 +34,8 @@ class NodeRole(str, enum.Enum):
     """One parameter taken out of a bucket's all-gather (``passes/shard.py``)."""
     FREE = "free"
     """The release of a gathered parameter after its last forward use (``passes/shard.py``)."""
+    RECOMPUTE = "recompute"
+    """A region run through activation checkpointing (``passes/recompute.py``)."""
 
     def __str__(self) -> str:
         return self.value

@@ -40,11 +40,13 @@ import os
 from typing import Any
 
 import torch
-from tabulate import tabulate
 
 from .errors import PlanError
+from .regions import Recompute, check_policy
+from .plan_table import describe_collectives, plan_table
 from .units import format_bytes
 
+from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, SMALL_PARAM_BYTES, Schedule
 from .layout import Stage, collective_stages, shard_count  # noqa: F401  (re-exported)
 from .strategies import (  # noqa: F401  (re-exported: the plan's vocabulary)
     FREED_AFTER_FORWARD,
@@ -60,9 +62,6 @@ from .strategies import (  # noqa: F401  (re-exported: the plan's vocabulary)
     traits,
 )
 
-DEFAULT_PREFETCH = 1
-"""All-gathers start this many sharded parameters ahead of their use, unless a plan says."""
-
 PLAN_FORMAT = "osdp-fx-plan"
 PLAN_VERSION = 1
 
@@ -72,6 +71,12 @@ def check_prefetch(prefetch: Any) -> None:
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise PlanError(f"prefetch must be an int >= 0 (all-gathers start that many sharded "
                         f"parameters ahead; 0 turns prefetching off), got {prefetch!r}")
+
+
+def check_bucket_bytes(name: str, nbytes: Any) -> None:
+    """Raise PlanError unless ``nbytes`` (the plan's ``name``) is an int >= 1."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+        raise PlanError(f"{name} must be a number of bytes >= 1 (an int), got {nbytes!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +138,26 @@ class ParamPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class RegionPrediction:
+    """What one recomputed region saves and recomputes (``cost_models.recompute``)."""
+
+    region: str
+    """Module path, e.g. 'model.blocks.3'."""
+    policy: str
+    """selective or full."""
+    saved_ops: tuple[str, ...]
+    """Operators whose outputs it keeps for backward."""
+    recomputed_ops: tuple[str, ...]
+    """Operators it runs again in backward."""
+    kept_bytes: int
+    """Activation bytes it keeps from forward to backward."""
+    recomputed_bytes: int
+    """Activation bytes its recomputation re-creates."""
+    recompute_s: float
+    """Predicted time of the recomputed forward."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Prediction:
     """What the cost models predict for one training step of a plan, per rank."""
 
@@ -167,13 +192,39 @@ class Prediction:
     grad_accumulation: int = 1
     """Micro-batches per optimizer step the memory is predicted for, all but the last inside
     ``no_sync()`` (``compile_osdp(grad_accumulation=)``); 1: no accumulation."""
+    seq_len: int | None = None
+    """Sequence length (dimension 1 of the inputs) the prediction is made at; None when the
+    memory is not modelled in it (no such dimension, or the model fixes it)."""
+    peak_memory_shape_expr: Any = None
+    """Peak memory as a sympy expression of the per-rank batch size ``b`` and the sequence
+    length ``s`` (None when the memory is not modelled in the sequence length)."""
+    peak_lines: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """Every time point's live bytes as a function of (batch, sequence length)
+    (``cost_models.shapes.Line``): the exact form of ``peak_memory_expr``; not saved."""
+    profiled_shape: tuple[int, int | None] = dataclasses.field(default=(1, None), repr=False,
+                                                               compare=False)
+    """(batch, sequence length) the model was profiled at."""
+
+    def peak_bytes_at(self, batch: int, seq: int | None = None) -> int:
+        """Predicted peak memory per rank at ``batch`` per rank and sequence length ``seq``
+        (ignored when the memory is not modelled in it)."""
+        if self.peak_lines and seq is not None:  # (c0 + c1 s + c2 s^2) b / b0 + fixed
+            return int(max((c0 + c1 * seq + c2 * seq * seq) * batch / self.profiled_shape[0] + f
+                           for c0, c1, c2, f in self.peak_lines))
+        import sympy
+        return int(self.peak_memory_expr.subs(sympy.Symbol("b", positive=True, integer=True),
+                                              batch))
+    regions: tuple[RegionPrediction, ...] = ()
+    """The recomputed regions: what each saves and recomputes."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["step_time_expr"] = str(self.step_time_expr)
         out["peak_memory_expr"] = str(self.peak_memory_expr)
+        out["peak_memory_shape_expr"] = str(self.peak_memory_shape_expr)
         out["peak_by_category"] = dict(self.peak_by_category)
-        del out["memory_timeline"]
+        out["regions"] = [dataclasses.asdict(r) for r in self.regions]
+        del out["memory_timeline"], out["peak_lines"], out["profiled_shape"]
         return out
 
     def breakdown(self) -> str:
@@ -209,9 +260,23 @@ class Plan:
     each parameter is gathered when it is needed)."""
     ranks_per_node: int | None = None
     """Ranks per node of the mesh the plan was made for; None: all ranks on one node."""
+    recompute: tuple[tuple[str, str], ...] = ()
+    """(region, 'selective' or 'full') for the regions recomputed in backward (``regions``)."""
+    gather_bucket_bytes: int = SMALL_PARAM_BYTES
+    """Consecutive sharded parameters of at most this many gathered bytes share one all-gather
+    and one reduce-scatter (``buckets.gather_buckets``)."""
+    reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Bytes of one all-reduce bucket of replicated gradients."""
+    measured: tuple[tuple[str, float, float], ...] = ()
+    """Autotuning (``compile_osdp(autotune=K)``): the plans it timed, as (plan hash, predicted
+    step seconds, measured step seconds: the median over its timed steps of the slowest
+    rank's), fastest measured first; empty when the plan was not autotuned. Not hashed."""
 
     def __post_init__(self) -> None:
         check_prefetch(self.prefetch)
+        check_bucket_bytes("gather_bucket_bytes", self.gather_bucket_bytes)
+        check_bucket_bytes("reduce_bucket_bytes", self.reduce_bucket_bytes)
+        object.__setattr__(self, "recompute", recomputed_regions(self.recompute))
         object.__setattr__(self, "ranks_per_node",
                            normalized_ranks_per_node(self.ranks_per_node, self.world_size))
         for p in self.params:
@@ -227,6 +292,11 @@ class Plan:
             if p.name == name or name in p.aliases:
                 return p
         raise KeyError(name)
+
+    @property
+    def schedule(self) -> Schedule:
+        """Prefetch distance and bucket sizes."""
+        return Schedule(self.prefetch, self.gather_bucket_bytes, self.reduce_bucket_bytes)
 
     def strategy_of(self, name: str) -> str:
         return self[name].strategy
@@ -268,27 +338,8 @@ class Plan:
 
     # ---- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "world_size": self.world_size,
-            **({"ranks_per_node": self.ranks_per_node} if self.ranks_per_node else {}),
-            "memory_limit_bytes": self.memory_limit_bytes,
-            **({"splits": dict(self.splits)} if self.splits else {}),
-            "prefetch": self.prefetch,
-            **({"mixed_precision": {"param_dtype": self.param_dtype,
-                                    "reduce_dtype": self.reduce_dtype}}
-               if self.param_dtype else {}),
-            "params": {
-                p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
-                         **({"aliases": list(p.aliases)} if p.aliases else {}),
-                         **({"note": p.note} if p.note else {}),
-                         **({"predicted_compute_s": p.compute_s, "predicted_comm_s": p.comm_s}
-                            if p.compute_s is not None else {})}
-                for p in self.params
-            },
-            **({"predicted": self.prediction.to_dict()} if self.prediction else {}),
-        }
+        """The plan's JSON form (``docs/plan-format.md``)."""
+        return _to_dict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -302,6 +353,7 @@ class Plan:
         data = self.to_dict()
         data.pop("memory_limit_bytes")
         data.pop("predicted", None)
+        data.pop("autotuned", None)
         for entry in data["params"].values():
             entry.pop("predicted_compute_s", None)
             entry.pop("predicted_comm_s", None)
@@ -311,7 +363,7 @@ class Plan:
     def table(self) -> str:
         """Every parameter group on a line: strategy, bytes, collectives, predicted times; then
         the totals and the predicted peak memory by category."""
-        return _table(self)
+        return plan_table(self)
 
     def __str__(self) -> str:
         return self.table()
@@ -323,71 +375,50 @@ class Plan:
         lines = [
             f"{p.name}: {p.strategy}" + (f" ({p.note})" if p.note else ""),
             f"  shape {tuple(p.shape)} {p.dtype}, {format_bytes(p.nbytes)} full",
-            f"  forward:  {_describe_collectives(fwd)}",
-            f"  backward: {_describe_collectives(bwd)}",
+            f"  forward:  {describe_collectives(fwd)}",
+            f"  backward: {describe_collectives(bwd)}",
         ]
         if p.aliases:
             lines.append(f"  tied to: {', '.join(p.aliases)}")
         return "\n".join(lines)
 
 
-def _table(self: Plan) -> str:
-    rows = []
-    predicted = self.prediction is not None
-    by_link = {"intra": 0, "inter": 0}
-    for p in self.params:
-        fwd, bwd = self.collectives_of(p)
-        for stage in fwd + bwd:
-            by_link["inter" if stage.spans_nodes(self.num_nodes) else "intra"] += stage.nbytes
-        row = [
-            p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else ""),
-            "x".join(map(str, p.shape)) or "()",
-            p.strategy + (f" ({p.note})" if p.note else ""),
-            format_bytes(p.shard_bytes(self.world_size, self.ranks_per_node)),
-            _describe_collectives(fwd),
-            _describe_collectives(bwd),
-        ]
-        if predicted:
-            row += [_ms(p.compute_s), _ms(p.comm_s)]
-        rows.append(row)
-    head = ["parameter", "shape", "strategy", "param bytes/rank", "forward", "backward"]
-    if predicted:
-        head += ["compute ms", "comm ms"]
-    counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
-    split = "; split: " + ", ".join(f"{n} in {k}" for n, k in self.splits) if self.splits else ""
-    if self.param_dtype:
-        split += f"; compute in {self.param_dtype}, reduce in {self.reduce_dtype}"
-    split += f"; prefetch {self.prefetch}"
-    mesh = (f" = {self.num_nodes} nodes x {self.ranks_per_node} ranks"
-            if self.num_nodes > 1 else "")
-    lines = [
-        f"Plan for world size {self.world_size}{mesh} ({counts}; source: "
-        f"{self.source or 'user'}; hash {self.hash()}{split})",
-        tabulate(rows, headers=head, disable_numparse=True),
-        f"parameters per rank: {format_bytes(self.persistent_param_bytes())}"
-        + (f"; memory limit {format_bytes(self.memory_limit_bytes)}"
-           if self.memory_limit_bytes is not None else ""),
-    ]
-    if self.num_nodes > 1:
-        lines.append(
-            f"collective buffers per step: {format_bytes(by_link['intra'])} inside nodes, "
-            f"{format_bytes(by_link['inter'])} across nodes ([intra]: a node's ranks, "
-            "[inter]: one rank per node, unmarked: all ranks)")
-    if self.prediction is not None:
-        pr = self.prediction
-        lines.append(
-            f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}"
-            + (f", memory of {pr.grad_accumulation} micro-batches per step with no_sync"
-               if pr.grad_accumulation > 1 else "") + "): step "
-            f"{pr.step_time_s * 1e3:.2f} ms (compute {pr.compute_s * 1e3:.2f}, communication "
-            f"{pr.comm_s * 1e3:.2f}, optimizer {pr.optim_s * 1e3:.2f}); peak memory "
-            f"{format_bytes(pr.peak_memory_bytes)} at {pr.peak_at}"
-        )
-        if pr.peak_by_category:
-            first = (f"; first step {format_bytes(pr.first_step_peak_bytes)} (before the "
-                     "optimizer state exists)" if pr.first_step_peak_bytes is not None else "")
-            lines.append(f"peak memory by category: {pr.breakdown()}{first}")
-    return "\n".join(lines)
+def _to_dict(self: Plan) -> dict[str, Any]:
+    return {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "world_size": self.world_size,
+        **({"ranks_per_node": self.ranks_per_node} if self.ranks_per_node else {}),
+        "memory_limit_bytes": self.memory_limit_bytes,
+        **({"splits": dict(self.splits)} if self.splits else {}),
+        "prefetch": self.prefetch,
+        # written when not the defaults, so that older plans keep their hash
+        **({"gather_bucket_bytes": self.gather_bucket_bytes}
+           if self.gather_bucket_bytes != SMALL_PARAM_BYTES else {}),
+        **({"reduce_bucket_bytes": self.reduce_bucket_bytes}
+           if self.reduce_bucket_bytes != DEFAULT_BUCKET_BYTES else {}),
+        **({"mixed_precision": {"param_dtype": self.param_dtype,
+                                "reduce_dtype": self.reduce_dtype}}
+           if self.param_dtype else {}),
+        **({"recompute": dict(self.recompute)} if self.recompute else {}),
+        "params": {
+            p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
+                     **({"aliases": list(p.aliases)} if p.aliases else {}),
+                     **({"note": p.note} if p.note else {}),
+                     **({"predicted_compute_s": p.compute_s, "predicted_comm_s": p.comm_s}
+                        if p.compute_s is not None else {})}
+            for p in self.params
+        },
+        **({"predicted": self.prediction.to_dict()} if self.prediction else {}),
+        **({"autotuned": [{"hash": h, "predicted_step_s": p, "measured_step_s": m}
+                          for h, p, m in self.measured]} if self.measured else {}),
+    }
+
+
+def recomputed_regions(pairs: Any) -> tuple[tuple[str, str], ...]:
+    """(region, policy) pairs checked, without the regions that save (recompute nothing)."""
+    return tuple((r, str(check_policy(p, where=f"region {r!r}"))) for r, p in pairs
+                 if p != Recompute.SAVE)
 
 
 def _element_size(dtype_name: str) -> int:
@@ -396,14 +427,6 @@ def _element_size(dtype_name: str) -> int:
         raise PlanError(f"unknown dtype {dtype_name!r} in the plan's mixed precision; use e.g. "
                         "'bfloat16', 'float16' or 'float32'")
     return dtype.itemsize
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
-
-
-def _describe_collectives(stages: list[Stage]) -> str:
-    return ", ".join(map(str, stages)) or "-"
 
 
 def _describe_mesh(world_size: int, ranks_per_node: int | None) -> str:

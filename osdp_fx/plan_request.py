@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import PlanError
+from .buckets import Schedule
 from .plan import (
-    DEFAULT_PREFETCH,
     PLAN_FORMAT,
     PLAN_VERSION,
     ParamPlan,
@@ -25,6 +25,7 @@ from .plan import (
     _element_size,
     normalized_ranks_per_node,
 )
+from .regions import check_policy
 from .strategies import REPLICATE, STRATEGIES, traits
 
 PlanSpec = Any
@@ -67,6 +68,7 @@ class PlanRequest:
             request = cls("file", path=path, data=load_plan_dict(path))
             request.splits  # noqa: B018  (checked now, before any collective)
             request.precision  # noqa: B018
+            request.recompute  # noqa: B018
             return request
         raise PlanError(
             f"plan must be a strategy name ({', '.join(STRATEGIES)}), a Plan, or a path to a JSON "
@@ -104,6 +106,23 @@ class PlanRequest:
         for name in names:
             _element_size(name)
         return names
+
+
+    @property
+    def recompute(self) -> dict[str, str]:
+        """The regions it recomputes (module path -> 'selective' or 'full')."""
+        if self.plan is not None:
+            return dict(self.plan.recompute)
+        if self.data is None:
+            return {}
+        regions = self.data.get("recompute", {})
+        if not isinstance(regions, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in regions.items()):
+            raise PlanError(f"plan file {self.path!r}: \"recompute\" must map region names "
+                            'to a policy, e.g. {"model.blocks.0": "selective"}')
+        for region, policy in regions.items():
+            check_policy(policy, where=f"plan file {self.path!r}, region {region!r}")
+        return dict(regions)
 
 
 def load_plan_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -164,10 +183,12 @@ def build_plan(
     memory_limit_bytes: int | None = None,
     source: str = "",
     splits: Mapping[str, int] | None = None,
-    prefetch: int = DEFAULT_PREFETCH,
+    schedule: Schedule = Schedule(),
     ranks_per_node: int | None = None,
+    recompute: Mapping[str, str] | None = None,
 ) -> Plan:
-    """A Plan giving each parameter group its requested strategy (keyed by canonical name).
+    """A Plan giving each parameter group its requested strategy (keyed by canonical name),
+    recomputing the regions ``recompute`` names.
 
     Frozen and non-float parameters stay replicated whatever was asked; the plan notes why.
     """
@@ -183,8 +204,10 @@ def build_plan(
         ))
     return Plan(params=tuple(entries), world_size=world_size,
                 memory_limit_bytes=memory_limit_bytes, source=source,
-                splits=tuple(sorted((splits or {}).items())), prefetch=prefetch,
-                ranks_per_node=ranks_per_node)
+                splits=tuple(sorted((splits or {}).items())), prefetch=schedule.prefetch,
+                gather_bucket_bytes=schedule.gather_bucket_bytes,
+                reduce_bucket_bytes=schedule.reduce_bucket_bytes, ranks_per_node=ranks_per_node,
+                recompute=tuple((recompute or {}).items()))
 
 
 def resolve_plan(
@@ -222,8 +245,8 @@ def resolve_plan(
             )
         return build_plan(requested, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=spec.source or "user",
-                          splits=dict(spec.splits), prefetch=spec.prefetch,
-                          ranks_per_node=ranks_per_node)
+                          splits=dict(spec.splits), schedule=spec.schedule,
+                          ranks_per_node=ranks_per_node, recompute=dict(spec.recompute))
     if request.strategy is not None:
         return build_plan({s.name: request.strategy for s in specs}, specs,
                           world_size=world_size, memory_limit_bytes=memory_limit_bytes,
@@ -261,8 +284,16 @@ def resolve_plan(
     )
     return build_plan(requested, specs, world_size=world_size,
                       memory_limit_bytes=memory_limit_bytes, source=f"file:{path}",
-                      splits=request.splits, prefetch=data.get("prefetch", DEFAULT_PREFETCH),
-                      ranks_per_node=ranks_per_node)
+                      splits=request.splits, schedule=_file_schedule(data),
+                      ranks_per_node=ranks_per_node, recompute=request.recompute)
+
+
+def _file_schedule(data: Mapping[str, Any]) -> Schedule:
+    """A plan file's schedule; what it leaves out is the default (older files name none, or
+    only ``prefetch``). Plan checks the values."""
+    default = Schedule()
+    return Schedule(**{f.name: data.get(f.name, getattr(default, f.name))
+                       for f in dataclasses.fields(Schedule)})
 
 
 def _requested_from_mapping(

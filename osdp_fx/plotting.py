@@ -26,7 +26,8 @@ MiB = 2**20
 _COLORS = {
     "parameters": "#4C72B0", "optimizer state": "#8172B2", "gradients": "#C44E52",
     "gathered parameters": "#DD8452", "communication buffers": "#937860",
-    "activations": "#55A868", "activation gradients": "#8DBF8B",
+    "activations": "#55A868", "recomputed activations": "#2E7D32",
+    "activation gradients": "#8DBF8B",
     "operator temporaries": "#CCB974", "optimizer temporaries": "#DA8BC3", "inputs": "#8C8C8C",
 }
 

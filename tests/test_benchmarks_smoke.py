@@ -91,9 +91,9 @@ def test_optimality_times_every_plan_that_fits(tmp_path: Path) -> None:
 
     limit = 3 * 2**20
     out = optimality.main(["--model", "tiny", "--limit", "3MiB", "--rounds", "1", "--random",
-                           "1", "--out-dir", str(tmp_path)])
+                           "1", "--autotune", "2", "--out-dir", str(tmp_path)])["tiny 3MiB"]
     labels = [r["plan"] for r in out["rows"]]
-    assert labels[:4] == ["searched", "replicate", "shard_grad_op", "full_shard"]
+    assert labels[:5] == ["searched", "autotuned", "replicate", "shard_grad_op", "full_shard"]
     assert "random mix 0" in labels and len(labels) >= 10
     timed = [r for r in out["rows"] if r.get("measured_step_s") is not None]
     assert out["plans_timed"] == len(timed) >= 2
@@ -101,4 +101,23 @@ def test_optimality_times_every_plan_that_fits(tmp_path: Path) -> None:
     assert all(not r["fits"] for r in out["rows"] if "fits" in r and r not in timed)
     assert -1.0 <= out["spearman"] <= 1.0
     assert out["searched_over_fastest"] >= 1.0 - 1e-12
-    assert "Spearman" in (tmp_path / "optimality-tiny.md").read_text()
+    assert out["autotuned_over_fastest"] >= 1.0 - 1e-12
+    assert "autotuned / fastest" in (tmp_path / "optimality-tiny-3MiB.md").read_text()
+
+
+def test_torch_compile_benchmark_times_every_uniform_plan_both_ways(tmp_path: Path) -> None:
+    """benchmarks/torch_compile.py on a tiny GPT with the aot_eager backend (inductor's C++
+    compilation would take minutes here): a row per plan, both step times, the ratios."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch_compile
+
+    out = torch_compile.main(["--vocab", "64", "--dim", "32", "--depth", "1", "--heads", "2",
+                              "--seq", "8", "--batch", "2", "--rounds", "1", "--warmup", "1",
+                              "--backend", "aot_eager", "--out-dir", str(tmp_path)])
+    assert set(out["compiled_over_eager_step"]) == {"replicate", "full_shard", "shard_grad_op"}
+    assert all(r > 0 for r in out["compiled_over_eager_step"].values())
+    rows = json.loads((tmp_path / "torch-compile-world2.json").read_text())["rows"]
+    assert sorted((r["system"], r["plan"]) for r in rows) == sorted(
+        (system, plan) for plan in ("replicate", "full_shard", "shard_grad_op")
+        for system in ("osdp-fx", "torch.compile (aot_eager)"))
+    assert (tmp_path / "torch-compile-world2.md").read_text().count("\n") == 5

@@ -68,6 +68,10 @@ EXPECTED: dict[str, tuple[type[OSDPError], list[str]]] = {
     "prefetch_negative": (PlanError, ["prefetch must be an int >= 0", "got -1",
                                       "0 turns prefetching off"]),
     "plan_file_bad_prefetch": (PlanError, ["prefetch must be an int >= 0", "got 'two'"]),
+    "plan_file_bad_bucket": (PlanError, ["gather_bucket_bytes must be a number of bytes >= 1",
+                                         "got 0"]),
+    "autotune_with_a_plan": (InputError, ["autotune times searched plans", "plan=None"]),
+    "autotune_negative": (InputError, ["autotune=-1 is not a number of plans", "int >= 1"]),
     "capture_branch": (CaptureError, [
         "could not capture DataDependentBranch", "torch.fx.symbolic_trace", "torch.export",
         *_capture_where(pc.DataDependentBranch, "CAPTURE-FAILS-HERE"), "if h.sum() > 0:",

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import fx
 
-from ..buckets import gather_buckets
+from ..buckets import SMALL_PARAM_BYTES, gather_buckets
 from ..errors import InputError
 from ..meta import NodeRole, osdp_meta
 from ..strategies import traits
@@ -110,10 +110,11 @@ def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts
 
 
 def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
-                           world_size: int) -> list[list[fx.Node]]:
+                           world_size: int,
+                           small_bytes: int = SMALL_PARAM_BYTES) -> list[list[fx.Node]]:
     """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
-    the runtime issues them: by first use, runs of small ``full_shard``/``shard_grad_op``
-    parameters bucketed into one (``passes.shard.gather_buckets``)."""
+    the runtime issues them: by first use, runs of ``full_shard``/``shard_grad_op`` parameters
+    of at most ``small_bytes`` bucketed into one (``buckets.gather_buckets``)."""
     sharded = [n for n, name in facts.param_of.items()
                if traits(params[name].strategy).sharded and facts.param_uses(n)]
     first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
@@ -126,4 +127,50 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size))
 
-    return [[order[i] for i in b] for b in gather_buckets([key(n) for n in order])]
+    return [[order[i] for i in b] for b in gather_buckets([key(n) for n in order], small_bytes)]
+
+
+def prefetched_regathers(
+    regathered: list[fx.Node], savers: Mapping[fx.Node, list[fx.Node]],
+    pos: Mapping[fx.Node, int], bwd: Any, prefetch: int,
+) -> dict[tuple[fx.Node, fx.Node], float]:
+    """When backward's first re-gather of each full_shard parameter allocates, keyed by
+    (parameter, saver): unpacking one parameter starts gathering the ``prefetch`` parameters
+    forward saved just before it (``StepContext``)."""
+    saved_order = sorted(regathered, key=lambda n: min(pos[j] for j in savers[n]))
+    first_unpack = {n: max(savers[n], key=pos.__getitem__) for n in regathered}
+    out: dict[tuple[fx.Node, fx.Node], float] = {}
+    for i, n in enumerate(saved_order):
+        later = saved_order[i + 1:i + 1 + prefetch]
+        own = bwd(pos[first_unpack[n]])
+        out[(n, first_unpack[n])] = min([own, *(bwd(pos[first_unpack[k]]) for k in later)])
+    return out
+
+
+def activation_grad_intervals(facts: GraphFacts,
+                              bwd: Callable[[int], float]) -> list[tuple[float, float, int]]:
+    """(allocated at, freed after, bytes at the profiled batch) of the gradients flowing
+    backward through activations.
+
+    A node's output gradient lives from the backward of the last node that reads its storage (it
+    or a view of it: the views' gradients are views of one gradient buffer, made by the backward
+    of the last operator that reads any of them) to the node's own backward. A storage several
+    operators read directly (a residual stream, the input of a split linear's parts) gets its
+    gradient summed out of place (autograd's input buffer): the backward of every direct reader
+    but the first to run allocates its contribution, and a quarter step later the sum, while
+    the gradient so far is alive."""
+    pos, prof, out = facts.pos, facts.profile, []
+    for n in facts.nodes:
+        if (not facts.requires_grad[n] or n in facts.param_of or prof[n].output_is_view
+                or n.op == "output"):
+            continue
+        grad_users = [u for m in facts.members[n] for u in m.users
+                      if u.op != "output" and facts.requires_grad[u] and facts.root[u] is not n]
+        if not grad_users:
+            continue
+        nbytes = prof[n].output_bytes
+        out.append((bwd(max(pos[u] for u in grad_users)), bwd(pos[n]), nbytes))
+        direct = sorted({pos[u] for u in n.users if u.op != "output" and facts.requires_grad[u]})
+        for p in direct[:-1]:  # the last reader's backward runs first and makes the buffer
+            out += [(bwd(p), bwd(p) + 0.25, nbytes), (bwd(p) + 0.25, bwd(p) + 0.25, nbytes)]
+    return out

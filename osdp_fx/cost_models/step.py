@@ -4,7 +4,8 @@ Per parameter group ``g`` with ``P`` bytes (``Pp`` padded to its number of shard
 size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on one rank:
 
 * communication time ``comm_s(g, s)``: replicate: all-reduce of ``P`` (its latency shared with
-  the other gradients of its 25 MiB bucket) plus packing it into the bucket and back (4 P bytes
+  the other gradients of its all-reduce bucket: in the search, by its share of a full bucket of
+  the schedule's size; for a plan, by its share of the bucket it is in) plus packing it into the bucket and back (4 P bytes
   of memory traffic); shard_grad_op: all-gather
   and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
   re-gathers the parameter (some operator saved it); hybrid_shard and hierarchical: their
@@ -14,17 +15,19 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   time of the optimizer kind times the local numel (``Devices.detect``); without measurements
   memory-bound, ``bytes_per_element(optimizer) * local numel / memory bandwidth``;
 * compute time (forward + backward of the operators that read the group; the same for every
-  strategy, attributed to the largest group an operator reads, for display);
+  strategy, attributed to the largest group an operator reads, for display); a recomputed
+  region adds the forward of the operators it recomputes (:mod:`.recompute`);
 * search memory: ``persistent`` = local parameter + local gradient + local optimizer state (plus
   the gathered ``Pp`` for shard_grad_op, which is alive from forward to backward); ``transient``
   = ``2 Pp`` for full_shard, hybrid_shard and hierarchical (a re-gathered parameter and its full
   gradient in backward), ``Pp`` for shard_grad_op (the full gradient before its reduce-scatter).
 
 A plan's predicted step time is total compute + the communication of every group + the
-optimizer: the model adds them and credits no overlap, although the runtime prefetches
-all-gathers and runs gradient reduce-scatters and all-reduces asynchronously during backward (on
-this project's 2-core CPU machine gloo's threads compete with the computation, and the sum
-predicts measured steps within ±30 %, ``docs/cost-models.md``). Its peak memory comes from
+optimizer - the all-gather time its prefetching hides under computation (:mod:`.overlap`; the
+runtime also runs gradient reduce-scatters and all-reduces asynchronously during backward, which
+the model does not credit: on this project's 2-core CPU machine gloo's threads compete with the
+computation). The plan's schedule (``buckets.Schedule``) sets the prefetch distance, which small
+parameters share a gather bucket and the all-reduce bucket size that shares latency. Its peak memory comes from
 :mod:`.timeline`. Both are also
 given as functions of the per-rank batch size ``b`` (compute and activations scale with ``b``).
 """
@@ -38,7 +41,7 @@ import sympy
 from torch import fx
 
 from ..devices import Devices
-from ..buckets import DEFAULT_BUCKET_BYTES
+from ..buckets import DEFAULT_BUCKET_BYTES, Schedule, plan_buckets
 from .communication import all_reduce_time_s, collective_time_s, group_link
 from .compute import node_compute_time_s
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
@@ -46,6 +49,8 @@ from ..layout import shard_count
 from ..plan import collective_stages
 from ..strategies import traits
 from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets
+from .overlap import hidden_gather_s
+from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
@@ -109,9 +114,10 @@ def attributed_compute_s(facts: GraphFacts, devices: Devices) -> tuple[dict[str,
 
 def group_cost(
     state: ParamState, *, regathered: bool, compute_s: float, devices: Devices, optimizer: str,
-    grad_accumulation: int = 1,
+    grad_accumulation: int = 1, reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> GroupCost:
-    """Costs of one group under ``state.strategy`` (see the module docstring); accumulating
+    """Costs of one group under ``state.strategy`` (see the module docstring; replicated
+    gradients in all-reduce buckets of ``reduce_bucket_bytes``); accumulating
     over ``grad_accumulation`` > 1 micro-batches with ``no_sync()``, a sharded group also holds
     its padded full gradient in the reduce dtype for the whole step."""
     world = devices.world_size
@@ -136,7 +142,7 @@ def group_cost(
         link = group_link(devices, "all_reduce")
         comm_s = all_reduce_time_s(
             full, world, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-            latency_s=link.latency_s * min(1.0, full / DEFAULT_BUCKET_BYTES))
+            latency_s=link.latency_s * min(1.0, full / reduce_bucket_bytes))
         # packing the gradient into its bucket and copying the average back: 2 reads, 2 writes
         comm_s += 4 * full / devices.memory_bandwidth_bytes_per_s
     persistent, transient, optim_s = local, 0, 0.0
@@ -166,7 +172,7 @@ class StepTime:
     compute_s: float
     """Forward + backward of every operator."""
     comm_s: float
-    """Collectives (added to compute: the model credits no overlap)."""
+    """Collectives, less the all-gather time prefetching hides (``overlap``)."""
     optim_s: float
     """Optimizer step."""
     step_time_expr: sympy.Expr
@@ -185,25 +191,44 @@ def predict_step_time(
     devices: Devices,
     optimizer: str,
     profiled_batch: int,
+    recompute: Mapping[str, str] | None = None,
+    schedule: Schedule = Schedule(),
 ) -> tuple[StepTime, dict[str, GroupCost]]:
-    """Step time of ``gm`` under the strategies in ``params``, and each group's costs."""
+    """Step time of ``gm`` under the strategies in ``params`` and ``schedule``, and each
+    group's costs (without the overlap credit, which belongs to the step); the regions
+    ``recompute`` names run their recomputed operators' forward once more in backward and
+    re-gather every sharded parameter they read."""
     per_group, other_s = attributed_compute_s(facts, devices)
-    regathered = regathered_params(facts)
+    spans = region_spans(facts, recompute or {})
+    other_s += recompute_time_s(facts, spans, devices)
+    regathered = regathered_params(facts) | recomputed_params(facts, spans)
+    # Replicated gradients: each all-reduce bucket pays one latency, shared by its members.
+    order = [n for n, st in params.items() if not traits(st.strategy).sharded and st.trainable]
+    filled = {}
+    for bucket in plan_buckets([(params[n].element_size, params[n].numel * params[n].element_size)
+                                for n in order[::-1]], schedule.reduce_bucket_bytes):
+        members = [order[::-1][i] for i in bucket]
+        for n in members:
+            filled[n] = sum(params[m].numel * params[m].reduce_size for m in members)
     costs = {
         name: group_cost(state, regathered=name in regathered, compute_s=per_group.get(name, 0.0),
-                         devices=devices, optimizer=optimizer)
+                         devices=devices, optimizer=optimizer,
+                         reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes))
         for name, state in params.items()
     }
     # A bucket of small parameters pays each collective's latency once: its members after the
     # first ride in the first one's all-gather and reduce-scatter.
-    for bucket in sharded_gather_buckets(facts, params, devices.world_size):
+    for bucket in sharded_gather_buckets(facts, params, devices.world_size,
+                                         schedule.gather_bucket_bytes):
         for node in bucket[1:]:
             name = facts.param_of[node]
             saved = sum(collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
             costs[name] = dataclasses.replace(costs[name],
                                               comm_s=max(0.0, costs[name].comm_s - saved))
     compute_s = other_s + sum(per_group.values())
-    comm_s = sum(c.comm_s for c in costs.values())
+    comm_s = sum(c.comm_s for c in costs.values()) - hidden_gather_s(
+        facts, params, devices, prefetch=schedule.prefetch,
+        gather_bucket_bytes=schedule.gather_bucket_bytes, regathered=regathered)
     optim_s = sum(c.optim_s for c in costs.values())
     expr = sympy.Float(compute_s) * BATCH / profiled_batch + sympy.Float(comm_s + optim_s)
     return StepTime(compute_s, comm_s, optim_s, expr), costs

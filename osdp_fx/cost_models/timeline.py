@@ -32,7 +32,9 @@ elements padded; for hybrid_shard read R for N throughout):
   start until the second (intra-node) stage runs, a quarter step before the use, which
   allocates Pp;
 * gradients of activations: from the backward of the last node that reads a node's output or a
-  view of it to the node's own backward;
+  view of it to the node's own backward; a storage several operators read directly gets its
+  gradient summed out of place: each reader's contribution (but the first's) from its backward,
+  and the sum a quarter step later (``graph_facts.activation_grad_intervals``);
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
   the full gradient P until the backward of the first use in graph order, then the asynchronous
   reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
@@ -64,17 +66,19 @@ import enum
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
 
 import sympy
 from torch import fx
 
 from ..layout import shard_count
-from ..plan import DEFAULT_PREFETCH
 from ..strategies import traits
-from ..buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
+from ..buckets import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, MAX_IN_FLIGHT,
+                       SMALL_PARAM_BYTES, plan_buckets)
 from .envelope import BATCH, envelope as _envelope  # noqa: F401  (BATCH re-exported)
-from .graph_facts import ParamState, graph_facts, sharded_gather_buckets
+from .shapes import rescaled
+from .graph_facts import (ParamState, activation_grad_intervals, graph_facts,
+                          prefetched_regathers, sharded_gather_buckets)
+from .recompute import internal_interval, recompute_workspace, region_spans, root_intervals
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 
 
@@ -93,6 +97,8 @@ class Category(str, enum.Enum):
     """Flat buffers of bucketed collectives and gradients held by reduce-scatters in flight."""
     ACTIVATIONS = "activations"
     """Operator outputs until their last use, and what autograd saves for backward."""
+    RECOMPUTED = "recomputed activations"
+    """What backward re-creates by recomputing a region, until the backward that uses it."""
     ACTIVATION_GRADIENTS = "activation gradients"
     """Gradients flowing backward through activations."""
     TEMPORARIES = "operator temporaries"
@@ -146,10 +152,8 @@ class MemoryPrediction:
     """The peak's bytes by ``Category``, in ``Category`` order."""
     timeline: tuple[MemoryPoint, ...] = ()
     """Live bytes by category at every time point of a steady-state step."""
-
-    def peak_bytes_at(self, batch: int) -> int:
-        """Predicted peak at another per-rank batch size."""
-        return int(self.peak_bytes_expr.subs(BATCH, batch))
+    lines: tuple[tuple[int, int], ...] = ()
+    """(batch-scaled, fixed) live bytes at every steady-state time point."""
 
 
 SYNC, LOCAL = "sync", "local"
@@ -207,6 +211,9 @@ def predict_step_memory(
     prefetch: int = DEFAULT_PREFETCH,
     reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
     grad_accumulation: int = 1,
+    recompute: Mapping[str, str] | None = None,
+    gather_bucket_bytes: int = SMALL_PARAM_BYTES,
+    seq_scale: Mapping[str, tuple[float, ...]] | None = None,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
@@ -216,9 +223,12 @@ def predict_step_memory(
     ``ranks_per_node`` (None: one node) sizes hybrid_shard's shards and hierarchical's stages.
     ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
     ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
-    the micro-batch that holds the most.
+    the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
+    ``seq_scale``: activations at another sequence length (``shapes.py``).
     """
     facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
+    if seq_scale:  # every reader of the profile (recompute.py too) sees the scaled bytes
+        facts.profile = rescaled(facts.profile, seq_scale)
     nodes, pos, prof = facts.nodes, facts.pos, facts.profile
     n_nodes = len(nodes)
     requires_grad, members, savers = facts.requires_grad, facts.members, facts.savers
@@ -233,31 +243,23 @@ def predict_step_memory(
 
     tl = _Timeline()
 
-    # Activations and what nodes save for backward.
-    for r, users in users_of_root.items():
-        if r.op in ("placeholder", "get_attr") or prof[r].output_is_view:
-            continue
-        last_use = max((pos[u] if u.op != "output" else grad_sync for u in users), default=pos[r])
-        end = bwd(min(pos[s] for s in savers[r])) if savers.get(r) else last_use
-        tl.alive(pos[r], max(end, last_use), prof[r].output_bytes, Category.ACTIVATIONS, scaled=True)
+    # Activations and what nodes save for backward; recomputed regions: cost_models/recompute.py
+    spans = region_spans(facts, recompute or {})
+    intervals = [iv for r in users_of_root if r.op not in ("placeholder", "get_attr")
+                 and not prof[r].output_is_view
+                 for iv in root_intervals(r, facts, spans, bwd, grad_sync)]
+    intervals += [internal_interval(j, facts, spans, bwd) for j in nodes]
+    for start, end, nbytes, again in intervals + recompute_workspace(spans, facts, bwd):
+        tl.alive(start, end, nbytes, Category.RECOMPUTED if again else Category.ACTIVATIONS,
+                 scaled=True)
     for j in nodes:
         p = prof[j]
-        internal = p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes
-        tl.alive(pos[j], bwd(pos[j]), internal, Category.ACTIVATIONS, scaled=True)
         tl.alive(pos[j], pos[j], p.fwd_transient_bytes, Category.TEMPORARIES, scaled=True)
         tl.alive(bwd(pos[j]), bwd(pos[j]), p.bwd_transient_bytes, Category.TEMPORARIES, scaled=True)
 
-    # Gradients of activations: from the backward of the last user of the storage (of the node
-    # or of a view of it: the views' gradients are views of one gradient buffer, made by the
-    # backward of the last operator that reads any of them) to the node's own backward.
-    for n in nodes:
-        if not requires_grad[n] or n in param_of or prof[n].output_is_view or n.op == "output":
-            continue
-        grad_users = [u for m in members[n] for u in m.users
-                      if u.op != "output" and requires_grad[u] and facts.root[u] is not n]
-        if grad_users:
-            tl.alive(bwd(max(pos[u] for u in grad_users)), bwd(pos[n]), prof[n].output_bytes,
-                     Category.ACTIVATION_GRADIENTS, scaled=True)
+    # Gradients of activations, summed out of place where several operators read a storage
+    for start, end, nbytes in activation_grad_intervals(facts, bwd):
+        tl.alive(start, end, nbytes, Category.ACTIVATION_GRADIENTS, scaled=True)
 
     # The step's inputs: held by the caller for the whole step.
     for n in nodes:
@@ -271,8 +273,10 @@ def predict_step_memory(
     uses_of = {node: facts.param_uses(node) for node in param_of}
     sharded = [node for node in param_of if traits(params[param_of[node]].strategy).sharded
                and uses_of[node]]
-    buckets = sharded_gather_buckets(facts, params, world_size)
-    first_use = {n: min(pos[u] for u in uses_of[n]) for n in sharded}
+    buckets = sharded_gather_buckets(facts, params, world_size, gather_bucket_bytes)
+    # a recomputed region reads its parameters from before its first to after its last operator
+    at = {u: (spans[u].first, spans[u].last) if u in spans else (pos[u], pos[u]) for u in nodes}
+    first_use = {n: min(at[u][0] for u in uses_of[n]) for n in sharded}
     bucket_alloc = [first_use[buckets[max(0, i - prefetch)][0]] for i in range(len(buckets))]
     bucket_of = {n: i for i, bucket in enumerate(buckets) for n in bucket}
     # a bucket of several parameters is gathered into one flat buffer, then split into copies:
@@ -281,7 +285,7 @@ def predict_step_memory(
                  else first_use[buckets[bucket_of[n]][0]] for n in sharded}
     # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
     bucket_grads: dict[int, list[tuple[float, float, int, int, int, int]]] = defaultdict(list)
-    regather_at = _prefetched_regathers(
+    regather_at = prefetched_regathers(
         [node for node in sharded if traits(params[param_of[node]].strategy).freed_after_forward
          and savers.get(node)], savers, pos, bwd, prefetch)
     # (launch time, since, bytes held from then until it completes, staged block from launch)
@@ -308,10 +312,16 @@ def predict_step_memory(
         uses = uses_of[node]
         if not uses:
             continue
-        last = max(pos[u] for u in uses)
-        saved_by = savers.get(node, [])
-        kept_until = max(bwd(min(pos[j] for j in saved_by)) if saved_by else last, last)
+        last = max(at[u][1] for u in uses)
+        redo = {spans[u].name: spans[u] for u in uses if u in spans}
+        saved_by = [j for j in savers.get(node, []) if j not in spans]
+        kept_until = max([bwd(pos[j]) for j in saved_by] + [bwd(r.first) for r in redo.values()]
+                         + [last])
         if t.freed_after_forward:
+            for r in redo.values():  # re-gathered once to recompute, until its first backward
+                done = [bwd(pos[j]) for j in savers.get(node, []) if spans.get(j) is r]
+                tl.alive(r.recompute_at(bwd), max(done, default=r.recompute_at(bwd)), gathered,
+                         Category.GATHERED, scaled=False)
             # A two-stage gather's second stage runs (allocating the buffer) a quarter step
             # before the use, when it is waited for; its first stage's block is alive from its
             # start.
@@ -441,6 +451,7 @@ def predict_step_memory(
             MemoryPoint(t, where(t), tuple((str(c), sc * batch // profiled_batch + fx_)
                               for c, (sc, fx_) in by.items()))
             for t, by in steady),
+        lines=tuple(lines),
     )
 
 
@@ -468,28 +479,15 @@ def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],
                  Category.COMMUNICATION, scaled=False, only=SYNC)
 
 
-def _prefetched_regathers(
-    regathered: list[fx.Node], savers: Mapping[fx.Node, list[fx.Node]],
-    pos: Mapping[fx.Node, int], bwd: Any, prefetch: int,
-) -> dict[tuple[fx.Node, fx.Node], float]:
-    """When backward's first re-gather of each full_shard parameter allocates, keyed by
-    (parameter, saver): unpacking one parameter starts gathering the ``prefetch`` parameters
-    forward saved just before it (``StepContext``)."""
-    saved_order = sorted(regathered, key=lambda n: min(pos[j] for j in savers[n]))
-    first_unpack = {n: max(savers[n], key=pos.__getitem__) for n in regathered}
-    out: dict[tuple[fx.Node, fx.Node], float] = {}
-    for i, n in enumerate(saved_order):
-        later = saved_order[i + 1:i + 1 + prefetch]
-        own = bwd(pos[first_unpack[n]])
-        out[(n, first_unpack[n])] = min([own, *(bwd(pos[first_unpack[k]]) for k in later)])
-    return out
-
-
 def _describe_time(t: float, nodes: list[fx.Node]) -> str:
     n = len(nodes)
     if t < n:
         node = nodes[math.ceil(t)].name
         return f"all-gather before forward of {node}" if t % 1 else f"forward of {node}"
+    if t < 2 * n and t % 1 == 0.25:
+        return f"gradient sum after backward of {nodes[2 * n - 1 - int(t)].name}"
+    if t < 2 * n and t % 1 == 0.625:
+        return f"recomputation before backward of {nodes[2 * n - 1 - math.ceil(t)].name}"
     if t < 2 * n:
         if t % 1 == 0.5:
             return f"reduce-scatter after backward of {nodes[2 * n - 1 - int(t)].name}"

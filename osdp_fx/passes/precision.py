@@ -47,9 +47,10 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
                if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default]
     for node in asserts:
         graph.erase_node(node)
-    pinned = [n for n in graph.nodes if _traced_as_same_dtype_conversion(n)]
-    for node in pinned:
-        node.kwargs = {**node.kwargs, "dtype": None}
+    pinned = 0
+    for sub in gm.modules():  # nested graphs too (torch.export's wrap_with_set_grad_enabled)
+        if isinstance(sub, fx.GraphModule):
+            pinned += _retarget_traced_conversions(sub, dtype)
     changed = bool(placeholders or params or asserts or pinned)
     graph.lint()
     gm.recompile()
@@ -59,15 +60,34 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
 _DTYPE_KWARG_CONVERSIONS = (torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default)
 
 
+def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
+    """Make every conversion :func:`_traced_as_same_dtype_conversion` finds convert to the
+    compute ``dtype``; returns how many there were."""
+    nodes = [n for n in gm.graph.nodes if _traced_as_same_dtype_conversion(n)]
+    for node in nodes:
+        if node.target is torch.ops.aten.to.dtype:
+            node.args = (node.args[0], dtype, *node.args[2:])
+        else:
+            node.kwargs = {**node.kwargs, "dtype": dtype}
+    if nodes:
+        gm.graph.lint()
+        gm.recompile()
+    return len(nodes)
+
+
 def _traced_as_same_dtype_conversion(node: fx.Node) -> bool:
     """An export-graph conversion that pins the dtype it was traced with, though it changed
-    nothing then (``x.to(device)`` becomes ``aten.to(x, dtype=float32, device=...)``); in low
-    precision it would convert back to float32. Intentional upcasts in a float32 model are
-    indistinguishable from these, so they are dropped too: they run in the compute dtype."""
-    if node.op != "call_function" or node.target not in _DTYPE_KWARG_CONVERSIONS:
+    nothing then: ``x.to(device)`` becomes ``aten.to(x, dtype=float32, device=...)``, and
+    ``x.to(y.dtype)`` (a Hugging Face RMSNorm's ``.to(input_dtype)``, its rotary embedding's
+    ``cos.to(x.dtype)``) becomes ``aten.to.dtype(x, float32)``. In low precision the dtype they
+    meant is the compute dtype, so they are made to convert to it. Intentional upcasts in a
+    float32 model are indistinguishable from these, so they run in the compute dtype too."""
+    if node.op != "call_function" or node.target not in (*_DTYPE_KWARG_CONVERSIONS,
+                                                         torch.ops.aten.to.dtype):
         return False
     source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
-    dtype = node.kwargs.get("dtype")
+    dtype = (node.args[1] if node.target is torch.ops.aten.to.dtype and len(node.args) > 1
+             else node.kwargs.get("dtype"))
     return (isinstance(source, torch.Tensor) and dtype is not None and source.dtype == dtype
             and dtype.is_floating_point)
 

@@ -55,6 +55,8 @@ PIPELINE: tuple[PassSpec, ...] = (
           {"profiled", "slowest_rank_times"}),
     _spec("profile", "passes/profile.py", {"normalized"}, {"profiled"}, {"slowest_rank_times"}),
     _spec("slowest_rank_times", "passes/profile.py", {"profiled"}, {"slowest_rank_times"}),
+    _spec("recompute", "passes/recompute.py", {"normalized"}, {"recomputed"},
+          {"profiled", "slowest_rank_times"}),
     _spec("annotate_aliases", "passes/aliases.py", {"normalized"}, {"aliases"}),
     _spec("shard", "passes/shard.py", {"aliases"}, {"sharded"}),
 )

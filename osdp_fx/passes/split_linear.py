@@ -168,6 +168,8 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
             _delete_param(gm, name)
             part_params[name] = spec.parts
         outputs = []
+        traced = {k: v for k, v in node.meta.items()
+                  if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
         for i in range(len(specs[weight].parts)):
             with graph.inserting_before(node):
                 w = graph.get_attr(part_params[weight][i])
@@ -183,11 +185,11 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
                 else:
                     args = (node.args[0], w)
                 part = graph.call_function(node.target, args)
-                part.meta.update({k: v for k, v in node.meta.items()
-                                  if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+                part.meta.update(traced)
                 outputs.append(part)
         with graph.inserting_before(node):
             cat = graph.call_function(torch.cat, (outputs, -1))
+        cat.meta.update(traced)  # in the linear's module: its region (regions.py) stays whole
         old_params = [a for a in node.all_input_nodes if a.op == "get_attr"]
         node.replace_all_uses_with(cat)
         graph.erase_node(node)

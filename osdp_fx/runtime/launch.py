@@ -30,9 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_device(rank: int) -> torch.device:
-    """The device a local rank uses: its GPU when there are GPUs (made current), else the CPU."""
-    if torch.cuda.is_available():
+def gpus_for(world_size: int) -> bool:
+    """Whether a local world of ``world_size`` ranks gets one GPU per rank (NCCL refuses two
+    ranks on one GPU, so a larger world than there are GPUs runs on the CPU, with gloo)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+def local_device(rank: int, world_size: int = 1, *, backend: str | None = None) -> torch.device:
+    """The device a local rank uses: its GPU (made current) when every rank of the world has
+    one, or when ``backend`` is ``"nccl"``; else the CPU."""
+    if backend == "nccl" or (backend is None and gpus_for(world_size)):
         index = rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
@@ -40,24 +47,26 @@ def local_device(rank: int) -> torch.device:
 
 
 def init_world(rank: int, world_size: int, port: int, *, backend: str | None = None,
-               timeout_s: float = 60.0) -> None:
+               timeout_s: float = 60.0) -> torch.device:
     """Join a world rendezvousing on 127.0.0.1:port; collectives time out after ``timeout_s``.
-    ``backend`` None means NCCL when there are GPUs and gloo otherwise."""
-    device = local_device(rank)
+    ``backend`` None means NCCL when there is one GPU per rank and gloo otherwise. Returns the
+    rank's device (:func:`local_device`)."""
+    device = local_device(rank, world_size, backend=backend)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(
-        backend or ("nccl" if device.type == "cuda" else "gloo"),
-        init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
-        **({"device_id": device} if device.type == "cuda" else {}),
+        **({"device_id": device} if backend == "nccl" else {}),
     )
+    return device
 
 
 def _child(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float,
-           threads: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+           threads: int, backend: str | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     torch.set_num_threads(threads)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        init_world(rank, world_size, port, timeout_s=timeout_s)
+        init_world(rank, world_size, port, backend=backend, timeout_s=timeout_s)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException as exc:  # reported to the parent, which raises
@@ -69,17 +78,18 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float
 
 
 def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0,
-              collective_timeout_s: float = 60.0) -> list[Any]:
+              collective_timeout_s: float = 60.0, backend: str | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks (gloo on CPU, NCCL on
-    GPUs); return each result.
+    GPUs, see :func:`init_world`; ``backend`` overrides); return each result.
 
     ``fn`` must be importable by name (spawned children import it). Raises OSDPError naming the
     first rank that failed, or when the world has not finished after ``timeout_s``.
     """
-    threads = 1 if torch.cuda.is_available() else max(1, (os.cpu_count() or 1) // world_size)
+    threads = 1 if gpus_for(world_size) else max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="osdp-world-") as out_dir:
         ctx = mp.start_processes(
-            _child, args=(world_size, free_port(), out_dir, collective_timeout_s, threads, fn, args),
+            _child, args=(world_size, free_port(), out_dir, collective_timeout_s, threads, backend, fn,
+                             args),
             nprocs=world_size, join=False, start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s

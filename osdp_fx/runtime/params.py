@@ -43,6 +43,7 @@ from .hierarchy import (
     shard_chunks,
 )
 from .memory import note_resized
+from .compile_support import defer_free, eager, take_deferred
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -170,6 +171,7 @@ def module_scope(scatters: GradReduceScatters | LocalScatters, *, regather: bool
     their collectives apart); with ``regather``, freed parameters are re-gathered in backward,
     ``prefetch`` parameters ahead. A no_sync forward passes :class:`LocalScatters` instead of
     the queue ([Note: no_sync])."""
+    take_deferred()  # what a failed compiled forward left
     step = StepContext(prefetch) if regather else None
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(_Scope(scatters, step))
@@ -180,7 +182,13 @@ def module_scope(scatters: GradReduceScatters | LocalScatters, *, regather: bool
             with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
                 yield step
     finally:
+        _free_deferred()
         stack.pop()
+
+
+def _free_deferred() -> None:
+    for full in take_deferred():
+        _free(full)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -309,6 +317,7 @@ class Prefetched:
         return pending
 
 
+@eager(_free_deferred)
 def prefetch_param(shard: torch.Tensor, group: str, *,
                    dtype: torch.dtype | None = None) -> Prefetched:
     """Start gathering ``shard`` (cast to ``dtype``) asynchronously; :func:`all_gather_param`
@@ -316,6 +325,7 @@ def prefetch_param(shard: torch.Tensor, group: str, *,
     return Prefetched(gather_shards_start(_cast(shard.detach(), dtype), group))
 
 
+@eager(_free_deferred)
 def all_gather_param(
     shard: torch.Tensor, shape: tuple[int, ...], strategy: str, group: str,
     prefetched: Prefetched | None = None, *, dtype: torch.dtype | None = None,
@@ -407,12 +417,14 @@ class _AllGatherParams(torch.autograd.Function):
         return (None,) * (5 + len(ctx.shards))
 
 
+@eager(_free_deferred)
 def prefetch_params(shards: tuple[torch.Tensor, ...], group: str, *,
                     dtype: torch.dtype | None = None) -> Prefetched:
     """:func:`prefetch_param` for a bucket of parameters (see :func:`all_gather_params`)."""
     return Prefetched(_start_params(tuple(shards), group, dtype))
 
 
+@eager(_free_deferred)
 def all_gather_params(
     shards: tuple[torch.Tensor, ...], shapes: tuple[tuple[int, ...], ...], strategy: str,
     group: str, prefetched: Prefetched | None = None, *, dtype: torch.dtype | None = None,
@@ -437,7 +449,15 @@ def all_gather_params(
 
 
 def free_param(full: torch.Tensor) -> None:
-    """Release the storage of a gathered parameter after its last forward use."""
+    """Release the storage of a gathered parameter after its last forward use (traced by
+    torch.compile: at the end of the compiled region, [Note: torch.compile])."""
+    if torch.compiler.is_compiling():
+        defer_free(full)
+        return
+    _free(full)
+
+
+def _free(full: torch.Tensor) -> None:
     ctx = _active()
     if ctx is not None and ctx.release(full):
         storage = full.untyped_storage()

@@ -20,9 +20,9 @@ def test_searched_plan_fits_between_fsdp_and_ddp_peaks(searched):
         assert r["peaks"]["full_shard"] < r["limit"] < r["peaks"]["replicate"]
         assert plan.peak_memory_bytes <= r["limit"]
         assert abs(r["measured"] / plan.peak_memory_bytes - 1) <= 0.10, r
-        # Something is sharded (all-replicate does not fit) and something is not (all-full_shard
-        # is not the fastest under this limit) or the plan is all-full_shard by time.
-        assert plan.counts()["replicate"] < len(plan.params)
+        # All-replicate without recomputation does not fit: something is sharded, or blocks
+        # are recomputed instead (the joint search may find that faster than sharding).
+        assert plan.counts()["replicate"] < len(plan.params) or plan.recompute, plan.counts()
 
 
 def test_ranks_agree_and_search_is_deterministic(searched):

@@ -31,6 +31,16 @@ def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: f
                                                     steps=steps)]
     compiled = compile_osdp(net, data[0][:1], devices, plan=plan,
                             mixed_precision=mixed_precision)
+    return {
+        "losses": sgd_losses(compiled, loss_fn, data, lr),
+        "state": compiled.full_state_dict(),
+        "plan": compiled.plan.to_dict(),
+        "local_numel": {n: p.numel() for n, p in compiled.named_parameters()},
+    }
+
+
+def sgd_losses(compiled: Any, loss_fn: Any, data: list[Any], lr: float) -> list[float]:
+    """Train ``compiled`` with SGD, one step per batch of ``data``; the losses."""
     opt = torch.optim.SGD(compiled.parameters(), lr=lr)
     losses = []
     for batch in data:
@@ -39,12 +49,7 @@ def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: f
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {
-        "losses": losses,
-        "state": compiled.full_state_dict(),
-        "plan": compiled.plan.to_dict(),
-        "local_numel": {n: p.numel() for n, p in compiled.named_parameters()},
-    }
+    return losses
 
 
 def reference_train(model: str, *, world: int, steps: int = 5, lr: float = 0.05,

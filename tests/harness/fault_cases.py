@@ -55,7 +55,7 @@ def fault_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
     torch.set_num_threads(1)
     report: dict[str, Any] = {"rank": rank, "ok": False, "started": time.time()}
     try:
-        init_world(rank, world, port, timeout_s=timeout_s)
+        init_world(rank, world, port, backend="gloo", timeout_s=timeout_s)
         report["joined"] = time.time()
         net, loss_fn = build("gpt")
         data = [local(b, rank, world) for b in batches("gpt", global_batch=2 * world, steps=2)]

@@ -18,21 +18,36 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[Any, Batch], t
     """(model, loss_fn(output, batch)) for a model name; identical in every process."""
     torch.manual_seed(seed)
     if name == "mlp":
-        return MLP((24, 40, 33, 8)), lambda out, batch: F.mse_loss(out, batch[1])
+        return MLP((24, 40, 33, 8)), _mse
     if name == "wide_mlp":  # a weight gathered alone (> SMALL_PARAM_BYTES), the rest in buckets
-        return MLP((24, 40, 520, 8)), lambda out, batch: F.mse_loss(out, batch[1])
+        return MLP((24, 40, 520, 8)), _mse
     if name == "gpt":
         return TinyGPT(vocab=67, dim=32, depth=2, heads=4, max_seq=16), _lm_loss
-    if name == "hf_gpt2":
+    if name in ("hf_gpt2", "hf_gpt2_dropout"):
         from transformers import GPT2Config, GPT2LMHeadModel
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        pdrop = 0.1 if name == "hf_gpt2_dropout" else 0.0
         cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=67, n_positions=16,
-                         use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         use_cache=False, resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop,
                          bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg), lambda out, batch: lm_loss(out.logits, batch[0])
+    if name == "hf_llama":  # captured by torch.export; RMSNorm and rotary convert dtypes
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=67,
+                          max_position_embeddings=16, use_cache=False)
+        return LlamaForCausalLM(cfg), lambda out, batch: lm_loss(out.logits, batch[0])
     raise ValueError(name)
+
+
+def _mse(out: torch.Tensor, batch: Batch) -> torch.Tensor:
+    # in float32: torch < 2.13 rejects a bfloat16 output against a float32 target in backward
+    return F.mse_loss(out.float(), batch[1])
 
 
 def _lm_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -61,7 +76,7 @@ class WithLoss(nn.Module):
 
     def __init__(self, name: str, seed: int = 0) -> None:
         super().__init__()
-        self.hf = name == "hf_gpt2"
+        self.hf = name.startswith("hf_")
         self.model, self.loss_fn = build(name, seed)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

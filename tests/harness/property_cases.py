@@ -265,6 +265,14 @@ def bad_inputs(tmpdir: str) -> dict[str, Callable[[], dict[str, Any]]]:
             model=small_mlp(), example_inputs=(x,),
             plan=plan_file("prefetch.json", json.dumps(
                 {"format": "osdp-fx-plan", "version": 1, "prefetch": "two", "params": all_full}))),
+        "plan_file_bad_bucket": lambda: dict(
+            model=small_mlp(), example_inputs=(x,),
+            plan=plan_file("bucket.json", json.dumps(
+                {"format": "osdp-fx-plan", "version": 1, "gather_bucket_bytes": 0,
+                 "params": all_full}))),
+        "autotune_with_a_plan": lambda: dict(
+            model=small_mlp(), example_inputs=(x,), plan="full_shard", autotune=2),
+        "autotune_negative": lambda: dict(model=small_mlp(), example_inputs=(x,), autotune=-1),
         "capture_branch": lambda: dict(model=DataDependentBranch(), example_inputs=(x,)),
         "capture_item_loop": lambda: dict(model=ItemLoopBound(), example_inputs=(x,)),
     }

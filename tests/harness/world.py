@@ -33,7 +33,7 @@ class CaseFailed(AssertionError):
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, done: Any, out_dir: str) -> None:
     torch.set_num_threads(1)
-    init_world(rank, world_size, port, timeout_s=60.0)
+    init_world(rank, world_size, port, backend="gloo", timeout_s=60.0)
     while True:
         task = tasks.get()
         if task is None:

@@ -1,0 +1,146 @@
+"""``torch.compile(compiled)`` against eager osdp-fx: step time under each uniform strategy.
+
+Starts one local world (gloo on CPU, NCCL on GPUs) and, on the GPT of ``compare.py`` (its
+forward returns the LM loss; default vocab 2048, dim 512, depth 4, 8 heads, sequence 32,
+per-rank batch 8; AdamW), compiles with osdp-fx under each of ``--plans`` twice: one module run
+eagerly, one wrapped in ``torch.compile(compiled, backend=--backend)``. What inductor sees is
+the compute between the runtime's collectives ([Note: torch.compile] in
+``osdp_fx/runtime/compile_support.py``, ``docs/training.md``).
+
+Every system gets ``--warmup`` steps first (the compiled ones compile then: the table shows those
+seconds), then all are timed round-robin in the same world (``--rounds`` rounds, the order
+rotated each round so that changes in the machine's load hit every system alike; a step is
+forward, backward, AdamW step and zero_grad, after a barrier; its time is the slowest rank's;
+the median is kept). That the two train alike is tested (``tests/distributed/
+test_torch_compile.py``), not measured here.
+
+    python benchmarks/torch_compile.py [--world-size 2] [--plans replicate,shard_grad_op,full_shard]
+        [--backend inductor] [--dim 512] [--depth 4] [--vocab 2048] [--heads 8] [--seq 32]
+        [--batch 8] [--rounds 8] [--warmup 2] [--out-dir benchmarks/results]
+
+Target (issue 17): compiled <= 1.0x eager's step time under every uniform strategy. Prints a
+Markdown table and, last, one JSON line with the ratios; writes the table to
+``<out-dir>/torch-compile-world{N}.md`` and the rows to ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from compare import RESULTS_DIR, UNIFORM_PLANS, Config, System, build_model, local_batch, start_world  # noqa: E402,E501
+from compare import time_round_robin  # noqa: E402
+from osdp_fx import Devices, compile_osdp  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What to compare, besides the model (:class:`compare.Config`)."""
+
+    plans: tuple[str, ...]
+    """The uniform plans to run, each eager and compiled."""
+    backend: str
+    """The ``torch.compile`` backend."""
+
+
+def make_system(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
+                devices: Devices, plan: str, backend: str | None) -> System:
+    """osdp-fx under ``plan``, run eagerly (``backend`` None) or under ``torch.compile``."""
+    compiled = compile_osdp(build_model(cfg, device), (x,), devices, plan=plan,
+                            optimizer="adamw")
+    model = compiled if backend is None else torch.compile(compiled, backend=backend)
+    return System("osdp-fx" if backend is None else f"torch.compile ({backend})", plan, model,
+                  x, device)
+
+
+def warm_up(systems: list[System], steps: int) -> None:
+    """``steps`` timed steps of each system (compiling the compiled ones), recorded apart."""
+    for s in systems:
+        start = time.perf_counter()
+        for _ in range(steps):
+            dist.barrier()
+            s.timed_step()
+        s.info["warmup_s"] = time.perf_counter() - start
+
+
+def measure(rank: int, world: int, device: torch.device, cfg: Config,
+            options: Options) -> dict[str, Any]:
+    x = local_batch(cfg, rank, device)
+    devices = Devices(world_size=world)  # the plans are uniform: no search, no detection
+    systems = [make_system(cfg, world, device, x, devices, plan, backend)
+               for plan in options.plans for backend in (None, options.backend)]
+    warm_up(systems, max(1, cfg.warmup))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    time_round_robin(systems, cfg.steps, 0)
+    rows = [s.row(world, cfg.batch) for s in systems]
+    return {"rows": rows, "graphs": graphs, "backend": dist.get_backend(), "device": str(device)}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| plan | eager step s | compiled step s | compiled / eager | eager fwd / bwd / opt s "
+            "| compiled fwd / bwd / opt s | compiled warm-up s |")
+    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
+    by_plan: dict[str, list[dict]] = {}
+    for r in rows:
+        by_plan.setdefault(r["plan"], []).append(r)
+    for plan, (eager, comp) in by_plan.items():
+        phases = [" / ".join(f"{r[f'{p}_s']:.3f}" for p in ("forward", "backward", "optimizer"))
+                  for r in (eager, comp)]
+        lines.append(
+            f"| {plan} | {eager['step_s']:.3f} | {comp['step_s']:.3f} | "
+            f"{comp['step_s'] / eager['step_s']:.2f}x | {phases[0]} | {phases[1]} | "
+            f"{comp['warmup_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> dict[str, Any]:
+    eager = {r["plan"]: r for r in rows if r["system"] == "osdp-fx"}
+    out = {plan: round(r["step_s"] / eager[plan]["step_s"], 3)
+           for r in rows if r["system"] != "osdp-fx" for plan in [r["plan"]]}
+    return {"compiled_over_eager_step": out,
+            "targets_met": {f"{p}: compiled<=1.0x eager": v <= 1.0 for p, v in out.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--plans", default=",".join(UNIFORM_PLANS))
+    ap.add_argument("--backend", default="inductor")
+    for name, default in (("vocab", 2048), ("dim", 512), ("depth", 4), ("heads", 8),
+                          ("seq", 32), ("batch", 8), ("rounds", 8), ("warmup", 2)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    cfg = Config(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads,
+                 seq=args.seq, batch=args.batch, steps=args.rounds, warmup=args.warmup)
+    options = Options(plans=tuple(args.plans.split(",")), backend=args.backend)
+    start = time.perf_counter()
+    result = start_world(args.world_size, measure, cfg, options)[0]
+    rows = result["rows"]
+    text = table(rows)
+    print(f"world {args.world_size} ({result['backend']}, {result['device']}), "
+          f"{cfg}, backend {options.backend}, {result['graphs']} graphs compiled on rank 0, "
+          f"{time.perf_counter() - start:.0f} s in all")
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"torch-compile-world{args.world_size}"
+    stem.with_suffix(".md").write_text(text + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"config": dataclasses.asdict(cfg),
+                                                     "backend": options.backend, **result}))
+    out = ratios(rows)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

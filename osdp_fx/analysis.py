@@ -1,0 +1,140 @@
+"""What the planner knows of a captured model: its profile and facts (:class:`Analysis`), the
+checks of the planner's options, and the share of the memory limit the search plans for."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .capture import Captured, unchanged_state
+from .cost_models.graph_facts import GraphFacts, ParamState, graph_facts
+from .cost_models.shapes import node_factors
+from .devices import OPTIMIZERS
+from .errors import InputError
+from .io_spec import input_shape
+from .passes.profile import profile_graph_pass, slowest_rank_times_pass
+from .passes.runner import run_passes
+from .passes.sequence import NodeNumels, sequence_numels
+from .plan import Plan
+from .plan_request import ParamSpec
+from .precision import MixedPrecision
+from .runtime.collectives import WORLD, group_size
+
+
+MEMORY_MARGIN = 0.03
+"""Share of the memory limit the search keeps free for bytes the memory model does not predict.
+
+Measured against an independent storage tracker (``tests/distributed/test_memory_promise.py``,
+``docs/cost-models.md``), predicted peaks are within a few per cent of what a step holds; the
+largest under-prediction seen is 2.2 % (a Hugging Face Llama's loss). A searched plan is
+therefore one whose predicted peak is at most ``(1 - MEMORY_MARGIN) * limit``."""
+
+
+def plannable_bytes(memory_limit_bytes: int) -> int:
+    """The predicted peak a searched plan may have under ``memory_limit_bytes``."""
+    return memory_limit_bytes - int(memory_limit_bytes * MEMORY_MARGIN)
+
+
+@dataclasses.dataclass
+class Analysis:
+    """A captured model with its profile."""
+
+    captured: Captured
+    """The normalised graph and the model's parameter groups."""
+    facts: GraphFacts
+    """Storage roots, savers and gradient flow of the profiled graph."""
+    batch_size: int
+    """Per-rank batch size of the profiled inputs (first dimension of the first tensor)."""
+    precision: MixedPrecision | None = None
+    """Mixed precision the graph was cast for before profiling (``cast_params_pass``)."""
+    alternatives: tuple[Plan, ...] = ()
+    """``make_plan(candidates=)``: the next searched plans that fit, by predicted step time."""
+    seq_len: int | None = None
+    """Sequence length of the profiled inputs (dimension 1; None: no such dimension)."""
+    seq_numels: NodeNumels | None = None
+    """Elements per node at three sequence lengths (``passes/sequence.py``); None when the
+    memory is not modelled in the sequence length."""
+    max_shape: tuple[int, int | None] | None = None
+    """The largest per-rank (batch, sequence length) to plan for; None: the profiled one."""
+
+    @property
+    def plan_batch(self) -> int:
+        """The per-rank batch size plans are made for."""
+        return self.max_shape[0] if self.max_shape else self.batch_size
+
+    @property
+    def plan_seq(self) -> int | None:
+        """The sequence length plans are made for."""
+        return self.max_shape[1] if self.max_shape and self.max_shape[1] else self.seq_len
+
+    def seq_scale(self, seq: int | None = None) -> dict[str, tuple[float, ...]] | None:
+        """How each node's activation bytes scale at ``seq`` (default: the plan's sequence
+        length) from the profiled one (``cost_models.shapes.node_factors``)."""
+        return node_factors(self.seq_numels, self.seq_len, seq or self.plan_seq)
+
+
+def check_grad_accumulation(grad_accumulation: Any) -> None:
+    """Raise InputError unless ``grad_accumulation`` is an int >= 1."""
+    if (isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int)
+            or grad_accumulation < 1):
+        raise InputError(
+            f"grad_accumulation={grad_accumulation!r} is not a number of micro-batches: pass an "
+            "int >= 1, the micro-batches each optimizer step accumulates gradients over (all "
+            "but the last run inside compiled.no_sync()); 1 means no accumulation")
+
+
+def check_optimizer(optimizer: str) -> None:
+    """Raise InputError unless ``optimizer`` is a kind the cost models know."""
+    if optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer {optimizer!r} is not a kind the cost models know; use one "
+                         f"of {', '.join(OPTIMIZERS)} (the closest to your optimizer)")
+
+
+def param_specs(captured: Captured) -> list[ParamSpec]:
+    """What a Plan needs to know about each parameter group of a captured model."""
+    return [
+        ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
+                  element_size=p.dtype.itemsize, aliases=p.aliases, trainable=p.trainable,
+                  frozen=not p.requires_grad)
+        for p in captured.params.values()
+    ]
+
+
+def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
+            warmup: int = 1, repeats: int = 3,
+            precision: MixedPrecision | None = None,
+            max_shape: tuple[int, int | None] | None = None) -> Analysis:
+    """Profile ``captured.gm`` on ``example_inputs``; in a process group, the node times are
+    made the same on every rank, summing to the slowest rank's (``slowest_rank_times_pass``)."""
+    fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
+    if not fake and group_size(WORLD) > 1:
+        # ranks time their nodes together, sharing the machine as they do when training
+        torch.distributed.barrier()
+    with unchanged_state(captured.gm):
+        run_passes(captured.gm, [("profile", lambda g: profile_graph_pass(
+            g, example_inputs, warmup=warmup, repeats=repeats, fake=fake,
+            meta_device=captured.materialize_device or "cpu"))])
+    if not fake:
+        run_passes(captured.gm, [("slowest_rank_times", slowest_rank_times_pass)])
+    trainable = {name: p.trainable for name, p in captured.params.items()}
+    batch, seq = input_shape(example_inputs)
+    numels = None if seq is None else sequence_numels(
+        captured.gm, example_inputs, seq_len=seq, meta_device=captured.materialize_device or "cpu")
+    return Analysis(captured, graph_facts(captured.gm, trainable), batch, precision,
+                    seq_len=seq, seq_numels=numels, max_shape=max_shape)
+
+
+def param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
+    p = analysis.captured.params[name]
+    mp = analysis.precision if p.dtype.is_floating_point else None
+    return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,
+                      trainable=p.trainable,
+                      compute_element_size=mp.param_dtype.itemsize if mp else None,
+                      reduce_element_size=mp.reduce_dtype.itemsize if mp else None)
+
+
+def param_states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, ParamState]:
+    return {name: param_state(analysis, name, strategies[name]) for name in analysis.captured.params}

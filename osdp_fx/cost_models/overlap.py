@@ -1,0 +1,113 @@
+"""Overlap of prefetched all-gathers with computation: the time a schedule's prefetch saves.
+
+With prefetch distance ``d`` (``Schedule.prefetch``) the runtime starts each forward all-gather
+(of one parameter, or of a bucket of small ones) right after the gather ``d`` places before it
+has been waited for, and backward's re-gather of a freed parameter when the parameter saved
+``d`` places after it in forward is unpacked (``runtime.params.StepContext``). This module
+replays one step on two lanes: computation (each operator's forward, then each backward in
+reverse order, at ``compute.node_compute_time_s``) and communication (the gathers, one at a time
+in the order they start, at ``communication.collective_time_s``). An operator waits for the
+gathers it uses; a gather starts when it is issued and the link is free. The gather time the
+computation does not wait for is hidden; with ``d = 0`` every gather starts at its use and
+nothing is hidden.
+
+Only a share :data:`OVERLAP_EFFICIENCY` of that ideal is credited: on CPU gloo's threads run on
+the cores the computation uses. Reduce-scatters and all-reduces, also asynchronous in the
+runtime, are not credited (measured on 2 CPU cores: their asynchrony gains about 3 % of a step,
+``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+from ..devices import Devices
+from ..layout import collective_stages
+from ..strategies import traits
+from .communication import collective_time_s
+from .compute import node_compute_time_s
+from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets
+
+OVERLAP_EFFICIENCY = 0.5
+"""Share of the ideally hidden all-gather time that prefetching hides in practice. On this
+project's 2-core CPU machine, prefetching one ahead took a full_shard step of the compare.py
+GPT from 0.677 to 0.652 s and of an MLP from 91 to 69 ms (``docs/benchmarks.md``,
+``docs/cost-models.md``): about half of what an ideal overlap of those gathers would give."""
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def exposed_gather_s(compute_s: Sequence[float],
+                     gathers: Sequence[tuple[int, int, float]]) -> float:
+    """Seconds the computation waits for gathers, replaying ``compute_s`` (one duration per
+    step, in order) with ``gathers`` as (step issued at, step used at, seconds), in issue
+    order. A gather issued at step ``s`` starts after the gathers used at ``s`` were waited for
+    (a prefetch follows its anchor's gather); one used before it was issued starts at its use."""
+    used, issued = defaultdict(list), defaultdict(list)
+    for i, (issue, use, _) in enumerate(gathers):
+        used[use].append(i)
+        issued[issue].append(i)
+    done: dict[int, float] = {}
+    now = link_free = waited = 0.0
+    for step, seconds in enumerate(compute_s):
+        for group, wait in ((used[step], True), (issued[step], False)):
+            for i in group:
+                if i not in done:
+                    link_free = done[i] = max(now, link_free) + gathers[i][2]
+                if wait and done[i] > now:
+                    waited += done[i] - now
+                    now = done[i]
+        now += seconds
+    return waited
+
+
+def _gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> tuple[float, float]:
+    """(forward, backward) all-gather seconds of one group (several stages added)."""
+    fwd, bwd = collective_stages(
+        state.strategy, state.numel, state.element_size, world_size=devices.world_size,
+        ranks_per_node=devices.ranks_per_node, regathered=regathered, trainable=state.trainable,
+        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size)
+    return tuple(  # type: ignore[return-value]
+        sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
+                              spans_nodes=st.spans_nodes(devices.num_nodes))
+            for st in stages if st.collective == "all_gather")
+        for stages in (fwd, bwd))
+
+
+def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
+                    prefetch: int, gather_bucket_bytes: int, regathered: set[str]) -> float:
+    """Seconds of all-gather time prefetching hides under computation in one step (forward
+    gathers and backward re-gathers), credited at :data:`OVERLAP_EFFICIENCY`."""
+    if prefetch <= 0 or devices.world_size <= 1:
+        return 0.0
+    nodes, pos = facts.nodes, facts.pos
+    times = {n: node_compute_time_s(facts.profile[n], devices) if n.op in _CALLS else None
+             for n in nodes}
+    fwd_compute = [t.fwd_s if t else 0.0 for t in (times[n] for n in nodes)]
+    bwd_compute = [t.bwd_s if t else 0.0 for t in (times[n] for n in reversed(nodes))]
+    gather = {node: _gather_s(params[name], devices, regathered=name in regathered)
+              for node, name in facts.param_of.items()}
+    latency = collective_time_s("all_gather", 0, devices)
+    # forward: bucket i starts after the gather of bucket i - d (at its first use)
+    buckets = sharded_gather_buckets(facts, params, devices.world_size, gather_bucket_bytes)
+    use = [min(pos[u] for u in facts.param_uses(b[0])) for b in buckets]
+    seconds = [max(0.0, sum(gather[n][0] for n in b) - latency * (len(b) - 1)) for b in buckets]
+    forward = [(use[i - prefetch] if i >= prefetch else use[i], use[i], seconds[i])
+               for i in range(len(buckets))]
+    # backward: re-gathered groups in the order forward saved them; unpacking the one saved at
+    # index j starts the re-gathers of those saved at j - d .. j - 1
+    saved = sorted((n for n, name in facts.param_of.items()
+                    if traits(params[name].strategy).freed_after_forward
+                    and facts.savers.get(n) and gather[n][1] > 0),
+                   key=lambda n: min(pos[j] for j in facts.savers[n]))
+    last = len(nodes) - 1
+    unpack = [last - max(pos[j] for j in facts.savers[n]) for n in saved]
+    backward = []
+    for i, n in enumerate(saved):
+        later = unpack[i + 1:i + 1 + prefetch]
+        backward.append((min([unpack[i], *later]), unpack[i], gather[n][1]))
+    backward.sort(key=lambda g: (g[0], g[1]))
+    total = sum(g[2] for g in forward) + sum(g[2] for g in backward)
+    exposed = exposed_gather_s(fwd_compute, forward) + exposed_gather_s(bwd_compute, backward)
+    return OVERLAP_EFFICIENCY * max(0.0, total - exposed)

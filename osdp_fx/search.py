@@ -1,0 +1,316 @@
+"""The searches: which linears to split, the per-rank batch size, and the plan itself.
+
+:func:`search_strategies` (and :func:`search_plan`, which adds recomputation) chooses a strategy
+per parameter group that minimises the predicted step time under a memory limit: it builds each
+group's options from ``cost_models.step``, solves the exact problem of ``solver`` with the
+activation memory as its base, checks the answer against the timeline's peak, and tightens the
+limit by any excess until the timeline agrees (the search's separable memory model is an
+approximation of the timeline). :func:`search_schedules` runs it under each candidate schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import fx
+
+from .analysis import MEMORY_MARGIN, Analysis, param_state, param_states, plannable_bytes
+from .buckets import Schedule, candidate_schedules
+from .cost_models.recompute import RegionCost, region_costs
+from .cost_models.step import group_cost, predict_step_time, regathered_params
+from .cost_models.timeline import BATCH, predict_step_memory
+from .devices import Devices
+from .errors import InputError, PlanError
+from .passes.split_linear import SPLIT_FACTORS, linear_sites
+from .plan import DEFAULT_PREFETCH
+from .schedule import collectives_key, rank_schedules, schedule_memory_kwargs
+from .solver import solve_min_time
+from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, STRATEGIES
+from .units import format_bytes
+
+log = logging.getLogger(__name__)
+
+_MAX_TIGHTENINGS = 8
+
+
+def choose_splits(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
+) -> dict[str, int]:
+    """Which linear weights to split into how many parts (k in 2, 4, 8).
+
+    Every splittable weight gets the options k = 1 (its three strategies) and, for each k, "j of
+    the k parts full_shard, the others replicated" (j = 0..k): j sets the memory between
+    replicate and full_shard, k the transient memory (one part's gathered weight at a time)
+    against the latency of k collectives. Other groups keep their strategies as options. The
+    same exact solver as the strategy search picks one option per group; the strategies of the
+    parts are then searched again on the split graph.
+    """
+    names = list(analysis.captured.params)
+    sites = linear_sites(analysis.captured.gm)
+    regathered = regathered_params(analysis.facts)
+    times, persistent, transient, labels = [], [], [], []
+    for n in names:
+        info = analysis.captured.params[n]
+        strategies = searched_strategies(devices) if info.trainable else [REPLICATE]
+        costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
+                            devices=devices, optimizer=optimizer,
+                            grad_accumulation=grad_accumulation) for st in strategies]
+        options = [(1, c.comm_s + c.optim_s, c.persistent_bytes, c.transient_bytes)
+                   for c in costs]
+        site = sites.get(n)
+        if site is not None and info.trainable:
+            summed = _summed_input_grad_bytes(analysis, site.node)
+            for k in SPLIT_FACTORS:
+                if k > site.out_features:
+                    break
+                part = dataclasses.replace(param_state(analysis, n, REPLICATE), numel=info.numel // k)
+                rep, full = (group_cost(dataclasses.replace(part, strategy=st),
+                                        regathered=n in regathered, compute_s=0.0,
+                                        devices=devices, optimizer=optimizer,
+                                        grad_accumulation=grad_accumulation)
+                             for st in (REPLICATE, FULL_SHARD))
+                for j in range(k + 1):
+                    options.append((
+                        k, j * (full.comm_s + full.optim_s) + (k - j) * (rep.comm_s + rep.optim_s),
+                        j * full.persistent_bytes + (k - j) * rep.persistent_bytes,
+                        max(full.transient_bytes if j else 0, summed)))
+        labels.append([o[0] for o in options])
+        times.append([o[1] for o in options])
+        persistent.append([o[2] for o in options])
+        transient.append([o[3] for o in options])
+    _, base = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None,
+                               schedule=Schedule(prefetch), grad_accumulation=grad_accumulation)
+    try:
+        result = solve_min_time(times, persistent, transient,
+                                limit_bytes=plannable_bytes(memory_limit_bytes),
+                                base_bytes=base, names=names)
+    except PlanError:
+        return {}  # the strategy search reports what does not fit
+    chosen = {n: labels[i][j] for i, (n, j) in enumerate(zip(names, result.choices))}
+    return {n: k for n, k in chosen.items() if k > 1}
+
+
+def _summed_input_grad_bytes(analysis: Analysis, linear: fx.Node) -> int:
+    """What splitting ``linear`` adds in backward: its parts all read its input, whose gradient
+    is then summed out of place (a part's contribution and the sum, on top of the gradient so
+    far: ``graph_facts.activation_grad_intervals``)."""
+    facts = analysis.facts
+    inputs = [n for n in linear.all_input_nodes if n not in facts.param_of]
+    return max((2 * facts.profile[n].output_bytes for n in inputs if facts.requires_grad[n]),
+               default=0)
+
+
+def search_batch_size(
+    analysis: Analysis, batch_sizes: Sequence[int], *, devices: Devices, memory_limit_bytes: int,
+    optimizer: str, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
+) -> tuple[int, dict[str, str]]:
+    """The per-rank batch size among ``batch_sizes`` and the strategies that maximise predicted
+    samples per second (``b * N / step_time(b)``) within the memory limit."""
+    best: tuple[float, int, dict[str, str]] | None = None
+    for b in sorted(set(batch_sizes)):
+        if not isinstance(b, int) or b < 1:
+            raise InputError(f"batch_sizes must be positive ints, got {b!r}")
+        try:
+            strategies = search_strategies(analysis, devices=devices, optimizer=optimizer,
+                                           memory_limit_bytes=memory_limit_bytes, batch_size=b,
+                                           prefetch=prefetch, grad_accumulation=grad_accumulation)
+        except PlanError:
+            continue
+        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, strategies),
+                                    analysis.facts, devices=devices, optimizer=optimizer,
+                                    profiled_batch=analysis.batch_size)
+        samples_per_s = b * devices.world_size / float(step.step_time_expr.subs(BATCH, b))
+        log.info("batch %d: %.1f samples/s predicted", b, samples_per_s)
+        if best is None or samples_per_s > best[0]:
+            best = (samples_per_s, b, strategies)
+    if best is None:
+        raise PlanError(
+            f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank at any "
+            f"of the batch sizes {sorted(set(batch_sizes))}: try smaller batch sizes, more "
+            "ranks or a larger limit")
+    return best[1], best[2]
+
+
+def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
+                     batch_size: int | None, grad_accumulation: int = 1,
+                     schedule: Schedule = Schedule(),
+                     regions: Mapping[str, list[RegionCost]] | None = None) -> tuple[int, int]:
+    """(peak of the most sharded plan, every region in ``regions`` fully recomputed; the
+    search's base memory): that peak minus what the search itself accounts for (persistent and
+    largest transient bytes), i.e. activations outside the regions."""
+    lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
+              for n, p in analysis.captured.params.items()}
+    full = {r: opts[-1] for r, opts in (regions or {}).items()}
+    peak = predict_step_memory(
+        analysis.captured.gm, param_states(analysis, lowest), world_size=devices.world_size,
+        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+        profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
+        seq_scale=analysis.seq_scale(),
+        grad_accumulation=grad_accumulation, recompute={r: o.policy for r, o in full.items()},
+        **schedule_memory_kwargs(schedule)).peak_bytes
+    regathered = regathered_params(analysis.facts)
+    costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
+                        devices=devices, optimizer=optimizer,
+                        grad_accumulation=grad_accumulation) for n, st in lowest.items()]
+    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
+    transient = max([c.transient_bytes for c in costs]
+                    + [int(o.recomputed_bytes * scale) for o in full.values()], default=0)
+    return peak, max(0, peak - sum(c.persistent_bytes for c in costs) - transient
+                     - sum(int(o.kept_bytes * scale) for o in full.values()))
+
+
+def searched_strategies(devices: Devices) -> list[str]:
+    """Strategies the search offers a trainable group: hybrid_shard and hierarchical only on
+    several nodes (on one node they equal full_shard)."""
+    if devices.num_nodes > 1:
+        return list(STRATEGIES)
+    return [s for s in STRATEGIES if s not in MESH_STRATEGIES]
+
+
+def search_strategies(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    batch_size: int | None = None, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
+    schedule: Schedule | None = None,
+) -> dict[str, str]:
+    """The per-group strategies with the least predicted step time whose predicted peak memory
+    (timeline, at ``batch_size``, default the profiled one; of steps of ``grad_accumulation``
+    micro-batches; under ``schedule``, default the default one with ``prefetch``) fits
+    ``memory_limit_bytes``, recomputing nothing. Raises PlanError when none does."""
+    return _search(analysis, {}, devices=devices, memory_limit_bytes=memory_limit_bytes,
+                   optimizer=optimizer, batch_size=batch_size, grad_accumulation=grad_accumulation,
+                   schedule=schedule or Schedule(prefetch))[0]
+
+
+Found = tuple[dict[str, str], dict[str, str]]
+"""A searched plan: (strategy per parameter group, policy per recomputed region)."""
+
+
+def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | None = None,
+                **kw: Any) -> Found:
+    """(strategies, recomputed regions) with the least predicted step time that fit
+    (``kw``: those of :func:`_search`): the joint search, which also chooses per region to
+    save, recompute selectively or recompute fully (``docs/recomputation.md``), is taken when
+    it is predicted faster or when nothing fits without it. ``regions``: the regions' options
+    (``region_costs``; computed when not given)."""
+    if regions is None:
+        regions = region_costs(analysis.facts, kw["devices"])
+    try:
+        alone = _search(analysis, {}, **kw)
+    except PlanError:
+        if not regions:
+            raise
+        return _search(analysis, regions, **kw)
+    try:
+        joint = _search(analysis, regions, **kw) if regions else alone
+    except PlanError:
+        return alone
+
+    def time_s(found: Found) -> float:
+        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
+                                    analysis.facts, devices=kw["devices"],
+                                    optimizer=kw["optimizer"], profiled_batch=analysis.batch_size,
+                                    recompute=found[1], schedule=kw.get("schedule", Schedule()))
+        return float(step.step_time_expr.subs(BATCH, kw.get("batch_size") or analysis.plan_batch))
+
+    return joint if joint[1] and time_s(joint) < time_s(alone) else alone
+
+
+def _search(
+    analysis: Analysis, regions: Mapping[str, list[RegionCost]], *, devices: Devices,
+    memory_limit_bytes: int, optimizer: str, batch_size: int | None = None,
+    grad_accumulation: int = 1, schedule: Schedule = Schedule(),
+) -> Found:
+    """One exact search over the parameter groups' strategies and, as more rows of the same
+    problem, the ``regions``' policies (time: the recomputed forward; persistent: what the
+    region keeps to backward; transient: what its recomputation re-creates), under
+    ``schedule`` (its memory charged)."""
+    names = list(analysis.captured.params)
+    trainable = {n: analysis.captured.params[n].trainable for n in names}
+    sharding_helps = devices.world_size > 1
+    options = {n: searched_strategies(devices) if trainable[n] and sharding_helps else [REPLICATE]
+               for n in names}
+    regathered = regathered_params(analysis.facts)
+    table = {
+        n: [group_cost(param_state(analysis, n, s), regathered=n in regathered, compute_s=0.0,
+                       devices=devices, optimizer=optimizer, grad_accumulation=grad_accumulation,
+                       reduce_bucket_bytes=schedule.reduce_bucket_bytes)
+            for s in options[n]]
+        for n in names
+    }
+    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
+    rows = [([c.comm_s + c.optim_s for c in table[n]], [c.persistent_bytes for c in table[n]],
+             [c.transient_bytes for c in table[n]]) for n in names]
+    rows += [([o.recompute_s * scale for o in opts], [int(o.kept_bytes * scale) for o in opts],
+              [int(o.recomputed_bytes * scale) for o in opts]) for opts in regions.values()]
+    lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
+                                         batch_size=batch_size, schedule=schedule,
+                                         grad_accumulation=grad_accumulation, regions=regions)
+    target = plannable_bytes(memory_limit_bytes)
+    limit = target
+    for _ in range(_MAX_TIGHTENINGS):
+        try:
+            result = solve_min_time([r[0] for r in rows], [r[1] for r in rows],
+                                    [r[2] for r in rows], limit_bytes=limit, base_bytes=base,
+                                    names=[*names, *regions])
+        except PlanError:  # rounding, near the most sharded plan's peak: see below
+            break
+        strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
+        recompute = {r: opts[j].policy for (r, opts), j in
+                     zip(regions.items(), result.choices[len(names):]) if j}
+        peak = predict_step_memory(
+            analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
+            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+            profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
+            seq_scale=analysis.seq_scale(),
+            grad_accumulation=grad_accumulation, recompute=recompute,
+            **schedule_memory_kwargs(schedule)).peak_bytes
+        if peak <= target:
+            counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
+            log.info("search: %s, %d regions recomputed, predicted peak %s of %s", counts,
+                     len(recompute), format_bytes(peak), format_bytes(memory_limit_bytes))
+            return strategies, recompute
+        limit -= peak - target
+        if limit <= base:
+            break
+    if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
+        return ({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE for n in names},
+                {r: opts[-1].policy for r, opts in regions.items()})
+    raise PlanError(
+        f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank (the "
+        f"search plans for {format_bytes(target)}, keeping {MEMORY_MARGIN:.0%} for what the "
+        f"memory model does not predict): even with every parameter group sharded (full_shard)"
+        f"{' and every region recomputed' if regions else ''} a step needs "
+        f"{format_bytes(lowest_peak)} ({format_bytes(lowest_peak - base)} "
+        f"parameters, gradients and optimizer state, the rest activations). Raise the memory "
+        f"limit, use more ranks, or use a smaller batch"
+    )
+
+
+def search_schedules(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    prefetch: int | None = None, grad_accumulation: int = 1, alternatives: bool = False,
+) -> list[tuple[float, Schedule, Found]]:
+    """:func:`search_plan` under each ``candidate_schedules(prefetch)`` (``alternatives``:
+    also at 90 and 80 % of the limit): plans that fit, fastest first (``rank_schedules``)."""
+    shares = (1.0, 0.9, 0.8) if alternatives else (1.0,)
+    options = [(sch, int(memory_limit_bytes * f)) for f in shares
+               for sch in candidate_schedules(prefetch)]
+    search = functools.partial(search_plan, analysis, region_costs(analysis.facts, devices),
+                               devices=devices, optimizer=optimizer,
+                               grad_accumulation=grad_accumulation)
+
+    def score(schedule: Schedule, found: Found) -> tuple[float, Any]:
+        states = param_states(analysis, found[0])
+        step, _ = predict_step_time(analysis.captured.gm, states, analysis.facts,
+                                    devices=devices, optimizer=optimizer,
+                                    profiled_batch=analysis.batch_size, schedule=schedule,
+                                    recompute=found[1])
+        return step.step_s, (collectives_key(analysis.facts, states, schedule,
+                                             devices.world_size), tuple(sorted(found[1].items())))
+
+    return rank_schedules(search, score, options)

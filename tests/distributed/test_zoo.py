@@ -1,0 +1,31 @@
+"""Hugging Face architectures compiled unwrapped, called with their natural keyword inputs
+(input_ids, a right-padded attention_mask, labels: the model computes its loss), train three
+steps of different shapes at world 2 under full_shard and under a searched plan (a limit 20 %
+above full_shard's peak: a mix of strategies) like one process (1e-5 in the loss, 1e-4 in the
+parameters), and return their own output class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import zoo_cases
+
+
+@pytest.mark.parametrize("arch", zoo_cases.ARCHITECTURES)
+def test_architecture_trains_unwrapped_like_one_process(worlds, arch):
+    results = worlds(2).run(zoo_cases.zoo_train, arch=arch, timeout_s=600)
+    ref = results[0]["reference"]
+    for plan in ("full_shard", "searched"):
+        mean_losses = torch.tensor([r[plan]["losses"] for r in results]).mean(0)
+        torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), atol=1e-5, rtol=0,
+                                   msg=plan)
+        for rank_result in results:
+            assert rank_result[plan]["output"] == ref["output"]
+            state = rank_result[plan]["state"]
+            assert list(state) == list(ref["state"])
+            for key, expected in ref["state"].items():
+                torch.testing.assert_close(state[key], expected, atol=1e-4, rtol=0,
+                                           msg=f"{plan}: {key}")
+    assert results[0]["full_shard"]["strategies"] == ["full_shard"]
+    assert len(results[0]["searched"]["strategies"]) > 1, "the search should mix strategies"

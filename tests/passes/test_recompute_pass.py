@@ -1,0 +1,63 @@
+"""The recompute pass: regions become call_module nodes whose bodies hold their operators, the
+graph computes the same values and gradients, and an unknown region is a PlanError."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from osdp_fx.capture import capture
+from osdp_fx.errors import PlanError
+from osdp_fx.examples import GPTWithLoss, TinyGPT
+from osdp_fx.meta import NodeRole, osdp_meta
+from osdp_fx.passes.recompute import recompute_regions_pass
+from osdp_fx.regions import find_regions, kept_by_selective
+
+
+def _captured():
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=3, heads=4, max_seq=16))
+    x = torch.randint(0, 64, (2, 16))
+    return capture(model, (x,)), x
+
+
+def test_regions_are_the_blocks_and_selective_keeps_matmuls():
+    captured, _ = _captured()
+    regions = find_regions(captured.gm.graph)
+    assert list(regions) == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    ops = regions["model.blocks.1"]
+    assert not any(osdp_meta(n).role == NodeRole.PARAM for n in ops)
+    kept = [n.name for n in ops if kept_by_selective(n)]
+    assert len(kept) == 5  # qkv, attention, proj, fc, out
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_pass_wraps_regions_and_keeps_values(policy):
+    captured, x = _captured()
+    gm = captured.gm
+    reference = copy.deepcopy(gm)
+    before = len(gm.graph.nodes)
+    recompute_regions_pass(gm, policies={"model.blocks.0": policy, "model.blocks.2": policy,
+                                         "model.blocks.1": "save"})
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [n.target for n in calls] == ["recompute_model_blocks_0", "recompute_model_blocks_2"]
+    assert all(osdp_meta(n).role == NodeRole.RECOMPUTE for n in calls)
+    assert len(gm.graph.nodes) < before
+    # every parameter is still read in the outer graph and passed in
+    assert all(any(a.op == "get_attr" for a in n.args) for n in calls)
+    loss, ref = gm(x), reference(x)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    loss.backward()
+    ref.backward()
+    for (name, p), q in zip(gm.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-7, msg=name)
+
+
+def test_unknown_region_names_the_regions():
+    captured, _ = _captured()
+    with pytest.raises(PlanError, match="model.blocks.0"):
+        recompute_regions_pass(captured.gm, policies={"blocks.9": "full"})
+    with pytest.raises(PlanError, match="selective"):
+        recompute_regions_pass(captured.gm, policies={"model.blocks.0": "sometimes"})

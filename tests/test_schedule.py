@@ -1,0 +1,149 @@
+"""The schedule (prefetch distance, gather and all-reduce bucket sizes): searched with the plan,
+its memory charged, its overlap credited, recorded in the plan file and honoured by the
+runtime."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from osdp_fx import Devices, compile_osdp
+from osdp_fx.buckets import DEFAULT_BUCKET_BYTES, SMALL_PARAM_BYTES, Schedule, candidate_schedules
+from osdp_fx.capture import capture
+from osdp_fx.cost_models.overlap import exposed_gather_s
+from osdp_fx.errors import PlanError
+from osdp_fx.examples import GPTWithLoss, TinyGPT
+from osdp_fx.planner import analyze, predict, search_schedules
+from osdp_fx.plan_request import build_plan
+from osdp_fx.planner import param_specs
+from osdp_fx.schedule import rank_schedules
+
+
+def test_exposed_gather_time_of_a_two_lane_replay():
+    compute = [1.0, 1.0, 1.0]
+    # at its use: the computation waits for all of each gather
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (1, 1, 0.5), (2, 2, 0.5)]) == 1.5
+    # started one step ahead: the first waits, the others hide under a step of compute
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 1, 0.5), (1, 2, 0.5)]) == 0.5
+    # a gather longer than the compute in between is hidden only in part
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 1, 2.0)]) == 0.5 + 1.0
+    # one link: two gathers started together run one after the other
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 2, 1.5), (0, 2, 1.5)]) == 0.5 + 1.0
+
+
+def _gpt(dim: int = 64):
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=dim, depth=2, heads=4, max_seq=32))
+    x = torch.randint(0, 256, (4, 32))
+    return analyze(capture(model, (x,)), (x,), fake=True)
+
+
+def _predicted(analysis, strategy: str, schedule: Schedule):
+    specs = param_specs(analysis.captured)
+    plan = build_plan({s.name: strategy for s in specs}, specs, world_size=4, schedule=schedule)
+    return predict(analysis, plan, devices=Devices(world_size=4), optimizer="adamw")
+
+
+def test_deeper_prefetch_costs_memory_and_saves_predicted_time():
+    analysis = _gpt()
+    by_depth = [_predicted(analysis, "full_shard", Schedule(d)) for d in (0, 1, 2)]
+    peaks = [p.peak_memory_bytes for p in by_depth]
+    steps = [p.step_time_s for p in by_depth]
+    assert peaks[0] < peaks[1] <= peaks[2], peaks
+    assert steps[0] > steps[1] >= steps[2], steps
+
+
+def test_larger_gather_buckets_share_latency_and_hold_a_larger_flat_buffer():
+    analysis = _gpt(dim=128)  # 256 KiB MLP weights, 64 KiB attention ones
+    small, large = (_predicted(analysis, "full_shard", Schedule(1, g))
+                    for g in (SMALL_PARAM_BYTES, 2**20))
+    assert large.step_time_s < small.step_time_s
+    assert large.peak_memory_bytes != small.peak_memory_bytes
+
+
+def test_smaller_all_reduce_buckets_pay_more_latency():
+    analysis = _gpt()
+    large, small = (_predicted(analysis, "replicate", Schedule(1, SMALL_PARAM_BYTES, r))
+                    for r in (DEFAULT_BUCKET_BYTES, 64 * 1024))
+    assert small.prediction.comm_s > large.prediction.comm_s
+
+
+def test_the_schedule_search_ranks_distinct_plans_that_fit():
+    analysis = _gpt()
+    limit = 2202009
+    found = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
+                             memory_limit_bytes=limit, optimizer="adamw", alternatives=True)
+    times = [t for t, _, _ in found]
+    assert times == sorted(times) and len(found) >= 3
+    plans = [predict(analysis, build_plan(st, param_specs(analysis.captured), world_size=4,
+                                          schedule=sch, recompute=rc),
+                     devices=Devices(world_size=4), optimizer="adamw")
+             for _, sch, (st, rc) in found]
+    assert all(p.peak_memory_bytes <= limit for p in plans)
+    assert len({p.hash() for p in plans}) == len(plans)
+    assert [p.step_time_s for p in plans] == pytest.approx(times)
+    only = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
+                            memory_limit_bytes=limit, optimizer="adamw", prefetch=0)
+    assert {sch.prefetch for _, sch, _ in only} == {0}
+    assert len(candidate_schedules()) == 12 and candidate_schedules()[0] == Schedule()
+
+
+def test_rank_schedules_keeps_the_first_of_equal_plans_and_raises_when_none_fits():
+    options = [(Schedule(d), 10) for d in (1, 0, 2)]
+    ranked = rank_schedules(lambda schedule, memory_limit_bytes: {"w": "replicate"},
+                            lambda sch, st: (1.0, "same"), options)
+    assert [sch for _, sch, _ in ranked] == [Schedule(1)]
+
+    def none_fits(schedule, memory_limit_bytes):
+        raise PlanError(f"nothing fits {schedule.prefetch}")
+    with pytest.raises(PlanError, match="nothing fits 1"):
+        rank_schedules(none_fits, lambda sch, st: (1.0, sch), options)
+
+
+def test_the_schedule_round_trips_through_the_plan_file_and_the_runtime_honours_it(tmp_path):
+    torch.manual_seed(0)  # 256 KiB weights: above the default small-parameter size
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+    inputs = (torch.randn(4, 256),)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                                "params": {}, "gather_bucket_bytes": 2**20}))
+    bucketed = compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
+    assert bucketed.plan.gather_bucket_bytes == 2**20
+    assert "gather buckets 1.0 MiB" in str(bucketed.plan)
+    gm = bucketed.graph_module
+    assert sum("all_gather_params" in str(n.target) for n in gm.graph.nodes) == 1
+    assert not any("all_gather_param " in f"{n.target} " for n in gm.graph.nodes)
+    bucketed.plan.save(tmp_path / "again.json")
+    saved = json.loads((tmp_path / "again.json").read_text())
+    assert saved["gather_bucket_bytes"] == 2**20 and "reduce_bucket_bytes" not in saved
+    again = compile_osdp(copy.deepcopy(model), inputs, plan=str(tmp_path / "again.json"))
+    assert again.plan.hash() == bucketed.plan.hash()
+    default = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard")
+    assert default.plan.schedule == Schedule() and default.plan.hash() != bucketed.plan.hash()
+    torch.testing.assert_close(bucketed(*inputs), default(*inputs), rtol=0, atol=0)
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "replicate",
+                                "params": {}, "reduce_bucket_bytes": 256 * 1024}))
+    replicated = compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
+    assert len(replicated._runtime.grad_sync.reducer.buckets) == 4  # one 256 KiB weight per bucket
+    assert len(compile_osdp(copy.deepcopy(model), inputs,
+                            plan="replicate")._runtime.grad_sync.reducer.buckets) == 1
+
+
+def test_a_limit_the_most_sharded_plan_fits_always_gets_a_plan():
+    """Near the all-full_shard peak the separable search may find nothing (rounding) or give
+    up tightening; the most sharded plan, which fits by the timeline, is returned then."""
+    from osdp_fx.search import MEMORY_MARGIN, _activation_base, search_strategies
+
+    analysis = _gpt()
+    devices = Devices(world_size=4)
+    lowest, _ = _activation_base(analysis, devices=devices, optimizer="adamw",
+                                 batch_size=None, schedule=Schedule(1))
+    for extra in range(1, 6):
+        limit = int(lowest / (1 - MEMORY_MARGIN)) + extra
+        strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
+                                       optimizer="adamw")
+        assert set(strategies.values()) <= {"full_shard", "replicate", "shard_grad_op"}
