@@ -25,6 +25,7 @@ from .cost_models.step import group_cost, predict_step_time, regathered_params
 from .cost_models.timeline import BATCH, predict_step_memory
 from .devices import Devices
 from .errors import InputError, PlanError
+from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
 from .passes.split_linear import SPLIT_FACTORS, linear_sites
 from .plan import DEFAULT_PREFETCH
 from .schedule import collectives_key, rank_schedules, schedule_memory_kwargs
@@ -251,6 +252,14 @@ def _search(
                                          batch_size=batch_size, schedule=schedule,
                                          grad_accumulation=grad_accumulation, regions=regions)
     target = plannable_bytes(memory_limit_bytes)
+    if plan_space([len(r[0]) for r in rows]) <= EXACT_COMBINATIONS:
+        found = exhaustive_search(
+            analysis, options, regions, devices=devices, optimizer=optimizer,
+            batch_size=batch_size or analysis.plan_batch, grad_accumulation=grad_accumulation,
+            schedule=schedule, target_bytes=target)
+        if found is not None:
+            return found
+        raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
     limit = target
     for _ in range(_MAX_TIGHTENINGS):
         try:
@@ -280,7 +289,12 @@ def _search(
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
         return ({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE for n in names},
                 {r: opts[-1].policy for r, opts in regions.items()})
-    raise PlanError(
+    raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
+
+
+def _no_plan_message(memory_limit_bytes: int, target: int, lowest_peak: int, base: int,
+                     regions: Mapping[str, list[RegionCost]]) -> str:
+    return (
         f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank (the "
         f"search plans for {format_bytes(target)}, keeping {MEMORY_MARGIN:.0%} for what the "
         f"memory model does not predict): even with every parameter group sharded (full_shard)"

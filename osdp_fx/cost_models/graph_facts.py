@@ -130,6 +130,18 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     return [[order[i] for i in b] for b in gather_buckets([key(n) for n in order], small_bytes)]
 
 
+def small_gather_key(state: ParamState, world_size: int,
+                     small_bytes: int = SMALL_PARAM_BYTES) -> str | None:
+    """What a sharded parameter's gather must share with a neighbour's to ride in its bucket
+    (:func:`sharded_gather_buckets`: the strategy), or None when it never rides (larger than
+    ``small_bytes`` gathered, or a mesh strategy)."""
+    if traits(state.strategy).needs_mesh:
+        return None
+    nbytes = gathered_param_bytes(state.numel, element_size=state.element_size,
+                                  world_size=world_size)
+    return str(state.strategy) if nbytes <= small_bytes else None
+
+
 def prefetched_regathers(
     regathered: list[fx.Node], savers: Mapping[fx.Node, list[fx.Node]],
     pos: Mapping[fx.Node, int], bwd: Any, prefetch: int,

@@ -62,7 +62,7 @@ def exposed_gather_s(compute_s: Sequence[float],
     return waited
 
 
-def _gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> tuple[float, float]:
+def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> tuple[float, float]:
     """(forward, backward) all-gather seconds of one group (several stages added)."""
     fwd, bwd = collective_stages(
         state.strategy, state.numel, state.element_size, world_size=devices.world_size,
@@ -86,7 +86,7 @@ def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices
              for n in nodes}
     fwd_compute = [t.fwd_s if t else 0.0 for t in (times[n] for n in nodes)]
     bwd_compute = [t.bwd_s if t else 0.0 for t in (times[n] for n in reversed(nodes))]
-    gather = {node: _gather_s(params[name], devices, regathered=name in regathered)
+    gather = {node: gather_s(params[name], devices, regathered=name in regathered)
               for node, name in facts.param_of.items()}
     latency = collective_time_s("all_gather", 0, devices)
     # forward: bucket i starts after the gather of bucket i - d (at its first use)
