@@ -36,11 +36,13 @@ __all__ = ["StorageTracker", "dense_tensors", "held_tensors"]
 
 def dense_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that own real storage behind ``t``: a wrapper subclass's inner tensors; none
-    for meta and fake tensors."""
+    for meta and fake tensors. (torch 2.13's DTensor also names its ``device_mesh`` among its
+    inner attributes: attributes that are not tensors own no storage.)"""
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         names, _ = t.__tensor_flatten__()
-        return [d for n in names for d in dense_tensors(getattr(t, n))]
+        inner = (getattr(t, n) for n in names)
+        return [d for i in inner if isinstance(i, torch.Tensor) for d in dense_tensors(i)]
     if t.device.type == "meta" or getattr(t, "fake_mode", None) is not None:
         return []
     return [t]
