@@ -408,16 +408,25 @@ def make_ddp(cfg: Config, device: torch.device, x: torch.Tensor) -> System:
     return s
 
 
-def make_fsdp2(cfg: Config, world: int, device: torch.device, x: torch.Tensor) -> System:
+def fsdp2_model(cfg: Config, world: int, device: torch.device,
+                wrap_block: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """The GPT under FSDP2: ``fully_shard`` on every transformer block (after ``wrap_block(block)``
+    when given, e.g. activation checkpointing), then on the root, over a 1-D mesh of ``world``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = build_model(cfg, device)
     mesh = init_device_mesh(device.type, (world,))
     for block in model.model.blocks:
+        if wrap_block is not None:
+            wrap_block(block)
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    s = System("FSDP2", "-", model, x, device)
+    return model
+
+
+def make_fsdp2(cfg: Config, world: int, device: torch.device, x: torch.Tensor) -> System:
+    s = System("FSDP2", "-", fsdp2_model(cfg, world, device), x, device)
     peak = s.measure_peak(warmup=max(2, cfg.warmup), osdp=False)
     counter = s.count_comm()
     s.info.update(peak_bytes_per_rank=every_rank(peak, device), comm_bytes=counter.bytes,
