@@ -42,7 +42,7 @@ from .cost_models.communication import all_reduce_time_s, collective_time_s, gro
 from .cost_models.overlap import OVERLAP_EFFICIENCY, gather_s
 from .cost_models.recompute import RegionCost
 from .cost_models.step import attributed_compute_s, group_cost, predict_step_time, regathered_params
-from .cost_models.timeline import predict_step_memory
+from .cost_models.timeline import predict_peak_bytes
 from .devices import Devices
 from .schedule import schedule_memory_kwargs
 from .layout import shard_count
@@ -228,12 +228,12 @@ def exhaustive_search(
             strategies, recompute, seconds, bounds[flat])
         if best is not None and seconds >= best[0]:
             continue
-        peak = predict_step_memory(
+        peak = predict_peak_bytes(
             analysis.captured.gm, states, world_size=devices.world_size,
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
             profiled_batch=analysis.batch_size, batch_size=batch_size,
             seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-            recompute=recompute, **schedule_memory_kwargs(schedule)).peak_bytes
+            recompute=recompute, **schedule_memory_kwargs(schedule))
         if peak <= target_bytes:
             best = (seconds, (strategies, recompute))
     return None if best is None else best[1]

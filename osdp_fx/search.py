@@ -22,7 +22,7 @@ from .analysis import MEMORY_MARGIN, Analysis, param_state, param_states, planna
 from .buckets import Schedule, candidate_schedules
 from .cost_models.recompute import RegionCost, region_costs
 from .cost_models.step import group_cost, predict_step_time, regathered_params
-from .cost_models.timeline import BATCH, predict_step_memory
+from .cost_models.timeline import BATCH, predict_peak_bytes
 from .devices import Devices
 from .errors import InputError, PlanError
 from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
@@ -147,13 +147,13 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
     lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
               for n, p in analysis.captured.params.items()}
     full = {r: opts[-1] for r, opts in (regions or {}).items()}
-    peak = predict_step_memory(
+    peak = predict_peak_bytes(
         analysis.captured.gm, param_states(analysis, lowest), world_size=devices.world_size,
         ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
         profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
         seq_scale=analysis.seq_scale(),
         grad_accumulation=grad_accumulation, recompute={r: o.policy for r, o in full.items()},
-        **schedule_memory_kwargs(schedule)).peak_bytes
+        **schedule_memory_kwargs(schedule))
     regathered = regathered_params(analysis.facts)
     costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                         devices=devices, optimizer=optimizer,
@@ -271,13 +271,13 @@ def _search(
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         recompute = {r: opts[j].policy for (r, opts), j in
                      zip(regions.items(), result.choices[len(names):]) if j}
-        peak = predict_step_memory(
+        peak = predict_peak_bytes(
             analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
             profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
             seq_scale=analysis.seq_scale(),
             grad_accumulation=grad_accumulation, recompute=recompute,
-            **schedule_memory_kwargs(schedule)).peak_bytes
+            **schedule_memory_kwargs(schedule))
         if peak <= target:
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, %d regions recomputed, predicted peak %s of %s", counts,

@@ -197,35 +197,44 @@ class _Timeline:
                     live[c][1] -= fx_
         return points
 
+    def peak(self, base: Mapping[Category, int], micro: str, batch: int, profiled: int) -> int:
+        """The largest live total of :meth:`sweep`'s points at ``batch`` (scaled bytes are
+        profiled at ``profiled``), without keeping the points."""
+        scaled = {c: 0 for c in _CATEGORIES}
+        fixed = sum(base.values())
+        most = None
+        for t in sorted(set(self.allocs) | set(self.frees)):
+            for c, sc, fx_, only in self.allocs.get(t, ()):
+                if only in ("", micro):
+                    scaled[c] += sc
+                    fixed += fx_
+            total = fixed + sum(v * batch // profiled for v in scaled.values())
+            most = total if most is None else max(most, total)
+            for c, sc, fx_, only in self.frees.get(t, ()):
+                if only in ("", micro):
+                    scaled[c] -= sc
+                    fixed -= fx_
+        return fixed if most is None else most
 
-def predict_step_memory(
+
+def _step_timeline(
     gm: fx.GraphModule,
     params: Mapping[str, ParamState],
     *,
     world_size: int,
-    ranks_per_node: int | None = None,
-    optimizer: str = "adamw",
-    profiled_batch: int = 1,
-    batch_size: int | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    prefetch: int = DEFAULT_PREFETCH,
-    reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
-    grad_accumulation: int = 1,
-    recompute: Mapping[str, str] | None = None,
-    gather_bucket_bytes: int = SMALL_PARAM_BYTES,
-    seq_scale: Mapping[str, tuple[float, ...]] | None = None,
-) -> MemoryPrediction:
-    """Predict the peak memory of one training step of ``gm`` under the given strategies.
-
-    ``gm`` is the normalised graph (parameters as ``get_attr`` nodes whose ``osdp_meta.param``
-    names the group), profiled by ``profile_graph_pass`` at ``profiled_batch``; ``params`` maps
-    each parameter group to its size and strategy; ``batch_size`` scales activations;
-    ``ranks_per_node`` (None: one node) sizes hybrid_shard's shards and hierarchical's stages.
-    ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
-    ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
-    the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
-    ``seq_scale``: activations at another sequence length (``shapes.py``).
-    """
+    ranks_per_node: int | None,
+    optimizer: str,
+    bucket_bytes: int,
+    prefetch: int,
+    reduce_scatters_in_flight: int,
+    grad_accumulation: int,
+    recompute: Mapping[str, str] | None,
+    gather_bucket_bytes: int,
+    seq_scale: Mapping[str, tuple[float, ...]] | None,
+) -> tuple[_Timeline, dict[Category, int], tuple[tuple[float, str], ...], list[fx.Node], int]:
+    """The allocations of one step (:func:`predict_step_memory`'s arguments): the timeline, the
+    bytes held throughout by category, the micro-batches as (time shift, which), the nodes and
+    the optimizer step's time point."""
     facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
     if seq_scale:  # every reader of the profile (recompute.py too) sees the scaled bytes
         facts.profile = rescaled(facts.profile, seq_scale)
@@ -415,9 +424,46 @@ def predict_step_memory(
         tl.alive(optim_t, optim_t, 2 * max(local_bytes), Category.OPTIMIZER_TEMPORARIES,
                  scaled=False, only=SYNC)
 
-    batch = batch_size or profiled_batch
     # Accumulating, a no_sync micro-batch comes first on the timeline (shifted before t = 0).
     micros = ((-(optim_t + 1), LOCAL), (0, SYNC)) if acc else ((0, SYNC),)
+    return tl, base, micros, nodes, optim_t
+
+
+def predict_step_memory(
+    gm: fx.GraphModule,
+    params: Mapping[str, ParamState],
+    *,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    optimizer: str = "adamw",
+    profiled_batch: int = 1,
+    batch_size: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    prefetch: int = DEFAULT_PREFETCH,
+    reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
+    grad_accumulation: int = 1,
+    recompute: Mapping[str, str] | None = None,
+    gather_bucket_bytes: int = SMALL_PARAM_BYTES,
+    seq_scale: Mapping[str, tuple[float, ...]] | None = None,
+) -> MemoryPrediction:
+    """Predict the peak memory of one training step of ``gm`` under the given strategies.
+
+    ``gm`` is the normalised graph (parameters as ``get_attr`` nodes whose ``osdp_meta.param``
+    names the group), profiled by ``profile_graph_pass`` at ``profiled_batch``; ``params`` maps
+    each parameter group to its size and strategy; ``batch_size`` scales activations;
+    ``ranks_per_node`` (None: one node) sizes hybrid_shard's shards and hierarchical's stages.
+    ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
+    ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
+    the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
+    ``seq_scale``: activations at another sequence length (``shapes.py``).
+    """
+    tl, base, micros, nodes, optim_t = _step_timeline(
+        gm, params, world_size=world_size, ranks_per_node=ranks_per_node, optimizer=optimizer,
+        bucket_bytes=bucket_bytes, prefetch=prefetch,
+        reduce_scatters_in_flight=reduce_scatters_in_flight,
+        grad_accumulation=grad_accumulation, recompute=recompute,
+        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale)
+    batch = batch_size or profiled_batch
     steady = [(t + shift, by) for shift, micro in micros for t, by in tl.sweep(base, micro)]
     # The first step: the optimizer allocates its state in its first step() (torch.optim's
     # lazy ``_init_group``), after backward, while the gradients are alive.
@@ -453,6 +499,27 @@ def predict_step_memory(
             for t, by in steady),
         lines=tuple(lines),
     )
+
+
+def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState], *,
+                       world_size: int, ranks_per_node: int | None = None,
+                       optimizer: str = "adamw", profiled_batch: int = 1,
+                       batch_size: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       prefetch: int = DEFAULT_PREFETCH,
+                       reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
+                       grad_accumulation: int = 1, recompute: Mapping[str, str] | None = None,
+                       gather_bucket_bytes: int = SMALL_PARAM_BYTES,
+                       seq_scale: Mapping[str, tuple[float, ...]] | None = None) -> int:
+    """``predict_step_memory(...).peak_bytes`` (the same arguments) without the rest of the
+    prediction: what the searches check a candidate plan with."""
+    tl, base, micros, _, _ = _step_timeline(
+        gm, params, world_size=world_size, ranks_per_node=ranks_per_node, optimizer=optimizer,
+        bucket_bytes=bucket_bytes, prefetch=prefetch,
+        reduce_scatters_in_flight=reduce_scatters_in_flight,
+        grad_accumulation=grad_accumulation, recompute=recompute,
+        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale)
+    batch = batch_size or profiled_batch
+    return max(tl.peak(base, micro, batch, profiled_batch) for _, micro in micros)
 
 
 def _replicated_buckets(tl: _Timeline, params: Mapping[str, ParamState],

@@ -34,3 +34,29 @@ def test_sweep_reads_the_peak_after_allocations_and_before_frees():
     assert by_category[Category.GRADIENTS] == (0, 30)
     assert by_category[Category.ACTIVATIONS] == (100, 0)
     assert by_category[Category.PARAMETERS] == (0, 7)
+
+
+def test_the_searches_peak_equals_the_full_prediction():
+    """``predict_peak_bytes`` (what the searches check plans with) gives the full prediction's
+    peak: every strategy, recomputation, accumulation, another batch, prefetch and buckets."""
+    import torch
+
+    from osdp_fx.analysis import analyze, param_states
+    from osdp_fx.capture import capture
+    from osdp_fx.cost_models.timeline import predict_peak_bytes, predict_step_memory
+    from osdp_fx.examples import GPTWithLoss, TinyGPT
+
+    torch.manual_seed(0)
+    net = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=2, heads=2, max_seq=16))
+    x = torch.randint(0, 64, (2, 16))
+    analysis = analyze(capture(net, (x,)), (x,), fake=True)
+    names = list(analysis.captured.params)
+    mixed = {n: ("replicate", "shard_grad_op", "full_shard")[i % 3] for i, n in enumerate(names)}
+    for strategies in (mixed, {n: "full_shard" for n in names}, {n: "replicate" for n in names}):
+        for kw in ({}, {"recompute": {"model.blocks.0": "full", "model.blocks.1": "selective"}},
+                   {"grad_accumulation": 3, "batch_size": 5}, {"prefetch": 2, "bucket_bytes": 4096,
+                                                               "gather_bucket_bytes": 1 << 20}):
+            args = dict(world_size=2, optimizer="adamw", profiled_batch=2, **kw)
+            states = param_states(analysis, strategies)
+            full = predict_step_memory(analysis.captured.gm, states, **args).peak_bytes
+            assert predict_peak_bytes(analysis.captured.gm, states, **args) == full, kw
