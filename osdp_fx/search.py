@@ -21,7 +21,7 @@ from torch import fx
 from .analysis import MEMORY_MARGIN, Analysis, param_state, param_states, plannable_bytes
 from .buckets import Schedule, candidate_schedules
 from .cost_models.recompute import RegionCost, region_costs
-from .cost_models.step import group_cost, predict_step_time, regathered_params
+from .cost_models.step import GroupCost, group_cost, predict_step_time, regathered_params
 from .cost_models.timeline import BATCH, predict_peak_bytes
 from .devices import Devices
 from .errors import InputError, PlanError
@@ -225,24 +225,30 @@ def _search(
     analysis: Analysis, regions: Mapping[str, list[RegionCost]], *, devices: Devices,
     memory_limit_bytes: int, optimizer: str, batch_size: int | None = None,
     grad_accumulation: int = 1, schedule: Schedule = Schedule(),
+    cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None,
 ) -> Found:
     """One exact search over the parameter groups' strategies and, as more rows of the same
     problem, the ``regions``' policies (time: the recomputed forward; persistent: what the
     region keeps to backward; transient: what its recomputation re-creates), under
-    ``schedule`` (its memory charged)."""
+    ``schedule`` (its memory charged). ``cost_tables``: the groups' costs by all-reduce bucket
+    size, filled and reused across the searches of one ``search_schedules``."""
     names = list(analysis.captured.params)
     trainable = {n: analysis.captured.params[n].trainable for n in names}
     sharding_helps = devices.world_size > 1
     options = {n: searched_strategies(devices) if trainable[n] and sharding_helps else [REPLICATE]
                for n in names}
     regathered = regathered_params(analysis.facts)
-    table = {
-        n: [group_cost(param_state(analysis, n, s), regathered=n in regathered, compute_s=0.0,
-                       devices=devices, optimizer=optimizer, grad_accumulation=grad_accumulation,
-                       reduce_bucket_bytes=schedule.reduce_bucket_bytes)
-            for s in options[n]]
-        for n in names
-    }
+    cost_tables = {} if cost_tables is None else cost_tables
+    table = cost_tables.get(schedule.reduce_bucket_bytes)
+    if table is None:
+        table = cost_tables[schedule.reduce_bucket_bytes] = {
+            n: [group_cost(param_state(analysis, n, s), regathered=n in regathered,
+                           compute_s=0.0, devices=devices, optimizer=optimizer,
+                           grad_accumulation=grad_accumulation,
+                           reduce_bucket_bytes=schedule.reduce_bucket_bytes)
+                for s in options[n]]
+            for n in names
+        }
     scale = (batch_size or analysis.plan_batch) / analysis.batch_size
     rows = [([c.comm_s + c.optim_s for c in table[n]], [c.persistent_bytes for c in table[n]],
              [c.transient_bytes for c in table[n]]) for n in names]
@@ -316,7 +322,7 @@ def search_schedules(
                for sch in candidate_schedules(prefetch)]
     search = functools.partial(search_plan, analysis, region_costs(analysis.facts, devices),
                                devices=devices, optimizer=optimizer,
-                               grad_accumulation=grad_accumulation)
+                               grad_accumulation=grad_accumulation, cost_tables={})
 
     def score(schedule: Schedule, found: Found) -> tuple[float, Any]:
         states = param_states(analysis, found[0])
