@@ -17,10 +17,9 @@ depth 4, 4 heads, sequence 256, per-rank batch 4), trained with AdamW:
 - osdp-fx searched sharding-only and searched jointly at B, ``--b-fraction`` (0.5) of the way
   from the measured all-``full_shard`` peak to the measured all-``replicate`` peak.
 
-The sharding-only search is ``compile_osdp``'s own search (splits, schedules, the rank-0
-agreement) with no region offered for recomputation: ``osdp_fx.search.search_plan`` takes the
-joint plan only over the sharding-only one, and with no regions it is the sharding-only one
-(:func:`no_recomputation_offered`; the plan it returns is checked to recompute nothing).
+The sharding-only search is ``compile_osdp(..., recompute=False)``: the same search (splits,
+schedules, the rank-0 agreement) with no region offered for recomputation (the plan it returns
+is checked to recompute nothing).
 Every osdp-fx system compiles with one ``Devices.detect()`` measured at the start.
 
 Peak memory: every system's first ``--peak-steps`` steps (forward, backward, AdamW step, from
@@ -59,7 +58,6 @@ last, one JSON line with the checks; writes ``recompute-world{N}.md`` and ``.jso
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -69,10 +67,9 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,7 +79,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-import osdp_fx.search as osdp_search  # noqa: E402
 from compare import (  # noqa: E402
     Config,
     System,
@@ -136,15 +132,6 @@ def checkpoint_forward(block: torch.nn.Module) -> None:
     the block's inputs and re-runs the forward in backward."""
     forward = block.forward
     block.forward = functools.partial(checkpoint, forward, use_reentrant=False)
-
-
-@contextlib.contextmanager
-def no_recomputation_offered() -> Iterator[None]:
-    """``compile_osdp``'s search with no region offered for recomputation: the sharding-only
-    search (``search_plan`` with no regions). Raises AttributeError if the search no longer
-    reads ``region_costs``."""
-    with mock.patch.object(osdp_search, "region_costs", lambda *args, **kwargs: {}):
-        yield
 
 
 def recompute_plan_files(cfg: Config, directory: Path) -> dict[str, str]:
@@ -263,15 +250,13 @@ class World:
              sharding_only: bool = False) -> Callable[[torch.Tensor], tuple[torch.nn.Module, dict]]:
         def make(x: torch.Tensor) -> tuple[torch.nn.Module, dict]:
             model = build_model(self.cfg, self.device)
-            with no_recomputation_offered() if sharding_only else contextlib.nullcontext():
-                compiled = compile_osdp(model, (x,), self.devices, plan=plan, memory_limit=limit,
-                                        optimizer="adamw")
+            compiled = compile_osdp(model, (x,), self.devices, plan=plan, memory_limit=limit,
+                                    optimizer="adamw", recompute=not sharding_only)
             del model
             p = compiled.plan
             recompute = dict(p.recompute)
             if sharding_only and recompute:
-                raise RuntimeError(f"the sharding-only search recomputes {recompute}: "
-                                   "no_recomputation_offered() no longer takes effect")
+                raise RuntimeError(f"the sharding-only search recomputes {recompute}")
             pr = p.prediction
             assert pr is not None and pr.first_step_peak_bytes is not None
             steady = self.opts.peak_steps - 1

@@ -59,6 +59,7 @@ def compile_osdp(
     optimizer: str = "adamw",
     batch_sizes: Sequence[int] | None = None,
     split: bool = True,
+    recompute: bool = True,
     prefetch: int | None = None,
     mixed_precision: MixedPrecision | str | torch.dtype | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
@@ -98,6 +99,9 @@ def compile_osdp(
             ``compiled.plan.prediction.batch_size`` says which batch size to feed.
         split: whether the search may split large linear operators into sub-linears
             (``docs/splitting.md``); a plan that names splits is applied either way.
+        recompute: whether the search may recompute activations of repeated blocks in backward
+            (``docs/recomputation.md``); a plan that names recomputed regions is applied
+            either way. False: the search chooses strategies and schedule alone.
         prefetch: how many sharded parameters ahead each all-gather starts, in forward and in
             backward, to overlap it with computation (0: gather each when needed; each more
             holds one more gathered parameter). Default: the plan's, else 1.
@@ -166,7 +170,8 @@ def compile_osdp(
                         times):
         resolved, analysis = make_plan(captured, inputs, plan=request, devices=devices,
                                        memory_limit_bytes=limit, optimizer=optimizer,
-                                       batch_sizes=batch_sizes, split=split, agree=_from_rank0,
+                                       batch_sizes=batch_sizes, split=split,
+                                       recompute=recompute, agree=_from_rank0,
                                        prefetch=prefetch, precision=precision,
                                        grad_accumulation=grad_accumulation,
                                        candidates=autotune or 1, max_shape=shape)

@@ -158,6 +158,7 @@ def plan_command(args: argparse.Namespace) -> int:
         plan, analysis = make_plan(captured, inputs, plan=None, devices=devices,
                                    memory_limit_bytes=limit, optimizer=args.optimizer,
                                    fake=fake, batch_sizes=batch_sizes,
+                                   recompute=not args.no_recompute,
                                    precision=resolve_mixed_precision(args.mixed_precision))
     batch = plan.prediction.batch_size
     print(_describe_devices(devices, args.devices, fake or any(
@@ -410,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="candidate per-rank batch sizes searched jointly, e.g. 1,2,4,8")
     p_plan.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"],
                         help="gather and compute in bf16 or fp16 (fp32 shards and reduction)")
+    p_plan.add_argument("--no-recompute", action="store_true",
+                        help="search strategies and schedule only, recomputing no activations")
     p_plan.add_argument("--threads", type=int, default=1,
                         help="CPU threads for profiling on this machine (default 1)")
     p_plan.add_argument("--full", action="store_true",

@@ -67,6 +67,7 @@ def make_plan(
     fake: bool = False,
     batch_sizes: Sequence[int] | None = None,
     split: bool = True,
+    recompute: bool = True,
     agree: Callable[[Any], Any] = lambda choice: choice,
     prefetch: int | None = None,
     precision: MixedPrecision | None = None,
@@ -82,7 +83,8 @@ def make_plan(
     ``agree`` makes every rank use the same searched choice (compile_osdp passes a broadcast
     from rank 0). The captured graph is split in place. ``grad_accumulation`` k > 1: memory is
     predicted and planned for steps of k micro-batches, all but the last inside ``no_sync()``.
-    The search chooses the schedule (``search_schedules``); ``candidates`` > 1: see Analysis.
+    The search chooses the schedule (``search_schedules``) and, unless ``recompute`` is False,
+    which regions to recompute; ``candidates`` > 1: see Analysis.
     ``max_shape`` (batch, sequence length): plan and predict for that per-rank shape instead of
     the example's (``io_spec.py``, [Note: input shapes]).
     """
@@ -125,7 +127,7 @@ def make_plan(
         else:
             found = agree(search_schedules(analysis, devices=devices, memory_limit_bytes=limit,
                                            optimizer=optimizer, prefetch=prefetch,
-                                           grad_accumulation=acc,
+                                           grad_accumulation=acc, recompute=recompute,
                                            alternatives=candidates > 1))
             (_, schedule, (strategies, recompute)), alternatives = (found[0],
                                                                     found[1:candidates])

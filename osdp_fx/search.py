@@ -314,13 +314,16 @@ def _no_plan_message(memory_limit_bytes: int, target: int, lowest_peak: int, bas
 def search_schedules(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
     prefetch: int | None = None, grad_accumulation: int = 1, alternatives: bool = False,
+    recompute: bool = True,
 ) -> list[tuple[float, Schedule, Found]]:
     """:func:`search_plan` under each ``candidate_schedules(prefetch)`` (``alternatives``:
-    also at 90 and 80 % of the limit): plans that fit, fastest first (``rank_schedules``)."""
+    also at 90 and 80 % of the limit): plans that fit, fastest first (``rank_schedules``).
+    ``recompute`` False: no region is offered for recomputation."""
     shares = (1.0, 0.9, 0.8) if alternatives else (1.0,)
     options = [(sch, int(memory_limit_bytes * f)) for f in shares
                for sch in candidate_schedules(prefetch)]
-    search = functools.partial(search_plan, analysis, region_costs(analysis.facts, devices),
+    regions = region_costs(analysis.facts, devices) if recompute else {}
+    search = functools.partial(search_plan, analysis, regions,
                                devices=devices, optimizer=optimizer,
                                grad_accumulation=grad_accumulation, cost_tables={})
 

@@ -147,3 +147,28 @@ def test_a_limit_the_most_sharded_plan_fits_always_gets_a_plan():
         strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
                                        optimizer="adamw")
         assert set(strategies.values()) <= {"full_shard", "replicate", "shard_grad_op"}
+
+
+def test_recompute_false_searches_without_recomputation():
+    """At a limit only recomputation meets, the search recomputes; with ``recompute=False``
+    (``compile_osdp(recompute=False)``, ``plan --no-recompute``) it finds nothing."""
+    from osdp_fx.analysis import param_states
+    from osdp_fx.cost_models.timeline import predict_peak_bytes
+    from osdp_fx.regions import find_regions
+
+    analysis = _gpt()
+    every = {n: "full_shard" for n in analysis.captured.params}
+    regions = find_regions(analysis.captured.gm.graph)
+
+    def peak(recompute):
+        return predict_peak_bytes(analysis.captured.gm, param_states(analysis, every),
+                                  world_size=4, profiled_batch=analysis.batch_size,
+                                  recompute=recompute)
+
+    limit = int((peak({}) + peak({r: "full" for r in regions})) / 2 / 0.97)
+    kw = dict(devices=Devices(world_size=4, memory_bytes=limit), memory_limit_bytes=limit,
+              optimizer="adamw")
+    (_, _, (_, recompute)), *_ = search_schedules(analysis, **kw)
+    assert recompute
+    with pytest.raises(PlanError):
+        search_schedules(analysis, recompute=False, **kw)
