@@ -59,6 +59,8 @@ class Analysis:
     memory is not modelled in the sequence length."""
     max_shape: tuple[int, int | None] | None = None
     """The largest per-rank (batch, sequence length) to plan for; None: the profiled one."""
+    _seq_scales: dict[int | None, dict[str, tuple[float, ...]] | None] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def plan_batch(self) -> int:
@@ -72,8 +74,12 @@ class Analysis:
 
     def seq_scale(self, seq: int | None = None) -> dict[str, tuple[float, ...]] | None:
         """How each node's activation bytes scale at ``seq`` (default: the plan's sequence
-        length) from the profiled one (``cost_models.shapes.node_factors``)."""
-        return node_factors(self.seq_numels, self.seq_len, seq or self.plan_seq)
+        length) from the profiled one (``cost_models.shapes.node_factors``); computed once per
+        sequence length (the searches ask for it for every candidate plan)."""
+        seq = seq or self.plan_seq
+        if seq not in self._seq_scales:
+            self._seq_scales[seq] = node_factors(self.seq_numels, self.seq_len, seq)
+        return self._seq_scales[seq]
 
 
 def check_grad_accumulation(grad_accumulation: Any) -> None:
