@@ -69,6 +69,14 @@ class Devices:
     differs from ``compute_flops_per_s`` (tensor cores); the roofline uses :meth:`flops_per_s`."""
     source: str = ""
     """Where the figures come from: "preset:<name>", "detected", or "" (defaults, by hand)."""
+    reduce_scatter_copies_input: bool | None = None
+    """Whether a reduce-scatter holds a second buffer the size of its whole input: gloo's does
+    (it reduces a copy of the input and keeps this rank's chunk of it), NCCL's does not. The
+    memory timeline charges the copy when the reduce-scatter is waited for, where a storage
+    tracker sees it (the copy passes through an operator then); glibc's allocator shows it
+    allocated from the start (a 4 MiB reduce-scatter on CPU: 4 MiB more in use while in flight),
+    which the prediction leaves out. None: as the backend of the process group ``compile_osdp``
+    plans in (gloo: yes), and no when planning without one (``python -m osdp_fx plan``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -198,14 +206,25 @@ LINK_SCOPES = ("intra_node", "inter_node")
 def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
                 detect: bool, ranks_per_node: int | None = None) -> Devices:
     """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
-    the defaults; its world size set to ``world_size``, its memory limit filled in, and its
-    ranks per node set to ``ranks_per_node`` when given."""
+    the defaults; its world size set to ``world_size``, its memory limit filled in, its
+    ranks per node set to ``ranks_per_node`` when given, and whether reduce-scatters copy their
+    input resolved from the process group's backend when not given."""
     if devices is None:
         devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
                    else Devices())
     memory = memory_limit_bytes or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
+    copies = devices.reduce_scatter_copies_input
     return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
-                               ranks_per_node=ranks_per_node or devices.ranks_per_node)
+                               ranks_per_node=ranks_per_node or devices.ranks_per_node,
+                               reduce_scatter_copies_input=_backend_copies_input()
+                               if copies is None else copies)
+
+
+def _backend_copies_input() -> bool:
+    """Whether the default process group's reduce-scatter copies its input (gloo's does)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 _detected_devices: dict[tuple[int, int, int | None], Devices] = {}
