@@ -6,6 +6,9 @@ and the plans a user could write by hand:
 - the uniform ones (replicate, shard_grad_op, full_shard);
 - "shard the k largest parameter groups, replicate the rest" with full_shard or shard_grad_op,
   for k = 1, 2, 4, 8, 12, 16, 24 (when the model has that many groups);
+- FSDP with activation checkpointing: full_shard or shard_grad_op everywhere, and full_shard on
+  the 4, 8, 16 largest, with every block (each indexed submodule: ``blocks.3``, ``layers.3``)
+  recomputed ``full`` or ``selective``;
 - ``--random`` random mixes of the three strategies (seeded).
 
 Each plan's peak memory is measured over a steady-state step with ``storage_tracker.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -61,8 +65,13 @@ DEFAULT_LIMITS = {"gpt": ["200MiB", "160MiB"], "llama": ["70MiB", "60MiB"],
                   "tiny": ["2MiB", "1MiB"]}
 
 
+RECOMPUTE = "<recompute>"
+"""Key of a hand-written plan's recomputed blocks ({region: policy}) beside its strategies."""
+
+
 def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0) -> dict[str, dict]:
-    """Hand-written plans as {label: {parameter name: strategy}} (tied weights once)."""
+    """Hand-written plans as {label: {parameter name: strategy}} (tied weights once), those
+    with recomputed blocks also {RECOMPUTE: {block: policy}}."""
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     largest = sorted(sizes, key=sizes.__getitem__, reverse=True)
     plans = {s: {n: s for n in sizes} for s in STRATEGIES}
@@ -72,16 +81,30 @@ def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0) -> dic
                 chosen = set(largest[:k])
                 plans[f"{strategy} on the {k} largest"] = {
                     n: strategy if n in chosen else "replicate" for n in sizes}
+    # FSDP with activation checkpointing, as its users write it: every block recomputed
+    blocks = [n for n, _ in model.named_modules() if re.search(r"\.\d+$", n)
+              and not re.search(r"\.\d+\.", n)]
+    for policy in ("full", "selective"):
+        for strategy in ("full_shard", "shard_grad_op"):
+            plans[f"{strategy}, every block {policy}"] = {
+                **plans[strategy], RECOMPUTE: {b: policy for b in blocks}}
+        for k in (4, 8, 16):
+            if k < len(sizes):
+                plans[f"full_shard on the {k} largest, every block {policy}"] = {
+                    **plans[f"full_shard on the {k} largest"], RECOMPUTE: {b: policy for b in blocks}}
     rng = random.Random(seed)
     for i in range(n_random):
         plans[f"random mix {i}"] = {n: rng.choice(STRATEGIES) for n in sizes}
     return plans
 
 
-def _plan_file(strategies: dict[str, str], directory: str, label: str, *, write: bool) -> str:
-    path = Path(directory) / (label.replace(" ", "_") + ".json")
+def _plan_file(strategies: dict[str, Any], directory: str, label: str, *, write: bool) -> str:
+    path = Path(directory) / (label.replace(" ", "_").replace(",", "") + ".json")
     if write:
-        path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "params": strategies}))
+        params = {n: s for n, s in strategies.items() if n != RECOMPUTE}
+        recompute = strategies.get(RECOMPUTE)
+        path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "params": params,
+                                    **({"recompute": recompute} if recompute else {})}))
     return str(path)
 
 

@@ -70,13 +70,11 @@ class Devices:
     source: str = ""
     """Where the figures come from: "preset:<name>", "detected", or "" (defaults, by hand)."""
     reduce_scatter_copies_input: bool | None = None
-    """Whether a reduce-scatter holds a second buffer the size of its whole input: gloo's does
-    (it reduces a copy of the input and keeps this rank's chunk of it), NCCL's does not. The
-    memory timeline charges the copy when the reduce-scatter is waited for, where a storage
-    tracker sees it (the copy passes through an operator then); glibc's allocator shows it
-    allocated from the start (a 4 MiB reduce-scatter on CPU: 4 MiB more in use while in flight),
-    which the prediction leaves out. None: as the backend of the process group ``compile_osdp``
-    plans in (gloo: yes), and no when planning without one (``python -m osdp_fx plan``)."""
+    """Whether a reduce-scatter starts by copying a gradient the runtime does not own (one it
+    got from autograd unpadded, in the reduce dtype): on gloo the runtime sums by an in-place
+    all-reduce, of such a gradient's copy ([Note: gloo reduce-scatter]), so both are alive as
+    it starts; on NCCL no copy. None: as the backend of the process group ``compile_osdp`` plans in (gloo: yes), and
+    no when planning without one (``python -m osdp_fx plan``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -221,7 +219,8 @@ def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes:
 
 
 def _backend_copies_input() -> bool:
-    """Whether the default process group's reduce-scatter copies its input (gloo's does)."""
+    """Whether the runtime's reduce-scatters copy their input on the default process group's
+    backend (gloo: [Note: gloo reduce-scatter])."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"

@@ -9,7 +9,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness.world import World  # noqa: E402
+from harness.world import World, freeze_imported_objects  # noqa: E402
+
+freeze_imported_objects()
 
 _worlds: dict[int, World] = {}
 

@@ -38,10 +38,10 @@ elements padded; for hybrid_shard read R for N throughout):
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
   the full gradient P until the backward of the first use in graph order, then the asynchronous
   reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
-  reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward (and,
-  where the backend's reduce-scatter copies its input, gloo's, a second buffer of that size when
-  it is waited for: ``reduce_scatter_copy``, see ``Devices.reduce_scatter_copies_input``); the
-  Pp/N shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
+  reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward (on
+  gloo the runtime copies a gradient it does not own as the reduce-scatter starts, and holds
+  the copy instead: both are alive at the start, ``reduce_scatter_copy``; [Note: gloo
+  reduce-scatter] in ``runtime/collectives.py``); the Pp/N shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
   intra-node stage also holds a Pp / R block until the reduce-scatter completes);
 * gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
   from when its last gradient is ready until the bucket ``reduce_scatters_in_flight`` later
@@ -160,13 +160,13 @@ def _step_timeline(
     gather_at = {n: bucket_alloc[bucket_of[n]] if len(buckets[bucket_of[n]]) == 1
                  else first_use[buckets[bucket_of[n]][0]] for n in sharded}
     # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block,
-    # the backend's copy as it completes)
+    # the copy a gloo reduce-scatter of it needs)
     bucket_grads: dict[int, list[tuple[float, float, int, int, int, int, int]]] = defaultdict(list)
     regather_at = prefetched_regathers(
         [node for node in sharded if traits(params[param_of[node]].strategy).freed_after_forward
          and savers.get(node)], savers, pos, bwd, prefetch)
     # (launch time, since, bytes held from then until it completes, staged block from launch,
-    # the backend's copy when it completes)
+    # gloo's copy at launch)
     scatters: list[tuple[float, float, int, int]] = []
     nodes_in_mesh = world_size // (ranks_per_node or world_size)
     for node, name in param_of.items():
@@ -244,7 +244,8 @@ def _step_timeline(
             bucket_grads[bucket_of[node]].append((
                 grad_start, grad_done, state.numel * state.compute_size, held,
                 padded // chunks, held // ranks_per_node if staged and ranks_per_node else 0,
-                # one reduce-scatter over the world: the backend's copy of its input (gloo's)
+                # on gloo, the runtime's copy of a gradient it does not own (one-stage
+                # reduce-scatters over the world; the mesh strategies' stages are not modelled)
                 held if reduce_scatter_copy and chunks == world_size > 1 and not staged else 0))
     for i, bucket in enumerate(buckets):
         if len(bucket) > 1:  # the flat buffer of the gather, until it is split
@@ -263,7 +264,8 @@ def _step_timeline(
         held, held_block, copy = (sum(g[k] for g in grads) for k in (3, 5, 6))
         if len(grads) == 1 and len(bucket) == 1 and held == grads[0][2]:
             scatters.append((scatter, grads[0][0], held, held_block, copy))
-        else:
+        else:  # a padded, cast or bucketed copy of the runtime's own: reduced in place
+            copy = 0
             for start, _, grad, *_ in grads:
                 tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=SYNC)
             scatters.append((scatter, scatter, held, held_block, copy))
@@ -286,8 +288,8 @@ def _step_timeline(
         if since < launch:  # the gradient itself, handed to the reduce-scatter at its launch
             tl.alive(since, launch - 0.125, held, Category.GRADIENTS, scaled=False, only=SYNC)
         tl.alive(launch, done, held, Category.COMMUNICATION, scaled=False, only=SYNC)
-        # the backend's copy of the input, seen as it completes (gloo's: ``reduce_scatter_copy``)
-        tl.alive(done, done, copy, Category.COMMUNICATION, scaled=False, only=SYNC)
+        # gloo: the copy that is then held, made while the gradient is still alive
+        tl.alive(launch, launch, copy, Category.COMMUNICATION, scaled=False, only=SYNC)
         tl.alive(launch, done, held_block, Category.COMMUNICATION, scaled=False, only=SYNC)
 
     if world_size > 1:
@@ -330,8 +332,8 @@ def predict_step_memory(
     ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
     the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
     ``seq_scale``: activations at another sequence length (``shapes.py``);
-    ``reduce_scatter_copy``: a reduce-scatter in flight holds a copy of its input
-    (``Devices.reduce_scatter_copies_input``).
+    ``reduce_scatter_copy``: a reduce-scatter in flight holds a copy of an input the runtime
+    does not own (``Devices.reduce_scatter_copies_input``).
     """
     tl, base, micros, nodes, optim_t = _step_timeline(
         gm, params, world_size=world_size, ranks_per_node=ranks_per_node, optimizer=optimizer,
