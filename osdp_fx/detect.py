@@ -302,13 +302,9 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     import torch
     import torch.distributed as dist
 
-    from .runtime.collectives import WORLD, reduce_scatter_flat_start, register_group
-
     size = dist.get_world_size(group)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    name = WORLD if group is None else f"detect-{id(group)}"
-    if group is not None:
-        register_group(name, group)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     keys: list[tuple[str, int]] = []
@@ -321,8 +317,8 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
         runs: dict[str, Callable[[], object]] = {
             "all_gather": lambda: all_gather(torch.empty_like(full), shard, group=group,
                                              async_op=True).wait(),
-            # as the runtime reduce-scatters a gradient it does not own
-            "reduce_scatter": lambda: reduce_scatter_flat_start(full, name).wait(),
+            "reduce_scatter": lambda: reduce_scatter(torch.empty_like(shard), full, group=group,
+                                                     async_op=True).wait(),
             "all_reduce": lambda: dist.all_reduce(full, group=group, async_op=True).wait(),
         }
         for collective, run in runs.items():

@@ -69,12 +69,6 @@ class Devices:
     differs from ``compute_flops_per_s`` (tensor cores); the roofline uses :meth:`flops_per_s`."""
     source: str = ""
     """Where the figures come from: "preset:<name>", "detected", or "" (defaults, by hand)."""
-    reduce_scatter_copies_input: bool | None = None
-    """Whether a reduce-scatter starts by copying a gradient the runtime does not own (one it
-    got from autograd unpadded, in the reduce dtype): on gloo the runtime sums by an in-place
-    all-reduce, of such a gradient's copy ([Note: gloo reduce-scatter]), so both are alive as
-    it starts; on NCCL no copy. None: as the backend of the process group ``compile_osdp`` plans in (gloo: yes), and
-    no when planning without one (``python -m osdp_fx plan``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -204,26 +198,14 @@ LINK_SCOPES = ("intra_node", "inter_node")
 def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
                 detect: bool, ranks_per_node: int | None = None) -> Devices:
     """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
-    the defaults; its world size set to ``world_size``, its memory limit filled in, its
-    ranks per node set to ``ranks_per_node`` when given, and whether reduce-scatters copy their
-    input resolved from the process group's backend when not given."""
+    the defaults; its world size set to ``world_size``, its memory limit filled in, and its
+    ranks per node set to ``ranks_per_node`` when given."""
     if devices is None:
         devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
                    else Devices())
     memory = memory_limit_bytes or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
-    copies = devices.reduce_scatter_copies_input
     return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
-                               ranks_per_node=ranks_per_node or devices.ranks_per_node,
-                               reduce_scatter_copies_input=_backend_copies_input()
-                               if copies is None else copies)
-
-
-def _backend_copies_input() -> bool:
-    """Whether the runtime's reduce-scatters copy their input on the default process group's
-    backend (gloo: [Note: gloo reduce-scatter])."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+                               ranks_per_node=ranks_per_node or devices.ranks_per_node)
 
 
 _detected_devices: dict[tuple[int, int, int | None], Devices] = {}

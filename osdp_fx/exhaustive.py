@@ -231,7 +231,6 @@ def exhaustive_search(
         peak = predict_peak_bytes(
             analysis.captured.gm, states, world_size=devices.world_size,
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            reduce_scatter_copy=bool(devices.reduce_scatter_copies_input),
             profiled_batch=analysis.batch_size, batch_size=batch_size,
             seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
             recompute=recompute, **schedule_memory_kwargs(schedule))

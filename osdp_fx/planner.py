@@ -175,7 +175,6 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
         return predict_step_memory(
             analysis.captured.gm, states, world_size=devices.world_size,
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            reduce_scatter_copy=bool(devices.reduce_scatter_copies_input),
             profiled_batch=analysis.batch_size, batch_size=batch,
             grad_accumulation=grad_accumulation, recompute=recompute,
             seq_scale=analysis.seq_scale(seq), **schedule_memory_kwargs(plan.schedule))

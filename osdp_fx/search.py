@@ -150,7 +150,6 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
     peak = predict_peak_bytes(
         analysis.captured.gm, param_states(analysis, lowest), world_size=devices.world_size,
         ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-        reduce_scatter_copy=bool(devices.reduce_scatter_copies_input),
         profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
         seq_scale=analysis.seq_scale(),
         grad_accumulation=grad_accumulation, recompute={r: o.policy for r, o in full.items()},
@@ -281,7 +280,6 @@ def _search(
         peak = predict_peak_bytes(
             analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            reduce_scatter_copy=bool(devices.reduce_scatter_copies_input),
             profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
             seq_scale=analysis.seq_scale(),
             grad_accumulation=grad_accumulation, recompute=recompute,

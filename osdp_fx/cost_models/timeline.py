@@ -38,10 +38,8 @@ elements padded; for hybrid_shard read R for N throughout):
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
   the full gradient P until the backward of the first use in graph order, then the asynchronous
   reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
-  reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward (on
-  gloo the runtime copies a gradient it does not own as the reduce-scatter starts, and holds
-  the copy instead: both are alive at the start, ``reduce_scatter_copy``; [Note: gloo
-  reduce-scatter] in ``runtime/collectives.py``); the Pp/N shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
+  reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward; the Pp/N
+  shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
   intra-node stage also holds a Pp / R block until the reduce-scatter completes);
 * gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
   from when its last gradient is ready until the bucket ``reduce_scatters_in_flight`` later
@@ -97,7 +95,6 @@ def _step_timeline(
     recompute: Mapping[str, str] | None,
     gather_bucket_bytes: int,
     seq_scale: Mapping[str, tuple[float, ...]] | None,
-    reduce_scatter_copy: bool,
 ) -> tuple[Timeline, dict[Category, int], tuple[tuple[float, str], ...], list[fx.Node], int]:
     """The allocations of one step (:func:`predict_step_memory`'s arguments): the timeline, the
     bytes held throughout by category, the micro-batches as (time shift, which), the nodes and
@@ -159,14 +156,12 @@ def _step_timeline(
     # with prefetching a bucket allocates at the first use of the bucket ``prefetch`` before it
     gather_at = {n: bucket_alloc[bucket_of[n]] if len(buckets[bucket_of[n]]) == 1
                  else first_use[buckets[bucket_of[n]][0]] for n in sharded}
-    # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block,
-    # the copy a gloo reduce-scatter of it needs)
-    bucket_grads: dict[int, list[tuple[float, float, int, int, int, int, int]]] = defaultdict(list)
+    # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
+    bucket_grads: dict[int, list[tuple[float, float, int, int, int, int]]] = defaultdict(list)
     regather_at = prefetched_regathers(
         [node for node in sharded if traits(params[param_of[node]].strategy).freed_after_forward
          and savers.get(node)], savers, pos, bwd, prefetch)
-    # (launch time, since, bytes held from then until it completes, staged block from launch,
-    # gloo's copy at launch)
+    # (launch time, since, bytes held from then until it completes, staged block from launch)
     scatters: list[tuple[float, float, int, int]] = []
     nodes_in_mesh = world_size // (ranks_per_node or world_size)
     for node, name in param_of.items():
@@ -243,10 +238,7 @@ def _step_timeline(
             held = padded // state.element_size * state.reduce_size
             bucket_grads[bucket_of[node]].append((
                 grad_start, grad_done, state.numel * state.compute_size, held,
-                padded // chunks, held // ranks_per_node if staged and ranks_per_node else 0,
-                # on gloo, the runtime's copy of a gradient it does not own (one-stage
-                # reduce-scatters over the world; the mesh strategies' stages are not modelled)
-                held if reduce_scatter_copy and chunks == world_size > 1 and not staged else 0))
+                padded // chunks, held // ranks_per_node if staged and ranks_per_node else 0))
     for i, bucket in enumerate(buckets):
         if len(bucket) > 1:  # the flat buffer of the gather, until it is split
             tl.alive(bucket_alloc[i], first_use[bucket[0]],
@@ -261,15 +253,14 @@ def _step_timeline(
         # released what it unpacked (half a step later) and holds the gradient (its padded copy
         # in the reduce dtype; a bucket's flat concatenation) until it completes.
         scatter = max(g[1] for g in grads) + 0.5
-        held, held_block, copy = (sum(g[k] for g in grads) for k in (3, 5, 6))
+        held, held_block = sum(g[3] for g in grads), sum(g[5] for g in grads)
         if len(grads) == 1 and len(bucket) == 1 and held == grads[0][2]:
-            scatters.append((scatter, grads[0][0], held, held_block, copy))
-        else:  # a padded, cast or bucketed copy of the runtime's own: reduced in place
-            copy = 0
+            scatters.append((scatter, grads[0][0], held, held_block))
+        else:
             for start, _, grad, *_ in grads:
                 tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=SYNC)
-            scatters.append((scatter, scatter, held, held_block, copy))
-        for *_, shard, _, _ in grads:
+            scatters.append((scatter, scatter, held, held_block))
+        for *_, shard, _ in grads:
             tl.alive(scatter, optim_t, shard, Category.GRADIENTS, scaled=False, only=SYNC)
         # Accumulating: the synchronised backward adds into the held buffer and reduce-scatters
         # it; a no_sync backward adds its gradients into it (the first allocates it).
@@ -282,14 +273,12 @@ def _step_timeline(
     # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
     # the rest complete at the end of backward.
     scatters.sort()
-    for i, (launch, since, held, held_block, copy) in enumerate(scatters):
+    for i, (launch, since, held, held_block) in enumerate(scatters):
         later = i + reduce_scatters_in_flight
         done = scatters[later][0] if later < len(scatters) else grad_sync
         if since < launch:  # the gradient itself, handed to the reduce-scatter at its launch
             tl.alive(since, launch - 0.125, held, Category.GRADIENTS, scaled=False, only=SYNC)
         tl.alive(launch, done, held, Category.COMMUNICATION, scaled=False, only=SYNC)
-        # gloo: the copy that is then held, made while the gradient is still alive
-        tl.alive(launch, launch, copy, Category.COMMUNICATION, scaled=False, only=SYNC)
         tl.alive(launch, done, held_block, Category.COMMUNICATION, scaled=False, only=SYNC)
 
     if world_size > 1:
@@ -320,7 +309,6 @@ def predict_step_memory(
     recompute: Mapping[str, str] | None = None,
     gather_bucket_bytes: int = SMALL_PARAM_BYTES,
     seq_scale: Mapping[str, tuple[float, ...]] | None = None,
-    reduce_scatter_copy: bool = False,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
@@ -331,17 +319,14 @@ def predict_step_memory(
     ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
     ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
     the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
-    ``seq_scale``: activations at another sequence length (``shapes.py``);
-    ``reduce_scatter_copy``: a reduce-scatter in flight holds a copy of an input the runtime
-    does not own (``Devices.reduce_scatter_copies_input``).
+    ``seq_scale``: activations at another sequence length (``shapes.py``).
     """
     tl, base, micros, nodes, optim_t = _step_timeline(
         gm, params, world_size=world_size, ranks_per_node=ranks_per_node, optimizer=optimizer,
         bucket_bytes=bucket_bytes, prefetch=prefetch,
         reduce_scatters_in_flight=reduce_scatters_in_flight,
         grad_accumulation=grad_accumulation, recompute=recompute,
-        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale,
-        reduce_scatter_copy=reduce_scatter_copy)
+        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale)
     batch = batch_size or profiled_batch
     steady = [(t + shift, by) for shift, micro in micros for t, by in tl.sweep(base, micro)]
     # The first step: the optimizer allocates its state in its first step() (torch.optim's
@@ -388,8 +373,7 @@ def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState], *,
                        reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
                        grad_accumulation: int = 1, recompute: Mapping[str, str] | None = None,
                        gather_bucket_bytes: int = SMALL_PARAM_BYTES,
-                       seq_scale: Mapping[str, tuple[float, ...]] | None = None,
-                       reduce_scatter_copy: bool = False) -> int:
+                       seq_scale: Mapping[str, tuple[float, ...]] | None = None) -> int:
     """``predict_step_memory(...).peak_bytes`` (the same arguments) without the rest of the
     prediction: what the searches check a candidate plan with."""
     tl, base, micros, _, _ = _step_timeline(
@@ -397,7 +381,6 @@ def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState], *,
         bucket_bytes=bucket_bytes, prefetch=prefetch,
         reduce_scatters_in_flight=reduce_scatters_in_flight,
         grad_accumulation=grad_accumulation, recompute=recompute,
-        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale,
-        reduce_scatter_copy=reduce_scatter_copy)
+        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale)
     batch = batch_size or profiled_batch
     return max(tl.peak(base, micro, batch, profiled_batch) for _, micro in micros)

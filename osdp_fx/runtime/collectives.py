@@ -50,19 +50,15 @@ def group_rank(name: str) -> int:
 
 
 class Pending:
-    """A collective in flight: ``wait()`` returns its output once it has completed (after
-    ``then()``, which finishes it, has run)."""
+    """A collective in flight: ``wait()`` returns its output once it has completed."""
 
-    def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None,
-                 then: Any = None) -> None:
-        self._out, self._work, self._keep, self._then = out, work, keep, then
+    def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None) -> None:
+        self._out, self._work, self._keep = out, work, keep
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-            if self._then is not None:
-                self._then()
-            self._work = self._keep = self._then = None  # the input may be freed now
+            self._work = self._keep = None  # the input may be freed now
         return self._out
 
 
@@ -82,39 +78,22 @@ def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
     return all_gather_flat_start(shard, group).wait()
 
 
-def reduce_scatter_flat_start(full: torch.Tensor, group: str, *, owned: bool = False) -> Pending:
+def reduce_scatter_flat_start(full: torch.Tensor, group: str) -> Pending:
     """Start summing ``full`` (flat, divisible by the group size) over ranks into this rank's
-    chunk. ``full`` is kept alive until the collective completes; ``owned``: the caller's own
-    buffer, which may be overwritten.
-
-    [Note: gloo reduce-scatter] gloo's reduce-scatter all-reduces a copy of its input that it
-    allocates itself and keeps this rank's chunk: a buffer the size of the input, in use from
-    its start to its completion, that no operator hands to Python (a storage tracker does not
-    see it, or sees it only when the collective is waited for, depending on which thread
-    finishes it). On gloo the runtime therefore all-reduces in place: ``full`` itself when it
-    owns it (a padded, cast or bucketed gradient), else a copy made here, and copies this rank's
-    chunk out when waited for. The memory is then the runtime's, the same from run to run, and
-    predicted (``Devices.reduce_scatter_copies_input``); an in-place all-reduce of 1-16 MiB on
-    2 CPU ranks took 2.4-17.6 ms where gloo's reduce-scatter took 3.6-19.2 ms."""
+    chunk. ``full`` is kept alive until the collective completes."""
     world = group_size(group)
     if world == 1:
         return Pending(full.clone())
     out = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
-    pg = resolve_group(group)
     src = full.contiguous()
-    if dist.get_backend(pg) == "gloo":
-        if not owned and src.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-            src = src.clone()
-        work = dist.all_reduce(src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-        chunk = src.view(world, -1)[dist.get_rank(pg)]
-        return Pending(out, work, src, then=lambda: out.copy_(chunk))
-    work = _reduce_scatter_flat_impl(out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    work = _reduce_scatter_flat_impl(out, src, op=dist.ReduceOp.SUM,
+                                     group=resolve_group(group), async_op=True)
     return Pending(out, work, src)
 
 
-def reduce_scatter_flat(full: torch.Tensor, group: str, *, owned: bool = False) -> torch.Tensor:
+def reduce_scatter_flat(full: torch.Tensor, group: str) -> torch.Tensor:
     """Sum ``full`` (flat, divisible by the group size) over ranks; return this rank's chunk."""
-    return reduce_scatter_flat_start(full, group, owned=owned).wait()
+    return reduce_scatter_flat_start(full, group).wait()
 
 
 def all_reduce_sum_start(tensor: torch.Tensor, group: str) -> Any:

@@ -184,19 +184,15 @@ def gather_shards_start(shard: torch.Tensor, group: str) -> Pending:
     return _staged(shard, stages, all_gather_flat_start, all_gather_flat)
 
 
-def reduce_scatter_shards_start(full: torch.Tensor, group: str, *,
-                                owned: bool = False) -> Pending:
+def reduce_scatter_shards_start(full: torch.Tensor, group: str) -> Pending:
     """Start reducing ``full`` (flat, padded) to this rank's chunk summed over every rank of the
-    world; ``full`` is kept alive until the first stage completes; ``owned``: the caller's own
-    buffer, which the first stage may overwrite ([Note: gloo reduce-scatter])."""
+    world; ``full`` is kept alive until the first stage completes."""
     two = _two_level.get(group)
     if two is None:
-        return reduce_scatter_flat_start(full, group, owned=owned)
+        return reduce_scatter_flat_start(full, group)
     stages = traits(two.strategy).reduce_stages
     scatters = [getattr(two, scope) for c, scope, _ in stages if c == "reduce_scatter"]
-    pending = _staged(full, scatters,
-                      lambda t, g: reduce_scatter_flat_start(t, g, owned=owned),
-                      lambda t, g: reduce_scatter_flat(t, g, owned=True))
+    pending = _staged(full, scatters, reduce_scatter_flat_start, reduce_scatter_flat)
     for group in (getattr(two, scope) for c, scope, _ in stages if c == "all_reduce"):
         if group is not None:  # the shard, summed over the nodes
             pending = StagedPending(pending, lambda out, g=group: all_reduce_sum_(out, g))

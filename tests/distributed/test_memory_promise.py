@@ -10,8 +10,6 @@ collecting garbage for the user. World 2, AdamW, a traced GPT and a Hugging Face
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from harness import memory_cases
@@ -89,19 +87,3 @@ def test_compile_leaves_nothing_behind(worlds, variant, tmp_path_factory):
         assert not r["stray"], (rank, r["stray"][:10])
         starts = [s for s, _ in r["measured"][1:]]
         assert max(starts) == min(starts), (rank, r["measured"])
-
-
-
-def test_a_reduce_scatter_waited_for_at_the_end_of_backward_is_predicted(worlds, tmp_path):
-    """Only a Llama's LM head sharded (``benchmarks/memory_timeline.py``'s Llama: hidden 256,
-    vocabulary 2048): its reduce-scatter starts at the first backward and is waited for at the
-    end of backward, while the replicated gradients' all-reduce bucket is alive. gloo's own
-    reduce-scatter reduced a copy of its input that no operator showed until it was waited for
-    (measured 78.0 MiB against 76.0 predicted, +2.6 %); the runtime now reduces by an in-place
-    all-reduce of a copy of its own ([Note: gloo reduce-scatter]), predicted within 0.1 %."""
-    path = tmp_path / "head.json"
-    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "replicate",
-                                "params": {"model.lm_head.weight": "full_shard"}}))
-    for rank, r in enumerate(worlds(2).run(memory_cases.timeline_steps, model="llama",
-                                           plan=str(path), steps=3)):
-        assert abs(r["measured"][-1] / r["predicted"] - 1) < 0.001, (rank, r)

@@ -140,13 +140,3 @@ def split_plan_file(path: str) -> str:
                    "splits": {"model.blocks.0.fc.weight": 4}, "default": "full_shard",
                    "params": {}}, f)
     return path
-
-
-def timeline_steps(rank: int, world: int, *, model: str, plan: str, steps: int) -> dict[str, Any]:
-    """``benchmarks/memory_timeline.py``'s measurement of ``model`` under ``plan``: the steady
-    predicted peak and the peak the tracker measured in each step."""
-    from memory_timeline import measure
-
-    out = measure(rank, world, model, plan, None, steps)
-    pr = out["plan"].prediction
-    return {"predicted": pr.peak_memory_bytes, "measured": [r["peak"] for r in out["runs"]]}
