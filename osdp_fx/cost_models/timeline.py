@@ -78,7 +78,6 @@ from .recompute import internal_interval, recompute_workspace, region_spans, roo
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 from .live_bytes import (LOCAL, SYNC, Category, MemoryPoint, MemoryPrediction,  # noqa: F401
                          Timeline, describe_time, replicated_buckets)
-from .live_bytes import Timeline as _Timeline  # noqa: F401  (the tests' name)
 
 
 def _step_timeline(

@@ -7,7 +7,8 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from osdp_fx.cost_models.timeline import BATCH, Category, _envelope, _Timeline
+from osdp_fx.cost_models.live_bytes import Timeline
+from osdp_fx.cost_models.timeline import BATCH, Category, _envelope
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -23,7 +24,7 @@ def test_envelope_equals_the_max_over_all_time_points(lines, profiled_batch):
 
 
 def test_sweep_reads_the_peak_after_allocations_and_before_frees():
-    tl = _Timeline()
+    tl = Timeline()
     tl.alive(0, 2, 100, Category.ACTIVATIONS, scaled=True)  # an activation from t=0 to t=2
     tl.alive(1, 1, 50, Category.TEMPORARIES, scaled=False)  # a transient at t=1
     tl.alive(2, 3, 30, Category.GRADIENTS, scaled=False)  # allocated while the activation lives
