@@ -7,8 +7,9 @@ ones, so both read them here. Torch-free.
 * Replicated gradients are all-reduced in flat buckets of at most :data:`DEFAULT_BUCKET_BYTES`
   per dtype, filled in reverse parameter order (about the order backward produces them), DDP's
   way (:func:`plan_buckets`).
-* Consecutive sharded parameters whose gathered size is at most :data:`SMALL_PARAM_BYTES` share
-  one all-gather and one reduce-scatter (:func:`gather_buckets`).
+* Consecutive sharded parameters share one all-gather and one reduce-scatter while their
+  gathered bytes add up to at most the schedule's ``gather_bucket_bytes``; runs of small ones
+  (at most :data:`SMALL_PARAM_BYTES` each) share one at any length (:func:`gather_buckets`).
 * At most :data:`MAX_IN_FLIGHT` gradient collectives (reduce-scatters, all-reduce buckets) run at
   once: starting one more first completes the oldest.
 
@@ -27,7 +28,8 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 SMALL_PARAM_BYTES = 64 * 1024
 """Consecutive sharded parameters whose gathered size is at most this share one all-gather and
-one reduce-scatter (``runtime.params.all_gather_params``)."""
+one reduce-scatter (``runtime.params.all_gather_params``), whatever the schedule's bucket size;
+the default ``gather_bucket_bytes``."""
 
 MAX_IN_FLIGHT = 2
 """Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once."""
@@ -44,19 +46,25 @@ class Schedule:
     """How many sharded parameters (gather buckets) ahead each all-gather starts, in forward
     and in backward (0: each is gathered when it is needed)."""
     gather_bucket_bytes: int = SMALL_PARAM_BYTES
-    """Consecutive sharded parameters of at most this many gathered bytes share one all-gather
-    and one reduce-scatter (:func:`gather_buckets`)."""
+    """Consecutive sharded parameters of at most this many gathered bytes in all share one
+    all-gather and one reduce-scatter (:func:`gather_buckets`)."""
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bytes of one all-reduce bucket of replicated gradients (:func:`plan_buckets`)."""
 
 
-def candidate_schedules(prefetch: int | None = None) -> list[Schedule]:
+def candidate_schedules(prefetch: int | None = None,
+                        block_bytes: int | None = None) -> list[Schedule]:
     """The schedules the search tries (the default first): prefetch 0, 1 or 2 (or only
-    ``prefetch`` when the user fixed it), small-parameter buckets of 64 KiB or 1 MiB, all-reduce
-    buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds more gathered
-    parameters, a larger bucket a larger flat buffer) and saves time (overlap, latency)."""
+    ``prefetch`` when the user fixed it); gather buckets of 64 KiB (small parameters only),
+    1 MiB, and ``block_bytes`` when larger (the gathered bytes of the model's largest region,
+    so that a transformer block is gathered and reduce-scattered as one, FSDP2's grouping);
+    all-reduce buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds more
+    gathered parameters, a larger bucket a larger flat buffer) and saves time (overlap,
+    latency)."""
     depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
-    return [Schedule(d, g, r) for d in depths for g in (SMALL_PARAM_BYTES, 2**20)
+    gathers = [SMALL_PARAM_BYTES, 2**20] + ([block_bytes] if block_bytes and block_bytes > 2**20
+                                            else [])
+    return [Schedule(d, g, r) for d in depths for g in gathers
             for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)]
 
 
@@ -76,17 +84,28 @@ def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[li
 
 
 def gather_buckets(sizes: list[tuple[str, int]],
-                   small_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
+                   bucket_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
     """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
-    order: a parameter of at most ``small_bytes`` joins the bucket of the gather before it when
-    that bucket holds small parameters only (a large one would pay a copy of its gradient into
-    the bucket's flat buffer) and their keys (strategy, dtypes; unique for the mesh strategies,
-    which are never bucketed) agree. Returns index lists."""
+    order. A parameter joins the bucket of the gather before it when their keys (strategy,
+    dtypes; unique for the mesh strategies, which are never bucketed) agree and either
+
+    * the bucket then holds at most ``bucket_bytes`` in all (a whole transformer block in one
+      all-gather and one reduce-scatter, as FSDP2 groups a module's parameters; its members'
+      gradients are copied into the bucket's flat buffer), or
+    * it and every member are small (at most :data:`SMALL_PARAM_BYTES`; such runs, biases and
+      norm weights, are short, and their copies cost nothing next to a collective's latency).
+
+    With the default ``bucket_bytes`` only the second applies. Returns index lists."""
     buckets: list[list[int]] = []
+    total, small = 0, False
     for i, (key, nbytes) in enumerate(sizes):
-        if (buckets and nbytes <= small_bytes and sizes[buckets[-1][0]][0] == key
-                and sizes[buckets[-1][0]][1] <= small_bytes):
+        joins = buckets and sizes[buckets[-1][0]][0] == key and (
+            total + nbytes <= bucket_bytes or (small and nbytes <= SMALL_PARAM_BYTES))
+        if joins:
             buckets[-1].append(i)
+            total += nbytes
+            small = small and nbytes <= SMALL_PARAM_BYTES
         else:
             buckets.append([i])
+            total, small = nbytes, nbytes <= SMALL_PARAM_BYTES
     return buckets

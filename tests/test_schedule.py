@@ -58,11 +58,12 @@ def test_deeper_prefetch_costs_memory_and_saves_predicted_time():
 
 
 def test_larger_gather_buckets_share_latency_and_hold_a_larger_flat_buffer():
-    analysis = _gpt(dim=128)  # 256 KiB MLP weights, 64 KiB attention ones
-    small, large = (_predicted(analysis, "full_shard", Schedule(1, g))
-                    for g in (SMALL_PARAM_BYTES, 2**20))
-    assert large.step_time_s < small.step_time_s
-    assert large.peak_memory_bytes != small.peak_memory_bytes
+    analysis = _gpt(dim=128)  # 256 KiB MLP weights, 64 KiB attention ones, 1.6 MiB in all
+    small, block, whole = (_predicted(analysis, "full_shard", Schedule(1, g))
+                           for g in (SMALL_PARAM_BYTES, 2**20, 2**21))
+    assert whole.step_time_s <= block.step_time_s < small.step_time_s
+    # one bucket of every parameter: all are gathered at the first use of the first
+    assert whole.peak_memory_bytes > block.peak_memory_bytes >= small.peak_memory_bytes
 
 
 def test_smaller_all_reduce_buckets_pay_more_latency():
@@ -90,6 +91,10 @@ def test_the_schedule_search_ranks_distinct_plans_that_fit():
                             memory_limit_bytes=limit, optimizer="adamw", prefetch=0)
     assert {sch.prefetch for _, sch, _ in only} == {0}
     assert len(candidate_schedules()) == 12 and candidate_schedules()[0] == Schedule()
+    with_blocks = candidate_schedules(block_bytes=3 * 2**20)
+    assert len(with_blocks) == 18 and {s.gather_bucket_bytes for s in with_blocks} == {
+        SMALL_PARAM_BYTES, 2**20, 3 * 2**20}
+    assert len(candidate_schedules(block_bytes=2**19)) == 12
 
 
 def test_rank_schedules_keeps_the_first_of_equal_plans_and_raises_when_none_fits():

@@ -114,7 +114,7 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
                            small_bytes: int = SMALL_PARAM_BYTES) -> list[list[fx.Node]]:
     """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
     the runtime issues them: by first use, runs of ``full_shard``/``shard_grad_op`` parameters
-    of at most ``small_bytes`` bucketed into one (``buckets.gather_buckets``)."""
+    bucketed into one (``buckets.gather_buckets`` with ``small_bytes``)."""
     sharded = [n for n, name in facts.param_of.items()
                if traits(params[name].strategy).sharded and facts.param_uses(n)]
     first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
@@ -134,12 +134,13 @@ def small_gather_key(state: ParamState, world_size: int,
                      small_bytes: int = SMALL_PARAM_BYTES) -> str | None:
     """What a sharded parameter's gather must share with a neighbour's to ride in its bucket
     (:func:`sharded_gather_buckets`: the strategy), or None when it never rides (larger than
-    ``small_bytes`` gathered, or a mesh strategy)."""
+    the bucket, ``small_bytes``, and than :data:`~osdp_fx.buckets.SMALL_PARAM_BYTES` gathered,
+    or a mesh strategy)."""
     if traits(state.strategy).needs_mesh:
         return None
     nbytes = gathered_param_bytes(state.numel, element_size=state.element_size,
                                   world_size=world_size)
-    return str(state.strategy) if nbytes <= small_bytes else None
+    return str(state.strategy) if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
 
 
 def prefetched_regathers(

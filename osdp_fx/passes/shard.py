@@ -14,8 +14,8 @@ For every parameter group the plan shards (``shard_grad_op``, ``full_shard``, ``
   last forward use of the gathered tensor and of every view of it (from
   ``annotate_aliases_pass``); backward re-gathers it;
 * runs of consecutive sharded parameters of at most the plan's ``gather_bucket_bytes`` gathered
-  each (default ``SMALL_PARAM_BYTES``) share
-  one all-gather (``gather_buckets``): one ``all_gather_params`` node gathers the
+  in all, and runs of small ones (``SMALL_PARAM_BYTES`` each), share one all-gather
+  (``gather_buckets``): one ``all_gather_params`` node gathers the
   bucket, ``getitem`` nodes give its members, and its backward reduce-scatters their gradients
   in one collective (flat strategies over the world only);
 * with ``prefetch = d > 0`` (the plan's), each all-gather but the first d starts early: a
@@ -86,9 +86,8 @@ def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_no
     return make_shard(full, world_size=layout.chunks, rank=layout.index)
 
 
-def _bucket_small_gathers(gm: fx.GraphModule, world_size: int, small_bytes: int) -> None:
-    """Merge each bucket of :func:`gather_buckets` (of parameters of at most ``small_bytes``
-    gathered) into one ``all_gather_params`` node whose outputs (``getitem``) replace the
+def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> None:
+    """Merge each bucket of :func:`gather_buckets` (``bucket_bytes``) into one ``all_gather_params`` node whose outputs (``getitem``) replace the
     members' gathers."""
     graph = gm.graph
     gathers = [n for n in graph.nodes if osdp_meta(n).role == NodeRole.ALL_GATHER]
@@ -100,7 +99,7 @@ def _bucket_small_gathers(gm: fx.GraphModule, world_size: int, small_bytes: int)
     # only flat gathers over the world share: a mesh strategy's shards are laid out per stage
     keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}" if n.args[3] == WORLD else f"mesh {i}",
              gathered_bytes(n)) for i, n in enumerate(gathers)]
-    for bucket in gather_buckets(keys, small_bytes):
+    for bucket in gather_buckets(keys, bucket_bytes):
         if len(bucket) == 1:
             continue
         members = [gathers[i] for i in bucket]
@@ -192,7 +191,7 @@ def shard_parameters_pass(
         set_osdp_meta(freed, role=NodeRole.FREE, param=node.target)
         n_frees += 1
 
-    _bucket_small_gathers(gm, world_size, plan.gather_bucket_bytes)
+    _bucket_gathers(gm, world_size, plan.gather_bucket_bytes)
     _insert_prefetches(graph, prefetch)
 
     in_graph = {n.target for n in param_nodes}

@@ -87,6 +87,20 @@ class StepContext:
         self._index: dict[int, int] = {}
         self._started: set[int] = set()  # gathers started in backward (never twice per step)
         self._pending: dict[int, Pending] = {}
+        # shard id -> the parameters a recomputed region saved with it ([Note: region gathers])
+        self._groups: dict[int, list[_Gathered]] = {}
+        self._group: list[_Gathered] | None = None
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """Group the parameters saved inside: re-gathered together in backward."""
+        self._group = group = []
+        try:
+            yield
+        finally:
+            self._group = None
+        for g in group:
+            self._groups[id(g.shard)] = group
 
     def track(self, full: torch.Tensor, gathered: _Gathered) -> None:
         self._live[_storage_key(full)] = (weakref.ref(full), gathered)
@@ -108,6 +122,8 @@ class StepContext:
         if id(gathered.shard) not in self._index:
             self._index[id(gathered.shard)] = len(self._saved)
             self._saved.append(gathered)
+        if self._group is not None:
+            self._group.append(gathered)
         return _Handle(gathered, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -117,6 +133,10 @@ class StepContext:
         key = id(g.shard)
         full = self._regathered.get(key)
         if full is None:
+            for member in self._groups.get(key, ()):
+                if id(member.shard) not in self._started:
+                    self._started.add(id(member.shard))
+                    self._pending[id(member.shard)] = self._start(member)
             with torch.no_grad():
                 full = _gather_full(g.shard.detach(), g.shape, g.group, self._pending.pop(key, None),
                                     g.dtype)
@@ -154,6 +174,13 @@ def _scope() -> _Scope | None:
 def _active() -> StepContext | None:
     scope = _scope()
     return scope.step if scope is not None else None
+
+
+def region_saves() -> contextlib.AbstractContextManager[None]:
+    """Around a recomputed region's forward: the sharded parameters it saves are re-gathered
+    together when backward recomputes it (:meth:`StepContext.region`)."""
+    step = _active()
+    return step.region() if step is not None else contextlib.nullcontext()
 
 
 def _scatters() -> GradReduceScatters | LocalScatters:

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..regions import SELECTIVE_SAVED_OPS, Recompute
+from .params import region_saves
 
 _SAVED_OPS = frozenset(
     getattr(torch.ops.aten, name) for name in SELECTIVE_SAVED_OPS
@@ -61,8 +62,9 @@ class RecomputedRegion(nn.Module):
         kwargs: dict[str, Any] = {}
         if self.policy == Recompute.SELECTIVE:
             kwargs["context_fn"] = _selective_contexts
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
-                          **kwargs)
+        with region_saves():
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
+                              **kwargs)
 
     def extra_repr(self) -> str:
         return f"policy={self.policy}"

@@ -352,6 +352,16 @@ def test_runs_of_small_parameters_share_a_bucket():
     assert gather_buckets(sizes) == [[0, 1], [2], [3, 4], [5, 6], [7], [8]]
 
 
+def test_a_larger_bucket_holds_parameters_of_any_size_up_to_its_bytes():
+    MiB = 2**20
+    sizes = [("a", 2 * MiB), ("a", 1024), ("a", MiB), ("a", MiB), ("a", 1024), ("b", MiB),
+             ("b", 1024), ("b", 3 * MiB), ("b", 4 * MiB), ("b", 1024), ("b", 1024)]
+    # (2 MiB + 1 KiB + 1 MiB) > 3 MiB: the block-sized bucket starts again at the second MiB
+    assert gather_buckets(sizes, 3 * MiB) == [[0, 1], [2, 3, 4], [5, 6], [7], [8], [9, 10]]
+    assert gather_buckets(sizes, 3 * MiB + 1024) == [[0, 1, 2], [3, 4], [5, 6], [7], [8],
+                                                     [9, 10]]
+
+
 def test_consecutive_small_parameters_share_one_gather():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.LayerNorm(256))
