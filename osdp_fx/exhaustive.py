@@ -85,7 +85,9 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
     nodes_of: dict[str, int] = {}
     for name in facts.param_of.values():
         nodes_of[name] = nodes_of.get(name, 0) + 1
-    bucket_saving = sum(collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
+    # at most: its all-gather, re-gather and reduce-scatter ride in another's
+    bucket_saving = sum(collective_time_s(c, 0, devices)
+                        for c in ("all_gather", "all_gather", "reduce_scatter"))
     link = group_link(devices, "all_reduce")
     prefetching = schedule.prefetch > 0 and devices.world_size > 1
     time, gathers, reduced, keys = [], [], [], []
@@ -137,7 +139,7 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     Prefetching hides at most ``OVERLAP_EFFICIENCY`` of the gathers, and no more than the
     computation they overlap (``overlap.hidden_gather_s`` replays the profiled step); the
     latency shares of the gradients in one all-reduce bucket add up to one latency; of the
-    small sharded parameters with one gather key, all but one may save a gather's and a
+    sharded parameters with one gather key, all but one may save two gathers' and a
     reduce-scatter's latency by riding in another's bucket."""
     terms, bucket_saving = _row_terms(analysis, options, regions, devices=devices,
                                       optimizer=optimizer, schedule=schedule, scale=scale)

@@ -25,7 +25,7 @@ from .layout import ShardLayout, shard_layout
 from .passes.shard import make_shard
 from .passes.split_linear import SplitSpec
 from .plan import Plan
-from .runtime.params import _gather_full
+from .runtime.regather import gather_full
 from .strategies import traits
 
 
@@ -137,4 +137,4 @@ class ParamTable:
         with torch.no_grad():
             if not entry.sharded:
                 return local.detach().clone()
-            return _gather_full(local.detach(), entry.shape, entry.layout.group).clone()
+            return gather_full(local.detach(), entry.shape, entry.layout.group).clone()

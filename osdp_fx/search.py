@@ -32,12 +32,13 @@ from .plan import DEFAULT_PREFETCH
 from .regions import find_regions
 from .schedule import collectives_key, rank_schedules, schedule_memory_kwargs
 from .solver import solve_min_time
-from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, STRATEGIES
+from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, SHARD_GRAD_OP, STRATEGIES
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
 _MAX_TIGHTENINGS = 8
+_UNIFORM_MARGIN = 0.02
 
 
 def choose_splits(
@@ -214,13 +215,20 @@ def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | No
         return alone
 
     def time_s(found: Found) -> float:
-        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
-                                    analysis.facts, devices=kw["devices"],
-                                    optimizer=kw["optimizer"], profiled_batch=analysis.batch_size,
-                                    recompute=found[1], schedule=kw.get("schedule", Schedule()))
-        return float(step.step_time_expr.subs(BATCH, kw.get("batch_size") or analysis.plan_batch))
+        return _step_s(analysis, found, devices=kw["devices"], optimizer=kw["optimizer"],
+                       schedule=kw.get("schedule", Schedule()), batch_size=kw.get("batch_size"))
 
     return joint if joint[1] and time_s(joint) < time_s(alone) else alone
+
+
+def _step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
+            schedule: Schedule, batch_size: int | None) -> float:
+    """The predicted step seconds of ``found`` (the whole step-time model, buckets included)."""
+    step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
+                                analysis.facts, devices=devices, optimizer=optimizer,
+                                profiled_batch=analysis.batch_size, recompute=found[1],
+                                schedule=schedule)
+    return float(step.step_time_expr.subs(BATCH, batch_size or analysis.plan_batch))
 
 
 def _search(
@@ -268,6 +276,31 @@ def _search(
         if found is not None:
             return found
         raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
+    def peak(found: Found) -> int:
+        return predict_peak_bytes(
+            analysis.captured.gm, param_states(analysis, found[0]), world_size=devices.world_size,
+            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+            profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
+            seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
+            recompute=found[1], **schedule_memory_kwargs(schedule))
+
+    def or_uniform(found: Found) -> Found:
+        """``found``, or a uniformly sharded plan (its regions alike) when that fits and is
+        predicted faster by more than ``_UNIFORM_MARGIN`` (within it, the profiled times'
+        noise would make the choice differ between runs): the solver's per-group costs do not
+        see that parameters sharded alike share gather buckets."""
+        best, best_s = found, _step_s(analysis, found, devices=devices, optimizer=optimizer,
+                                      schedule=schedule, batch_size=batch_size)
+        for strategy in (FULL_SHARD, SHARD_GRAD_OP):
+            uniform = ({n: strategy if strategy in options[n] else options[n][0] for n in names},
+                       found[1])
+            if uniform[0] != found[0] and peak(uniform) <= target:
+                seconds = _step_s(analysis, uniform, devices=devices, optimizer=optimizer,
+                                  schedule=schedule, batch_size=batch_size)
+                if seconds < best_s * (1 - _UNIFORM_MARGIN):
+                    best, best_s = uniform, seconds
+        return best
+
     limit = target
     for _ in range(_MAX_TIGHTENINGS):
         try:
@@ -279,19 +312,13 @@ def _search(
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         recompute = {r: opts[j].policy for (r, opts), j in
                      zip(regions.items(), result.choices[len(names):]) if j}
-        peak = predict_peak_bytes(
-            analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
-            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
-            seq_scale=analysis.seq_scale(),
-            grad_accumulation=grad_accumulation, recompute=recompute,
-            **schedule_memory_kwargs(schedule))
-        if peak <= target:
+        predicted = peak((strategies, recompute))
+        if predicted <= target:
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, %d regions recomputed, predicted peak %s of %s", counts,
-                     len(recompute), format_bytes(peak), format_bytes(memory_limit_bytes))
-            return strategies, recompute
-        limit -= peak - target
+                     len(recompute), format_bytes(predicted), format_bytes(memory_limit_bytes))
+            return or_uniform((strategies, recompute))
+        limit -= predicted - target
         if limit <= base:
             break
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits

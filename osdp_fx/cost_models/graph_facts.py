@@ -130,6 +130,20 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     return [[order[i] for i in b] for b in gather_buckets([key(n) for n in order], small_bytes)]
 
 
+def regathered_together(facts: GraphFacts, params: Mapping[str, ParamState],
+                        buckets: list[list[fx.Node]], world_size: int,
+                        bucket_bytes: int) -> list[list[fx.Node]]:
+    """The buckets of ``buckets`` whose members backward re-gathers in one all-gather: those of
+    several parameters that add up to at most ``bucket_bytes`` (a longer run of small
+    parameters is re-gathered member by member)."""
+    def nbytes(n: fx.Node) -> int:
+        state = params[facts.param_of[n]]
+        return gathered_param_bytes(state.numel, element_size=state.element_size,
+                                    world_size=world_size)
+
+    return [b for b in buckets if len(b) > 1 and sum(map(nbytes, b)) <= bucket_bytes]
+
+
 def small_gather_key(state: ParamState, world_size: int,
                      small_bytes: int = SMALL_PARAM_BYTES) -> str | None:
     """What a sharded parameter's gather must share with a neighbour's to ride in its bucket
@@ -143,20 +157,48 @@ def small_gather_key(state: ParamState, world_size: int,
     return str(state.strategy) if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Regather:
+    """Backward's first re-gather of one full_shard parameter (``StepContext``)."""
+
+    start: float
+    """When its all-gather starts (allocating its buffer)."""
+    split: float
+    """When its copy exists: ``start`` when gathered alone; when gathered with its bucket's
+    other saved members, when the first of them is unpacked (the flat buffer is split)."""
+    flat_bytes: int
+    """The bytes of its bucket's flat buffer, alive from ``start`` to ``split``, charged on
+    the bucket's first member (0 on the others and alone)."""
+
+
 def prefetched_regathers(
     regathered: list[fx.Node], savers: Mapping[fx.Node, list[fx.Node]],
     pos: Mapping[fx.Node, int], bwd: Any, prefetch: int,
-) -> dict[tuple[fx.Node, fx.Node], float]:
-    """When backward's first re-gather of each full_shard parameter allocates, keyed by
-    (parameter, saver): unpacking one parameter starts gathering the ``prefetch`` parameters
-    forward saved just before it (``StepContext``)."""
+    buckets: list[list[fx.Node]] | None = None, gathered_bytes: Mapping[fx.Node, int] | None = None,
+) -> dict[tuple[fx.Node, fx.Node], Regather]:
+    """Backward's first re-gather of each full_shard parameter, keyed by (parameter, saver).
+    The saved members of one forward gather bucket (``buckets``) are re-gathered in one
+    all-gather when the first of them is unpacked; unpacking one starts gathering the
+    ``prefetch`` re-gathers (parameters or buckets) forward saved just before it."""
     saved_order = sorted(regathered, key=lambda n: min(pos[j] for j in savers[n]))
     first_unpack = {n: max(savers[n], key=pos.__getitem__) for n in regathered}
-    out: dict[tuple[fx.Node, fx.Node], float] = {}
-    for i, n in enumerate(saved_order):
-        later = saved_order[i + 1:i + 1 + prefetch]
-        own = bwd(pos[first_unpack[n]])
-        out[(n, first_unpack[n])] = min([own, *(bwd(pos[first_unpack[k]]) for k in later)])
+    index = {n: i for i, n in enumerate(saved_order)}
+    units: list[list[fx.Node]] = []
+    seen: set[fx.Node] = set()
+    bucket_of = {n: b for b in (buckets or []) for n in b}
+    for n in saved_order:
+        if n not in seen:
+            unit = sorted((m for m in bucket_of.get(n, [n]) if m in index), key=index.__getitem__)
+            seen.update(unit)
+            units.append(unit)
+    own = [min(bwd(pos[first_unpack[m]]) for m in unit) for unit in units]
+    out: dict[tuple[fx.Node, fx.Node], Regather] = {}
+    for i, unit in enumerate(units):
+        start = min(own[i:i + 1 + prefetch])
+        flat = sum(gathered_bytes[m] for m in unit) if len(unit) > 1 and gathered_bytes else 0
+        for k, m in enumerate(unit):
+            out[(m, first_unpack[m])] = Regather(start, own[i] if len(unit) > 1 else start,
+                                                 0 if k else flat)
     return out
 
 

@@ -48,7 +48,7 @@ from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
 from ..layout import shard_count
 from ..plan import collective_stages
 from ..strategies import traits
-from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets
+from .graph_facts import GraphFacts, ParamState, regathered_together, sharded_gather_buckets
 from .overlap import hidden_gather_s
 from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH
@@ -216,13 +216,19 @@ def predict_step_time(
                          reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes))
         for name, state in params.items()
     }
-    # A bucket of small parameters pays each collective's latency once: its members after the
-    # first ride in the first one's all-gather and reduce-scatter.
-    for bucket in sharded_gather_buckets(facts, params, devices.world_size,
-                                         schedule.gather_bucket_bytes):
+    # A bucket pays each collective's latency once: its members after the first ride in the
+    # first one's all-gather and reduce-scatter, and in its re-gather in backward.
+    gather, scatter = (collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
+    buckets = sharded_gather_buckets(facts, params, devices.world_size,
+                                     schedule.gather_bucket_bytes)
+    together = {n for b in regathered_together(facts, params, buckets, devices.world_size,
+                                               schedule.gather_bucket_bytes) for n in b}
+    for bucket in buckets:
         for node in bucket[1:]:
             name = facts.param_of[node]
-            saved = sum(collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
+            again = (node in together and name in regathered
+                     and traits(params[name].strategy).freed_after_forward)
+            saved = gather * (2 if again else 1) + scatter
             costs[name] = dataclasses.replace(costs[name],
                                               comm_s=max(0.0, costs[name].comm_s - saved))
     compute_s = other_s + sum(per_group.values())

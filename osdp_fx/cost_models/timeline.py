@@ -73,7 +73,8 @@ from ..buckets import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, MAX_IN_FLIGHT,
 from .envelope import BATCH, envelope as _envelope  # noqa: F401  (BATCH re-exported)
 from .shapes import rescaled
 from .graph_facts import (ParamState, activation_grad_intervals, graph_facts,
-                          prefetched_regathers, sharded_gather_buckets)
+                          prefetched_regathers, regathered_together,
+                          sharded_gather_buckets)
 from .recompute import internal_interval, recompute_workspace, region_spans, root_intervals
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 from .live_bytes import (LOCAL, SYNC, Category, MemoryPoint, MemoryPrediction,  # noqa: F401
@@ -157,9 +158,15 @@ def _step_timeline(
                  else first_use[buckets[bucket_of[n]][0]] for n in sharded}
     # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
     bucket_grads: dict[int, list[tuple[float, float, int, int, int, int]]] = defaultdict(list)
+    # saved by operators outside recomputed regions (a region's parameters are re-gathered
+    # when it is recomputed, and prefetching passes them by)
+    saved_outside = {node: [j for j in savers.get(node, []) if j not in spans] for node in sharded}
     regather_at = prefetched_regathers(
         [node for node in sharded if traits(params[param_of[node]].strategy).freed_after_forward
-         and savers.get(node)], savers, pos, bwd, prefetch)
+         and saved_outside[node]], saved_outside, pos, bwd, prefetch,
+        regathered_together(facts, params, buckets, world_size, gather_bucket_bytes),
+        {n: gathered_param_bytes(params[param_of[n]].numel, world_size=world_size,
+                                 element_size=params[param_of[n]].compute_size) for n in sharded})
     # (launch time, since, bytes held from then until it completes, staged block from launch)
     scatters: list[tuple[float, float, int, int]] = []
     nodes_in_mesh = world_size // (ranks_per_node or world_size)
@@ -200,11 +207,14 @@ def _step_timeline(
             wait = min(pos[u] for u in uses) - 0.25 if block else gather_at[node]
             tl.alive(min(gather_at[node], wait), wait, block, Category.COMMUNICATION, scaled=False)
             tl.alive(wait, last, gathered, Category.GATHERED, scaled=False)
-            for j in saved_by:
-                start = regather_at.get((node, j), bwd(pos[j]))
-                wait = bwd(pos[j]) - 0.25 if block else start
+            for j in saved_by:  # re-gathered alone, or with its bucket (split at its first unpack)
+                r = regather_at.get((node, j))
+                start, split = (r.start, r.split) if r else (bwd(pos[j]), bwd(pos[j]))
+                wait = bwd(pos[j]) - 0.25 if block else split
                 tl.alive(min(start, wait), wait, block, Category.COMMUNICATION, scaled=False)
                 tl.alive(wait, bwd(pos[j]), gathered, Category.GATHERED, scaled=False)
+                if r and r.flat_bytes:
+                    tl.alive(start, split, r.flat_bytes, Category.COMMUNICATION, scaled=False)
         elif t.keeps_gathered:
             tl.alive(gather_at[node], kept_until, gathered, Category.GATHERED, scaled=False)
         elif state.compute_size != state.element_size:  # replicate: the cast copy

@@ -87,8 +87,8 @@ def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_no
 
 
 def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> None:
-    """Merge each bucket of :func:`gather_buckets` (``bucket_bytes``) into one ``all_gather_params`` node whose outputs (``getitem``) replace the
-    members' gathers."""
+    """Merge each bucket of :func:`gather_buckets` (``bucket_bytes``) into one
+    ``all_gather_params`` node whose outputs (``getitem``) replace the members' gathers."""
     graph = gm.graph
     gathers = [n for n in graph.nodes if osdp_meta(n).role == NodeRole.ALL_GATHER]
 
@@ -107,11 +107,14 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> N
         shards = tuple(m.args[0] for m in members)
         for shard in shards[1:]:
             head.prepend(shard)
+        # re-gathered in one all-gather too when within the bucket size (not a long run of
+        # small parameters: that would hold them all at once in backward)
+        together = sum(keys[i][1] for i in bucket) <= bucket_bytes
         with graph.inserting_before(head):
             merged = graph.call_function(
                 all_gather_params,
                 (shards, tuple(m.args[1] for m in members), head.args[2], head.args[3]),
-                dict(head.kwargs))
+                {**head.kwargs, **({"regather_together": True} if together else {})})
         set_osdp_meta(merged, role=NodeRole.ALL_GATHER, aliases=frozenset())
         cursor = merged
         for i, member in enumerate(members):

@@ -6,11 +6,9 @@
   accumulated into the shard's ``.grad`` by the end of backward.
 * :func:`free_param` releases a full_shard parameter's gathered storage after its last forward
   use.
-* :class:`StepContext` (entered by ``OSDPModule.forward``) installs saved-tensor hooks: when
-  autograd wants to save a gathered full_shard parameter (or a view of it, such as ``W.t()``) it
-  keeps a small handle instead, and backward re-gathers the parameter when it needs it,
-  starting the gather of the parameter it will need next as it does. So no gathered
-  full_shard weight stays alive between forward and backward.
+* :func:`module_scope` (entered by ``OSDPModule.forward``) enters a
+  :class:`~.regather.StepContext`, whose saved-tensor hooks keep a handle instead of a gathered
+  full_shard parameter and re-gather it in backward (:mod:`.regather`).
 
 hybrid_shard and hierarchical parameters are freed and re-gathered like full_shard ones; their
 collectives run in two levels (:mod:`.hierarchy`).
@@ -24,9 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import math
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,114 +40,14 @@ from .hierarchy import (
 )
 from .memory import note_resized
 from .compile_support import defer_free, eager, take_deferred
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-@dataclasses.dataclass
-class _Gathered:
-    shard: torch.Tensor
-    shape: tuple[int, ...]
-    group: str
-    dtype: torch.dtype | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Handle:
-    """What autograd keeps instead of a view of a gathered parameter."""
-
-    gathered: _Gathered
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-class StepContext:
-    """Tracks this forward's gathered full_shard parameters and re-gathers them in backward.
-
-    Backward needs the saved parameters in about the reverse of the order forward saved them,
-    so when it unpacks one it starts gathering the one saved before it (``prefetch`` of them)
-    asynchronously, to overlap that all-gather with this operator's backward.
-    """
-
-    def __init__(self, prefetch: int = 1) -> None:
-        self.prefetch = prefetch
-        # storage key -> (the gathered tensor, weakly, and what it was gathered from)
-        self._live: dict[int, tuple[weakref.ref[torch.Tensor], _Gathered]] = {}
-        self._regathered: weakref.WeakValueDictionary[int, torch.Tensor] = (
-            weakref.WeakValueDictionary()
-        )
-        self._saved: list[_Gathered] = []  # in the order forward first saved them
-        self._index: dict[int, int] = {}
-        self._started: set[int] = set()  # gathers started in backward (never twice per step)
-        self._pending: dict[int, Pending] = {}
-        # shard id -> the parameters a recomputed region saved with it ([Note: region gathers])
-        self._groups: dict[int, list[_Gathered]] = {}
-        self._group: list[_Gathered] | None = None
-
-    @contextlib.contextmanager
-    def region(self) -> Iterator[None]:
-        """Group the parameters saved inside: re-gathered together in backward."""
-        self._group = group = []
-        try:
-            yield
-        finally:
-            self._group = None
-        for g in group:
-            self._groups[id(g.shard)] = group
-
-    def track(self, full: torch.Tensor, gathered: _Gathered) -> None:
-        self._live[_storage_key(full)] = (weakref.ref(full), gathered)
-
-    def release(self, full: torch.Tensor) -> bool:
-        return self._live.pop(_storage_key(full), None) is not None
-
-    def pack(self, t: torch.Tensor) -> Any:
-        entry = self._live.get(_storage_key(t)) if t.device.type != "meta" else None
-        if entry is None:
-            # Kept as is, an output its own operator saves would hold that operator's graph
-            # node in a reference cycle through C++ that only backward breaks: forwards without
-            # a backward would never free their activations.
-            return t.detach() if t.grad_fn is not None else t
-        tracked, gathered = entry
-        if tracked() is None:  # a gathered tensor that died unfreed: its storage key is reused
-            del self._live[_storage_key(t)]
-            return t.detach() if t.grad_fn is not None else t
-        if id(gathered.shard) not in self._index:
-            self._index[id(gathered.shard)] = len(self._saved)
-            self._saved.append(gathered)
-        if self._group is not None:
-            self._group.append(gathered)
-        return _Handle(gathered, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
-            return packed
-        g = packed.gathered
-        key = id(g.shard)
-        full = self._regathered.get(key)
-        if full is None:
-            for member in self._groups.get(key, ()):
-                if id(member.shard) not in self._started:
-                    self._started.add(id(member.shard))
-                    self._pending[id(member.shard)] = self._start(member)
-            with torch.no_grad():
-                full = _gather_full(g.shard.detach(), g.shape, g.group, self._pending.pop(key, None),
-                                    g.dtype)
-            self._regathered[key] = full
-            self._started.add(key)
-            index = self._index[key]
-            for earlier in self._saved[max(0, index - self.prefetch):index][::-1]:
-                if id(earlier.shard) not in self._started:
-                    self._started.add(id(earlier.shard))
-                    self._pending[id(earlier.shard)] = self._start(earlier)
-        return full.as_strided(packed.size, packed.stride, packed.offset)
-
-    @staticmethod
-    def _start(g: _Gathered) -> Pending:
-        return gather_shards_start(_cast(g.shard.detach(), g.dtype), g.group)
+from .regather import (
+    Gathered,
+    StepContext,
+    cast,
+    gather_full,
+    split_gathered,
+    start_params,
+)
 
 
 _local = threading.local()
@@ -218,16 +114,6 @@ def _free_deferred() -> None:
         _free(full)
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t if dtype is None else t.to(dtype)
-
-
-def _gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str,
-                 pending: Pending | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    flat = (pending or gather_shards_start(_cast(shard, dtype), group)).wait()
-    return flat[:math.prod(shape)].view(shape)
-
-
 class GradReduceScatters:
     """Reduce-scatters of sharded gradients, run asynchronously during backward.
 
@@ -254,7 +140,7 @@ class GradReduceScatters:
             held[:grad_full.numel()].add_(grad_full.reshape(-1))
             self.start_flat([shard], held, group)
             return
-        grad = pad_flat(_cast(grad_full, reduce_dtype), padded_numel)
+        grad = pad_flat(cast(grad_full, reduce_dtype), padded_numel)
         owned = grad.untyped_storage().data_ptr() != grad_full.untyped_storage().data_ptr()
         self.start_flat([shard], grad, group, owned=owned)
 
@@ -320,7 +206,7 @@ class _AllGatherParam(torch.autograd.Function):
         ctx.padded_numel = shard.numel() * shard_chunks(group)
         ctx.shard = shard  # the leaf itself: saved_tensors would give a new tensor object
         ctx.scatters = _scatters()
-        return _gather_full(shard, shape, group, pending, dtype)
+        return gather_full(shard, shape, group, pending, dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, ...]:
@@ -349,7 +235,7 @@ def prefetch_param(shard: torch.Tensor, group: str, *,
                    dtype: torch.dtype | None = None) -> Prefetched:
     """Start gathering ``shard`` (cast to ``dtype``) asynchronously; :func:`all_gather_param`
     waits for it."""
-    return Prefetched(gather_shards_start(_cast(shard.detach(), dtype), group))
+    return Prefetched(gather_shards_start(cast(shard.detach(), dtype), group))
 
 
 @eager(_free_deferred)
@@ -376,37 +262,11 @@ def all_gather_param(
         full = _AllGatherParam.apply(shard, shape, group, pending, dtype, reduce_dtype)
     else:
         with torch.no_grad():
-            full = _gather_full(shard, shape, group, pending, dtype)
+            full = gather_full(shard, shape, group, pending, dtype)
     ctx = _active()
     if traits(strategy).freed_after_forward and ctx is not None:
-        ctx.track(full, _Gathered(shard, shape, group, dtype))
+        ctx.track(full, Gathered(shard, shape, group, dtype))
     return full
-
-
-def _split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, ...],
-                    shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
-    """The full parameters from a gather of every rank's concatenated ``shards``: row r of
-    ``flat.view(world, total)`` is rank r's concatenation; each parameter is a column block.
-    Each result owns its storage (so one can be freed without the others); ``flat`` is freed."""
-    table = flat.view(world, -1)
-    fulls, offset = [], 0
-    for shard, shape in zip(shards, shapes):
-        block = table[:, offset:offset + shard.numel()].reshape(-1)
-        offset += shard.numel()
-        if block.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
-            block = block.clone()  # a contiguous block (world 1) is a view: make it its own
-        fulls.append(block[:math.prod(shape)].view(shape))
-    # Every member is a copy now; gloo's worker may hold the gathered buffer a few milliseconds
-    # longer: release its memory at once.
-    storage = flat.untyped_storage()
-    storage.resize_(0)
-    note_resized(storage)
-    return tuple(fulls)
-
-
-def _start_params(shards: tuple[torch.Tensor, ...], group: str,
-                  dtype: torch.dtype | None) -> Pending:
-    return gather_shards_start(torch.cat([_cast(s.detach(), dtype) for s in shards]), group)
 
 
 class _AllGatherParams(torch.autograd.Function):
@@ -416,8 +276,8 @@ class _AllGatherParams(torch.autograd.Function):
                 reduce_dtype: torch.dtype | None, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.reduce_dtype, ctx.shards = group, reduce_dtype, shards
         ctx.scatters = _scatters()
-        flat = (pending or _start_params(shards, group, dtype)).wait()
-        return _split_gathered(flat, shard_chunks(group), shards, shapes)
+        flat = (pending or start_params(shards, group, dtype)).wait()
+        return split_gathered(flat, shard_chunks(group), shards, shapes)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
@@ -448,30 +308,33 @@ class _AllGatherParams(torch.autograd.Function):
 def prefetch_params(shards: tuple[torch.Tensor, ...], group: str, *,
                     dtype: torch.dtype | None = None) -> Prefetched:
     """:func:`prefetch_param` for a bucket of parameters (see :func:`all_gather_params`)."""
-    return Prefetched(_start_params(tuple(shards), group, dtype))
+    return Prefetched(start_params(tuple(shards), group, dtype))
 
 
 @eager(_free_deferred)
 def all_gather_params(
     shards: tuple[torch.Tensor, ...], shapes: tuple[tuple[int, ...], ...], strategy: str,
     group: str, prefetched: Prefetched | None = None, *, dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None, regather_together: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`all_gather_param` for a bucket of parameters: one all-gather of every rank's
     concatenated shards, one reduce-scatter of their gradients in backward. A full_shard member
-    is freed and re-gathered on its own, like a parameter gathered alone."""
+    is freed on its own after its last use; backward re-gathers it on its own, or with the
+    bucket's other saved members in one all-gather (``regather_together``: the bucket is at
+    most the plan's ``gather_bucket_bytes``; a longer run of small parameters is not)."""
     shards, shapes = tuple(shards), tuple(tuple(s) for s in shapes)
     pending = prefetched.take() if prefetched is not None else None
     if any(s.requires_grad for s in shards) and torch.is_grad_enabled():
         fulls = _AllGatherParams.apply(shapes, group, pending, dtype, reduce_dtype, *shards)
     else:
         with torch.no_grad():
-            flat = (pending or _start_params(shards, group, dtype)).wait()
-            fulls = _split_gathered(flat, shard_chunks(group), shards, shapes)
+            flat = (pending or start_params(shards, group, dtype)).wait()
+            fulls = split_gathered(flat, shard_chunks(group), shards, shapes)
     ctx = _active()
     if traits(strategy).freed_after_forward and ctx is not None:
         for shard, shape, full in zip(shards, shapes, fulls):
-            ctx.track(full, _Gathered(shard, shape, group, dtype))
+            ctx.track(full, Gathered(shard, shape, group, dtype,
+                                     shards if regather_together else None))
     return tuple(fulls)
 
 

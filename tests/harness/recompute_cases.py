@@ -13,6 +13,7 @@ import torch
 
 from osdp_fx import compile_osdp
 from osdp_fx.runtime import params as runtime_params
+from osdp_fx.runtime import regather as runtime_regather
 
 from .models import batches, build, local
 
@@ -31,23 +32,44 @@ def plan_file(model: str, path: Any, strategy: str, recompute: dict[str, str]) -
     return str(path)
 
 
+COLLECTIVES = -1
+"""The key of :func:`counting_gathers`'s count of all-gather collectives."""
+
+
 @contextlib.contextmanager
 def counting_gathers() -> Iterator[collections.Counter[int]]:
-    """Count the all-gathers the runtime starts (each parameter's or bucket's, forward and
-    backward) by wrapping the real function it calls, keyed by the storage gathered from (a
-    shard's, or a bucket's concatenation)."""
-    real = runtime_params.gather_shards_start
+    """Count the all-gathers the runtime starts, forward and backward, by wrapping the real
+    functions it calls: per parameter, keyed by the storage of its shard (each member of a
+    bucket gathered in one collective counts once), and the collectives under
+    :data:`COLLECTIVES`."""
+    real, real_bucket = runtime_params.gather_shards_start, runtime_regather.start_params
     count: collections.Counter[int] = collections.Counter()
+    in_bucket = [False]
 
     def counted(shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        count[shard.untyped_storage().data_ptr()] += 1
+        if not in_bucket[0]:
+            count[shard.untyped_storage().data_ptr()] += 1
+            count[COLLECTIVES] += 1
         return real(shard, *args, **kwargs)
 
-    runtime_params.gather_shards_start = counted
+    def counted_bucket(shards: tuple[torch.Tensor, ...], *args: Any, **kwargs: Any) -> Any:
+        for shard in shards:
+            count[shard.untyped_storage().data_ptr()] += 1
+        count[COLLECTIVES] += 1
+        in_bucket[0] = True
+        try:
+            return real_bucket(shards, *args, **kwargs)
+        finally:
+            in_bucket[0] = False
+
+    modules = (runtime_params, runtime_regather)  # forward's gathers, backward's re-gathers
+    for module in modules:
+        module.gather_shards_start, module.start_params = counted, counted_bucket
     try:
         yield count
     finally:
-        runtime_params.gather_shards_start = real
+        for module in modules:
+            module.gather_shards_start, module.start_params = real, real_bucket
 
 
 def train(rank: int, world: int, *, model: str, plan: str, steps: int = 5, lr: float = 0.05,
@@ -70,7 +92,8 @@ def train(rank: int, world: int, *, model: str, plan: str, steps: int = 5, lr: f
         with counting_gathers() as backward:
             loss.backward()
         gathers.append(tuple(
-            {names.get(k, f"bucket {k}"): n for k, n in c.items()} for c in (forward, backward)))
+            {"collectives" if k == COLLECTIVES else names[k]: n for k, n in c.items()}
+            for c in (forward, backward)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

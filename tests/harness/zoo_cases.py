@@ -4,6 +4,7 @@ its own loss (tiny configs, random weights, dropout off)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -105,12 +106,13 @@ def zoo_train(rank: int, world: int, *, arch: str, lr: float = 0.05) -> dict[str
     for plan in ("full_shard", None):
         compiled = compile_osdp(build(arch), (), example_kwargs=batch(arch, 0, rank), plan=plan,
                                 memory_limit=limit, max_shape=MAX_SHAPE)
-        # the search under a limit 20 % above full_shard's peak: a mix of strategies
+        # the search under a limit 20 % above full_shard's peak
         limit = int(compiled.plan.prediction.peak_memory_bytes * 1.2)
         losses = _train(compiled, arch, range(rank, rank + 1), lr=lr)
         out[plan or "searched"] = {
             "losses": losses, "state": compiled.full_state_dict(),
             "strategies": sorted({p.strategy for p in compiled.plan.params}),
+            "fits": compiled.plan.peak_memory_bytes <= (limit if plan is None else math.inf),
         }
         with torch.no_grad():
             out[plan or "searched"]["output"] = type(compiled(**batch(arch, 0, rank))).__name__

@@ -195,7 +195,7 @@ def test_printed_code_shows_the_collectives(run, capsys):
     assert (n_gathers, n_frees) == (len(gathers(run["compiled"].graph_module)),
                                     len(frees(run["compiled"].graph_module)))
     if run["strategy"] != "replicate":
-        assert f"'{run['strategy']}', 'world')" in code
+        assert f"'{run['strategy']}', 'world'" in code
 
 
 # ---- views and outputs of full_shard parameters ----------------------------------------------

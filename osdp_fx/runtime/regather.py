@@ -1,0 +1,226 @@
+"""Gathers of sharded parameters, and their re-gathers in backward.
+
+:class:`StepContext` (entered by ``OSDPModule.forward`` through ``params.module_scope``)
+installs saved-tensor hooks: when autograd wants to save a gathered full_shard parameter (or a
+view of it, such as ``W.t()``) it keeps a small :class:`Handle` instead, and backward
+re-gathers the parameter when it needs it (with the other saved members of its forward gather
+bucket, in one all-gather), starting the re-gathers it will need next as it does. So no
+gathered full_shard weight stays alive between forward and backward. The helpers here gather a
+parameter (:func:`gather_full`) or a bucket (:func:`start_params`, :func:`split_gathered`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .collectives import Pending
+from .hierarchy import gather_shards_start, shard_chunks
+from .memory import note_resized
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclasses.dataclass(eq=False)
+class Gathered:
+    shard: torch.Tensor
+    shape: tuple[int, ...]
+    group: str
+    dtype: torch.dtype | None = None
+    bucket: tuple[torch.Tensor, ...] | None = None
+    """The shards of the forward all-gather it rode in, when several: re-gathered together
+    (the shards, not their ``Gathered``, which would make a reference cycle)."""
+
+
+class Regather:
+    """One all-gather of backward: a parameter, or the saved members of one bucket."""
+
+    def __init__(self, unit: list[Gathered]) -> None:
+        self.unit = unit
+        g = unit[0]
+        self.pending = (gather_shards_start(cast(g.shard.detach(), g.dtype), g.group)
+                        if len(unit) == 1 else
+                        start_params(tuple(m.shard for m in unit), g.group, g.dtype))
+
+    def wait(self) -> list[torch.Tensor]:
+        with torch.no_grad():
+            if len(self.unit) == 1:
+                g = self.unit[0]
+                return [gather_full(g.shard, g.shape, g.group, self.pending)]
+            g = self.unit[0]
+            return list(split_gathered(self.pending.wait(), shard_chunks(g.group),
+                                        tuple(m.shard for m in self.unit),
+                                        tuple(m.shape for m in self.unit)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """What autograd keeps instead of a view of a gathered parameter."""
+
+    gathered: Gathered
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class StepContext:
+    """Tracks this forward's gathered full_shard parameters and re-gathers them in backward.
+
+    Backward needs the saved parameters in about the reverse of the order forward saved them,
+    so when it unpacks one it starts gathering the one saved before it (``prefetch`` of them)
+    asynchronously, to overlap that all-gather with this operator's backward. Parameters that
+    forward gathered in one bucket are re-gathered in one all-gather too (those of its members
+    that autograd saved): the first unpacked gets the whole bucket, the rest are kept until
+    backward asks for them, as FSDP2 unshards a module's parameters at once.
+    """
+
+    def __init__(self, prefetch: int = 1) -> None:
+        self.prefetch = prefetch
+        # storage key -> (the gathered tensor, weakly, and what it was gathered from)
+        self._live: dict[int, tuple[weakref.ref[torch.Tensor], Gathered]] = {}
+        self._regathered: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
+        self._saved: list[Gathered] = []  # in the order forward first saved them
+        self._index: dict[int, int] = {}
+        self._started: set[int] = set()  # gathers started in backward (never twice per step)
+        self._pending: dict[int, Regather] = {}
+        self._ready: dict[int, torch.Tensor] = {}  # re-gathered with a bucket, not asked yet
+        # shard id -> the parameters a recomputed region saved with it ([Note: region gathers])
+        self._groups: dict[int, list[Gathered]] = {}
+        self._group: list[Gathered] | None = None
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """Group the parameters saved inside: re-gathered together in backward."""
+        self._group = group = []
+        try:
+            yield
+        finally:
+            self._group = None
+        for g in group:
+            self._groups[id(g.shard)] = group
+
+    def track(self, full: torch.Tensor, gathered: Gathered) -> None:
+        self._live[storage_key(full)] = (weakref.ref(full), gathered)
+
+    def release(self, full: torch.Tensor) -> bool:
+        return self._live.pop(storage_key(full), None) is not None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        entry = self._live.get(storage_key(t)) if t.device.type != "meta" else None
+        if entry is None:
+            # Kept as is, an output its own operator saves would hold that operator's graph
+            # node in a reference cycle through C++ that only backward breaks: forwards without
+            # a backward would never free their activations.
+            return t.detach() if t.grad_fn is not None else t
+        tracked, gathered = entry
+        if tracked() is None:  # a gathered tensor that died unfreed: its storage key is reused
+            del self._live[storage_key(t)]
+            return t.detach() if t.grad_fn is not None else t
+        if id(gathered.shard) not in self._index:
+            self._index[id(gathered.shard)] = len(self._saved)
+            self._saved.append(gathered)
+        if self._group is not None:
+            self._group.append(gathered)
+        return Handle(gathered, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, Handle):
+            return packed
+        g = packed.gathered
+        key = id(g.shard)
+        full = self._regathered.get(key)
+        if full is None:
+            self._start(g)
+            for member in self._groups.get(key, ()):
+                self._start(member)
+            full = self._take(g)
+            self._regathered[key] = full
+            # the re-gathers (parameters or buckets) saved just before this one: prefetched,
+            # but for a recomputed region's, which start when it is recomputed
+            units = [id(g.bucket or g)]
+            for earlier in self._saved[:self._index[key]][::-1]:
+                if id(earlier.shard) in self._groups:
+                    continue
+                if id(earlier.bucket or earlier) not in units:
+                    if len(units) > self.prefetch:
+                        break
+                    units.append(id(earlier.bucket or earlier))
+                    self._start(earlier)
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _start(self, g: Gathered) -> None:
+        """Start re-gathering ``g`` and the saved members of its bucket not started yet (once
+        per step)."""
+        if id(g.shard) in self._started:
+            return
+        unit = [g if shard is g.shard else self._saved[self._index[id(shard)]]
+                for shard in g.bucket or (g.shard,)
+                if shard is g.shard or (id(shard) in self._index
+                                        and id(shard) not in self._started)]
+        job = Regather(unit)
+        for m in unit:
+            self._started.add(id(m.shard))
+            self._pending[id(m.shard)] = job
+
+    def _take(self, g: Gathered) -> torch.Tensor:
+        """``g`` re-gathered: by the all-gather started for it (waited for; its bucket's other
+        members are kept until backward asks for them), or by a new one."""
+        key = id(g.shard)
+        if key in self._ready:
+            return self._ready.pop(key)
+        job = self._pending.pop(key, None)
+        if job is None:  # asked again after its first re-gather died: alone
+            job = Regather([g])
+        for m, full in zip(job.unit, job.wait()):
+            if m is g:
+                mine = full
+            else:
+                self._pending.pop(id(m.shard), None)
+                self._ready[id(m.shard)] = full
+        return mine
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
+
+
+def gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str,
+                 pending: Pending | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    flat = (pending or gather_shards_start(cast(shard, dtype), group)).wait()
+    return flat[:math.prod(shape)].view(shape)
+
+
+def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, ...],
+                    shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+    """The full parameters from a gather of every rank's concatenated ``shards``: row r of
+    ``flat.view(world, total)`` is rank r's concatenation; each parameter is a column block.
+    Each result owns its storage (so one can be freed without the others); ``flat`` is freed."""
+    table = flat.view(world, -1)
+    fulls, offset = [], 0
+    for shard, shape in zip(shards, shapes):
+        block = table[:, offset:offset + shard.numel()].reshape(-1)
+        offset += shard.numel()
+        if block.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+            block = block.clone()  # a contiguous block (world 1) is a view: make it its own
+        fulls.append(block[:math.prod(shape)].view(shape))
+    # Every member is a copy now; gloo's worker may hold the gathered buffer a few milliseconds
+    # longer: release its memory at once.
+    storage = flat.untyped_storage()
+    storage.resize_(0)
+    note_resized(storage)
+    return tuple(fulls)
+
+
+def start_params(shards: tuple[torch.Tensor, ...], group: str,
+                  dtype: torch.dtype | None) -> Pending:
+    return gather_shards_start(torch.cat([cast(s.detach(), dtype) for s in shards]), group)

@@ -1,0 +1,50 @@
+"""Gather buckets of any size (a whole block, or the whole model, in one all-gather): training
+equals single-process training, and backward re-gathers a bucket's saved members in one
+all-gather (world 2, gloo)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import cases, recompute_cases
+
+
+def _plan(path, strategy: str, bucket_bytes: int, recompute: dict[str, str]) -> str:
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": strategy,
+                                "params": {}, "gather_bucket_bytes": bucket_bytes,
+                                **({"recompute": recompute} if recompute else {})}))
+    return str(path)
+
+
+@pytest.mark.parametrize("recompute", [{}, {"blocks.0": "full", "blocks.1": "selective"}])
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_one_bucket_trains_like_one_process_and_is_regathered_once(worlds, tmp_path, strategy,
+                                                                     recompute):
+    plan = _plan(tmp_path / "plan.json", strategy, 2**30, recompute)
+    results = worlds(2).run(recompute_cases.train, model="gpt", plan=plan)
+    cases.assert_matches_single_process(results, "gpt", 2)
+    assert results[0]["code"].count("all_gather_params(") == 1  # every parameter: one bucket
+    for forward, backward in results[0]["gathers"]:
+        # every parameter gathered once, in one collective
+        assert forward.pop("collectives") == 1 and set(forward.values()) == {1}
+        assert len(forward) == len(results[0]["plan"]["params"])
+        # full_shard: the members backward saved, re-gathered once each in one all-gather;
+        # shard_grad_op keeps them
+        if strategy == "full_shard":
+            assert backward.pop("collectives") == 1 and set(backward.values()) == {1}
+        else:
+            assert backward == {}
+
+
+def test_a_bucket_holds_a_large_parameter_with_small_ones(worlds, tmp_path):
+    """wide_mlp's 83 KiB weight rides with the small parameters before it, up to 100 KiB."""
+    plan = _plan(tmp_path / "plan.json", "full_shard", 100 * 1024, {})
+    results = worlds(2).run(recompute_cases.train, model="wide_mlp", plan=plan)
+    cases.assert_matches_single_process(results, "wide_mlp", 2)
+    code = results[0]["code"]
+    assert code.count("all_gather_params(") == 2 and code.count("all_gather_param(") == 0
+    for forward, backward in results[0]["gathers"]:
+        assert forward.pop("collectives") == 2 and set(forward.values()) == {1}
+        assert backward.pop("collectives") == 2 and set(backward.values()) == {1}
