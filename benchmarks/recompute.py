@@ -10,7 +10,9 @@ depth 4, 4 heads, sequence 256, per-rank batch 4), trained with AdamW:
 - FSDP2 + checkpoint: the same, each block's forward run under
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (applied before ``fully_shard``);
 - osdp-fx ``full_shard``; ``full_shard`` with every region (block, ``osdp_fx.regions.
-  find_regions``) recomputed ``"full"``; the same with every region ``"selective"`` (plan files);
+  find_regions``) recomputed ``"full"``; the same with every region ``"selective"``;
+  ``full_shard`` with gather buckets of one block's gathered bytes (one all-gather per block),
+  alone and with every region ``"full"`` (plan files);
 - osdp-fx ``replicate``: its peak only (not timed), to place the limit B;
 - osdp-fx searched (``compile_osdp(memory_limit=A)``) at A = ``--a-fraction`` (0.6) x the
   measured all-``full_shard`` peak, and the sharding-only search at A (expected: no plan fits);
@@ -104,6 +106,7 @@ TOLERANCE = 0.05  # predicted against measured peak of the plans that recompute
 # the rows, in the order they are built and shown: (key, system, plan label)
 FSDP2, FSDP2_CKPT = "fsdp2", "fsdp2_ckpt"
 FULL_SHARD, FULL_RECOMPUTE, SELECTIVE = "full_shard", "full_shard_full", "full_shard_selective"
+BLOCKS, BLOCKS_FULL = "full_shard_blocks", "full_shard_blocks_full"
 REPLICATE = "replicate"
 SEARCHED_A, SHARDING_A = "searched_A", "sharding_only_A"
 SHARDING_B, JOINT_B = "sharding_only_B", "joint_B"
@@ -113,6 +116,8 @@ LABELS = {
     FULL_SHARD: ("osdp-fx", "full_shard"),
     FULL_RECOMPUTE: ("osdp-fx", "full_shard, every block full"),
     SELECTIVE: ("osdp-fx", "full_shard, every block selective"),
+    BLOCKS: ("osdp-fx", "full_shard, block-sized gather buckets"),
+    BLOCKS_FULL: ("osdp-fx", "full_shard, block-sized gather buckets, every block full"),
     REPLICATE: ("osdp-fx", "replicate (peak only: places B)"),
     SEARCHED_A: ("osdp-fx", "searched @ A"),
     SHARDING_A: ("osdp-fx", "searched sharding-only @ A"),
@@ -134,18 +139,27 @@ def checkpoint_forward(block: torch.nn.Module) -> None:
     block.forward = functools.partial(checkpoint, forward, use_reentrant=False)
 
 
-def recompute_plan_files(cfg: Config, directory: Path) -> dict[str, str]:
-    """Plan files: every parameter full_shard, every region ``full`` (``selective``)."""
+def recompute_plan_files(cfg: Config, directory: Path, world: int) -> dict[str, str]:
+    """Plan files: every parameter full_shard, every region ``full`` (``selective``); and
+    full_shard with gather buckets of one block's gathered parameters (``blocks``; one
+    all-gather per block, as FSDP2 groups one), alone and with every region ``full``."""
     model = build_model(cfg, torch.device("cpu"))
-    regions = list(find_regions(capture(model, (local_batch(cfg, 0, torch.device("cpu")),))
-                                .gm.graph))
+    gm = capture(model, (local_batch(cfg, 0, torch.device("cpu")),)).gm
+    regions = find_regions(gm.graph)
+    block = max(sum(-(-gm.get_parameter(t).numel() // world) * world * 4 for t in
+                    {a.target for op in ops for a in op.all_input_nodes if a.op == "get_attr"})
+                for ops in regions.values())
+    plans = {"full": {"recompute": {r: "full" for r in regions}},
+             "selective": {"recompute": {r: "selective" for r in regions}},
+             "blocks": {"gather_bucket_bytes": block},
+             "blocks_full": {"gather_bucket_bytes": block,
+                             "recompute": {r: "full" for r in regions}}}
     files = {}
-    for policy in ("full", "selective"):
-        path = directory / f"full_shard-{policy}.json"
+    for name, extra in plans.items():
+        path = directory / f"full_shard-{name}.json"
         path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1,
-                                    "default": "full_shard", "params": {},
-                                    "recompute": {r: policy for r in regions}}))
-        files[policy] = str(path)
+                                    "default": "full_shard", "params": {}, **extra}))
+        files[name] = str(path)
     return files
 
 
@@ -287,6 +301,8 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     w.add(FSDP2_CKPT, w.fsdp2(True), limit_a)
     w.add(FULL_RECOMPUTE, w.osdp(plan_files["full"]))
     w.add(SELECTIVE, w.osdp(plan_files["selective"]))
+    w.add(BLOCKS, w.osdp(plan_files["blocks"]))
+    w.add(BLOCKS_FULL, w.osdp(plan_files["blocks_full"]))
     w.add(SEARCHED_A, w.osdp(None, limit_a), limit_a)
     w.add(SHARDING_A, w.osdp(None, limit_a, sharding_only=True), limit_a)
     w.add(SHARDING_B, w.osdp(None, limit_b, sharding_only=True), limit_b)
@@ -406,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wall = time.perf_counter()
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="osdp-recompute-") as plan_dir:
-        plan_files = recompute_plan_files(cfg, Path(plan_dir))
+        plan_files = recompute_plan_files(cfg, Path(plan_dir), args.world_size)
         result = start_world(world, measure, cfg, opts, plan_files)[0]
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows, limit_a, limit_b = result["rows"], result["limit_a"], result["limit_b"]
