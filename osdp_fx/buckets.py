@@ -52,19 +52,15 @@ class Schedule:
     """Bytes of one all-reduce bucket of replicated gradients (:func:`plan_buckets`)."""
 
 
-def candidate_schedules(prefetch: int | None = None,
-                        block_bytes: int | None = None) -> list[Schedule]:
+def candidate_schedules(prefetch: int | None = None) -> list[Schedule]:
     """The schedules the search tries (the default first): prefetch 0, 1 or 2 (or only
-    ``prefetch`` when the user fixed it); gather buckets of 64 KiB (small parameters only),
-    1 MiB, and ``block_bytes`` when larger (the gathered bytes of the model's largest region,
-    so that a transformer block is gathered and reduce-scattered as one, FSDP2's grouping);
-    all-reduce buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds more
-    gathered parameters, a larger bucket a larger flat buffer) and saves time (overlap,
-    latency)."""
+    ``prefetch`` when the user fixed it), gather buckets of 64 KiB (small parameters only) or
+    1 MiB, all-reduce buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds
+    more gathered parameters, a larger bucket a larger flat buffer) and saves time (overlap,
+    latency). Larger gather buckets (a whole transformer block) are for plan files: the step
+    model does not yet charge their copies and later reduce-scatters (``docs/cost-models.md``)."""
     depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
-    gathers = [SMALL_PARAM_BYTES, 2**20] + ([block_bytes] if block_bytes and block_bytes > 2**20
-                                            else [])
-    return [Schedule(d, g, r) for d in depths for g in gathers
+    return [Schedule(d, g, r) for d in depths for g in (SMALL_PARAM_BYTES, 2**20)
             for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)]
 
 
