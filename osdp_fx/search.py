@@ -30,13 +30,12 @@ from .passes.split_linear import SPLIT_FACTORS, linear_sites
 from .plan import DEFAULT_PREFETCH
 from .schedule import collectives_key, rank_schedules, schedule_memory_kwargs
 from .solver import solve_min_time
-from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, SHARD_GRAD_OP, STRATEGIES
+from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, STRATEGIES
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
 _MAX_TIGHTENINGS = 8
-_UNIFORM_MARGIN = 0.02
 
 
 def choose_splits(
@@ -282,23 +281,6 @@ def _search(
             seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
             recompute=found[1], **schedule_memory_kwargs(schedule))
 
-    def or_uniform(found: Found) -> Found:
-        """``found``, or a uniformly sharded plan (its regions alike) when that fits and is
-        predicted faster by more than ``_UNIFORM_MARGIN`` (within it, the profiled times'
-        noise would make the choice differ between runs): the solver's per-group costs do not
-        see that parameters sharded alike share gather buckets."""
-        best, best_s = found, _step_s(analysis, found, devices=devices, optimizer=optimizer,
-                                      schedule=schedule, batch_size=batch_size)
-        for strategy in (FULL_SHARD, SHARD_GRAD_OP):
-            uniform = ({n: strategy if strategy in options[n] else options[n][0] for n in names},
-                       found[1])
-            if uniform[0] != found[0] and peak(uniform) <= target:
-                seconds = _step_s(analysis, uniform, devices=devices, optimizer=optimizer,
-                                  schedule=schedule, batch_size=batch_size)
-                if seconds < best_s * (1 - _UNIFORM_MARGIN):
-                    best, best_s = uniform, seconds
-        return best
-
     limit = target
     for _ in range(_MAX_TIGHTENINGS):
         try:
@@ -315,7 +297,7 @@ def _search(
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, %d regions recomputed, predicted peak %s of %s", counts,
                      len(recompute), format_bytes(predicted), format_bytes(memory_limit_bytes))
-            return or_uniform((strategies, recompute))
+            return strategies, recompute
         limit -= predicted - target
         if limit <= base:
             break
