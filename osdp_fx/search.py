@@ -212,20 +212,13 @@ def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | No
         return alone
 
     def time_s(found: Found) -> float:
-        return _step_s(analysis, found, devices=kw["devices"], optimizer=kw["optimizer"],
-                       schedule=kw.get("schedule", Schedule()), batch_size=kw.get("batch_size"))
+        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
+                                    analysis.facts, devices=kw["devices"],
+                                    optimizer=kw["optimizer"], profiled_batch=analysis.batch_size,
+                                    recompute=found[1], schedule=kw.get("schedule", Schedule()))
+        return float(step.step_time_expr.subs(BATCH, kw.get("batch_size") or analysis.plan_batch))
 
     return joint if joint[1] and time_s(joint) < time_s(alone) else alone
-
-
-def _step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
-            schedule: Schedule, batch_size: int | None) -> float:
-    """The predicted step seconds of ``found`` (the whole step-time model, buckets included)."""
-    step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
-                                analysis.facts, devices=devices, optimizer=optimizer,
-                                profiled_batch=analysis.batch_size, recompute=found[1],
-                                schedule=schedule)
-    return float(step.step_time_expr.subs(BATCH, batch_size or analysis.plan_batch))
 
 
 def _search(
@@ -273,14 +266,6 @@ def _search(
         if found is not None:
             return found
         raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
-    def peak(found: Found) -> int:
-        return predict_peak_bytes(
-            analysis.captured.gm, param_states(analysis, found[0]), world_size=devices.world_size,
-            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
-            seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-            recompute=found[1], **schedule_memory_kwargs(schedule))
-
     limit = target
     for _ in range(_MAX_TIGHTENINGS):
         try:
@@ -292,13 +277,19 @@ def _search(
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         recompute = {r: opts[j].policy for (r, opts), j in
                      zip(regions.items(), result.choices[len(names):]) if j}
-        predicted = peak((strategies, recompute))
-        if predicted <= target:
+        peak = predict_peak_bytes(
+            analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
+            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+            profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
+            seq_scale=analysis.seq_scale(),
+            grad_accumulation=grad_accumulation, recompute=recompute,
+            **schedule_memory_kwargs(schedule))
+        if peak <= target:
             counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
             log.info("search: %s, %d regions recomputed, predicted peak %s of %s", counts,
-                     len(recompute), format_bytes(predicted), format_bytes(memory_limit_bytes))
+                     len(recompute), format_bytes(peak), format_bytes(memory_limit_bytes))
             return strategies, recompute
-        limit -= predicted - target
+        limit -= peak - target
         if limit <= base:
             break
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
