@@ -3,11 +3,14 @@ checks of the planner's options, and the share of the memory limit the search pl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch import fx
 
 from .capture import Captured, unchanged_state
 from .cost_models.graph_facts import GraphFacts, ParamState, graph_facts
@@ -15,6 +18,7 @@ from .cost_models.shapes import node_factors
 from .devices import OPTIMIZERS
 from .errors import InputError
 from .io_spec import input_shape
+from .meta import NodeProfile, osdp_meta, set_osdp_meta
 from .passes.profile import profile_graph_pass, slowest_rank_times_pass
 from .passes.runner import run_passes
 from .passes.sequence import NodeNumels, sequence_numels
@@ -109,22 +113,70 @@ def param_specs(captured: Captured) -> list[ParamSpec]:
     ]
 
 
+_PROFILES_KEPT = 8
+_measured: collections.OrderedDict[tuple[Any, ...], dict[str, NodeProfile]] = (
+    collections.OrderedDict())
+"""Measured profiles of this process, by :func:`_profile_key`, the latest last."""
+
+
+def _profile_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a measured profile depends on: the process group, the graph's code, its
+    parameters' and inputs' shapes, dtypes and devices, and the threads that compute."""
+    def sig(t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(t.shape), t.dtype, t.device.type, t.requires_grad
+
+    group = id(torch.distributed.group.WORLD) if group_size(WORLD) > 1 else None
+    inputs = [sig(t) for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    params = [(n, *sig(p)) for n, p in gm.named_parameters()]
+    return group, gm.code, tuple(inputs), tuple(params), torch.get_num_threads()
+
+
+def _restore_profile(gm: fx.GraphModule, key: tuple[Any, ...]) -> bool:
+    """Give ``gm`` the times measured earlier in this process for the same ``key``, if every
+    rank has them (collective in a process group: the ranks must agree to skip measuring)."""
+    saved = _measured.get(key)
+    if group_size(WORLD) > 1:
+        have = torch.tensor([0 if saved is None else 1])
+        torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
+        if not have.item():
+            return False
+    if saved is None:
+        return False
+    for node in gm.graph.nodes:
+        set_osdp_meta(node, profile=saved[node.name])
+    _measured.move_to_end(key)
+    return True
+
+
+def _remember_profile(gm: fx.GraphModule, key: tuple[Any, ...]) -> None:
+    _measured[key] = {n.name: osdp_meta(n).profile for n in gm.graph.nodes}
+    while len(_measured) > _PROFILES_KEPT:
+        _measured.popitem(last=False)
+
+
 def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
             warmup: int = 1, repeats: int = 3,
             precision: MixedPrecision | None = None,
             max_shape: tuple[int, int | None] | None = None) -> Analysis:
     """Profile ``captured.gm`` on ``example_inputs``; in a process group, the node times are
-    made the same on every rank, summing to the slowest rank's (``slowest_rank_times_pass``)."""
+    made the same on every rank, summing to the slowest rank's (``slowest_rank_times_pass``).
+
+    Measured once per process group for a graph and its inputs' and parameters' shapes: a later
+    call with the same reuses those times (the last few are kept), so that compiling the same
+    model twice gives the same plan, as ``Devices`` are detected once per group."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
-    if not fake and group_size(WORLD) > 1:
-        # ranks time their nodes together, sharing the machine as they do when training
-        torch.distributed.barrier()
-    with unchanged_state(captured.gm):
-        run_passes(captured.gm, [("profile", lambda g: profile_graph_pass(
-            g, example_inputs, warmup=warmup, repeats=repeats, fake=fake,
-            meta_device=captured.materialize_device or "cpu"))])
-    if not fake:
-        run_passes(captured.gm, [("slowest_rank_times", slowest_rank_times_pass)])
+    key = None if fake else _profile_key(captured.gm, example_inputs)
+    if key is None or not _restore_profile(captured.gm, key):
+        if not fake and group_size(WORLD) > 1:
+            # ranks time their nodes together, sharing the machine as they do when training
+            torch.distributed.barrier()
+        with unchanged_state(captured.gm):
+            run_passes(captured.gm, [("profile", lambda g: profile_graph_pass(
+                g, example_inputs, warmup=warmup, repeats=repeats, fake=fake,
+                meta_device=captured.materialize_device or "cpu"))])
+        if not fake:
+            run_passes(captured.gm, [("slowest_rank_times", slowest_rank_times_pass)])
+            _remember_profile(captured.gm, key)
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch, seq = input_shape(example_inputs)
     numels = None if seq is None else sequence_numels(

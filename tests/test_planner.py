@@ -194,3 +194,24 @@ def test_plan_command_plans_a_hugging_face_model_built_on_meta(capsys):
     searched, fsdp = rows["searched (osdp-fx)"], rows["all full_shard (FSDP)"]
     assert searched[-1] == "yes" and float(searched[2]) <= float(fsdp[3]) * (1 + 1e-6)
     assert "model.transformer.wte.weight" in out
+
+
+def test_the_same_graph_and_shapes_are_profiled_once():
+    """Compiling the same model twice gives the same plan: its measured times are reused (as
+    Devices are detected once); another batch shape is measured anew."""
+    from osdp_fx.analysis import analyze
+    from osdp_fx.meta import osdp_meta
+
+    def times(inputs):
+        torch.manual_seed(0)
+        model = GPTWithLoss(TinyGPT(vocab=128, dim=32, depth=1, heads=2, max_seq=16))
+        captured = capture(model, inputs)
+        analyze(captured, inputs)
+        return {n.name: osdp_meta(n).profile for n in captured.gm.graph.nodes}
+
+    first = times((torch.randint(0, 128, (4, 16)),))
+    again = times((torch.randint(0, 128, (4, 16)),))
+    other = times((torch.randint(0, 128, (2, 16)),))
+    timed = [n for n, p in first.items() if p.fwd_time_s is not None]
+    assert timed and all(again[n] is first[n] for n in first)
+    assert all(other[n] is not first[n] for n in timed)
