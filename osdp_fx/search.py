@@ -22,6 +22,7 @@ from .analysis import MEMORY_MARGIN, Analysis, param_state, param_states, planna
 from .buckets import Schedule, candidate_schedules
 from .cost_models.recompute import RegionCost, region_costs
 from .cost_models.step import GroupCost, group_cost, predict_step_time, regathered_params
+from .cost_models.overlap import gather_windows, hidden_share_s
 from .cost_models.timeline import BATCH, predict_peak_bytes
 from .devices import Devices
 from .errors import InputError, PlanError
@@ -250,7 +251,10 @@ def _search(
             for n in names
         }
     scale = (batch_size or analysis.plan_batch) / analysis.batch_size
-    rows = [([c.comm_s + c.optim_s for c in table[n]], [c.persistent_bytes for c in table[n]],
+    hidden = _hidden_shares(analysis, options, devices=devices, prefetch=schedule.prefetch,
+                            scale=scale, regathered=regathered)
+    rows = [([c.comm_s + c.optim_s - h for c, h in zip(table[n], hidden[n])],
+             [c.persistent_bytes for c in table[n]],
              [c.transient_bytes for c in table[n]]) for n in names]
     rows += [([o.recompute_s * scale for o in opts], [int(o.kept_bytes * scale) for o in opts],
               [int(o.recomputed_bytes * scale) for o in opts]) for opts in regions.values()]
@@ -296,6 +300,20 @@ def _search(
         return ({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE for n in names},
                 {r: opts[-1].policy for r, opts in regions.items()})
     raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
+
+
+def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], *, devices: Devices,
+                   prefetch: int, scale: float, regathered: set[str]) -> dict[str, list[float]]:
+    """Per group and option, the gather seconds prefetching hides (``overlap.gather_windows``):
+    the exact problem then weighs a sharded group's collectives as the step model does, less
+    what the computation around it hides, and not at their full time."""
+    windows = gather_windows(analysis.facts, devices, prefetch=prefetch)
+    out = {}
+    for n, opts in options.items():
+        w = windows.get(n, (0.0, 0.0))
+        out[n] = [hidden_share_s(param_state(analysis, n, s), (w[0] * scale, w[1] * scale),
+                                 devices, regathered=n in regathered) for s in opts]
+    return out
 
 
 def _no_plan_message(memory_limit_bytes: int, target: int, lowest_peak: int, base: int,

@@ -111,3 +111,47 @@ def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices
     total = sum(g[2] for g in forward) + sum(g[2] for g in backward)
     exposed = exposed_gather_s(fwd_compute, forward) + exposed_gather_s(bwd_compute, backward)
     return OVERLAP_EFFICIENCY * max(0.0, total - exposed)
+
+
+def gather_windows(facts: GraphFacts, devices: Devices, *,
+                   prefetch: int) -> dict[str, tuple[float, float]]:
+    """Per parameter group, the computation (forward, backward seconds) its gathers may hide
+    under with prefetch distance ``prefetch``, for the search's per-group costs (its exact
+    problem needs a cost per group and option, not per plan).
+
+    Groups in the order forward first uses them: the forward gather of the i-th starts once the
+    (i - d)-th is used, so it hides under the forward of the operators in between; its
+    re-gather in backward starts at the backward of the (i + d)-th and hides under the backward
+    of those in between. Counted as if every group were gathered: a replicated neighbour
+    starts nothing, so this is at most what :func:`hidden_gather_s` replays for a plan; the
+    shares of a bucket's members (one gather) are each the window of the member alone."""
+    if prefetch <= 0 or devices.world_size <= 1:
+        return {}
+    nodes = facts.nodes
+    fwd, bwd = [0.0], [0.0]  # prefix sums over positions
+    for n in nodes:
+        t = node_compute_time_s(facts.profile[n], devices) if n.op in _CALLS else None
+        fwd.append(fwd[-1] + (t.fwd_s if t else 0.0))
+        bwd.append(bwd[-1] + (t.bwd_s if t else 0.0))
+    first: dict[str, int] = {}
+    for node, name in facts.param_of.items():
+        uses = facts.param_uses(node)
+        if uses:
+            first[name] = min(first.get(name, len(nodes)), min(facts.pos[u] for u in uses))
+    order = sorted(first, key=first.__getitem__)
+    use = [first[n] for n in order]
+    windows = {}
+    for i, name in enumerate(order):
+        before = fwd[use[i]] - fwd[use[i - prefetch]] if i >= prefetch else 0.0
+        j = i + prefetch
+        after = bwd[use[j] + 1] - bwd[use[i] + 1] if j < len(order) else 0.0
+        windows[name] = (before, after)
+    return windows
+
+
+def hidden_share_s(state: ParamState, window: tuple[float, float], devices: Devices, *,
+                   regathered: bool) -> float:
+    """The gather seconds of one group that its ``window`` (:func:`gather_windows`) hides,
+    credited at :data:`OVERLAP_EFFICIENCY`."""
+    fwd, bwd = gather_s(state, devices, regathered=regathered)
+    return OVERLAP_EFFICIENCY * (min(fwd, window[0]) + min(bwd, window[1]))
