@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import fx
@@ -148,13 +148,9 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
     lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
               for n, p in analysis.captured.params.items()}
     full = {r: opts[-1] for r, opts in (regions or {}).items()}
-    peak = predict_peak_bytes(
-        analysis.captured.gm, param_states(analysis, lowest), world_size=devices.world_size,
-        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-        profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
-        seq_scale=analysis.seq_scale(),
-        grad_accumulation=grad_accumulation, recompute={r: o.policy for r, o in full.items()},
-        **schedule_memory_kwargs(schedule))
+    peak = _peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()},
+                       devices=devices, optimizer=optimizer, batch_size=batch_size,
+                       grad_accumulation=grad_accumulation, schedule=schedule)
     regathered = regathered_params(analysis.facts)
     costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                         devices=devices, optimizer=optimizer,
@@ -226,13 +222,14 @@ def _search(
     analysis: Analysis, regions: Mapping[str, list[RegionCost]], *, devices: Devices,
     memory_limit_bytes: int, optimizer: str, batch_size: int | None = None,
     grad_accumulation: int = 1, schedule: Schedule = Schedule(),
-    cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None,
+    cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None, loosen: bool = True,
 ) -> Found:
     """One exact search over the parameter groups' strategies and, as more rows of the same
     problem, the ``regions``' policies (time: the recomputed forward; persistent: what the
     region keeps to backward; transient: what its recomputation re-creates), under
     ``schedule`` (its memory charged). ``cost_tables``: the groups' costs by all-reduce bucket
-    size, filled and reused across the searches of one ``search_schedules``."""
+    size, filled and reused across the searches of one ``search_schedules``. ``loosen``: also
+    try the exact problem at looser limits that the timeline still fits (:func:`_loosen`)."""
     names = list(analysis.captured.params)
     trainable = {n: analysis.captured.params[n].trainable for n in names}
     sharding_helps = devices.world_size > 1
@@ -270,36 +267,104 @@ def _search(
         if found is not None:
             return found
         raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
-    limit = target
-    for _ in range(_MAX_TIGHTENINGS):
+    def solve(limit: int) -> tuple[Found, int, int] | None:
+        """(plan, its timeline peak, the exact problem's own peak) at the problem's ``limit``."""
         try:
             result = solve_min_time([r[0] for r in rows], [r[1] for r in rows],
                                     [r[2] for r in rows], limit_bytes=limit, base_bytes=base,
                                     names=[*names, *regions])
         except PlanError:  # rounding, near the most sharded plan's peak: see below
-            break
+            return None
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         recompute = {r: opts[j].policy for (r, opts), j in
                      zip(regions.items(), result.choices[len(names):]) if j}
-        peak = predict_peak_bytes(
-            analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
-            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
-            seq_scale=analysis.seq_scale(),
-            grad_accumulation=grad_accumulation, recompute=recompute,
-            **schedule_memory_kwargs(schedule))
-        if peak <= target:
-            counts = {s: sum(v == s for v in strategies.values()) for s in STRATEGIES}
-            log.info("search: %s, %d regions recomputed, predicted peak %s of %s", counts,
-                     len(recompute), format_bytes(peak), format_bytes(memory_limit_bytes))
-            return strategies, recompute
-        limit -= peak - target
+        peak = _peak_bytes(analysis, strategies, recompute, devices=devices, optimizer=optimizer,
+                           batch_size=batch_size, grad_accumulation=grad_accumulation,
+                           schedule=schedule)
+        return (strategies, recompute), peak, result.peak_bytes
+
+    limit, fit = target, None
+    for _ in range(_MAX_TIGHTENINGS):
+        solved = solve(limit)
+        if solved is None:
+            break
+        if solved[1] <= target:
+            fit = solved
+            break
+        limit -= solved[1] - target
         if limit <= base:
             break
+    if fit is not None:
+        found = fit[0] if not loosen else _loosen(fit, limit, target, solve, lambda f: _step_s(
+            analysis, f, devices=devices, optimizer=optimizer, batch_size=batch_size,
+            schedule=schedule))
+        counts = {s: sum(v == s for v in found[0].values()) for s in STRATEGIES}
+        log.info("search: %s, %d regions recomputed, limit %s", counts, len(found[1]),
+                 format_bytes(memory_limit_bytes))
+        return found
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
         return ({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE for n in names},
                 {r: opts[-1].policy for r, opts in regions.items()})
     raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
+
+
+_MAX_LOOSENINGS = 4
+LOOSENED_SCHEDULES = 3
+"""``search_schedules`` loosens the searches of the schedules whose plans rank first."""
+
+
+def _loosen(fit: tuple[Found, int, int], limit: int, target: int,
+            solve: Callable[[int], tuple[Found, int, int] | None],
+            step_s: Callable[[Found], float]) -> Found:
+    """The fastest plan (``step_s``) of the exact problem solved at ``limit`` (its answer
+    ``fit``: plan, timeline peak, the problem's own peak) and at looser limits whose answers the
+    timeline still fits in ``target``.
+
+    The exact problem's memory is separable (persistent bytes per group, the largest
+    transient, activations as a constant) and can overestimate the timeline's peak of a plan
+    (on the optimality GPT by 17 MiB, 11 %, for plans sharding its largest groups with
+    shard_grad_op): its answer then leaves memory unused that a faster plan would fill. So
+    raise its limit by what it overestimates plus the timeline's slack, and bisect back where
+    the timeline does not fit; at most :data:`_MAX_LOOSENINGS` more solves."""
+    best, (_, peak, model_peak) = fit[0], fit
+    best_s, lo, hi = step_s(best), limit, None
+    for _ in range(_MAX_LOOSENINGS):
+        trial = model_peak + (target - peak) if hi is None else (lo + hi) // 2
+        if trial - lo <= target // 100:
+            break
+        solved = solve(trial)
+        if solved is None:
+            break
+        if solved[1] > target:
+            hi = trial
+            continue
+        lo, peak, model_peak = trial, solved[1], solved[2]
+        if (s := step_s(solved[0])) < best_s:
+            best, best_s = solved[0], s
+    return best
+
+
+def _step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
+            batch_size: int | None, schedule: Schedule) -> float:
+    """The step model's seconds for a plan at the batch the search plans for."""
+    step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
+                                analysis.facts, devices=devices, optimizer=optimizer,
+                                profiled_batch=analysis.batch_size, recompute=found[1],
+                                schedule=schedule)
+    batch = batch_size or analysis.plan_batch
+    return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s
+
+
+def _peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute: Mapping[str, str],
+                *, devices: Devices, optimizer: str, batch_size: int | None,
+                grad_accumulation: int, schedule: Schedule) -> int:
+    """The timeline's predicted peak of one candidate plan."""
+    return predict_peak_bytes(
+        analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
+        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+        profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
+        seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
+        recompute=recompute, **schedule_memory_kwargs(schedule))
 
 
 def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], *, devices: Devices,
@@ -358,4 +423,11 @@ def search_schedules(
         return step.step_s, (collectives_key(analysis.facts, states, schedule,
                                              devices.world_size), tuple(sorted(found[1].items())))
 
-    return rank_schedules(search, score, options)
+    # Every schedule is searched without loosening (each loosening solves the problem up to
+    # _MAX_LOOSENINGS more times); the fastest few are searched again with it.
+    ranked = rank_schedules(functools.partial(search, loosen=False), score, options)
+    loosened = []
+    for schedule in dict.fromkeys(r[1] for r in ranked[:LOOSENED_SCHEDULES]):
+        found = search(schedule=schedule, memory_limit_bytes=memory_limit_bytes)
+        loosened.append((score(schedule, found)[0], schedule, found))
+    return sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
