@@ -64,6 +64,10 @@ class Devices:
     optimizer_tensor_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured fixed time per parameter tensor of an optimizer step (its kernel launches and
     Python), by optimizer kind; 0 for a kind missing here."""
+    selective_op_time_s: float = 0.0
+    """Time torch's selective activation checkpointing adds per operator of a selectively
+    recomputed region, in forward and in the recomputation together (its dispatch mode runs
+    Python around every operator); measured by ``detect``, 0 when not measured."""
     compute_flops_per_s_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
     """Sustained matmul throughput of operators computing in a dtype ("bfloat16", ...) where it
     differs from ``compute_flops_per_s`` (tensor cores); the roofline uses :meth:`flops_per_s`."""
@@ -127,7 +131,7 @@ class Devices:
         Every rank of ``group`` (default: the world) must call it, since it runs collectives;
         every rank returns the same Devices (timings are reduced to the slowest rank first).
         Measured: dense matmul FLOP/s, memory bandwidth from a large copy, optimizer step
-        times, and, by a fit of the ring alpha-beta model to each of all-gather, reduce-scatter
+        times, what selective activation checkpointing adds per operator, and, by a fit of the ring alpha-beta model to each of all-gather, reduce-scatter
         and all-reduce over sizes from 4 KiB to 16 MiB, the bandwidth and latency of each
         collective inside a node (ranks sharing a host name) and across nodes
         (``collective_links``; the scope's figures are the all-reduce's).

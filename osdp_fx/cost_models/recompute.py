@@ -153,9 +153,17 @@ def recomputed_params(facts: GraphFacts, spans: Mapping[fx.Node, RegionSpan]) ->
 
 
 def recompute_time_s(facts: GraphFacts, spans: Mapping[fx.Node, RegionSpan], devices) -> float:
-    """Forward time of the recomputed operators (at the profiled batch)."""
-    return sum(node_compute_time_s(facts.profile[n], devices).fwd_s
-               for n, span in spans.items() if n not in span.kept)
+    """Forward time of the recomputed operators (at the profiled batch), plus, per operator of
+    a selective region, what selective checkpointing's dispatch adds
+    (``Devices.selective_op_time_s``; an operator of the graph is counted as one)."""
+    selective = sum(1 for n, span in spans.items()
+                    if span.policy == Recompute.SELECTIVE and n.op in _CALLS)
+    return selective * devices.selective_op_time_s + sum(
+        node_compute_time_s(facts.profile[n], devices).fwd_s
+        for n, span in spans.items() if n not in span.kept)
+
+
+_CALLS = ("call_function", "call_method", "call_module")
 
 
 def region_costs(facts: GraphFacts, devices,

@@ -43,7 +43,8 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
-_selective_contexts = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+selective_contexts = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+"""``checkpoint``'s ``context_fn`` of a selective region (also timed by ``Devices.detect``)."""
 
 
 class RecomputedRegion(nn.Module):
@@ -61,7 +62,7 @@ class RecomputedRegion(nn.Module):
             return self.body(*args)
         kwargs: dict[str, Any] = {}
         if self.policy == Recompute.SELECTIVE:
-            kwargs["context_fn"] = _selective_contexts
+            kwargs["context_fn"] = selective_contexts
         with region_saves():
             return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
                               **kwargs)

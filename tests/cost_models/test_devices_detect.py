@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from osdp_fx.devices import OPTIMIZERS, Devices
 from osdp_fx.errors import InputError
 
-MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s")
+MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s")
 
 
 def _positive_finite(devices: Devices, names: tuple[str, ...]) -> None:

@@ -61,3 +61,24 @@ def test_unknown_region_names_the_regions():
         recompute_regions_pass(captured.gm, policies={"blocks.9": "full"})
     with pytest.raises(PlanError, match="selective"):
         recompute_regions_pass(captured.gm, policies={"model.blocks.0": "sometimes"})
+
+def test_selective_regions_are_charged_their_dispatch_per_operator():
+    """The step model charges a selective region ``Devices.selective_op_time_s`` per operator
+    (selective checkpointing's dispatch mode wraps each); save and full are not charged it."""
+    from osdp_fx.analysis import analyze
+    from osdp_fx.cost_models.recompute import region_costs
+    from osdp_fx.devices import Devices
+
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=2, heads=2, max_seq=16))
+    x = (torch.randint(0, 64, (2, 16)),)
+    captured = capture(model, x)
+    facts = analyze(captured, x, fake=True).facts
+    regions = find_regions(captured.gm.graph)
+    plain, charged = (region_costs(facts, Devices(selective_op_time_s=t)) for t in (0.0, 1e-3))
+    assert regions and set(plain) == set(regions)
+    for name, options in plain.items():
+        ops = sum(n.op in ("call_function", "call_method", "call_module") for n in regions[name])
+        for before, after in zip(options, charged[name]):
+            added = 1e-3 * ops if before.policy == "selective" else 0.0
+            assert after.recompute_s == pytest.approx(before.recompute_s + added)
