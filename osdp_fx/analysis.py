@@ -120,15 +120,15 @@ _measured: collections.OrderedDict[tuple[Any, ...], dict[str, NodeProfile]] = (
 
 
 def _profile_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What a measured profile depends on: the process group, the graph's code, its
-    parameters' and inputs' shapes, dtypes and devices, and the threads that compute."""
+    """What a measured profile depends on: the process group, the graph's code, the shapes,
+    dtypes and devices of its parameters, buffers and inputs, and the threads that compute."""
     def sig(t: torch.Tensor) -> tuple[Any, ...]:
         return tuple(t.shape), t.dtype, t.device.type, t.requires_grad
 
     group = id(torch.distributed.group.WORLD) if group_size(WORLD) > 1 else None
     inputs = [sig(t) for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    params = [(n, *sig(p)) for n, p in gm.named_parameters()]
-    return group, gm.code, tuple(inputs), tuple(params), torch.get_num_threads()
+    state = [(n, *sig(t)) for n, t in (*gm.named_parameters(), *gm.named_buffers())]
+    return group, gm.code, tuple(inputs), tuple(state), torch.get_num_threads()
 
 
 def _restore_profile(gm: fx.GraphModule, key: tuple[Any, ...]) -> bool:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..meta import NodeProfile
 
 __all__ = [
+    "CALL_OPS",
     "ComputeTime",
     "backward_bytes",
     "forward_bytes",
@@ -35,6 +36,9 @@ __all__ = [
     "roofline_time_s",
     "total_compute_time_s",
 ]
+
+CALL_OPS = ("call_function", "call_method", "call_module")
+"""The fx node kinds that run an operator."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from ..devices import Devices
 from ..layout import collective_stages
 from ..strategies import traits
 from .communication import collective_time_s
-from .compute import node_compute_time_s
+from .compute import CALL_OPS, node_compute_time_s
 from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets
 
 OVERLAP_EFFICIENCY = 0.5
@@ -34,8 +34,6 @@ OVERLAP_EFFICIENCY = 0.5
 project's 2-core CPU machine, prefetching one ahead took a full_shard step of the compare.py
 GPT from 0.677 to 0.652 s and of an MLP from 91 to 69 ms (``docs/benchmarks.md``,
 ``docs/cost-models.md``): about half of what an ideal overlap of those gathers would give."""
-
-_CALLS = ("call_function", "call_method", "call_module")
 
 
 def exposed_gather_s(compute_s: Sequence[float],
@@ -82,7 +80,7 @@ def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices
     if prefetch <= 0 or devices.world_size <= 1:
         return 0.0
     nodes, pos = facts.nodes, facts.pos
-    times = {n: node_compute_time_s(facts.profile[n], devices) if n.op in _CALLS else None
+    times = {n: node_compute_time_s(facts.profile[n], devices) if n.op in CALL_OPS else None
              for n in nodes}
     fwd_compute = [t.fwd_s if t else 0.0 for t in (times[n] for n in nodes)]
     bwd_compute = [t.bwd_s if t else 0.0 for t in (times[n] for n in reversed(nodes))]
@@ -130,7 +128,7 @@ def gather_windows(facts: GraphFacts, devices: Devices, *,
     nodes = facts.nodes
     fwd, bwd = [0.0], [0.0]  # prefix sums over positions
     for n in nodes:
-        t = node_compute_time_s(facts.profile[n], devices) if n.op in _CALLS else None
+        t = node_compute_time_s(facts.profile[n], devices) if n.op in CALL_OPS else None
         fwd.append(fwd[-1] + (t.fwd_s if t else 0.0))
         bwd.append(bwd[-1] + (t.bwd_s if t else 0.0))
     first: dict[str, int] = {}

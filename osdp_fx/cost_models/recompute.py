@@ -28,7 +28,7 @@ from torch import fx
 
 from ..plan import RegionPrediction
 from ..regions import Recompute, find_regions, kept_by_selective
-from .compute import node_compute_time_s
+from .compute import CALL_OPS, node_compute_time_s
 from .graph_facts import GraphFacts
 
 Interval = tuple[float, float, int, bool]
@@ -157,13 +157,11 @@ def recompute_time_s(facts: GraphFacts, spans: Mapping[fx.Node, RegionSpan], dev
     a selective region, what selective checkpointing's dispatch adds
     (``Devices.selective_op_time_s``; an operator of the graph is counted as one)."""
     selective = sum(1 for n, span in spans.items()
-                    if span.policy == Recompute.SELECTIVE and n.op in _CALLS)
+                    if span.policy == Recompute.SELECTIVE and n.op in CALL_OPS)
     return selective * devices.selective_op_time_s + sum(
         node_compute_time_s(facts.profile[n], devices).fwd_s
         for n, span in spans.items() if n not in span.kept)
 
-
-_CALLS = ("call_function", "call_method", "call_module")
 
 
 def region_costs(facts: GraphFacts, devices,
