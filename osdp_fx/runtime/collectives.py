@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import WORLD, shard_numel  # noqa: F401  (re-exported)
+from .memory import note_resized
 
 _named_groups: dict[str, Any] = {}
 
@@ -78,17 +79,48 @@ def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
     return all_gather_flat_start(shard, group).wait()
 
 
-def reduce_scatter_flat_start(full: torch.Tensor, group: str) -> Pending:
+def reduce_scatter_flat_start(full: torch.Tensor, group: str, *,
+                              consume: bool = False) -> Pending:
     """Start summing ``full`` (flat, divisible by the group size) over ranks into this rank's
-    chunk. ``full`` is kept alive until the collective completes."""
+    chunk. ``full`` is kept alive until the collective completes; ``consume``: the caller hands
+    ``full`` over, and it may be overwritten and freed."""
     world = group_size(group)
     if world == 1:
         return Pending(full.clone())
+    pg = resolve_group(group)
+    if full.device.type == "cpu" and dist.get_backend(pg) == "gloo":
+        # [Note: gloo reduce-scatter] gloo's reduce_scatter_tensor clones its input and
+        # all-reduces the clone, which its work object holds until it is freed: 2x the input
+        # in flight. Doing that here, on the caller's buffer when it is handed over, holds 1x.
+        buf = (full if consume and full.is_contiguous()
+               else full.clone(memory_format=torch.contiguous_format))
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        return _ChunkPending(buf, work, dist.get_rank(pg), world)
     out = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
     src = full.contiguous()
-    work = _reduce_scatter_flat_impl(out, src, op=dist.ReduceOp.SUM,
-                                     group=resolve_group(group), async_op=True)
+    work = _reduce_scatter_flat_impl(out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
     return Pending(out, work, src)
+
+
+class _ChunkPending(Pending):
+    """An all-reduce in flight whose ``wait()`` returns this rank's chunk of the sum, copied
+    out (the all-reduced buffer is freed then)."""
+
+    def __init__(self, buf: torch.Tensor, work: Any, rank: int, world: int) -> None:
+        super().__init__(buf, work)
+        self._rank, self._world = rank, world
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            buf = self._out
+            self._out = buf.chunk(self._world)[self._rank].clone()
+            storage = buf.untyped_storage()
+            if storage.nbytes() == buf.numel() * buf.element_size():  # not a view of more
+                storage.resize_(0)
+                note_resized(storage)
+        return self._out
 
 
 def reduce_scatter_flat(full: torch.Tensor, group: str) -> torch.Tensor:

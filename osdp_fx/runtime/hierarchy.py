@@ -30,6 +30,7 @@ the second when the result is waited for (:class:`StagedPending`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -184,15 +185,18 @@ def gather_shards_start(shard: torch.Tensor, group: str) -> Pending:
     return _staged(shard, stages, all_gather_flat_start, all_gather_flat)
 
 
-def reduce_scatter_shards_start(full: torch.Tensor, group: str) -> Pending:
+def reduce_scatter_shards_start(full: torch.Tensor, group: str, *,
+                                consume: bool = False) -> Pending:
     """Start reducing ``full`` (flat, padded) to this rank's chunk summed over every rank of the
-    world; ``full`` is kept alive until the first stage completes."""
+    world; ``full`` is kept alive until the first stage completes (``consume``: handed over,
+    see :func:`reduce_scatter_flat_start`)."""
     two = _two_level.get(group)
     if two is None:
-        return reduce_scatter_flat_start(full, group)
+        return reduce_scatter_flat_start(full, group, consume=consume)
     stages = traits(two.strategy).reduce_stages
     scatters = [getattr(two, scope) for c, scope, _ in stages if c == "reduce_scatter"]
-    pending = _staged(full, scatters, reduce_scatter_flat_start, reduce_scatter_flat)
+    pending = _staged(full, scatters, functools.partial(reduce_scatter_flat_start,
+                                                         consume=consume), reduce_scatter_flat)
     for group in (getattr(two, scope) for c, scope, _ in stages if c == "all_reduce"):
         if group is not None:  # the shard, summed over the nodes
             pending = StagedPending(pending, lambda out, g=group: all_reduce_sum_(out, g))

@@ -160,7 +160,7 @@ class GradReduceScatters:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         while len(self._in_flight) >= self.max_in_flight:
             self._complete(*self._in_flight.popleft())
-        pending = reduce_scatter_shards_start(flat, group)
+        pending = reduce_scatter_shards_start(flat, group, consume=owned)
         self._in_flight.append((shards, pending, averaging_ranks(group), flat if owned else None))
 
     @staticmethod

@@ -19,3 +19,19 @@ def test_buckets_start_during_backward_and_average_the_ranks_gradients(worlds):
         assert r["started_at_first_layer"] == [3, 3]
         for name, grad in r["grads"].items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-6, atol=1e-7)
+
+
+def test_gloo_reduce_scatter_holds_its_input_once(worlds):
+    """On gloo a reduce-scatter is an all-reduce of a copy of the input ([Note: gloo
+    reduce-scatter]): osdp-fx makes that copy itself, or reduces a buffer handed over in place,
+    so what is alive once it completes is the input (unless handed over) and the chunk, not the
+    copy gloo's own reduce_scatter_tensor keeps in its work object."""
+    numel = 1 << 18
+    results = worlds(2).run(reducer_cases.gloo_reduce_scatter, numel=numel)
+    total = torch.arange(numel, dtype=torch.float32) * 3  # (rank 0 + 1) + (rank 1 + 1)
+    for rank, r in enumerate(results):
+        for consume in (False, True):
+            torch.testing.assert_close(r[consume]["chunk"], total.chunk(2)[rank], rtol=0, atol=0)
+        assert r[False]["input_kept"] and r[False]["extra_bytes"] == 0
+        # handed over: reduced in place and freed
+        assert not r[True]["input_kept"] and r[True]["extra_bytes"] == -numel * 4

@@ -38,3 +38,31 @@ def local_grads(rank: int, width: int = 64, depth: int = 4) -> dict[str, torch.T
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
     layers(x).square().mean().backward()
     return {n: p.grad for n, p in layers.named_parameters()}
+
+
+def gloo_reduce_scatter(rank: int, world: int, *, numel: int = 1 << 18) -> dict[str, Any]:
+    """``reduce_scatter_flat_start`` on gloo: the chunk it returns, whether the input was left
+    as it was (handed over: freed), and the storages of the input's size that the process holds
+    once the collective is waited for (the live-storage tracker of the benchmarks)."""
+    from osdp_fx.runtime.collectives import reduce_scatter_flat_start
+
+    from .memory_cases import StorageTracker
+
+    out: dict[str, Any] = {}
+    for consume in (False, True):
+        full = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+        tracker = StorageTracker(extra=[full])
+        with tracker:
+            pending = reduce_scatter_flat_start(full, "world", consume=consume)
+            chunk = pending.wait()
+            tracker.update()
+        out[consume] = {
+            "chunk": chunk, "input_kept": full.untyped_storage().nbytes() > 0 and torch.equal(
+                full, torch.arange(numel, dtype=torch.float32) * (rank + 1)),
+            # what the process holds now beyond what it held before and this rank's chunk:
+            # gloo's own reduce_scatter_tensor would hold a clone of the input in its work
+            "extra_bytes": tracker.live_bytes - tracker.start_bytes
+            - chunk.untyped_storage().nbytes(),
+        }
+        del pending
+    return out
