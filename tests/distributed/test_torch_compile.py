@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import compile_cases, recompute_cases
+from harness import compile_cases, models, recompute_cases
 from osdp_fx import Devices
 from test_parity import split_plan_file
 
@@ -40,6 +40,48 @@ def test_every_strategy(worlds, model, plan, devices):
     for result in results:
         assert {p["strategy"] for p in result["eager"]["plan"]["params"].values()} == {plan}
         assert_trains_like_eager(result)
+        # adjacent collective calls run as one: dynamo breaks the graph once per group
+        assert result["graph_breaks"] <= result["call_sites"] <= result["ungrouped_call_sites"]
+
+
+def test_adjacent_collective_calls_are_grouped_and_run_as_before(monkeypatch):
+    """The graph torch.compile runs groups each run of collective calls with nothing computed
+    between them into one call; run eagerly, it computes what the printed graph computes."""
+    from osdp_fx import api, compile_osdp
+    from osdp_fx.examples import TinyGPT
+    from osdp_fx.runtime.compile_support import CallGroup, _eager_calls
+
+    torch.manual_seed(0)  # weights larger than a gather bucket: gathered one by one
+    net = TinyGPT(vocab=67, dim=128, depth=2, heads=4, max_seq=16)
+    loss_fn = models.build("gpt", 0)[1]
+    batch = models.batches("gpt", global_batch=2, steps=1)[0]
+    compiled = compile_osdp(net, batch[:1], Devices(world_size=1), plan="shard_grad_op")
+    grouped = compiled._grouped()
+    kinds = ["call" if n.op == "call_function" and n.target in _eager_calls else
+             "group" if n.op == "call_module" and isinstance(grouped.get_submodule(n.target),
+                                                             CallGroup) else
+             "attr" if n.op == "get_attr" else "other" for n in grouped.graph.nodes]
+    calls = [k for k in kinds if k != "attr"]
+    assert not any(a in ("call", "group") and b in ("call", "group")
+                   for a, b in zip(calls, calls[1:])), "two collective call sites in a row"
+    groups = kinds.count("group")
+    assert groups >= 2 and compile_cases.collective_call_sites(grouped) < (
+        compile_cases.collective_call_sites(compiled.graph_module))
+    assert compiled.code == compiled.graph_module.code and "osdp_call_group" not in compiled.code
+
+    def step() -> tuple[float, dict[str, torch.Tensor]]:
+        loss = loss_fn(compiled(*batch[:1]), batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in compiled.named_parameters()}
+        compiled.zero_grad()
+        return loss.item(), grads
+
+    plain = step()
+    monkeypatch.setattr(api, "under_torch_compile", lambda: True)  # the grouped graph, eagerly
+    loss, grads = step()
+    assert loss == plain[0]
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
 
 
 def test_split_plan_with_the_compile_method(worlds, tmp_path):

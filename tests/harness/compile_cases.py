@@ -17,6 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from storage_tracker import StorageTracker  # noqa: E402
 
 
+def collective_call_sites(gm: torch.fx.GraphModule) -> int:
+    """The graph's collective calls (torch.compile breaks the graph at each): runtime calls
+    and groups of them."""
+    from osdp_fx.runtime.compile_support import CallGroup, _eager_calls
+
+    return sum(1 for n in gm.graph.nodes
+               if (n.op == "call_function" and n.target in _eager_calls)
+               or (n.op == "call_module" and isinstance(gm.get_submodule(n.target), CallGroup)))
+
+
 def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
                steps: int = 3, lr: float = 0.05, local_batch: int = 2, devices: Any = None,
                mixed_precision: Any = None, prefetch: int | None = None,
@@ -64,6 +74,10 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
             losses.append(loss.item())
         runs[mode] = {"losses": losses, "held_after_forward": held,
                       "state": compiled.full_state_dict(), "plan": compiled.plan.to_dict()}
+        if mode == "compiled":
+            runs["call_sites"] = collective_call_sites(compiled._grouped())
+            runs["ungrouped_call_sites"] = collective_call_sites(compiled.graph_module)
     runs["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runs["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     torch._dynamo.reset()
     return runs
