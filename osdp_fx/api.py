@@ -38,7 +38,7 @@ from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .planner import (check_grad_accumulation, check_optimizer, make_plan,
                       param_specs)
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
-from .runtime.compile_support import grouped_calls, under_torch_compile
+from .runtime.compile_support import GROUPED, grouped_for, under_torch_compile
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
 from .runtime.accumulation import GradSync, HeldGrads
 from .runtime.forward import ModuleRuntime
@@ -359,19 +359,9 @@ class OSDPModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self._io(args, kwargs) if self._io else args  # io_spec.py; before any collective
         with self._runtime.forward() as scope:
-            scope.output = (self._grouped() if under_torch_compile() else self._gm)(*inputs)
+            scope.output = (grouped_for(self, self._gm) if under_torch_compile()
+                            else self._gm)(*inputs)
         return scope.end()
-
-    @torch.compiler.disable  # built once, eagerly
-    def _grouped(self) -> fx.GraphModule:
-        """The graph module torch.compile runs: adjacent collective calls grouped, one graph
-        break each group ([Note: torch.compile])."""
-        grouped = self.__dict__.get("_grouped_gm")
-        if grouped is None:
-            grouped = grouped_calls(self._gm)
-            object.__setattr__(self, "_grouped_gm", grouped)
-            weakref.finalize(self, _release_graphs, [grouped.graph])
-        return grouped
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """The backwards of forwards run inside this context run no collective: gradients
@@ -386,7 +376,7 @@ class OSDPModule(nn.Module):
         super().zero_grad(set_to_none)
 
     def train(self, mode: bool = True) -> OSDPModule:
-        for gm in (self._gm, self.__dict__.get("_grouped_gm")):
+        for gm in (self._gm, self.__dict__.get(GROUPED)):
             if gm is not None:
                 gm.training = mode
         return super().train(mode)

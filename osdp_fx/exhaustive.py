@@ -44,6 +44,7 @@ from .cost_models.recompute import RegionCost
 from .cost_models.step import attributed_compute_s, group_cost, predict_step_time, regathered_params
 from .cost_models.timeline import predict_peak_bytes
 from .devices import Devices
+from .runtime.collectives import scatter_copies_input
 from .schedule import schedule_memory_kwargs
 from .layout import shard_count
 from .cost_models.memory import optimizer_state_bytes, shard_numel
@@ -235,7 +236,8 @@ def exhaustive_search(
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
             profiled_batch=analysis.batch_size, batch_size=batch_size,
             seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-            recompute=recompute, **schedule_memory_kwargs(schedule))
+            recompute=recompute, scatter_copies_input=scatter_copies_input(),
+            **schedule_memory_kwargs(schedule))
         if peak <= target_bytes:
             best = (seconds, (strategies, recompute))
     return None if best is None else best[1]

@@ -45,6 +45,7 @@ from .passes.split_linear import apply_splits
 from .plan import DEFAULT_PREFETCH, Plan, Prediction
 from .plan_request import PlanRequest, build_plan, resolve_plan
 from .precision import MixedPrecision, dtype_name
+from .runtime.collectives import scatter_copies_input
 from .schedule import schedule_memory_kwargs
 from .search import (  # noqa: F401  (re-exported)
     choose_splits,
@@ -177,7 +178,8 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
             profiled_batch=analysis.batch_size, batch_size=batch,
             grad_accumulation=grad_accumulation, recompute=recompute,
-            seq_scale=analysis.seq_scale(seq), **schedule_memory_kwargs(plan.schedule))
+            seq_scale=analysis.seq_scale(seq), scatter_copies_input=scatter_copies_input(),
+            **schedule_memory_kwargs(plan.schedule))
 
     memory = memory_at(batch, None)
     lines, shape_expr = None, None

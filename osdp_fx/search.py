@@ -20,6 +20,7 @@ from torch import fx
 
 from .analysis import MEMORY_MARGIN, Analysis, param_state, param_states, plannable_bytes
 from .buckets import Schedule, candidate_schedules
+from .cost_models.graph_facts import ParamState
 from .cost_models.recompute import RegionCost, region_costs
 from .cost_models.step import GroupCost, group_cost, predict_step_time, regathered_params
 from .cost_models.overlap import gather_windows, hidden_share_s
@@ -29,9 +30,10 @@ from .errors import InputError, PlanError
 from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
 from .passes.split_linear import SPLIT_FACTORS, linear_sites
 from .plan import DEFAULT_PREFETCH
+from .runtime.collectives import scatter_copies_input
 from .schedule import collectives_key, rank_schedules, schedule_memory_kwargs
 from .solver import solve_min_time
-from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, STRATEGIES
+from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, STRATEGIES, traits
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,14 @@ def choose_splits(
     names = list(analysis.captured.params)
     sites = linear_sites(analysis.captured.gm)
     regathered = regathered_params(analysis.facts)
+    # gloo copies a gradient it reduce-scatters at the launch, while the one before may still
+    # be in flight: a sharded group's transient is then a gradient more (the timeline's peak)
+    copies = scatter_copies_input()
+
+    def transient_of(c: GroupCost, state: ParamState) -> int:
+        sharded = traits(c.strategy).sharded and state.trainable
+        return c.transient_bytes + (state.numel * state.reduce_size if sharded and copies else 0)
+
     times, persistent, transient, labels = [], [], [], []
     for n in names:
         info = analysis.captured.params[n]
@@ -62,8 +72,8 @@ def choose_splits(
         costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                             devices=devices, optimizer=optimizer,
                             grad_accumulation=grad_accumulation) for st in strategies]
-        options = [(1, c.comm_s + c.optim_s, c.persistent_bytes, c.transient_bytes)
-                   for c in costs]
+        options = [(1, c.comm_s + c.optim_s, c.persistent_bytes,
+                    transient_of(c, param_state(analysis, n, c.strategy))) for c in costs]
         site = sites.get(n)
         if site is not None and info.trainable:
             summed = _summed_input_grad_bytes(analysis, site.node)
@@ -80,7 +90,8 @@ def choose_splits(
                     options.append((
                         k, j * (full.comm_s + full.optim_s) + (k - j) * (rep.comm_s + rep.optim_s),
                         j * full.persistent_bytes + (k - j) * rep.persistent_bytes,
-                        max(full.transient_bytes if j else 0, summed)))
+                        max(transient_of(full, part) if j else 0,
+                            rep.transient_bytes if j < k else 0, summed)))
         labels.append([o[0] for o in options])
         times.append([o[1] for o in options])
         persistent.append([o[2] for o in options])
@@ -364,7 +375,8 @@ def _peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute: Ma
         ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
         profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
         seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-        recompute=recompute, **schedule_memory_kwargs(schedule))
+        recompute=recompute, scatter_copies_input=scatter_copies_input(),
+        **schedule_memory_kwargs(schedule))
 
 
 def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], *, devices: Devices,

@@ -174,7 +174,8 @@ def replicated_buckets(tl: Timeline, params: Mapping[str, ParamState],
             starts.append((at, flat))
     for i, (at, flat) in enumerate(starts):
         later = i + in_flight
-        tl.alive(at, starts[later][0] if later < len(starts) else end, flat,
+        # completed (and its buffer freed) before the later one is allocated
+        tl.alive(at, starts[later][0] - 0.0625 if later < len(starts) else end, flat,
                  Category.COMMUNICATION, scaled=False, only=SYNC)
 
 

@@ -37,7 +37,8 @@ elements padded; for hybrid_shard read R for N throughout):
   and the sum a quarter step later (``graph_facts.activation_grad_intervals``);
 * parameter gradients: replicated, P from the first backward use to the end of the step; sharded,
   the full gradient P until the backward of the first use in graph order, then the asynchronous
-  reduce-scatter holds it (or its padded copy Pp when Pp != numel) until it completes: when the
+  reduce-scatter holds it (or its padded copy Pp when Pp != numel; on gloo a copy it makes at
+  the launch, when the gradient is alive too) until it completes: when the
   reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward; the Pp/N
   shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
   intra-node stage also holds a Pp / R block until the reduce-scatter completes);
@@ -95,6 +96,7 @@ def _step_timeline(
     recompute: Mapping[str, str] | None,
     gather_bucket_bytes: int,
     seq_scale: Mapping[str, tuple[float, ...]] | None,
+    scatter_copies_input: bool = False,
 ) -> tuple[Timeline, dict[Category, int], tuple[tuple[float, str], ...], list[fx.Node], int]:
     """The allocations of one step (:func:`predict_step_memory`'s arguments): the timeline, the
     bytes held throughout by category, the micro-batches as (time shift, which), the nodes and
@@ -284,9 +286,12 @@ def _step_timeline(
     scatters.sort()
     for i, (launch, since, held, held_block) in enumerate(scatters):
         later = i + reduce_scatters_in_flight
-        done = scatters[later][0] if later < len(scatters) else grad_sync
+        # completed (and its buffer freed) before the later one starts
+        done = scatters[later][0] - 0.0625 if later < len(scatters) else grad_sync
         if since < launch:  # the gradient itself, handed to the reduce-scatter at its launch
-            tl.alive(since, launch - 0.125, held, Category.GRADIENTS, scaled=False, only=SYNC)
+            # (gloo: copied then, so both are alive at the launch)
+            tl.alive(since, launch - (0 if scatter_copies_input else 0.125), held,
+                     Category.GRADIENTS, scaled=False, only=SYNC)
         tl.alive(launch, done, held, Category.COMMUNICATION, scaled=False, only=SYNC)
         tl.alive(launch, done, held_block, Category.COMMUNICATION, scaled=False, only=SYNC)
 
@@ -318,6 +323,7 @@ def predict_step_memory(
     recompute: Mapping[str, str] | None = None,
     gather_bucket_bytes: int = SMALL_PARAM_BYTES,
     seq_scale: Mapping[str, tuple[float, ...]] | None = None,
+    scatter_copies_input: bool = False,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
@@ -328,14 +334,17 @@ def predict_step_memory(
     ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
     ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
     the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
-    ``seq_scale``: activations at another sequence length (``shapes.py``).
+    ``seq_scale``: activations at another sequence length (``shapes.py``);
+    ``scatter_copies_input``: a reduce-scatter copies a gradient it is handed at its launch
+    (gloo, :func:`~osdp_fx.runtime.collectives.scatter_copies_input`).
     """
     tl, base, micros, nodes, optim_t = _step_timeline(
         gm, params, world_size=world_size, ranks_per_node=ranks_per_node, optimizer=optimizer,
         bucket_bytes=bucket_bytes, prefetch=prefetch,
         reduce_scatters_in_flight=reduce_scatters_in_flight,
         grad_accumulation=grad_accumulation, recompute=recompute,
-        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale)
+        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale,
+        scatter_copies_input=scatter_copies_input)
     batch = batch_size or profiled_batch
     steady = [(t + shift, by) for shift, micro in micros for t, by in tl.sweep(base, micro)]
     # The first step: the optimizer allocates its state in its first step() (torch.optim's
@@ -382,7 +391,8 @@ def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState], *,
                        reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
                        grad_accumulation: int = 1, recompute: Mapping[str, str] | None = None,
                        gather_bucket_bytes: int = SMALL_PARAM_BYTES,
-                       seq_scale: Mapping[str, tuple[float, ...]] | None = None) -> int:
+                       seq_scale: Mapping[str, tuple[float, ...]] | None = None,
+                       scatter_copies_input: bool = False) -> int:
     """``predict_step_memory(...).peak_bytes`` (the same arguments) without the rest of the
     prediction: what the searches check a candidate plan with."""
     tl, base, micros, _, _ = _step_timeline(
@@ -390,6 +400,7 @@ def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState], *,
         bucket_bytes=bucket_bytes, prefetch=prefetch,
         reduce_scatters_in_flight=reduce_scatters_in_flight,
         grad_accumulation=grad_accumulation, recompute=recompute,
-        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale)
+        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale,
+        scatter_copies_input=scatter_copies_input)
     batch = batch_size or profiled_batch
     return max(tl.peak(base, micro, batch, profiled_batch) for _, micro in micros)

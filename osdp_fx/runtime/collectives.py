@@ -79,6 +79,15 @@ def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
     return all_gather_flat_start(shard, group).wait()
 
 
+def scatter_copies_input(group: str = WORLD) -> bool:
+    """Whether a reduce-scatter over ``group`` copies a gradient it is handed at its launch:
+    on gloo ([Note: gloo reduce-scatter]); not on NCCL, nor without a process group."""
+    if group_size(group) == 1:
+        return False
+    backend = str(dist.get_backend(resolve_group(group)))
+    return backend == "gloo"
+
+
 def reduce_scatter_flat_start(full: torch.Tensor, group: str, *,
                               consume: bool = False) -> Pending:
     """Start summing ``full`` (flat, divisible by the group size) over ranks into this rank's
@@ -88,34 +97,35 @@ def reduce_scatter_flat_start(full: torch.Tensor, group: str, *,
     if world == 1:
         return Pending(full.clone())
     pg = resolve_group(group)
-    if full.device.type == "cpu" and dist.get_backend(pg) == "gloo":
+    out = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
+    if full.device.type == "cpu" and scatter_copies_input(group):
         # [Note: gloo reduce-scatter] gloo's reduce_scatter_tensor clones its input and
         # all-reduces the clone, which its work object holds until it is freed: 2x the input
         # in flight. Doing that here, on the caller's buffer when it is handed over, holds 1x.
         buf = (full if consume and full.is_contiguous()
                else full.clone(memory_format=torch.contiguous_format))
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-        return _ChunkPending(buf, work, dist.get_rank(pg), world)
-    out = torch.empty(full.numel() // world, dtype=full.dtype, device=full.device)
+        return _ChunkPending(out, buf, work, dist.get_rank(pg))
     src = full.contiguous()
     work = _reduce_scatter_flat_impl(out, src, op=dist.ReduceOp.SUM, group=pg, async_op=True)
     return Pending(out, work, src)
 
 
 class _ChunkPending(Pending):
-    """An all-reduce in flight whose ``wait()`` returns this rank's chunk of the sum, copied
-    out (the all-reduced buffer is freed then)."""
+    """An all-reduce of ``buf`` in flight whose ``wait()`` copies this rank's chunk of the sum
+    into ``out`` (allocated at the start, as the output of a reduce-scatter is) and frees
+    ``buf``."""
 
-    def __init__(self, buf: torch.Tensor, work: Any, rank: int, world: int) -> None:
-        super().__init__(buf, work)
-        self._rank, self._world = rank, world
+    def __init__(self, out: torch.Tensor, buf: torch.Tensor, work: Any, rank: int) -> None:
+        super().__init__(out, work)
+        self._buf, self._rank = buf, rank
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            buf = self._out
-            self._out = buf.chunk(self._world)[self._rank].clone()
+            buf, self._buf = self._buf, None
+            self._out.copy_(buf.view(-1, self._out.numel())[self._rank])
             storage = buf.untyped_storage()
             if storage.nbytes() == buf.numel() * buf.element_size():  # not a view of more
                 storage.resize_(0)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -154,3 +155,19 @@ def grouped_calls(gm: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(n)
     out.recompile()
     return out
+
+
+GROUPED = "_osdp_grouped_gm"
+"""Where :func:`grouped_for` keeps a module's grouped graph module (in its ``__dict__``)."""
+
+
+@torch.compiler.disable  # built once, eagerly
+def grouped_for(owner: nn.Module, gm: fx.GraphModule) -> fx.GraphModule:
+    """``owner``'s :func:`grouped_calls` copy of ``gm``: built the first time, then kept."""
+    grouped = owner.__dict__.get(GROUPED)
+    if grouped is None:
+        grouped = grouped_calls(gm)
+        object.__setattr__(owner, GROUPED, grouped)
+        # the graph and its module refer to each other: cut that when the owner goes
+        weakref.finalize(owner, setattr, grouped.graph, "_owning_module", None)
+    return grouped

@@ -49,14 +49,14 @@ def test_adjacent_collective_calls_are_grouped_and_run_as_before(monkeypatch):
     between them into one call; run eagerly, it computes what the printed graph computes."""
     from osdp_fx import api, compile_osdp
     from osdp_fx.examples import TinyGPT
-    from osdp_fx.runtime.compile_support import CallGroup, _eager_calls
+    from osdp_fx.runtime.compile_support import CallGroup, _eager_calls, grouped_for
 
     torch.manual_seed(0)  # weights larger than a gather bucket: gathered one by one
     net = TinyGPT(vocab=67, dim=128, depth=2, heads=4, max_seq=16)
     loss_fn = models.build("gpt", 0)[1]
     batch = models.batches("gpt", global_batch=2, steps=1)[0]
     compiled = compile_osdp(net, batch[:1], Devices(world_size=1), plan="shard_grad_op")
-    grouped = compiled._grouped()
+    grouped = grouped_for(compiled, compiled.graph_module)
     kinds = ["call" if n.op == "call_function" and n.target in _eager_calls else
              "group" if n.op == "call_module" and isinstance(grouped.get_submodule(n.target),
                                                              CallGroup) else

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from osdp_fx import compile_osdp
+from osdp_fx.runtime.compile_support import grouped_for
 
 from .models import batches, build, local
 
@@ -75,7 +76,8 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
         runs[mode] = {"losses": losses, "held_after_forward": held,
                       "state": compiled.full_state_dict(), "plan": compiled.plan.to_dict()}
         if mode == "compiled":
-            runs["call_sites"] = collective_call_sites(compiled._grouped())
+            grouped = grouped_for(compiled, compiled.graph_module)
+            runs["call_sites"] = collective_call_sites(grouped)
             runs["ungrouped_call_sites"] = collective_call_sites(compiled.graph_module)
     runs["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     runs["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
