@@ -19,7 +19,7 @@ from typing import Any
 from torch import fx
 
 from .analysis import MEMORY_MARGIN, Analysis, param_state, param_states, plannable_bytes
-from .buckets import Schedule, candidate_schedules
+from .buckets import DEFAULT_BUCKET_BYTES, Schedule, candidate_schedules
 from .cost_models.graph_facts import ParamState
 from .cost_models.recompute import RegionCost, region_costs
 from .cost_models.step import GroupCost, group_cost, predict_step_time, regathered_params
@@ -57,13 +57,17 @@ def choose_splits(
     names = list(analysis.captured.params)
     sites = linear_sites(analysis.captured.gm)
     regathered = regathered_params(analysis.facts)
-    # gloo copies a gradient it reduce-scatters at the launch, while the one before may still
-    # be in flight: a sharded group's transient is then a gradient more (the timeline's peak)
+    # What the timeline's peak holds besides: gloo copies a gradient it reduce-scatters at the
+    # launch while the one before may still be in flight (a gradient more), and a replicated
+    # gradient is copied into its all-reduce bucket.
     copies = scatter_copies_input()
 
     def transient_of(c: GroupCost, state: ParamState) -> int:
-        sharded = traits(c.strategy).sharded and state.trainable
-        return c.transient_bytes + (state.numel * state.reduce_size if sharded and copies else 0)
+        grad = state.numel * state.reduce_size if state.trainable else 0
+        if traits(c.strategy).sharded:
+            return c.transient_bytes + (grad if copies else 0)
+        return max(c.transient_bytes, min(grad, DEFAULT_BUCKET_BYTES) if devices.world_size > 1
+                   else 0)
 
     times, persistent, transient, labels = [], [], [], []
     for n in names:
@@ -91,7 +95,7 @@ def choose_splits(
                         k, j * (full.comm_s + full.optim_s) + (k - j) * (rep.comm_s + rep.optim_s),
                         j * full.persistent_bytes + (k - j) * rep.persistent_bytes,
                         max(transient_of(full, part) if j else 0,
-                            rep.transient_bytes if j < k else 0, summed)))
+                            transient_of(rep, part) if j < k else 0, summed)))
         labels.append([o[0] for o in options])
         times.append([o[1] for o in options])
         persistent.append([o[2] for o in options])

@@ -158,9 +158,6 @@ def group_cost(
         transient = 2 * padded
     elif state.compute_size != state.element_size:  # mixed precision: the cast copy
         persistent += state.numel * state.compute_size
-    if not t.sharded and state.trainable and world > 1:
-        # the gradient's copy in its all-reduce bucket while the bucket is reduced
-        transient = max(transient, min(full, reduce_bucket_bytes))
     return GroupCost(
         strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
         comm_bytes=sum(st.nbytes for st in stages), optim_s=optim_s,
