@@ -232,15 +232,17 @@ def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float
 
 
 def _selective_op_time_s(device: Any) -> float:
-    """What selective activation checkpointing (the runtime's policy) adds per operator: a
-    chain of transformer operators (linear, attention, layer norm, GELU on 4 x 32 tokens of
-    width 256) run forward and backward under ``checkpoint`` with the selective policy and with
-    none, the difference over the chain's operators (as the graph has them: one per torch
-    function called)."""
+    """What selective activation checkpointing (the runtime's policy) adds per operator beyond
+    recomputing the operators it does not keep: a chain of transformer operators (linear,
+    attention, layer norm, GELU on 4 x 32 tokens of width 256) run forward and backward under
+    ``checkpoint`` with the selective policy and without checkpointing, less the forward time
+    of the operators the policy recomputes (each timed), over the chain's operators (as the
+    graph has them: one per torch function called)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils.checkpoint import checkpoint
 
+    from .regions import SELECTIVE_SAVED_OPS
     from .runtime.recompute import selective_contexts
 
     w = torch.randn(256, 256, device=device, requires_grad=True)
@@ -254,23 +256,41 @@ def _selective_op_time_s(device: Any) -> float:
             h = torch.nn.functional.gelu(a * 0.5 + h)
         return h
 
-    class Count(TorchFunctionMode):
-        ops = 0
+    class Timed(TorchFunctionMode):
+        """Counts the torch functions called and times those the policy recomputes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops, self.recomputed_s = 0, 0.0
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
+            _synchronize(device)
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            _synchronize(device)
+            self.ops += 1
+            if getattr(func, "__name__", "") not in SELECTIVE_SAVED_OPS:
+                self.recomputed_s += time.perf_counter() - start
+            return out
 
-    with torch.no_grad(), Count():
-        body(x)
+    recomputed = []
+    for _ in range(1 + _REPEATS):
+        with torch.no_grad(), Timed() as timed:
+            body(x)
+        recomputed.append(timed.recomputed_s)
 
     def step(selective: bool) -> None:
-        kwargs = {"context_fn": selective_contexts} if selective else {}
-        checkpoint(body, x, use_reentrant=False, **kwargs).sum().backward()
+        if selective:
+            out = checkpoint(body, x, use_reentrant=False, context_fn=selective_contexts)
+        else:
+            out = body(x)
+        out.sum().backward()
 
-    added = _median_time_s(lambda: step(True), device) - _median_time_s(lambda: step(False), device)
-    return max(added, 0.0) / Count.ops
+    added = (_median_time_s(lambda: step(True), device)
+             - _median_time_s(lambda: step(False), device)
+             - statistics.median(recomputed[1:]))
+    return max(added, 0.0) / timed.ops
 
 
 def _device_memory_bytes(device: Any, default_bytes: int) -> int:
