@@ -213,6 +213,7 @@ def exhaustive_search(
     order = order[floors[order] <= target_bytes]
     shape = [len(o) for o in options.values()] + [len(o) for o in regions.values()]
     best: tuple[float, Found] | None = None
+    copies = scatter_copies_input()  # the backend: once, not per candidate
     for flat in order:
         if best is not None and bounds[flat] > best[0]:
             break  # every remaining combination's bound is above the best fitting time
@@ -236,7 +237,7 @@ def exhaustive_search(
             ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
             profiled_batch=analysis.batch_size, batch_size=batch_size,
             seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-            recompute=recompute, scatter_copies_input=scatter_copies_input(),
+            recompute=recompute, scatter_copies_input=copies,
             **schedule_memory_kwargs(schedule))
         if peak <= target_bytes:
             best = (seconds, (strategies, recompute))

@@ -91,8 +91,9 @@ def scatter_copies_input(group: str = WORLD) -> bool:
 def reduce_scatter_flat_start(full: torch.Tensor, group: str, *,
                               consume: bool = False) -> Pending:
     """Start summing ``full`` (flat, divisible by the group size) over ranks into this rank's
-    chunk. ``full`` is kept alive until the collective completes; ``consume``: the caller hands
-    ``full`` over, and it may be overwritten and freed."""
+    chunk. ``full`` (on gloo: a copy of it, made here) is kept alive until the collective
+    completes; ``consume``: the caller hands ``full`` over, and it may be overwritten and freed
+    (on gloo it is then reduced in place, without a copy)."""
     world = group_size(group)
     if world == 1:
         return Pending(full.clone())
