@@ -130,7 +130,7 @@ def compile_osdp(
             fit (distinct strategies or schedules) for a few training steps each on
             ``example_inputs``, on copies of the model, and keep the fastest measured (the
             slowest rank's time decides, so every rank keeps the same plan);
-            ``compiled.plan.measured`` records the times. Costs about ``4 * autotune`` steps;
+            ``compiled.plan.measured`` records the times. Costs about ``9 * autotune`` steps;
             logged as the "autotune" stage. Default None: the predicted best, nothing timed.
 
     Collective: every rank of the world must call it with the same model and plan. Its stages

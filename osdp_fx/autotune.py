@@ -32,8 +32,9 @@ from .runtime.collectives import WORLD, group_size
 
 log = logging.getLogger(__name__)
 
-TIMED_STEPS = 3
-"""Steps timed per plan (after one warm-up step); the median is kept."""
+TIMED_STEPS = 8
+"""Steps timed per plan (after one warm-up step); the median is kept. A step on a loaded
+2-core machine varies by ±15 %: the median of 3 could not tell plans 5 % apart."""
 
 
 def check_autotune(autotune: Any, *, search: bool, on_meta: bool) -> None:

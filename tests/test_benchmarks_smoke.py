@@ -91,7 +91,8 @@ def test_optimality_times_every_plan_that_fits(tmp_path: Path) -> None:
 
     limit = 3 * 2**20
     out = optimality.main(["--model", "tiny", "--limit", "3MiB", "--rounds", "1", "--random",
-                           "1", "--autotune", "2", "--out-dir", str(tmp_path)])["tiny 3MiB"]
+                           "1", "--autotune", "2", "--confirm", "2", "--confirm-rounds", "1",
+                           "--out-dir", str(tmp_path)])["tiny 3MiB"]
     labels = [r["plan"] for r in out["rows"]]
     assert labels[:5] == ["searched", "autotuned", "replicate", "shard_grad_op", "full_shard"]
     assert "random mix 0" in labels and len(labels) >= 10
@@ -103,6 +104,14 @@ def test_optimality_times_every_plan_that_fits(tmp_path: Path) -> None:
     assert out["searched_over_fastest"] >= 1.0 - 1e-12
     assert out["autotuned_over_fastest"] >= 1.0 - 1e-12
     assert "autotuned / fastest" in (tmp_path / "optimality-tiny-3MiB.md").read_text()
+    # The 2 fastest screened plans and the searched ones, timed again; the ratios use those.
+    confirmed = [r for r in timed if r.get("confirmed_step_s") is not None]
+    screened = sorted(r["measured_step_s"] for r in timed)
+    assert {"searched", "autotuned"} <= {r["plan"] for r in confirmed}
+    assert all(r["measured_step_s"] <= screened[1] for r in confirmed
+               if r["plan"] not in ("searched", "autotuned"))
+    assert out["finalists"] == sorted(out["finalists"], key=lambda p: next(
+        r["confirmed_step_s"] for r in confirmed if r["plan"] == p))
 
 
 def test_torch_compile_benchmark_times_every_uniform_plan_both_ways(tmp_path: Path) -> None:
