@@ -6,9 +6,10 @@ at a time on a copy of the captured graph, and times :data:`TIMED_STEPS` trainin
 (after one warm-up step) on the example inputs: forward, backward with its gradient collectives,
 and a step of the optimizer kind the plan was made for. The copies have parameters of their own,
 so the model's values never change. A step's time is the slowest rank's (all-reduced, MAX), so
-every rank sees the same times and keeps the same plan; the plan in force records every time
-measured (``Plan.measured``). Autotuning costs about ``K * (TIMED_STEPS + 1)`` steps plus K
-shard passes; ``compile_osdp`` logs its seconds.
+every rank sees the same times and keeps the same plan: the fastest measured, when it is faster
+than the predicted best by more than the timing's noise (:func:`keep_index`), else the predicted
+best. The plan in force records every time measured (``Plan.measured``). Autotuning costs
+about ``K * (TIMED_STEPS + 1)`` steps plus K shard passes; ``compile_osdp`` logs its seconds.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 TIMED_STEPS = 8
 """Steps timed per plan (after one warm-up step); the median is kept. A step on a loaded
 2-core machine varies by ±15 %: the median of 3 could not tell plans 5 % apart."""
+
+NOISE_SIGMAS = 2.0
+"""A measured plan replaces the predicted best only when faster by this many standard errors."""
 
 
 def check_autotune(autotune: Any, *, search: bool, on_meta: bool) -> None:
@@ -71,10 +75,10 @@ def _loss(out: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]
 
 
-def step_time_s(module: nn.Module, inputs: tuple[Any, ...], *, optimizer: str,
-                steps: int = TIMED_STEPS) -> float:
-    """Median over ``steps`` steps (after one warm-up) of the slowest rank's seconds for a
-    forward, backward and optimizer step of ``module`` on ``inputs``. Collective."""
+def step_times_s(module: nn.Module, inputs: tuple[Any, ...], *, optimizer: str,
+                 steps: int = TIMED_STEPS) -> list[float]:
+    """The slowest rank's seconds for each of ``steps`` steps (after one warm-up) of a forward,
+    backward and optimizer step of ``module`` on ``inputs``. Collective."""
     opt = _optimizer(optimizer, [p for p in module.parameters() if p.requires_grad])
     world = group_size(WORLD) > 1
     times = []
@@ -89,24 +93,47 @@ def step_time_s(module: nn.Module, inputs: tuple[Any, ...], *, optimizer: str,
         if world:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed.item()))
-    return statistics.median(times[1:])
+    return times[1:]
+
+
+def median_error_s(times: Sequence[float]) -> float:
+    """The standard error of the median of ``times``, from their median absolute deviation
+    (robust to the few slow steps a loaded machine adds)."""
+    if len(times) < 2:
+        return 0.0
+    mad = statistics.median(abs(t - statistics.median(times)) for t in times)
+    return 1.2533 * 1.4826 * mad / len(times) ** 0.5
+
+
+def keep_index(times: Sequence[Sequence[float]]) -> int:
+    """Which plan autotuning keeps, given each plan's step times, the predicted best first: the
+    fastest measured (least median), if its median is below the predicted best's by more than
+    :data:`NOISE_SIGMAS` standard errors of the difference; else the predicted best (0). A
+    measurement that cannot tell two plans apart does not overrule the prediction."""
+    medians = [statistics.median(t) for t in times]
+    fastest = min(range(len(times)), key=lambda i: (medians[i], i))
+    noise = (median_error_s(times[0]) ** 2 + median_error_s(times[fastest]) ** 2) ** 0.5
+    return fastest if medians[0] - medians[fastest] > NOISE_SIGMAS * noise else 0
 
 
 def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
                    inputs: tuple[Any, ...], *, optimizer: str) -> Plan:
-    """Time each of ``plans`` (``build`` makes a compiled module of one) and return the fastest
-    measured, recording every plan's (hash, predicted, measured) step seconds. Collective."""
+    """Time each of ``plans`` (the predicted best first; ``build`` makes a compiled module of
+    one) and return the one :func:`keep_index` keeps, recording every plan's (hash, predicted,
+    measured median) step seconds, fastest measured first. Collective."""
     start = time.perf_counter()
-    measured: list[tuple[float, int, Plan]] = []
-    for i, plan in enumerate(plans):
+    times: list[list[float]] = []
+    for plan in plans:
         module = build(plan)
-        measured.append((step_time_s(module, inputs, optimizer=optimizer), i, plan))
+        times.append(step_times_s(module, inputs, optimizer=optimizer))
         del module
         gc.collect()  # the next plan's module must not share memory with this one
-    measured.sort(key=lambda m: m[:2])
-    best = measured[0][2]
-    record = tuple((p.hash(), p.step_time_s or 0.0, s) for s, _, p in measured)
+    best = plans[keep_index(times)]
+    order = sorted(range(len(plans)), key=lambda i: (statistics.median(times[i]), i))
+    record = tuple((plans[i].hash(), plans[i].step_time_s or 0.0, statistics.median(times[i]))
+                   for i in order)
     log.info("autotune: timed %d plans in %.2f s (%s); keeping %s", len(plans),
              time.perf_counter() - start,
-             ", ".join(f"{h} {m * 1e3:.1f} ms" for h, _, m in record), best.hash())
+             ", ".join(f"{h} {m * 1e3:.1f} ± {median_error_s(times[i]) * 1e3:.1f} ms"
+                       for (h, _, m), i in zip(record, order)), best.hash())
     return dataclasses.replace(best, measured=record, source=f"{best.source}, autotuned")

@@ -270,7 +270,8 @@ class Plan:
     measured: tuple[tuple[str, float, float], ...] = ()
     """Autotuning (``compile_osdp(autotune=K)``): the plans it timed, as (plan hash, predicted
     step seconds, measured step seconds: the median over its timed steps of the slowest
-    rank's), fastest measured first; empty when the plan was not autotuned. Not hashed."""
+    rank's), fastest measured first (the plan in force need not be: ``autotune.keep_index``);
+    empty when the plan was not autotuned. Not hashed."""
 
     def __post_init__(self) -> None:
         check_prefetch(self.prefetch)

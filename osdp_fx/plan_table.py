@@ -73,9 +73,11 @@ def plan_table(self: Any) -> str:
         if pr.regions:
             lines.append(_region_table(pr.regions))
     if self.measured:
+        kept = self.hash()
         lines.append("autotuned: " + ", ".join(
-            f"{h} {m * 1e3:.1f} ms (predicted {p * 1e3:.1f})" for h, p, m in self.measured)
-            + " measured per step; the fastest is in force")
+            f"{h} {m * 1e3:.1f} ms (predicted {p * 1e3:.1f}){' in force' if h == kept else ''}"
+            for h, p, m in self.measured) + " measured per step (median); the fastest is kept "
+            "when it beats the predicted best by more than the timing's noise")
     return "\n".join(lines)
 
 

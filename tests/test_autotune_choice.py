@@ -1,0 +1,43 @@
+"""Which timed plan autotuning keeps (``autotune.keep_index``): the measured fastest only when
+the timing can tell it from the predicted best."""
+
+from __future__ import annotations
+
+import random
+
+from osdp_fx.autotune import NOISE_SIGMAS, keep_index, median_error_s
+
+
+def noisy(mean: float, spread: float, n: int, seed: int) -> list[float]:
+    """``n`` step times around ``mean``, off by up to ``spread`` (relative) either way, with one
+    slow outlier, as a loaded machine gives."""
+    rng = random.Random(seed)
+    times = [mean * (1 + rng.uniform(-spread, spread)) for _ in range(n - 1)]
+    return times + [mean * 1.6]
+
+
+def test_a_clearly_faster_plan_replaces_the_predicted_best() -> None:
+    predicted_best = noisy(0.250, 0.02, 8, seed=0)
+    faster = noisy(0.200, 0.02, 8, seed=1)
+    assert keep_index([predicted_best, faster, noisy(0.300, 0.02, 8, seed=2)]) == 1
+
+
+def test_a_difference_within_the_noise_keeps_the_predicted_best() -> None:
+    # 3 % apart with steps varying by ±15 %: 8 steps cannot tell them apart
+    predicted_best = noisy(0.250, 0.15, 8, seed=3)
+    other = noisy(0.2425, 0.15, 8, seed=4)
+    assert sorted(other)[3] < sorted(predicted_best)[3]  # measured faster, by the median
+    assert keep_index([predicted_best, other]) == 0
+    # the same 3 % with steps varying by ±0.5 % (a quiet GPU) is told apart
+    assert keep_index([noisy(0.250, 0.005, 8, seed=3), noisy(0.2425, 0.005, 8, seed=4)]) == 1
+
+
+def test_the_threshold_is_the_medians_standard_errors() -> None:
+    a, b = [1.0, 1.1, 0.9, 1.0, 1.05], [0.5, 0.55, 0.45, 0.5, 0.52]
+    assert median_error_s(a) > 0 and median_error_s([1.0]) == 0.0
+    gap = (median_error_s(a) ** 2 + median_error_s(b) ** 2) ** 0.5 * NOISE_SIGMAS
+    assert keep_index([a, b]) == 1 and 0.5 > gap
+    within = [t + 0.5 - gap * 0.9 for t in b]  # median 1.0 - 0.9 gap: within the noise
+    beyond = [t + 0.5 - gap * 1.1 for t in b]
+    assert keep_index([a, within]) == 0 and keep_index([a, beyond]) == 1
+    assert keep_index([[0.3], [0.2]]) == 1  # one step each: no spread to go by
