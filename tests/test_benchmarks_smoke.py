@@ -130,6 +130,18 @@ def test_torch_compile_benchmark_times_every_uniform_plan_both_ways(tmp_path: Pa
         (system, plan) for plan in ("replicate", "full_shard", "shard_grad_op")
         for system in ("osdp-fx", "torch.compile (aot_eager)"))
     assert (tmp_path / "torch-compile-world2.md").read_text().count("\n") == 5
+    for plan, p in out["paired"].items():  # one round: its ratio, and an interval of it alone
+        assert p["interval_90"][0] == p["median"] == p["interval_90"][1] > 0, plan
+
+
+def test_the_median_interval_is_the_binomial_order_statistics() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from torch_compile import median_interval
+
+    values = [float(v) for v in range(16, 0, -1)]
+    assert median_interval(values) == (5.0, 12.0)  # x(5), x(12) of 16 at 90 %
+    assert median_interval(values[:3]) == (14.0, 16.0)  # too few: the whole range
+    assert median_interval([float(v) for v in range(40)]) == (14.0, 25.0)
 
 
 def test_recompute_benchmark_builds_measures_and_checks_every_system(tmp_path: Path) -> None:
