@@ -68,15 +68,16 @@ def prepare_inputs(profiler: Any, n: fx.Node, args: Any, kwargs: Any) -> Prepare
         if id(t) in memo:
             return memo[id(t)]
         needs_grad = t.requires_grad and differentiable(t)
-        overlaps = any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.size()))
-        if storage_key(t) in profiler.param_storages or t.is_contiguous() or overlaps:
+        if storage_key(t) in profiler.param_storages or t.is_contiguous():
             leaf = t.detach().requires_grad_(needs_grad)
             fresh = leaf if storage_key(t) in profiler.param_storages else leaf.clone()
         else:  # keep the exact strides: ops such as reshape copy only non-contiguous inputs
+            # (an expanded one too: repeat_kv's reshape of an expanded key is a copy that
+            # attention saves), so the whole storage is copied and viewed alike
             with torch.no_grad():
-                buffer = torch.empty(t.untyped_storage().nbytes() // t.element_size(),
-                                     dtype=t.dtype, device=t.device)
-                leaf = buffer.as_strided(t.size(), t.stride(), t.storage_offset()).copy_(t)
+                whole = t.detach().as_strided((t.untyped_storage().nbytes() // t.element_size(),),
+                                              (1,), 0)
+                leaf = whole.clone().as_strided(t.size(), t.stride(), t.storage_offset())
             fresh = leaf.requires_grad_(needs_grad)
         if needs_grad:
             leaves.append(leaf)

@@ -208,6 +208,33 @@ def test_view_node_allocates_nothing() -> None:
     assert p.output_is_view and p.saved_bytes == 0 and p.fwd_flops == 0
 
 
+class RepeatKV(nn.Module):
+    """Grouped-query attention's key repeat (Hugging Face's ``repeat_kv``): the reshape of an
+    expanded tensor copies it, and the matmul after it saves the copy."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = k.shape
+        k = k[:, :, None].expand(b, h, 2, s, d).reshape(b, 2 * h, s, d)
+        return q @ k.transpose(-1, -2)
+
+
+def test_reshape_of_an_expanded_input_is_a_copy() -> None:
+    """The profile runs each node on copies of its inputs: an expanded input keeps its stride-0
+    layout, so the reshape after it copies as it does in the model (a contiguous stand-in made
+    the reshape a view, and the copy attention saves went uncounted)."""
+    gm = trace(RepeatKV())
+    q, k = torch.randn(2, 4, 8, 16, requires_grad=True), torch.randn(2, 2, 8, 16,
+                                                                    requires_grad=True)
+    profile_graph_pass(gm, (q, k), **FAST)
+    by_target = {str(n.target): osdp_meta(n).profile for n in gm.graph.nodes
+                 if n.op in ("call_function", "call_method")}
+    expand, reshape = by_target["expand"], by_target["reshape"]
+    assert expand.output_is_view
+    assert not reshape.output_is_view and reshape.output_bytes == 2 * 4 * 8 * 16 * F32
+    matmul = next(p for t, p in by_target.items() if "matmul" in t)
+    assert matmul.saved_input_bytes >= reshape.output_bytes  # the copy is saved, not the view
+
+
 # -- whole models: per-node sums equal FlopCounterMode on the model ----------------------------
 
 def whole_model_flops(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int]:
