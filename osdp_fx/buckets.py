@@ -58,13 +58,10 @@ def candidate_schedules(prefetch: int | None = None) -> list[Schedule]:
     1 MiB, all-reduce buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds
     more gathered parameters, a larger bucket a larger flat buffer) and saves time (overlap,
     latency). Larger gather buckets (a whole transformer block) are for plan files: the step
-    model does not yet charge their copies and later reduce-scatters (``docs/cost-models.md``).
-    Neither is prefetch 2 with 1 MiB buckets offered: the timeline predicts the re-gathers of
-    such buckets in backward as for prefetch 1, and the Llama of the memory-promise test
-    measured 4.7 % over its prediction (13.02 against 12.43 MB)."""
+    model does not yet charge their copies and later reduce-scatters (``docs/cost-models.md``)."""
     depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
     return [Schedule(d, g, r) for d in depths for g in (SMALL_PARAM_BYTES, 2**20)
-            for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20) if d < 2 or g == SMALL_PARAM_BYTES]
+            for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)]
 
 
 def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[list[int]]:

@@ -157,6 +157,12 @@ def small_gather_key(state: ParamState, world_size: int,
     return str(state.strategy) if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
 
 
+SPLIT_BEFORE = 1 / 16
+"""How long before the backward of the operator that unpacks it a re-gathered bucket is split."""
+PREFETCH_BEFORE = 1 / 32
+"""How long before that operator's backward the re-gathers its unpacking prefetches start."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Regather:
     """Backward's first re-gather of one full_shard parameter (``StepContext``)."""
@@ -194,11 +200,15 @@ def prefetched_regathers(
     own = [min(bwd(pos[first_unpack[m]]) for m in unit) for unit in units]
     out: dict[tuple[fx.Node, fx.Node], Regather] = {}
     for i, unit in enumerate(units):
-        start = min(own[i:i + 1 + prefetch])
+        # Unpacking waits for its own re-gather and splits it (a bucket's flat buffer and its
+        # copies both alive, then the flat freed) before it starts the prefetched ones, and
+        # all of that before the operator's backward allocates anything.
+        by = min(range(i, min(len(units), i + 1 + prefetch)), key=own.__getitem__)
+        start = own[by] - (SPLIT_BEFORE if by == i else PREFETCH_BEFORE)
         flat = sum(gathered_bytes[m] for m in unit) if len(unit) > 1 and gathered_bytes else 0
+        split = own[i] - SPLIT_BEFORE if len(unit) > 1 else start
         for k, m in enumerate(unit):
-            out[(m, first_unpack[m])] = Regather(start, own[i] if len(unit) > 1 else start,
-                                                 0 if k else flat)
+            out[(m, first_unpack[m])] = Regather(start, split, 0 if k else flat)
     return out
 
 

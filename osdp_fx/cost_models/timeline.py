@@ -73,8 +73,8 @@ from ..buckets import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, MAX_IN_FLIGHT,
                        SMALL_PARAM_BYTES)
 from .envelope import BATCH, envelope as _envelope  # noqa: F401  (BATCH re-exported)
 from .shapes import rescaled
-from .graph_facts import (ParamState, activation_grad_intervals, graph_facts,
-                          prefetched_regathers, regathered_together,
+from .graph_facts import (PREFETCH_BEFORE, SPLIT_BEFORE, ParamState, activation_grad_intervals,
+                          graph_facts, prefetched_regathers, regathered_together,
                           sharded_gather_buckets)
 from .recompute import internal_interval, recompute_workspace, region_spans, root_intervals
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
@@ -152,12 +152,17 @@ def _step_timeline(
     # a recomputed region reads its parameters from before its first to after its last operator
     at = {u: (spans[u].first, spans[u].last) if u in spans else (pos[u], pos[u]) for u in nodes}
     first_use = {n: min(at[u][0] for u in uses_of[n]) for n in sharded}
-    bucket_alloc = [first_use[buckets[max(0, i - prefetch)][0]] for i in range(len(buckets))]
+    # A bucket's all-gather is waited for (a bucket of several parameters is gathered into one
+    # flat buffer and split into copies, both alive until the flat is freed) before the
+    # prefetches it starts, which start before its first user runs: with prefetching a bucket
+    # allocates at the first use of the bucket ``prefetch`` before it.
+    by = [max(0, i - prefetch) for i in range(len(buckets))]
+    split_at = [first_use[bucket[0]] - SPLIT_BEFORE for bucket in buckets]
+    bucket_alloc = [split_at[i] if by[i] == i else first_use[buckets[by[i]][0]] - PREFETCH_BEFORE
+                    for i in range(len(buckets))]
     bucket_of = {n: i for i, bucket in enumerate(buckets) for n in bucket}
-    # a bucket of several parameters is gathered into one flat buffer, then split into copies:
-    # with prefetching a bucket allocates at the first use of the bucket ``prefetch`` before it
     gather_at = {n: bucket_alloc[bucket_of[n]] if len(buckets[bucket_of[n]]) == 1
-                 else first_use[buckets[bucket_of[n]][0]] for n in sharded}
+                 else split_at[bucket_of[n]] for n in sharded}
     # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
     bucket_grads: dict[int, list[tuple[float, float, int, int, int, int]]] = defaultdict(list)
     # saved by operators outside recomputed regions (a region's parameters are re-gathered
@@ -217,6 +222,9 @@ def _step_timeline(
                 tl.alive(wait, bwd(pos[j]), gathered, Category.GATHERED, scaled=False)
                 if r and r.flat_bytes:
                     tl.alive(start, split, r.flat_bytes, Category.COMMUNICATION, scaled=False)
+                    if start < split:  # prefetched: its send buffer until it is waited for
+                        tl.alive(start, split, r.flat_bytes // chunks, Category.COMMUNICATION,
+                                 scaled=False)
         elif t.keeps_gathered:
             tl.alive(gather_at[node], kept_until, gathered, Category.GATHERED, scaled=False)
         elif state.compute_size != state.element_size:  # replicate: the cast copy
@@ -252,11 +260,15 @@ def _step_timeline(
                 padded // chunks, held // ranks_per_node if staged and ranks_per_node else 0))
     for i, bucket in enumerate(buckets):
         if len(bucket) > 1:  # the flat buffer of the gather, until it is split
-            tl.alive(bucket_alloc[i], first_use[bucket[0]],
-                     sum(gathered_param_bytes(params[param_of[n]].numel,
-                                              element_size=params[param_of[n]].compute_size,
-                                              world_size=world_size) for n in bucket),
-                     Category.COMMUNICATION, scaled=False)
+            state = params[param_of[bucket[0]]]
+            chunks = shard_count(state.strategy, world_size, ranks_per_node)
+            flat = sum(gathered_param_bytes(params[param_of[n]].numel,
+                                            element_size=params[param_of[n]].compute_size,
+                                            world_size=chunks) for n in bucket)
+            tl.alive(bucket_alloc[i], split_at[i], flat, Category.COMMUNICATION, scaled=False)
+            if by[i] != i:  # prefetched: its send buffer until it is waited for
+                tl.alive(bucket_alloc[i], split_at[i], flat // chunks, Category.COMMUNICATION,
+                         scaled=False)
         grads = bucket_grads.get(i)
         if not grads:
             continue
