@@ -53,25 +53,38 @@ def group_rank(name: str) -> int:
 class Pending:
     """A collective in flight: ``wait()`` returns its output once it has completed."""
 
-    def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None) -> None:
-        self._out, self._work, self._keep = out, work, keep
+    def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None, *,
+                 release: bool = False) -> None:
+        self._out, self._work, self._keep, self._release = out, work, keep, release
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
+            if self._release:  # an input handed over: gloo's worker may hold it a while yet
+                _free(self._keep)
             self._work = self._keep = None  # the input may be freed now
         return self._out
 
 
-def all_gather_flat_start(shard: torch.Tensor, group: str) -> Pending:
-    """Start concatenating every rank's flat ``shard`` (rank order) into a new flat tensor."""
+def _free(t: torch.Tensor) -> None:
+    """Release the memory of ``t``'s storage now, unless ``t`` views only part of it."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == t.numel() * t.element_size():
+        storage.resize_(0)
+        note_resized(storage)
+
+
+def all_gather_flat_start(shard: torch.Tensor, group: str, *, consume: bool = False) -> Pending:
+    """Start concatenating every rank's flat ``shard`` (rank order) into a new flat tensor.
+    ``consume``: the caller hands ``shard`` over (a buffer of its own), and its memory is
+    released when the gather completes."""
     world = group_size(group)
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
     if world == 1:
         return Pending(out.copy_(shard.reshape(-1)))
     src = shard.reshape(-1).contiguous()
     work = _all_gather_flat_impl(out, src, group=resolve_group(group), async_op=True)
-    return Pending(out, work, src)
+    return Pending(out, work, src, release=consume)
 
 
 def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
@@ -127,10 +140,7 @@ class _ChunkPending(Pending):
             self._work = None
             buf, self._buf = self._buf, None
             self._out.copy_(buf.view(-1, self._out.numel())[self._rank])
-            storage = buf.untyped_storage()
-            if storage.nbytes() == buf.numel() * buf.element_size():  # not a view of more
-                storage.resize_(0)
-                note_resized(storage)
+            _free(buf)
         return self._out
 
 

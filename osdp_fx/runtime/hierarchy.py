@@ -174,13 +174,15 @@ def _staged(t: torch.Tensor, groups: list[str | None], start: Callable[..., Pend
     return StagedPending(first, lambda out: then(out, stages[1]))
 
 
-def gather_shards_start(shard: torch.Tensor, group: str) -> Pending:
+def gather_shards_start(shard: torch.Tensor, group: str, *, consume: bool = False) -> Pending:
     """Start gathering the flat padded parameter from every chunk of the sharding group
     ``group`` (a flat group name, or a two-level group registered by :func:`init_mesh`). A
-    two-stage gather runs its first stage asynchronously and its second when waited for."""
+    two-stage gather runs its first stage asynchronously and its second when waited for.
+    ``consume``: ``shard`` is a buffer the caller hands over, freed when a one-stage gather
+    completes (see :func:`all_gather_flat_start`)."""
     two = _two_level.get(group)
     if two is None:
-        return all_gather_flat_start(shard, group)
+        return all_gather_flat_start(shard, group, consume=consume)
     stages = [getattr(two, scope) for scope, _ in traits(two.strategy).gather_stages]
     return _staged(shard, stages, all_gather_flat_start, all_gather_flat)
 

@@ -223,4 +223,5 @@ def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, .
 
 def start_params(shards: tuple[torch.Tensor, ...], group: str,
                   dtype: torch.dtype | None) -> Pending:
-    return gather_shards_start(torch.cat([cast(s.detach(), dtype) for s in shards]), group)
+    return gather_shards_start(torch.cat([cast(s.detach(), dtype) for s in shards]), group,
+                               consume=True)

@@ -66,3 +66,16 @@ def gloo_reduce_scatter(rank: int, world: int, *, numel: int = 1 << 18) -> dict[
         }
         del pending
     return out
+
+
+def gloo_all_gather_send_buffer(rank: int, world: int, *, numel: int = 1 << 16) -> dict[str, Any]:
+    """``all_gather_flat_start`` with the send buffer kept by the caller or handed over: the
+    gathered result and the bytes the send buffer's storage holds once waited for."""
+    from osdp_fx.runtime.collectives import all_gather_flat_start
+
+    out: dict[str, Any] = {}
+    for consume in (False, True):
+        send = torch.arange(numel, dtype=torch.float32) + rank * numel
+        gathered = all_gather_flat_start(send, "world", consume=consume).wait()
+        out[consume] = {"gathered": gathered, "send_bytes": send.untyped_storage().nbytes()}
+    return out
