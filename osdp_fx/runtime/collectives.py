@@ -76,15 +76,16 @@ def _free(t: torch.Tensor) -> None:
 
 def all_gather_flat_start(shard: torch.Tensor, group: str, *, consume: bool = False) -> Pending:
     """Start concatenating every rank's flat ``shard`` (rank order) into a new flat tensor.
-    ``consume``: the caller hands ``shard`` over (a buffer of its own), and its memory is
-    released when the gather completes."""
+    ``consume``: the caller hands ``shard`` over (a buffer of its own); on the CPU its memory
+    is released when the gather completes, not when gloo's worker thread lets go of it (on a
+    GPU the caching allocator and the process group order its reuse after the collective)."""
     world = group_size(group)
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
     if world == 1:
         return Pending(out.copy_(shard.reshape(-1)))
     src = shard.reshape(-1).contiguous()
     work = _all_gather_flat_impl(out, src, group=resolve_group(group), async_op=True)
-    return Pending(out, work, src, release=consume)
+    return Pending(out, work, src, release=consume and src.device.type == "cpu")
 
 
 def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
