@@ -57,8 +57,8 @@ def candidate_schedules(prefetch: int | None = None) -> list[Schedule]:
     ``prefetch`` when the user fixed it), gather buckets of 64 KiB (small parameters only) or
     1 MiB, all-reduce buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds
     more gathered parameters, a larger bucket a larger flat buffer) and saves time (overlap,
-    latency). Larger gather buckets (a whole transformer block) are for plan files: the step
-    model does not yet charge their copies and later reduce-scatters (``docs/cost-models.md``)."""
+    latency). Larger gather buckets (a whole transformer block) are for plan files: they are
+    not yet measured against the search's choices (``docs/cost-models.md``)."""
     depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
     return [Schedule(d, g, r) for d in depths for g in (SMALL_PARAM_BYTES, 2**20)
             for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)]

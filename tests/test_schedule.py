@@ -14,7 +14,9 @@ from torch import nn
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.buckets import DEFAULT_BUCKET_BYTES, SMALL_PARAM_BYTES, Schedule, candidate_schedules
 from osdp_fx.capture import capture
+from osdp_fx.cost_models.graph_facts import ParamState
 from osdp_fx.cost_models.overlap import exposed_gather_s
+from osdp_fx.cost_models.step import bucket_copy_s
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.planner import analyze, predict, search_schedules
@@ -64,6 +66,27 @@ def test_larger_gather_buckets_share_latency_and_hold_a_larger_flat_buffer():
     assert whole.step_time_s <= block.step_time_s < small.step_time_s
     # one bucket of every parameter: all are gathered at the first use of the first
     assert whole.peak_memory_bytes > block.peak_memory_bytes >= small.peak_memory_bytes
+
+
+def test_a_bucket_pays_for_copying_its_members_through_its_flat_buffers():
+    """A parameter gathered with others is concatenated into the send buffer and split out of
+    the gathered flat buffer (again when re-gathered), and its gradient packed and its reduced
+    shard copied out: 2 (read and write) x those bytes at the copy bandwidth. A parameter
+    gathered alone is a view of its buffer and copies nothing."""
+    state = ParamState(numel=1000, element_size=4, strategy="full_shard", trainable=True)
+    devices = Devices(world_size=2, memory_bandwidth_bytes_per_s=1e9)
+    # full 4000 B, shard 2000 B: forward and re-gather 2 x 6000 each, reduction 2 x 6000
+    assert bucket_copy_s(state, devices, again=True) == pytest.approx(36_000 / 1e9)
+    assert bucket_copy_s(state, devices, again=False) == pytest.approx(24_000 / 1e9)
+    analysis = _gpt(dim=128)
+    slow, fast = (predict(analysis, build_plan(
+        {s.name: "full_shard" for s in param_specs(analysis.captured)},
+        param_specs(analysis.captured), world_size=4, schedule=Schedule(1, 2**21)),
+        devices=Devices(world_size=4, memory_bandwidth_bytes_per_s=b), optimizer="adamw")
+        for b in (1e8, 1e12))
+    # one bucket of 1.6 MiB gathered over 4 ranks, re-gathered, reduced: about 12 MiB moved
+    extra = slow.prediction.comm_s - fast.prediction.comm_s
+    assert 10 * 2**20 / 1e8 < extra < 14 * 2**20 / 1e8
 
 
 def test_smaller_all_reduce_buckets_pay_more_latency():

@@ -183,6 +183,23 @@ class StepTime:
         return self.compute_s + self.comm_s + self.optim_s
 
 
+def bucket_copy_s(state: ParamState, devices: Devices, *, again: bool) -> float:
+    """What a parameter gathered with others in one bucket spends in copies (each byte read
+    and written, at the device's measured copy bandwidth): its shard concatenated into the
+    bucket's send buffer and its full tensor split out of the gathered flat buffer, in forward
+    and, when re-gathered (``again``), in backward; its gradient packed into the bucket's flat
+    gradient and its reduced shard copied out."""
+    world = devices.world_size
+    chunks = shard_count(state.strategy, world, devices.ranks_per_node)
+    gathered = gathered_param_bytes(state.numel, element_size=state.compute_size,
+                                    world_size=chunks)
+    moved = 2 * (gathered + gathered // chunks) * (2 if again else 1)
+    if state.trainable:
+        reduced = gathered // state.compute_size * state.reduce_size
+        moved += 2 * (reduced + reduced // chunks)
+    return moved / devices.memory_bandwidth_bytes_per_s
+
+
 def predict_step_time(
     gm: fx.GraphModule,
     params: Mapping[str, ParamState],
@@ -224,11 +241,13 @@ def predict_step_time(
     together = {n for b in regathered_together(facts, params, buckets, devices.world_size,
                                                schedule.gather_bucket_bytes) for n in b}
     for bucket in buckets:
-        for node in bucket[1:]:
+        for k, node in enumerate(bucket):
             name = facts.param_of[node]
             again = (node in together and name in regathered
                      and traits(params[name].strategy).freed_after_forward)
-            saved = gather * (2 if again else 1) + scatter
+            saved = (gather * (2 if again else 1) + scatter) if k else 0.0
+            if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
+                saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)
             costs[name] = dataclasses.replace(costs[name],
                                               comm_s=max(0.0, costs[name].comm_s - saved))
     compute_s = other_s + sum(per_group.values())
