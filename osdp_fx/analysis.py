@@ -42,6 +42,16 @@ def plannable_bytes(memory_limit_bytes: int) -> int:
     return memory_limit_bytes - int(memory_limit_bytes * MEMORY_MARGIN)
 
 
+def unmargined_limit(memory_limit_bytes: int) -> int:
+    """The limit whose plannable bytes are at most ``memory_limit_bytes`` itself, and as close
+    as bytes allow: a search under it plans up to the limit, with no margin (autotuning's
+    candidates above the margin, which it admits only when measured under the limit)."""
+    limit = int(memory_limit_bytes / (1 - MEMORY_MARGIN)) + 1
+    while plannable_bytes(limit) > memory_limit_bytes:
+        limit -= 1
+    return limit
+
+
 @dataclasses.dataclass
 class Analysis:
     """A captured model with its profile."""

@@ -127,11 +127,14 @@ def compile_osdp(
             shape is larger, and whose predicted peak exceeds the memory limit, raises an
             ``InputError`` before anything runs.
         autotune: with the search (plan=None), time the ``autotune`` best predicted plans that
-            fit (distinct strategies or schedules) for a few training steps each on
-            ``example_inputs``, on copies of the model, and keep the fastest measured (the
-            slowest rank's time decides, so every rank keeps the same plan);
-            ``compiled.plan.measured`` records the times. Costs about ``9 * autotune`` steps;
-            logged as the "autotune" stage. Default None: the predicted best, nothing timed.
+            fit (distinct strategies or schedules), and up to ``autotune`` more predicted
+            faster whose predicted peak lies between the memory margin and the limit, for a
+            few training steps each on ``example_inputs``, on copies of the model, measuring
+            each one's peak memory too; keep the fastest measured among those measured under
+            the limit (the slowest rank's time and the fullest rank's peak decide, so every
+            rank keeps the same plan). ``compiled.plan.measured`` records the figures. Costs
+            about ``20 * autotune`` steps; logged as the "autotune" stage. Default None: the
+            predicted best, nothing timed.
 
     Collective: every rank of the world must call it with the same model and plan. Its stages
     (capture, plan: profile and search, shard, ...) log their seconds at INFO through
@@ -199,7 +202,7 @@ def compile_osdp(
             resolved = autotune_plans(
                 candidates, functools.partial(_trial_module, captured, rank=rank,
                                               reduce_dtype=reduce_dtype),
-                inputs, optimizer=optimizer)
+                inputs, optimizer=optimizer, limit_bytes=devices.memory_bytes)
         _check_ranks_agree(resolved)
     with progress.stage("shard", log, times):
         table = _shard(captured.gm, resolved, captured, rank=rank, reduce_dtype=reduce_dtype)

@@ -1,17 +1,22 @@
-"""Autotuning: time the best predicted plans on the user's inputs and keep the fastest.
+"""Autotuning: time the best predicted plans on the user's inputs and keep the fastest that fits.
 
 ``compile_osdp(autotune=K)`` searches as usual, then builds the K plans that fit with the least
-predicted step times (distinct plans: strategies and schedule, ``schedule.rank_schedules``), one
-at a time on a copy of the captured graph, and times :data:`TIMED_STEPS` training steps of each
-(after one warm-up step) on the example inputs: forward, backward with its gradient collectives,
-and a step of the optimizer kind the plan was made for. The copies have parameters of their own,
-so the model's values never change. A step's time is the slowest rank's (all-reduced, MAX), so
-every rank sees the same times and keeps the same plan: the fastest measured, when it is faster
-than the predicted best by more than the timing's noise (:func:`keep_index`), else the predicted
-best. The plan in force records every time measured (``Plan.measured``). Autotuning costs
-about ``K * (TIMED_STEPS + 1)`` steps plus K shard passes; ``compile_osdp`` logs its seconds.
+predicted step times (distinct plans: strategies and schedule, ``schedule.rank_schedules``), and
+up to K more that the models predict faster still, whose predicted peak lies between the memory
+margin and the limit (``analysis.MEMORY_MARGIN``: the prediction alone does not promise those).
+Each is built on a copy of the captured graph, one at a time, and trained on the example inputs:
+one warm-up step, one step whose peak memory the storage tracker measures
+(:func:`step_peak_bytes`), then :data:`TIMED_STEPS` timed steps (forward, backward with its
+gradient collectives, and a step of the optimizer kind the plan was made for). The copies have
+parameters of their own, so the model's values never change. A step's time and peak are the
+slowest and the fullest rank's (all-reduced, MAX), so every rank sees the same figures and
+keeps the same plan (:func:`keep_index`): among the plans measured under the limit, the fastest
+measured, when it is faster than the predicted best by more than the timing's noise; else the
+predicted best. A plan above the margin is thus kept only when it measured under the limit and
+faster. The plan in force records every figure measured (``Plan.measured``). Autotuning costs
+about ``2K * (TIMED_STEPS + 2)`` steps plus as many shard passes; ``compile_osdp`` logs its
+seconds.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +33,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .errors import InputError
-from .plan import Plan
+from .analysis import plannable_bytes
+from .plan import Plan, TimedPlan
 from .runtime.collectives import WORLD, group_size
+from .storage_tracker import StorageTracker
 
 log = logging.getLogger(__name__)
 
@@ -75,25 +82,63 @@ def _loss(out: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]
 
 
-def step_times_s(module: nn.Module, inputs: tuple[Any, ...], *, optimizer: str,
-                 steps: int = TIMED_STEPS) -> list[float]:
-    """The slowest rank's seconds for each of ``steps`` steps (after one warm-up) of a forward,
-    backward and optimizer step of ``module`` on ``inputs``. Collective."""
+def step_peak_bytes(module: nn.Module, inputs: tuple[Any, ...],
+                    optimizer: torch.optim.Optimizer) -> int:
+    """The fullest rank's peak bytes over one training step of ``module`` (which should have run
+    a step already, so that the optimizer's state exists): what the step adds to what the
+    process held before it, plus the module's parameters, buffers and optimizer state and the
+    inputs, each storage once. On the CPU the independent storage tracker measures it
+    (``storage_tracker.py``); on a GPU, ``torch.cuda.max_memory_allocated``. Collective."""
+    own = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (
+        *module.parameters(), *module.buffers(),
+        *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        *(x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)))}
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        _train_step(module, inputs, optimizer)
+        torch.cuda.synchronize(device)
+        added = torch.cuda.max_memory_allocated(device) - start
+    else:
+        tracker = StorageTracker()
+        with tracker:
+            _train_step(module, inputs, optimizer)
+        added = tracker.peak_bytes - tracker.start_bytes
+    peak = torch.tensor([float(added + sum(own.values()))], dtype=torch.float64)
+    if group_size(WORLD) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def _train_step(module: nn.Module, inputs: tuple[Any, ...],
+                optimizer: torch.optim.Optimizer) -> None:
+    _loss(module(*inputs)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def measure_plan(module: nn.Module, inputs: tuple[Any, ...], *, optimizer: str,
+                 steps: int = TIMED_STEPS) -> tuple[list[float], int]:
+    """The slowest rank's seconds for each of ``steps`` training steps of ``module`` on
+    ``inputs``, and the fullest rank's peak bytes (:func:`step_peak_bytes`), measured on a step
+    of its own after one warm-up step (the tracker slows the step it watches). Collective."""
     opt = _optimizer(optimizer, [p for p in module.parameters() if p.requires_grad])
+    _train_step(module, inputs, opt)  # the optimizer's state exists from here on
+    peak = step_peak_bytes(module, inputs, opt)
     world = group_size(WORLD) > 1
     times = []
-    for _ in range(steps + 1):
+    for _ in range(steps):
         if world:
             dist.barrier()
         start = time.perf_counter()
-        _loss(module(*inputs)).backward()
-        opt.step()
-        opt.zero_grad()
+        _train_step(module, inputs, opt)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         if world:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed.item()))
-    return times[1:]
+    return times, peak
 
 
 def median_error_s(times: Sequence[float]) -> float:
@@ -105,35 +150,68 @@ def median_error_s(times: Sequence[float]) -> float:
     return 1.2533 * 1.4826 * mad / len(times) ** 0.5
 
 
-def keep_index(times: Sequence[Sequence[float]]) -> int:
-    """Which plan autotuning keeps, given each plan's step times, the predicted best first: the
-    fastest measured (least median), if its median is below the predicted best's by more than
-    :data:`NOISE_SIGMAS` standard errors of the difference; else the predicted best (0). A
-    measurement that cannot tell two plans apart does not overrule the prediction."""
+def keep_index(times: Sequence[Sequence[float]], fits: Sequence[bool] | None = None) -> int:
+    """Which plan autotuning keeps, given each plan's step times, the predicted best first, and
+    whether each measured under the memory limit (default: all did). The reference is the
+    predicted best, or the first plan in predicted order that fits when it does not; the
+    fastest plan that fits (least median) replaces it if its median is below the reference's by
+    more than :data:`NOISE_SIGMAS` standard errors of the difference. A measurement that cannot
+    tell two plans apart does not overrule the prediction; a plan measured over the limit is
+    never kept, unless none fits (then the predicted best)."""
+    fits = [True] * len(times) if fits is None else list(fits)
+    fitting = [i for i in range(len(times)) if fits[i]]
+    if not fitting:
+        return 0
     medians = [statistics.median(t) for t in times]
-    fastest = min(range(len(times)), key=lambda i: (medians[i], i))
-    noise = (median_error_s(times[0]) ** 2 + median_error_s(times[fastest]) ** 2) ** 0.5
-    return fastest if medians[0] - medians[fastest] > NOISE_SIGMAS * noise else 0
+    ref = fitting[0]
+    fastest = min(fitting, key=lambda i: (medians[i], i))
+    noise = (median_error_s(times[ref]) ** 2 + median_error_s(times[fastest]) ** 2) ** 0.5
+    return fastest if medians[ref] - medians[fastest] > NOISE_SIGMAS * noise else ref
 
 
 def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
-                   inputs: tuple[Any, ...], *, optimizer: str) -> Plan:
+                   inputs: tuple[Any, ...], *, optimizer: str, limit_bytes: int | None) -> Plan:
     """Time each of ``plans`` (the predicted best first; ``build`` makes a compiled module of
-    one) and return the one :func:`keep_index` keeps, recording every plan's (hash, predicted,
-    measured median) step seconds, fastest measured first. Collective."""
+    one), measure its peak, and return the one :func:`keep_index` keeps among those measured
+    under ``limit_bytes`` (None: no limit), recording every plan's figures (``TimedPlan``),
+    fastest measured first. Collective."""
     start = time.perf_counter()
     times: list[list[float]] = []
+    peaks: list[int] = []
     for plan in plans:
         module = build(plan)
-        times.append(step_times_s(module, inputs, optimizer=optimizer))
+        # what building left in reference cycles goes now, as compile_osdp frees it before it
+        # returns ([Note: capture cycles]): collected during the measured step, it would count
+        # against the step's peak
+        gc.collect()
+        t, peak = measure_plan(module, inputs, optimizer=optimizer)
+        times.append(t)
+        peaks.append(peak)
         del module
         gc.collect()  # the next plan's module must not share memory with this one
-    best = plans[keep_index(times)]
+    fits = [limit_bytes is None or p <= limit_bytes for p in peaks]
+    kept = keep_index(times, fits)
+    if not fits[kept]:
+        log.warning("autotune: every plan timed measured over the memory limit (%s); keeping "
+                    "the predicted best", ", ".join(f"{p / 2**20:.1f} MiB" for p in peaks))
+    best = plans[kept]
     order = sorted(range(len(plans)), key=lambda i: (statistics.median(times[i]), i))
-    record = tuple((plans[i].hash(), plans[i].step_time_s or 0.0, statistics.median(times[i]))
-                   for i in order)
+    record = tuple(TimedPlan(
+        plans[i].hash(), plans[i].step_time_s or 0.0, statistics.median(times[i]),
+        plans[i].peak_memory_bytes or 0, peaks[i],
+        role=_role(plans, i, limit_bytes)) for i in order)
     log.info("autotune: timed %d plans in %.2f s (%s); keeping %s", len(plans),
              time.perf_counter() - start,
-             ", ".join(f"{h} {m * 1e3:.1f} ± {median_error_s(times[i]) * 1e3:.1f} ms"
-                       for (h, _, m), i in zip(record, order)), best.hash())
+             ", ".join(f"{t.hash} {t.measured_step_s * 1e3:.1f} ± "
+                       f"{median_error_s(times[i]) * 1e3:.1f} ms, "
+                       f"{t.measured_peak_bytes / 2**20:.1f} MiB" for t, i in zip(record, order)),
+             best.hash())
     return dataclasses.replace(best, measured=record, source=f"{best.source}, autotuned")
+
+
+def _role(plans: Sequence[Plan], i: int, limit_bytes: int | None) -> str:
+    if i == 0:
+        return "predicted best"
+    above = limit_bytes is not None and (plans[i].peak_memory_bytes or 0) > plannable_bytes(
+        limit_bytes)
+    return "above the margin" if above else "alternative"

@@ -234,6 +234,24 @@ class Prediction:
 
 
 @dataclasses.dataclass(frozen=True)
+class TimedPlan:
+    """One plan autotuning measured (``autotune.py``)."""
+
+    hash: str
+    predicted_step_s: float
+    measured_step_s: float
+    """The median over its timed steps of the slowest rank's seconds."""
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    """The fullest rank's peak over one step (``autotune.step_peak_bytes``)."""
+    role: str
+    """'predicted best' (the search's answer, kept unless a plan measures faster by more than
+    the noise), 'alternative' (another plan predicted under the margin), or 'above the margin'
+    (predicted to fit the memory limit but not its plannable share, ``MEMORY_MARGIN``: kept only
+    when measured under the limit)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """Strategies for every parameter group of one model at one world size."""
 
@@ -267,11 +285,10 @@ class Plan:
     and one reduce-scatter (``buckets.gather_buckets``)."""
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bytes of one all-reduce bucket of replicated gradients."""
-    measured: tuple[tuple[str, float, float], ...] = ()
-    """Autotuning (``compile_osdp(autotune=K)``): the plans it timed, as (plan hash, predicted
-    step seconds, measured step seconds: the median over its timed steps of the slowest
-    rank's), fastest measured first (the plan in force need not be: ``autotune.keep_index``);
-    empty when the plan was not autotuned. Not hashed."""
+    measured: tuple[TimedPlan, ...] = ()
+    """Autotuning (``compile_osdp(autotune=K)``): the plans it timed, fastest measured first
+    (the plan in force need not be: ``autotune.keep_index``); empty when the plan was not
+    autotuned. Not hashed."""
 
     def __post_init__(self) -> None:
         check_prefetch(self.prefetch)
@@ -411,8 +428,7 @@ def _to_dict(self: Plan) -> dict[str, Any]:
             for p in self.params
         },
         **({"predicted": self.prediction.to_dict()} if self.prediction else {}),
-        **({"autotuned": [{"hash": h, "predicted_step_s": p, "measured_step_s": m}
-                          for h, p, m in self.measured]} if self.measured else {}),
+        **({"autotuned": [dataclasses.asdict(t) for t in self.measured]} if self.measured else {}),
     }
 
 

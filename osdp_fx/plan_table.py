@@ -74,10 +74,13 @@ def plan_table(self: Any) -> str:
             lines.append(_region_table(pr.regions))
     if self.measured:
         kept = self.hash()
-        lines.append("autotuned: " + ", ".join(
-            f"{h} {m * 1e3:.1f} ms (predicted {p * 1e3:.1f}){' in force' if h == kept else ''}"
-            for h, p, m in self.measured) + " measured per step (median); the fastest is kept "
-            "when it beats the predicted best by more than the timing's noise")
+        lines.append("autotuned (step median, peak; predicted in brackets): " + ", ".join(
+            f"{t.hash} {t.measured_step_s * 1e3:.1f} ms ({t.predicted_step_s * 1e3:.1f}), "
+            f"{format_bytes(t.measured_peak_bytes)} ({format_bytes(t.predicted_peak_bytes)})"
+            f"{'' if t.role == 'alternative' else ', ' + t.role}"
+            f"{', in force' if t.hash == kept else ''}" for t in self.measured)
+            + "; kept: the fastest measured under the memory limit, when it beats the predicted "
+            "best by more than the timing's noise")
     return "\n".join(lines)
 
 

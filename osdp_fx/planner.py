@@ -50,6 +50,7 @@ from .schedule import schedule_memory_kwargs
 from .search import (  # noqa: F401  (re-exported)
     choose_splits,
     search_batch_size,
+    search_beyond_margin,
     search_plan,
     search_schedules,
     search_strategies,
@@ -126,12 +127,16 @@ def make_plan(
                 optimizer=optimizer, prefetch=_prefetch(prefetch), grad_accumulation=acc))
             schedule, recompute = Schedule(_prefetch(prefetch)), {}
         else:
-            found = agree(search_schedules(analysis, devices=devices, memory_limit_bytes=limit,
-                                           optimizer=optimizer, prefetch=prefetch,
-                                           grad_accumulation=acc, recompute=recompute,
-                                           alternatives=candidates > 1))
+            how = dict(devices=devices, optimizer=optimizer, prefetch=prefetch,
+                       grad_accumulation=acc, recompute=recompute)
+            found = agree(search_schedules(analysis, memory_limit_bytes=limit,
+                                           alternatives=candidates > 1, **how))
             (_, schedule, (strategies, recompute)), alternatives = (found[0],
                                                                     found[1:candidates])
+            if candidates > 1:  # autotuning measures these before it trusts them
+                alternatives += agree(search_beyond_margin(
+                    analysis, memory_limit_bytes=limit, faster_than_s=found[0][0],
+                    **how))[:candidates]
         resolved = build_plan(strategies, specs, world_size=devices.world_size,
                               memory_limit_bytes=limit, source="search", splits=splits,
                               schedule=schedule, ranks_per_node=devices.ranks_per_node,

@@ -18,7 +18,14 @@ from typing import Any
 
 from torch import fx
 
-from .analysis import MEMORY_MARGIN, Analysis, param_state, param_states, plannable_bytes
+from .analysis import (
+    MEMORY_MARGIN,
+    Analysis,
+    param_state,
+    param_states,
+    plannable_bytes,
+    unmargined_limit,
+)
 from .buckets import DEFAULT_BUCKET_BYTES, Schedule, candidate_schedules
 from .cost_models.graph_facts import ParamState
 from .cost_models.recompute import RegionCost, region_costs
@@ -447,3 +454,22 @@ def search_schedules(
         found = search(schedule=schedule, memory_limit_bytes=memory_limit_bytes)
         loosened.append((score(schedule, found)[0], schedule, found))
     return sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
+
+
+def search_beyond_margin(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    faster_than_s: float, prefetch: int | None = None, grad_accumulation: int = 1,
+    recompute: bool = True,
+) -> list[tuple[float, Schedule, Found]]:
+    """Plans the models predict to fit ``memory_limit_bytes`` itself, not only its plannable
+    share (``MEMORY_MARGIN``), and to step in less than ``faster_than_s`` (the best plan under
+    the margin), fastest first: none when none does. The prediction alone does not promise that
+    they fit; autotuning measures them first (``autotune.py``)."""
+    try:
+        found = search_schedules(analysis, devices=devices,
+                                 memory_limit_bytes=unmargined_limit(memory_limit_bytes),
+                                 optimizer=optimizer, prefetch=prefetch,
+                                 grad_accumulation=grad_accumulation, recompute=recompute)
+    except PlanError:
+        return []
+    return [f for f in found if f[0] < faster_than_s]

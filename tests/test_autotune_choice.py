@@ -41,3 +41,12 @@ def test_the_threshold_is_the_medians_standard_errors() -> None:
     beyond = [t + 0.5 - gap * 1.1 for t in b]
     assert keep_index([a, within]) == 0 and keep_index([a, beyond]) == 1
     assert keep_index([[0.3], [0.2]]) == 1  # one step each: no spread to go by
+
+
+def test_a_plan_measured_over_the_limit_is_never_kept() -> None:
+    slow, fast, faster = noisy(0.300, 0.01, 8, 5), noisy(0.250, 0.01, 8, 6), noisy(0.2, 0.01, 8, 7)
+    assert keep_index([slow, fast, faster], [True, True, False]) == 1
+    # the predicted best measured over: the next in predicted order is the reference
+    assert keep_index([fast, slow], [False, True]) == 1
+    assert keep_index([faster, slow, fast], [False, True, True]) == 2
+    assert keep_index([fast, faster], [False, False]) == 0  # none fits: the predicted best

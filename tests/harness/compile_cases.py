@@ -3,8 +3,6 @@ of a test world."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,8 +12,7 @@ from osdp_fx.runtime.compile_support import grouped_for
 
 from .models import batches, build, local
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from storage_tracker import StorageTracker  # noqa: E402
+from osdp_fx.storage_tracker import StorageTracker
 
 
 def collective_call_sites(gm: torch.fx.GraphModule) -> int:
@@ -39,7 +36,7 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
     ``accumulate``: each step first runs ``accumulate - 1`` forwards and backwards of its batch
     inside ``compiled.no_sync()``. ``held_after_forward``: the bytes of the storages the
     process holds after the last step's forward beyond those it held before it (the
-    independent tracker of ``benchmarks/storage_tracker.py``; 0 without ``measure_held``: the
+    independent tracker of ``osdp_fx/storage_tracker.py``; 0 without ``measure_held``: the
     tracker reads the tensors autograd saved, which selective checkpointing allows only once)."""
     data = [local(b, rank, world) for b in batches(model, global_batch=local_batch * world,
                                                     steps=steps)]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,8 +13,7 @@ from torch import nn
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from storage_tracker import StorageTracker, dense_tensors, held_tensors  # noqa: E402
+from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors
 
 VOCAB = 512
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,8 +17,7 @@ from osdp_fx.runtime import collectives
 
 from .models import batches, build, cast_forward, local
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from storage_tracker import StorageTracker  # noqa: E402
+from osdp_fx.storage_tracker import StorageTracker
 
 
 def _micro_batches(model: str, *, world: int, k: int, steps: int,

@@ -1,7 +1,9 @@
 """An independent live-storage tracker: the bytes of every tensor storage this process holds.
 
-Written apart from osdp-fx (it imports only torch) so that it measures what a user measures,
-not what the project's runtime reports about itself:
+It imports only torch, nothing of osdp-fx, so that it measures what a user measures, not what
+the project's runtime reports about itself: the tests and benchmarks judge the memory promise
+with it, and autotuning (``autotune.py``) admits a plan predicted above the memory margin only
+when it measures the plan's peak under the limit. Users may measure their own steps with it.
 
 - On entry it finds every tensor the process already holds, through ``gc.get_objects()``
   (without collecting: a tensor kept alive by a reference cycle is held memory), the tensors
