@@ -60,8 +60,8 @@ from memory_timeline import build  # noqa: E402
 from osdp_fx import Devices, compile_osdp  # noqa: E402
 from osdp_fx.errors import PlanError  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
-from osdp_fx.units import format_bytes, parse_bytes  # noqa: E402
 from osdp_fx.storage_tracker import StorageTracker  # noqa: E402
+from osdp_fx.units import format_bytes, parse_bytes  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 STRATEGIES = ("replicate", "shard_grad_op", "full_shard")

@@ -96,8 +96,8 @@ from osdp_fx import Devices, compile_osdp  # noqa: E402
 from osdp_fx.capture import capture  # noqa: E402
 from osdp_fx.errors import PlanError  # noqa: E402
 from osdp_fx.regions import find_regions  # noqa: E402
-from osdp_fx.units import format_bytes  # noqa: E402
 from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors  # noqa: E402
+from osdp_fx.units import format_bytes  # noqa: E402
 
 MiB = 2**20
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -107,7 +107,7 @@ TOLERANCE = 0.05  # predicted against measured peak of the plans that recompute
 FSDP2, FSDP2_CKPT = "fsdp2", "fsdp2_ckpt"
 FULL_SHARD, FULL_RECOMPUTE, SELECTIVE = "full_shard", "full_shard_full", "full_shard_selective"
 BLOCKS, BLOCKS_FULL = "full_shard_blocks", "full_shard_blocks_full"
-REPLICATE = "replicate"
+REPLICATE, REPLICATE_FULL = "replicate", "replicate_full"
 SEARCHED_A, SHARDING_A = "searched_A", "sharding_only_A"
 SHARDING_B, JOINT_B = "sharding_only_B", "joint_B"
 LABELS = {
@@ -119,6 +119,8 @@ LABELS = {
     BLOCKS: ("osdp-fx", "full_shard, block-sized gather buckets"),
     BLOCKS_FULL: ("osdp-fx", "full_shard, block-sized gather buckets, every block full"),
     REPLICATE: ("osdp-fx", "replicate (peak only: places B)"),
+    REPLICATE_FULL: ("osdp-fx", "replicate, every block full (a floor for plans recomputing "
+                                "every block)"),
     SEARCHED_A: ("osdp-fx", "searched @ A"),
     SHARDING_A: ("osdp-fx", "searched sharding-only @ A"),
     SHARDING_B: ("osdp-fx", "searched sharding-only @ B"),
@@ -140,20 +142,23 @@ def checkpoint_forward(block: torch.nn.Module) -> None:
 
 
 def recompute_plan_files(cfg: Config, directory: Path, world: int) -> dict[str, str]:
-    """Plan files: every parameter full_shard, every region ``full`` (``selective``); and
+    """Plan files: every parameter full_shard, every region ``full`` (``selective``);
     full_shard with gather buckets of one block's gathered parameters (``blocks``; one
-    all-gather per block, as FSDP2 groups one), alone and with every region ``full``."""
+    all-gather per block, as FSDP2 groups one), alone and with every region ``full``; every
+    parameter replicated with every region ``full`` (``replicate_full``: the fewest
+    collectives any plan that recomputes every block can have)."""
     model = build_model(cfg, torch.device("cpu"))
     gm = capture(model, (local_batch(cfg, 0, torch.device("cpu")),)).gm
     regions = find_regions(gm.graph)
     block = max(sum(-(-gm.get_parameter(t).numel() // world) * world * 4 for t in
                     {a.target for op in ops for a in op.all_input_nodes if a.op == "get_attr"})
                 for ops in regions.values())
-    plans = {"full": {"recompute": {r: "full" for r in regions}},
+    every_full = {r: "full" for r in regions}
+    plans = {"full": {"recompute": every_full},
              "selective": {"recompute": {r: "selective" for r in regions}},
              "blocks": {"gather_bucket_bytes": block},
-             "blocks_full": {"gather_bucket_bytes": block,
-                             "recompute": {r: "full" for r in regions}}}
+             "blocks_full": {"gather_bucket_bytes": block, "recompute": every_full},
+             "replicate_full": {"default": "replicate", "recompute": every_full}}
     files = {}
     for name, extra in plans.items():
         path = directory / f"full_shard-{name}.json"
@@ -303,6 +308,7 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     w.add(SELECTIVE, w.osdp(plan_files["selective"]))
     w.add(BLOCKS, w.osdp(plan_files["blocks"]))
     w.add(BLOCKS_FULL, w.osdp(plan_files["blocks_full"]))
+    w.add(REPLICATE_FULL, w.osdp(plan_files["replicate_full"]))
     w.add(SEARCHED_A, w.osdp(None, limit_a), limit_a)
     w.add(SHARDING_A, w.osdp(None, limit_a, sharding_only=True), limit_a)
     w.add(SHARDING_B, w.osdp(None, limit_b, sharding_only=True), limit_b)
@@ -379,6 +385,8 @@ def checks(rows: list[dict[str, Any]], limit_a: int, limit_b: int, world: int) -
             by[JOINT_B].get("hash") is not None
             and by[JOINT_B].get("hash") == by[SHARDING_B].get("hash")),
         "full_recompute_over_joint_b_step": ratio(FULL_RECOMPUTE, JOINT_B),
+        # no plan that recomputes every block has fewer collectives than this one
+        "replicate_full_over_fsdp2_ckpt_step": ratio(REPLICATE_FULL, FSDP2_CKPT),
         "recompute_peak_errors": {r["key"]: round(r["peak_error"], 4) for r in recomputing},
         "max_recompute_peak_error": (round(max(abs(r["peak_error"]) for r in recomputing), 4)
                                      if recomputing else None),

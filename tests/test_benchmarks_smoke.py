@@ -169,7 +169,8 @@ def test_recompute_benchmark_builds_measures_and_checks_every_system(tmp_path: P
     for key in ("limit_a_mib", "limit_b_mib", "full_shard_over_a", "sharding_only_at_a_raises",
                 "searched_at_a_fits", "fsdp2_ckpt_fits_a", "searched_a_over_fsdp2_ckpt_step",
                 "joint_b_over_sharding_only_b_step", "full_recompute_over_joint_b_step",
-                "max_recompute_peak_error", "targets_met"):
+                "replicate_full_over_fsdp2_ckpt_step", "max_recompute_peak_error",
+                "targets_met"):
         assert key in checks, key
     assert len(checks["targets_met"]) == 6
     raw = json.loads((tmp_path / "recompute-world2.json").read_text())
@@ -179,6 +180,8 @@ def test_recompute_benchmark_builds_measures_and_checks_every_system(tmp_path: P
     # the plan files recompute every block; the sharding-only search recomputes nothing
     assert set(by["full_shard_full"]["recompute"].values()) == {"full"}
     assert set(by["full_shard_selective"]["recompute"].values()) == {"selective"}
+    assert set(by["replicate_full"]["recompute"].values()) == {"full"}
+    assert {s for s, n in by["replicate_full"]["plan_counts"].items() if n} == {"replicate"}
     assert by["sharding_only_B"]["recompute"] == {}
     for r in raw["rows"]:  # every system built is measured; the peaks come from the tracker
         assert "error" in r or r["peak_bytes"] > 0, r["key"]

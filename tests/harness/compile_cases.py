@@ -9,10 +9,9 @@ import torch
 
 from osdp_fx import compile_osdp
 from osdp_fx.runtime.compile_support import grouped_for
+from osdp_fx.storage_tracker import StorageTracker
 
 from .models import batches, build, local
-
-from osdp_fx.storage_tracker import StorageTracker
 
 
 def collective_call_sites(gm: torch.fx.GraphModule) -> int:

@@ -12,7 +12,6 @@ from torch import nn
 
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT
-
 from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors
 
 VOCAB = 512

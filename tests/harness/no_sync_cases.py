@@ -14,10 +14,9 @@ import torch.distributed as dist
 
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.runtime import collectives
+from osdp_fx.storage_tracker import StorageTracker
 
 from .models import batches, build, cast_forward, local
-
-from osdp_fx.storage_tracker import StorageTracker
 
 
 def _micro_batches(model: str, *, world: int, k: int, steps: int,
