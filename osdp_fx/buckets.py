@@ -52,15 +52,20 @@ class Schedule:
     """Bytes of one all-reduce bucket of replicated gradients (:func:`plan_buckets`)."""
 
 
-def candidate_schedules(prefetch: int | None = None) -> list[Schedule]:
+def candidate_schedules(prefetch: int | None = None,
+                        block_bytes: int | None = None) -> list[Schedule]:
     """The schedules the search tries (the default first): prefetch 0, 1 or 2 (or only
-    ``prefetch`` when the user fixed it), gather buckets of 64 KiB (small parameters only) or
-    1 MiB, all-reduce buckets of 25 MiB or 4 MiB. Each costs memory (a deeper prefetch holds
-    more gathered parameters, a larger bucket a larger flat buffer) and saves time (overlap,
-    latency). Larger gather buckets (a whole transformer block) are for plan files: they are
-    not yet measured against the search's choices (``docs/cost-models.md``)."""
+    ``prefetch`` when the user fixed it), gather buckets of 64 KiB (small parameters only),
+    1 MiB, or ``block_bytes`` when given (the most bytes one transformer block gathers: one
+    all-gather per block, as FSDP2 groups a block's parameters), all-reduce buckets of 25 MiB
+    or 4 MiB. Each costs memory (a deeper prefetch holds more gathered parameters, a larger
+    bucket a larger flat buffer) and saves time (overlap, latency; a bucket's members pay for
+    copying through its flat buffers)."""
     depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
-    return [Schedule(d, g, r) for d in depths for g in (SMALL_PARAM_BYTES, 2**20)
+    gathers = [SMALL_PARAM_BYTES, 2**20]
+    if block_bytes is not None and block_bytes > 2**20:
+        gathers.append(block_bytes)
+    return [Schedule(d, g, r) for d in depths for g in gathers
             for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)]
 
 

@@ -37,6 +37,7 @@ from .errors import InputError, PlanError
 from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
 from .passes.split_linear import SPLIT_FACTORS, linear_sites
 from .plan import DEFAULT_PREFETCH
+from .regions import find_regions
 from .runtime.collectives import scatter_copies_input
 from .schedule import collectives_key, rank_schedules, schedule_memory_kwargs
 from .solver import solve_min_time
@@ -426,12 +427,8 @@ def search_schedules(
     also at 90 and 80 % of the limit): plans that fit, fastest first (``rank_schedules``).
     ``recompute`` False: no region is offered for recomputation."""
     shares = (1.0, 0.9, 0.8) if alternatives else (1.0,)
-    # Block-sized gather buckets are not offered yet: the step-time model credits their saved
-    # latencies but not their flat copies and the later start of their reduce-scatters, and
-    # ranked a 12 MiB-bucket plan first that measured 1.40x the fastest (docs/cost-models.md).
-    # Plan files may set them.
     options = [(sch, int(memory_limit_bytes * f)) for f in shares
-               for sch in candidate_schedules(prefetch)]
+               for sch in candidate_schedules(prefetch, block_gather_bytes(analysis))]
     regions = region_costs(analysis.facts, devices) if recompute else {}
     search = functools.partial(search_plan, analysis, regions,
                                devices=devices, optimizer=optimizer,
@@ -473,3 +470,17 @@ def search_beyond_margin(
     except PlanError:
         return []
     return [f for f in found if f[0] < faster_than_s]
+
+
+def block_gather_bytes(analysis: Analysis) -> int | None:
+    """The most bytes the parameters one recomputable region (a transformer block) reads take
+    in full: a gather bucket of this size gathers about one block per all-gather. None when
+    the graph has no regions."""
+    gm = analysis.captured.gm
+    names = set(analysis.captured.params)
+    sizes = []
+    for ops in find_regions(gm.graph).values():
+        read = {a.target for op in ops for a in op.all_input_nodes
+                if a.op == "get_attr" and a.target in names}
+        sizes.append(sum(gm.get_parameter(t).nbytes for t in read))
+    return max(sizes, default=None) or None

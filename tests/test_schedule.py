@@ -20,6 +20,7 @@ from osdp_fx.cost_models.step import bucket_copy_s
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.planner import analyze, predict, search_schedules
+from osdp_fx.search import block_gather_bytes
 from osdp_fx.plan_request import build_plan
 from osdp_fx.planner import param_specs
 from osdp_fx.schedule import rank_schedules
@@ -197,3 +198,22 @@ def test_recompute_false_searches_without_recomputation():
     assert recompute
     with pytest.raises(PlanError):
         search_schedules(analysis, recompute=False, **kw)
+
+
+def test_the_search_offers_gather_buckets_of_one_transformer_block():
+    analysis = _gpt(dim=512)  # a block's matrices: 12 x 512 x 512 floats, 12 MiB
+    gm = analysis.captured.gm
+    block = block_gather_bytes(analysis)
+    in_block = [p.nbytes for n, p in gm.named_parameters() if "blocks.0." in n or "blocks_0_" in n]
+    assert in_block and block == sum(in_block)
+    schedules = candidate_schedules(block_bytes=block)
+    assert len(schedules) == 18 and schedules[0] == Schedule()
+    assert {s.gather_bucket_bytes for s in schedules} == {SMALL_PARAM_BYTES, 2**20, block}
+    assert candidate_schedules(block_bytes=2**19) == candidate_schedules()  # no larger than 1 MiB
+    # where most parameters must be sharded and a collective costs mostly its latency, a
+    # bucket per block is the predicted fastest
+    limit = int(_predicted(analysis, "full_shard", Schedule(1, block)).peak_memory_bytes / 0.9)
+    slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
+    found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
+                             optimizer="adamw")
+    assert found[0][1].gather_bucket_bytes == block, found[0][1]
