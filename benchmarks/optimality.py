@@ -20,8 +20,13 @@ rounds, the order rotated each round; a step's time is the slowest rank's; the m
 the "screened" time). The least of some 25 noisy medians is biased low (a step here varies by
 ±15 %), so the ``--confirm`` fastest screened plans and the searched ones are timed again,
 round-robin, for ``--confirm-rounds`` more rounds, and compared on those times alone.
-Prints the table, the Spearman rank correlation between predicted and screened step time, and
-the ratio of the searched plan's confirmed time to the fastest confirmed plan.
+A plan built twice (the autotuned plan is often the searched one; a hand-written plan may be
+too) is timed once, and both rows show its times: the same plan timed twice measured up to 5 %
+apart. Prints the table, the Spearman rank correlation between predicted and screened step time
+(each distinct plan once), and the ratio of the searched plan's confirmed time to the fastest
+confirmed plan's: as the ratio of the two medians, and paired, as the median over the
+confirming rounds of the two plans' ratio within one round (the two steps of a round run close
+together, so the machine's drift between rounds cancels).
 
     python benchmarks/optimality.py [--model gpt llama] [--limit 200MiB 160MiB] [--world-size 2]
         [--rounds 8] [--random 6] [--autotune 3] [--confirm 4] [--confirm-rounds 24] [--quick]
@@ -159,6 +164,7 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
              for label, strategies in plans.items()}
     dist.barrier()
     searched = {label: None for label in SEARCHED if autotune or label == "searched"}
+    by_hash: dict[str, _Run] = {}  # a plan built twice (autotuned = searched) is timed once
     for label, strategies in {**searched, **plans}.items():
         model, _, _ = build(model_name)
         spec = None if strategies is None else files[label]
@@ -172,6 +178,11 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
             continue
         compile_s = time.perf_counter() - start
         del model
+        same = by_hash.get(compiled.plan.hash())
+        if same is not None:
+            rows.append({"plan": label, "same_as": same.label})
+            del compiled
+            continue
         run = _Run(label, compiled, x)
         run.step()  # the optimizer's state exists from here on
         # The other plans' models stay alive for the timing: count what this step adds to what
@@ -194,20 +205,31 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
                      "fits": peak.item() <= limit})
         if peak.item() <= limit:
             runs.append(run)
+            by_hash[compiled.plan.hash()] = run
     _round_robin(runs, rounds)
     screened = {run.label: statistics.median(run.times) for run in runs}
     # The least of many noisy medians is biased low (the plan that drew the luckiest rounds
     # wins), so the fastest few, with the searched and autotuned plans, are timed again,
     # afresh, and compared on those times only.
     ranked = sorted(runs, key=lambda run: screened[run.label])
-    finalists = [run for run in runs if run.label in SEARCHED or run in ranked[:confirm]]
+    searched_runs = {r["same_as"] for r in rows if r["plan"] in SEARCHED and "same_as" in r}
+    finalists = [run for run in runs if run.label in SEARCHED or run.label in searched_runs
+                 or run in ranked[:confirm]]
     for run in finalists:
         run.times = []
     _round_robin(finalists, confirm_rounds)
-    confirmed = {run.label: statistics.median(run.times) for run in finalists}
+    confirmed = {run.label: run.times for run in finalists}
     for row in rows:
-        row["measured_step_s"] = screened.get(row["plan"])
-        row["confirmed_step_s"] = confirmed.get(row["plan"])
+        label = row.get("same_as", row["plan"])
+        row["measured_step_s"] = screened.get(label)
+        if label in confirmed:
+            row["confirmed_step_s"] = statistics.median(confirmed[label])
+            row["confirmed_times_s"] = confirmed[label]
+        if "same_as" in row:  # the same plan: its figures
+            twin = next(r for r in rows if r["plan"] == label)
+            row.update({k: twin[k] for k in ("counts", "schedule", "hash", "predicted_step_s",
+                                             "predicted_peak", "measured_peak", "fits")
+                        if k in twin})
     return rows
 
 
@@ -240,7 +262,8 @@ def report(rows: list[dict[str, Any]], title: str) -> tuple[str, dict[str, Any]]
     timed = [r for r in rows if r.get("measured_step_s") is not None]
     timed.sort(key=lambda r: (r.get("confirmed_step_s") is None,
                               r.get("confirmed_step_s") or r["measured_step_s"]))
-    others = [r for r in timed if r["plan"] not in SEARCHED]
+    distinct = [r for r in timed if "same_as" not in r]  # a plan built twice counts once
+    others = [r for r in distinct if r["plan"] not in SEARCHED]
     finalists = [r for r in timed if r.get("confirmed_step_s") is not None]
     fastest = finalists[0] if finalists else None
 
@@ -248,8 +271,19 @@ def report(rows: list[dict[str, Any]], title: str) -> tuple[str, dict[str, Any]]
         row = next((r for r in finalists if r["plan"] == label), None)
         return row["confirmed_step_s"] / fastest["confirmed_step_s"] if row and fastest else None
 
+    def paired(label: str) -> float | None:
+        """The median over the confirming rounds of the plan's step over the fastest plan's
+        step in the same round (the round-robin runs them back to back, so the machine's drift
+        between rounds cancels)."""
+        row = next((r for r in finalists if r["plan"] == label), None)
+        if not row or not fastest:
+            return None
+        return statistics.median(a / b for a, b in zip(row["confirmed_times_s"],
+                                                       fastest["confirmed_times_s"]))
+
     ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else ""  # noqa: E731
-    rho = spearman([r["predicted_step_s"] for r in timed], [r["measured_step_s"] for r in timed])
+    rho = spearman([r["predicted_step_s"] for r in distinct],
+                   [r["measured_step_s"] for r in distinct])
     lines = [title, "",
              "| plan | confirmed step | screened step | predicted step | measured peak | "
              "predicted peak |", "|---|---|---|---|---|---|"]
@@ -259,17 +293,27 @@ def report(rows: list[dict[str, Any]], title: str) -> tuple[str, dict[str, Any]]
             continue
         step = ms(r.get("measured_step_s")) or "over the limit"
         name = f"**{r['plan']}** ({r['schedule']})" if r["plan"] in SEARCHED else r["plan"]
+        if "same_as" in r:
+            name += f", the same plan as {r['same_as']}"
         lines.append(f"| {name} | {ms(r.get('confirmed_step_s'))} | {step} | "
                      f"{ms(r['predicted_step_s'])} | {format_bytes(r['measured_peak'])} | "
                      f"{format_bytes(r['predicted_peak'])} |")
     summary = {"spearman": rho, "searched_over_fastest": ratio("searched"),
                "autotuned_over_fastest": ratio("autotuned"),
-               "fastest": fastest["plan"] if fastest else None, "plans_timed": len(timed),
+               "searched_over_fastest_paired": paired("searched"),
+               "autotuned_over_fastest_paired": paired("autotuned"),
+               "same_plans": {r["plan"]: r["same_as"] for r in rows if "same_as" in r},
+               "fastest": fastest["plan"] if fastest else None, "plans_timed": len(distinct),
                "alternatives_timed": len(others), "finalists": [r["plan"] for r in finalists]}
     fmt = lambda v: f"{v:.3f}" if v else "not timed"  # noqa: E731
-    lines += ["", f"Spearman (predicted vs screened step, {len(timed)} plans that fit): {rho:.3f}",
-              f"searched / fastest confirmed: {fmt(summary['searched_over_fastest'])}",
-              f"autotuned / fastest confirmed: {fmt(summary['autotuned_over_fastest'])}",
+    lines += ["", f"Spearman (predicted vs screened step, {len(distinct)} plans that fit): "
+              f"{rho:.3f}",
+              f"searched / fastest confirmed: {fmt(summary['searched_over_fastest'])} "
+              f"(paired per round: {fmt(summary['searched_over_fastest_paired'])})",
+              f"autotuned / fastest confirmed: {fmt(summary['autotuned_over_fastest'])} "
+              f"(paired per round: {fmt(summary['autotuned_over_fastest_paired'])})",
+              *(f"{a} is the same plan as {b}, timed once" for a, b in
+                summary["same_plans"].items()),
               f"fastest: {summary['fastest']}"]
     return "\n".join(lines), summary
 

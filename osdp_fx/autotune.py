@@ -12,10 +12,13 @@ parameters of their own, so the model's values never change. A step's time and p
 slowest and the fullest rank's (all-reduced, MAX), so every rank sees the same figures and
 keeps the same plan (:func:`keep_index`): among the plans measured under the limit, the fastest
 measured, when it is faster than the predicted best by more than the timing's noise; else the
-predicted best. A plan above the margin is thus kept only when it measured under the limit and
-faster. The plan in force records every figure measured (``Plan.measured``). Autotuning costs
-about ``2K * (TIMED_STEPS + 2)`` steps plus as many shard passes; ``compile_osdp`` logs its
-seconds.
+predicted best. The plans are timed one after the other, so before a measured plan overrules
+the prediction the two are timed once more in the reverse order (a steady drift of the machine
+cancels) and the decision is made again on all their steps. A plan above the margin is thus
+kept only when it measured under the limit and faster. The plan in force records every figure
+measured (``Plan.measured``). Autotuning costs about ``2K * (TIMED_STEPS + 2)`` steps plus as
+many shard passes (and two more plans' worth when the prediction is overruled);
+``compile_osdp`` logs its seconds.
 """
 from __future__ import annotations
 
@@ -120,13 +123,14 @@ def _train_step(module: nn.Module, inputs: tuple[Any, ...],
 
 
 def measure_plan(module: nn.Module, inputs: tuple[Any, ...], *, optimizer: str,
-                 steps: int = TIMED_STEPS) -> tuple[list[float], int]:
+                 steps: int = TIMED_STEPS, peak: bool = True) -> tuple[list[float], int]:
     """The slowest rank's seconds for each of ``steps`` training steps of ``module`` on
-    ``inputs``, and the fullest rank's peak bytes (:func:`step_peak_bytes`), measured on a step
-    of its own after one warm-up step (the tracker slows the step it watches). Collective."""
+    ``inputs``, and the fullest rank's peak bytes (:func:`step_peak_bytes`; 0 without
+    ``peak``), measured on a step of its own after one warm-up step (the tracker slows the step
+    it watches). Collective."""
     opt = _optimizer(optimizer, [p for p in module.parameters() if p.requires_grad])
     _train_step(module, inputs, opt)  # the optimizer's state exists from here on
-    peak = step_peak_bytes(module, inputs, opt)
+    peak_bytes = step_peak_bytes(module, inputs, opt) if peak else 0
     world = group_size(WORLD) > 1
     times = []
     for _ in range(steps):
@@ -138,7 +142,7 @@ def measure_plan(module: nn.Module, inputs: tuple[Any, ...], *, optimizer: str,
         if world:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed.item()))
-    return times, peak
+    return times, peak_bytes
 
 
 def median_error_s(times: Sequence[float]) -> float:
@@ -163,7 +167,7 @@ def keep_index(times: Sequence[Sequence[float]], fits: Sequence[bool] | None = N
     if not fitting:
         return 0
     medians = [statistics.median(t) for t in times]
-    ref = fitting[0]
+    ref = fitting[0]  # the predicted best that fits
     fastest = min(fitting, key=lambda i: (medians[i], i))
     noise = (median_error_s(times[ref]) ** 2 + median_error_s(times[fastest]) ** 2) ** 0.5
     return fastest if medians[ref] - medians[fastest] > NOISE_SIGMAS * noise else ref
@@ -176,21 +180,30 @@ def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
     under ``limit_bytes`` (None: no limit), recording every plan's figures (``TimedPlan``),
     fastest measured first. Collective."""
     start = time.perf_counter()
-    times: list[list[float]] = []
-    peaks: list[int] = []
-    for plan in plans:
+
+    def measured(plan: Plan, *, peak: bool) -> tuple[list[float], int]:
         module = build(plan)
         # what building left in reference cycles goes now, as compile_osdp frees it before it
         # returns ([Note: capture cycles]): collected during the measured step, it would count
         # against the step's peak
         gc.collect()
-        t, peak = measure_plan(module, inputs, optimizer=optimizer)
-        times.append(t)
-        peaks.append(peak)
+        out = measure_plan(module, inputs, optimizer=optimizer, peak=peak)
         del module
         gc.collect()  # the next plan's module must not share memory with this one
+        return out
+
+    times, peaks = map(list, zip(*(measured(plan, peak=True) for plan in plans)))
     fits = [limit_bytes is None or p <= limit_bytes for p in peaks]
     kept = keep_index(times, fits)
+    ref = next((i for i in range(len(plans)) if fits[i]), 0)
+    if kept != ref:
+        # Before overruling the prediction, time the two again in the reverse order (ref ...
+        # kept, then kept, ref): the plans were timed one after the other, and a machine that
+        # slowed down between them would favour the earlier. Over both passes a drift that is
+        # steady cancels; the decision uses all the steps.
+        for i in (kept, ref):
+            times[i] = [*times[i], *measured(plans[i], peak=False)[0]]
+        kept = (ref, kept)[keep_index([times[ref], times[kept]])]
     if not fits[kept]:
         log.warning("autotune: every plan timed measured over the memory limit (%s); keeping "
                     "the predicted best", ", ".join(f"{p / 2**20:.1f} MiB" for p in peaks))

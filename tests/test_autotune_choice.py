@@ -4,8 +4,15 @@ the timing can tell it from the predicted best."""
 from __future__ import annotations
 
 import random
+import time
 
-from osdp_fx.autotune import NOISE_SIGMAS, keep_index, median_error_s
+import pytest
+import torch
+from torch import nn
+
+from osdp_fx.autotune import NOISE_SIGMAS, autotune_plans, keep_index, median_error_s
+from osdp_fx.buckets import Schedule
+from osdp_fx.plan_request import ParamSpec, build_plan
 
 
 def noisy(mean: float, spread: float, n: int, seed: int) -> list[float]:
@@ -50,3 +57,38 @@ def test_a_plan_measured_over_the_limit_is_never_kept() -> None:
     assert keep_index([fast, slow], [False, True]) == 1
     assert keep_index([faster, slow, fast], [False, True, True]) == 2
     assert keep_index([fast, faster], [False, False]) == 0  # none fits: the predicted best
+
+
+class _Paced(nn.Module):
+    """A module whose training step takes at least ``seconds``: a plan of known speed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return (self.w * x).sum()
+
+
+@pytest.mark.parametrize("fastest", [0, 1])
+def test_overruling_the_prediction_times_the_two_plans_again_in_the_reverse_order(fastest):
+    spec = ParamSpec(name="w", shape=(4,), dtype="float32", element_size=4, aliases=(),
+                     trainable=True, frozen=False)
+    plans = [build_plan({"w": "replicate"}, [spec], world_size=1, schedule=Schedule(d))
+             for d in (1, 0, 2)]  # the predicted best first
+    hashes = [p.hash() for p in plans]
+    seconds = [0.02, 0.02, 0.03]
+    seconds[fastest] = 0.004
+    built = []
+
+    def build(plan):
+        built.append(hashes.index(plan.hash()))
+        return _Paced(seconds[built[-1]])
+
+    kept = autotune_plans(plans, build, (torch.ones(4),), optimizer="sgd", limit_bytes=None)
+    assert kept.hash() == hashes[fastest]
+    # each plan once; a challenger that beats the prediction, then the prediction, once more
+    assert built == ([0, 1, 2, 1, 0] if fastest else [0, 1, 2])
+    assert [t.role for t in kept.measured if t.hash == hashes[0]] == ["predicted best"]

@@ -97,19 +97,26 @@ def test_optimality_times_every_plan_that_fits(tmp_path: Path) -> None:
     assert labels[:5] == ["searched", "autotuned", "replicate", "shard_grad_op", "full_shard"]
     assert "random mix 0" in labels and len(labels) >= 10
     timed = [r for r in out["rows"] if r.get("measured_step_s") is not None]
-    assert out["plans_timed"] == len(timed) >= 2
+    twins = {r["plan"]: r["same_as"] for r in out["rows"] if "same_as" in r}
+    assert out["same_plans"] == twins
+    for plan, twin in twins.items():  # a plan built twice is timed once: the same figures
+        row, twin_row = (next(r for r in out["rows"] if r["plan"] == p) for p in (plan, twin))
+        assert row["hash"] == twin_row["hash"]
+        assert row.get("measured_step_s") == twin_row.get("measured_step_s")
+    assert out["plans_timed"] == len([r for r in timed if "same_as" not in r]) >= 2
     assert all(r["measured_peak"] <= limit for r in timed)
     assert all(not r["fits"] for r in out["rows"] if "fits" in r and r not in timed)
     assert -1.0 <= out["spearman"] <= 1.0
     assert out["searched_over_fastest"] >= 1.0 - 1e-12
     assert out["autotuned_over_fastest"] >= 1.0 - 1e-12
+    assert out["searched_over_fastest_paired"] > 0 and out["autotuned_over_fastest_paired"] > 0
     assert "autotuned / fastest" in (tmp_path / "optimality-tiny-3MiB.md").read_text()
     # The 2 fastest screened plans and the searched ones, timed again; the ratios use those.
     confirmed = [r for r in timed if r.get("confirmed_step_s") is not None]
     screened = sorted(r["measured_step_s"] for r in timed)
     assert {"searched", "autotuned"} <= {r["plan"] for r in confirmed}
     assert all(r["measured_step_s"] <= screened[1] for r in confirmed
-               if r["plan"] not in ("searched", "autotuned"))
+               if r["plan"] not in ("searched", "autotuned", *twins.values(), *twins))
     assert out["finalists"] == sorted(out["finalists"], key=lambda p: next(
         r["confirmed_step_s"] for r in confirmed if r["plan"] == p))
 
