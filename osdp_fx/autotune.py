@@ -20,6 +20,7 @@ measured (``Plan.measured``). Autotuning costs about ``2K * (TIMED_STEPS + 2)`` 
 many shard passes (and two more plans' worth when the prediction is overruled);
 ``compile_osdp`` logs its seconds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import InputError
 from .analysis import plannable_bytes
+from .errors import InputError
 from .plan import Plan, TimedPlan
 from .runtime.collectives import WORLD, group_size
 from .storage_tracker import StorageTracker

@@ -28,6 +28,7 @@ from .analysis import (
 )
 from .buckets import DEFAULT_BUCKET_BYTES, Schedule, candidate_schedules
 from .cost_models.graph_facts import ParamState
+from .cost_models.memory import gathered_param_bytes
 from .cost_models.recompute import RegionCost, region_costs
 from .cost_models.step import GroupCost, group_cost, predict_step_time, regathered_params
 from .cost_models.overlap import gather_windows, hidden_share_s
@@ -428,7 +429,7 @@ def search_schedules(
     ``recompute`` False: no region is offered for recomputation."""
     shares = (1.0, 0.9, 0.8) if alternatives else (1.0,)
     options = [(sch, int(memory_limit_bytes * f)) for f in shares
-               for sch in candidate_schedules(prefetch, block_gather_bytes(analysis))]
+               for sch in candidate_schedules(prefetch, block_gather_bytes(analysis, devices.world_size))]
     regions = region_costs(analysis.facts, devices) if recompute else {}
     search = functools.partial(search_plan, analysis, regions,
                                devices=devices, optimizer=optimizer,
@@ -472,15 +473,16 @@ def search_beyond_margin(
     return [f for f in found if f[0] < faster_than_s]
 
 
-def block_gather_bytes(analysis: Analysis) -> int | None:
+def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:
     """The most bytes the parameters one recomputable region (a transformer block) reads take
-    in full: a gather bucket of this size gathers about one block per all-gather. None when
-    the graph has no regions."""
+    gathered (padded shards, as buckets count them): a gather bucket of this size gathers about
+    one block per all-gather. None when the graph has no regions."""
     gm = analysis.captured.gm
     names = set(analysis.captured.params)
     sizes = []
     for ops in find_regions(gm.graph).values():
-        read = {a.target for op in ops for a in op.all_input_nodes
+        read = {gm.get_parameter(a.target) for op in ops for a in op.all_input_nodes
                 if a.op == "get_attr" and a.target in names}
-        sizes.append(sum(gm.get_parameter(t).nbytes for t in read))
+        sizes.append(sum(gathered_param_bytes(p.numel(), element_size=p.element_size(),
+                                              world_size=world_size) for p in read))
     return max(sizes, default=None) or None

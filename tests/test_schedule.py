@@ -203,9 +203,10 @@ def test_recompute_false_searches_without_recomputation():
 def test_the_search_offers_gather_buckets_of_one_transformer_block():
     analysis = _gpt(dim=512)  # a block's matrices: 12 x 512 x 512 floats, 12 MiB
     gm = analysis.captured.gm
-    block = block_gather_bytes(analysis)
+    block = block_gather_bytes(analysis, world_size=4)
     in_block = [p.nbytes for n, p in gm.named_parameters() if "blocks.0." in n or "blocks_0_" in n]
-    assert in_block and block == sum(in_block)
+    assert in_block and block == sum(in_block)  # every size divides by 4: no padding
+    assert block_gather_bytes(analysis, world_size=3) > block  # shards padded to equal sizes
     schedules = candidate_schedules(block_bytes=block)
     assert len(schedules) == 18 and schedules[0] == Schedule()
     assert {s.gather_bucket_bytes for s in schedules} == {SMALL_PARAM_BYTES, 2**20, block}
