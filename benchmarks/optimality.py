@@ -267,15 +267,18 @@ def report(rows: list[dict[str, Any]], title: str) -> tuple[str, dict[str, Any]]
     finalists = [r for r in timed if r.get("confirmed_step_s") is not None]
     fastest = finalists[0] if finalists else None
 
+    def finalist(label: str) -> dict[str, Any] | None:
+        return next((r for r in finalists if r["plan"] == label), None)
+
     def ratio(label: str) -> float | None:
-        row = next((r for r in finalists if r["plan"] == label), None)
+        row = finalist(label)
         return row["confirmed_step_s"] / fastest["confirmed_step_s"] if row and fastest else None
 
     def paired(label: str) -> float | None:
         """The median over the confirming rounds of the plan's step over the fastest plan's
         step in the same round (the round-robin runs them back to back, so the machine's drift
         between rounds cancels)."""
-        row = next((r for r in finalists if r["plan"] == label), None)
+        row = finalist(label)
         if not row or not fastest:
             return None
         return statistics.median(a / b for a, b in zip(row["confirmed_times_s"],

@@ -168,10 +168,15 @@ def keep_index(times: Sequence[Sequence[float]], fits: Sequence[bool] | None = N
     if not fitting:
         return 0
     medians = [statistics.median(t) for t in times]
-    ref = fitting[0]  # the predicted best that fits
+    ref = _reference(fits)
     fastest = min(fitting, key=lambda i: (medians[i], i))
     noise = (median_error_s(times[ref]) ** 2 + median_error_s(times[fastest]) ** 2) ** 0.5
     return fastest if medians[ref] - medians[fastest] > NOISE_SIGMAS * noise else ref
+
+
+def _reference(fits: Sequence[bool]) -> int:
+    """The plan a measurement must beat: the first in predicted order that fits (0 if none)."""
+    return next((i for i, f in enumerate(fits) if f), 0)
 
 
 def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
@@ -196,7 +201,7 @@ def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
     times, peaks = map(list, zip(*(measured(plan, peak=True) for plan in plans)))
     fits = [limit_bytes is None or p <= limit_bytes for p in peaks]
     kept = keep_index(times, fits)
-    ref = next((i for i in range(len(plans)) if fits[i]), 0)
+    ref = _reference(fits)
     if kept != ref:
         # Before overruling the prediction, time the two again in the reverse order (ref ...
         # kept, then kept, ref): the plans were timed one after the other, and a machine that
