@@ -10,6 +10,9 @@ ones, so both read them here. Torch-free.
 * Consecutive sharded parameters share one all-gather and one reduce-scatter while their
   gathered bytes add up to at most the schedule's ``gather_bucket_bytes``; runs of small ones
   (at most :data:`SMALL_PARAM_BYTES` each) share one at any length (:func:`gather_buckets`).
+  A bucket never spans two repeated blocks (:func:`block_of`), as FSDP2 gathers one module's
+  parameters: one block's recomputation or backward re-gathers that block and no part of the
+  next.
 * At most :data:`MAX_IN_FLIGHT` gradient collectives (reduce-scatters, all-reduce buckets) run at
   once: starting one more first completes the oldest.
 
@@ -20,6 +23,7 @@ search chooses it among :func:`candidate_schedules` (``search.search_schedules``
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,11 +88,23 @@ def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[li
     return buckets
 
 
-def gather_buckets(sizes: list[tuple[str, int]],
+_BLOCK = re.compile(r"^(.+?\.\d+)\.")
+
+
+def block_of(param: str) -> str | None:
+    """The repeated block a parameter belongs to: the outermost indexed submodule in its name
+    (``layers.3`` of ``layers.3.mlp.fc1.weight``, ``model.layers.3`` in a Hugging Face model,
+    as ``regions.region_of`` finds a region), None outside any (embeddings, final norm, head).
+    Gather buckets do not cross blocks: it is part of their key."""
+    match = _BLOCK.match(param)
+    return match.group(1) if match else None
+
+
+def gather_buckets(sizes: list[tuple[Any, int]],
                    bucket_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
     """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
     order. A parameter joins the bucket of the gather before it when their keys (strategy,
-    dtypes; unique for the mesh strategies, which are never bucketed) agree and either
+    dtypes, block; unique for the mesh strategies, which are never bucketed) agree and either
 
     * the bucket then holds at most ``bucket_bytes`` in all (a whole transformer block in one
       all-gather and one reduce-scatter, as FSDP2 groups a module's parameters; its members'

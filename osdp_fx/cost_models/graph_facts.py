@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import fx
 
-from ..buckets import SMALL_PARAM_BYTES, gather_buckets
+from ..buckets import SMALL_PARAM_BYTES, block_of, gather_buckets
 from ..errors import InputError
 from ..meta import NodeRole, osdp_meta
 from ..strategies import traits
@@ -114,16 +114,18 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
                            small_bytes: int = SMALL_PARAM_BYTES) -> list[list[fx.Node]]:
     """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
     the runtime issues them: by first use, runs of ``full_shard``/``shard_grad_op`` parameters
-    bucketed into one (``buckets.gather_buckets`` with ``small_bytes``)."""
+    of one block (``buckets.block_of``) bucketed into one (``buckets.gather_buckets`` with
+    ``small_bytes``)."""
     sharded = [n for n, name in facts.param_of.items()
                if traits(params[name].strategy).sharded and facts.param_uses(n)]
     first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
     order = sorted(sharded, key=first.__getitem__)
 
-    def key(n: fx.Node) -> tuple[str, int]:
-        state = params[facts.param_of[n]]
+    def key(n: fx.Node) -> tuple[tuple[str, str | None], int]:
+        name = facts.param_of[n]
+        state = params[name]
         flat = not traits(state.strategy).needs_mesh
-        return (state.strategy if flat else f"mesh {n}",
+        return ((state.strategy if flat else f"mesh {n}", block_of(name)),
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size))
 

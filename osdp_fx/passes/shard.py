@@ -54,7 +54,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..capture import set_attr
 from ..meta import NodeRole, osdp_meta, set_osdp_meta
-from ..buckets import gather_buckets
+from ..buckets import block_of, gather_buckets
 from ..plan import Plan
 from ..strategies import traits
 from .precision import cast_of
@@ -97,8 +97,9 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> N
         return shard.numel() * world_size * shard.element_size()
 
     # only flat gathers over the world share: a mesh strategy's shards are laid out per stage
-    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}" if n.args[3] == WORLD else f"mesh {i}",
-             gathered_bytes(n)) for i, n in enumerate(gathers)]
+    keys = [((f"{n.args[2]}/{sorted(n.kwargs.items())}" if n.args[3] == WORLD else f"mesh {i}",
+              block_of(osdp_meta(n).param or "")), gathered_bytes(n))
+            for i, n in enumerate(gathers)]
     for bucket in gather_buckets(keys, bucket_bytes):
         if len(bucket) == 1:
             continue

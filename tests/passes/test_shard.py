@@ -17,6 +17,7 @@ tying) of ``model.state_dict()`` in ``full_state_dict()``, and prints its collec
 from __future__ import annotations
 
 import copy
+import json
 import operator
 from typing import Any
 
@@ -27,13 +28,13 @@ from torch import fx, nn
 from harness import property_cases as pc
 from osdp_fx import compile_osdp
 from osdp_fx.capture import capture
-from osdp_fx.examples import lm_loss
+from osdp_fx.examples import GPTWithLoss, TinyGPT, lm_loss
 from osdp_fx.meta import osdp_meta
 from osdp_fx.passes.aliases import annotate_aliases_pass
 from osdp_fx.passes.shard import make_shard, shard_parameters_pass
 from osdp_fx.plan import Plan
 from osdp_fx.plan_request import ParamSpec, build_plan
-from osdp_fx.buckets import SMALL_PARAM_BYTES, gather_buckets
+from osdp_fx.buckets import SMALL_PARAM_BYTES, block_of, gather_buckets
 from osdp_fx.runtime.params import (
     all_gather_param,
     all_gather_params,
@@ -360,6 +361,26 @@ def test_a_larger_bucket_holds_parameters_of_any_size_up_to_its_bytes():
     assert gather_buckets(sizes, 3 * MiB) == [[0, 1], [2, 3, 4], [5, 6], [7], [8], [9, 10]]
     assert gather_buckets(sizes, 3 * MiB + 1024) == [[0, 1, 2], [3, 4], [5, 6], [7], [8],
                                                      [9, 10]]
+
+
+def test_a_parameter_belongs_to_the_outermost_indexed_submodule_of_its_name():
+    assert block_of("blocks.3.attn.qkv.weight") == "blocks.3"
+    assert block_of("model.layers.10.mlp.experts.2.w1") == "model.layers.10"
+    assert block_of("model.tok.weight") is None and block_of("0.weight") is None
+
+
+def test_a_gather_bucket_never_spans_two_blocks(tmp_path):
+    """Buckets as large as the whole model still gather one block each, as FSDP2 gathers one
+    module's parameters, and the parameters outside the blocks in runs of their own."""
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=3, heads=2, max_seq=16))
+    x = torch.randint(0, 64, (2, 16))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                                "params": {}, "gather_bucket_bytes": 2**30}))
+    gm = compile_osdp(model, (x,), plan=str(plan)).graph_module
+    blocks = [{block_of(osdp_meta(m).param) for m in n.users} for n in gathers(gm)]
+    assert blocks == [{None}, {"model.blocks.0"}, {"model.blocks.1"}, {"model.blocks.2"}, {None}]
 
 
 def test_consecutive_small_parameters_share_one_gather():
