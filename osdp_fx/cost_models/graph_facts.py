@@ -214,6 +214,10 @@ def prefetched_regathers(
     return out
 
 
+SCALAR_BYTES = 8
+"""An output of at most this many bytes is a scalar (one element of any dtype): a loss."""
+
+
 def activation_grad_intervals(facts: GraphFacts,
                               bwd: Callable[[int], float]) -> list[tuple[float, float, int]]:
     """(allocated at, freed after, bytes at the profiled batch) of the gradients flowing
@@ -225,9 +229,14 @@ def activation_grad_intervals(facts: GraphFacts,
     operators read directly (a residual stream, the input of a split linear's parts) gets its
     gradient summed out of place (autograd's input buffer): the backward of every direct reader
     but the first to run allocates its contribution, and a quarter step later the sum, while
-    the gradient so far is alive."""
+    the gradient so far is alive. A scalar output (the loss) gets the gradient
+    ``loss.backward()`` starts from (``ones_like(loss)``), which the caller holds until backward
+    returns."""
     pos, prof, out = facts.pos, facts.profile, []
     for n in facts.nodes:
+        if n.op == "output":
+            out += [(bwd(pos[n]), bwd(0), prof[a].output_bytes) for a in n.all_input_nodes
+                    if facts.requires_grad[a] and 0 < prof[a].output_bytes <= SCALAR_BYTES]
         if (not facts.requires_grad[n] or n in facts.param_of or prof[n].output_is_view
                 or n.op == "output"):
             continue

@@ -49,6 +49,10 @@ OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "ada
 
 _STATE_ELEMENT_SIZE = 4  # optimizer state is kept in fp32
 
+STEP_COUNTER_BYTES: dict[str, int] = {"adam": 4, "adamw": 4}
+"""Bytes of the step counter torch.optim keeps per parameter, by optimizer kind: Adam's
+``state["step"]``, a float32 scalar tensor."""
+
 
 def _check_sizes(numel: int, world_size: int) -> None:
     if numel < 0:
@@ -64,13 +68,14 @@ def shard_numel(numel: int, world_size: int) -> int:
 
 
 def optimizer_state_bytes(numel: int, *, optimizer: str) -> int:
-    """Bytes of optimizer state for ``numel`` parameter elements ('sgd': 0, 'sgd_momentum':
-    one fp32 copy, 'adam'/'adamw': two)."""
+    """Bytes of optimizer state for one parameter of ``numel`` elements ('sgd': 0,
+    'sgd_momentum': one fp32 copy, 'adam'/'adamw': two and the step counter)."""
     if optimizer not in OPTIMIZER_STATES:
         raise InputError(
             f"unknown optimizer kind {optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}"
         )
-    return OPTIMIZER_STATES[optimizer] * numel * _STATE_ELEMENT_SIZE
+    return (OPTIMIZER_STATES[optimizer] * numel * _STATE_ELEMENT_SIZE
+            + (STEP_COUNTER_BYTES.get(optimizer, 0) if numel else 0))
 
 
 @dataclasses.dataclass(frozen=True)

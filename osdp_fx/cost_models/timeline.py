@@ -15,7 +15,9 @@ end-of-backward gradient all-reduce is ``t = 2N``; the optimizer step is ``t = 2
 What is alive, per rank (N ranks, R per node, P bytes of a parameter, Pp = N * ceil(numel / N)
 elements padded; for hybrid_shard read R for N throughout):
 
-* always: local parameters (shard Pp/N or full P) and optimizer state (by optimizer kind);
+* always: local parameters (shard Pp/N or full P), the module's buffers and tensor constants
+  (:func:`constant_bytes`, counted with the parameters) and optimizer state (by optimizer
+  kind, Adam's step counters too);
 * activations: a node's new output from its forward until its last forward use or, when autograd
   saves it (or a view of it), until the backward of the earliest node in graph order that saves
   it; tensors a node saves that are not its inputs or outputs (e.g. LayerNorm statistics) from
@@ -65,6 +67,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
+import torch
 from torch import fx
 
 from ..layout import shard_count
@@ -80,6 +83,29 @@ from .recompute import internal_interval, recompute_workspace, region_spans, roo
 from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
 from .live_bytes import (LOCAL, SYNC, Category, MemoryPoint, MemoryPrediction,  # noqa: F401
                          Timeline, describe_time, replicated_buckets)
+
+
+def constant_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the tensors ``gm`` holds that are not parameters: its buffers (a rotary
+    embedding's frequencies, a causal mask) and the constants its graph reads (``get_attr``),
+    each storage once. Every rank holds them whole, whatever the plan."""
+    params = {id(p) for p in gm.parameters()}
+    tensors = dict(gm.named_buffers())
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target not in tensors:
+            value: object = gm
+            for part in str(n.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor) and id(value) not in params:
+                tensors[str(n.target)] = value
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors.values():
+        key = (id(t.untyped_storage()) if t.device.type != "meta" else id(t), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _step_timeline(
@@ -142,7 +168,7 @@ def _step_timeline(
             tl.alive(0, optim_t, prof[n].output_bytes, Category.INPUTS, scaled=True)
 
     # Parameters: gathered copies and gradients.
-    base = {Category.PARAMETERS: 0, Category.OPTIMIZER_STATE: 0}
+    base = {Category.PARAMETERS: constant_bytes(gm), Category.OPTIMIZER_STATE: 0}
     local_bytes: list[int] = []
     replicated_ready: dict[str, float] = {}  # when each replicated gradient is complete
     uses_of = {node: facts.param_uses(node) for node in param_of}

@@ -28,20 +28,21 @@ def test_shards_are_padded_to_equal_size() -> None:
 @pytest.mark.parametrize(("optimizer", "states"),
                          [("sgd", 0), ("sgd_momentum", 1), ("adam", 2), ("adamw", 2)])
 def test_optimizer_state_is_fp32(optimizer: str, states: int) -> None:
-    assert optimizer_state_bytes(1000, optimizer=optimizer) == states * 1000 * 4
+    step = 4 if optimizer in ("adam", "adamw") else 0  # Adam's step counter, a float32 scalar
+    assert optimizer_state_bytes(1000, optimizer=optimizer) == states * 1000 * 4 + step
 
 
 def test_strategies_closed_form() -> None:
     numel, n = 1001, 4  # shard = 251 elements
     p = g = numel * 2  # fp16 parameter and gradient
-    o = 2 * numel * 4  # Adam: two fp32 states
+    o = 2 * numel * 4 + 4  # Adam: two fp32 states and the step counter
     shard = 251
     assert persistent_bytes(numel, element_size=2, strategy="replicate", world_size=n,
                             optimizer="adam") == p + g + o
     assert persistent_bytes(numel, element_size=2, strategy="shard_grad_op", world_size=n,
-                            optimizer="adam") == p + shard * 2 + 2 * shard * 4
+                            optimizer="adam") == p + shard * 2 + 2 * shard * 4 + 4
     assert persistent_bytes(numel, element_size=2, strategy="full_shard", world_size=n,
-                            optimizer="adam") == shard * 2 + shard * 2 + 2 * shard * 4
+                            optimizer="adam") == shard * 2 + shard * 2 + 2 * shard * 4 + 4
     full = param_memory(numel, element_size=2, strategy="full_shard", world_size=n,
                         optimizer="sgd")
     assert (full.param_bytes, full.grad_bytes, full.optimizer_bytes) == (502, 502, 0)

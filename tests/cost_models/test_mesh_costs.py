@@ -92,12 +92,13 @@ def test_step_cost_closed_form():
 
 def test_memory_closed_form():
     p = NUMEL * 4
-    for optimizer, states in (("sgd", 0), ("adamw", 2)):
-        # hybrid: one node's shard, 126 elements, of parameter, gradient and fp32 state
+    for optimizer, states, step in (("sgd", 0, 0), ("adamw", 2, 4)):
+        # hybrid: one node's shard, 126 elements, of parameter, gradient and fp32 state (and
+        # Adam's step counter)
         assert persistent_bytes(NUMEL, strategy="hybrid_shard", world_size=16, ranks_per_node=8,
-                                optimizer=optimizer) == 126 * 4 * (2 + states)
+                                optimizer=optimizer) == 126 * 4 * (2 + states) + step
         assert persistent_bytes(NUMEL, strategy="hierarchical", world_size=16, ranks_per_node=8,
-                                optimizer=optimizer) == 63 * 4 * (2 + states)
+                                optimizer=optimizer) == 63 * 4 * (2 + states) + step
     hybrid = param_memory(NUMEL, strategy="hybrid_shard", world_size=16, ranks_per_node=8)
     assert hybrid.gathered_bytes == 1008 * 4 >= p
     assert param_memory(NUMEL, strategy="hybrid_shard", world_size=16) == param_memory(
