@@ -10,9 +10,9 @@ ones, so both read them here. Torch-free.
 * Consecutive sharded parameters share one all-gather and one reduce-scatter while their
   gathered bytes add up to at most the schedule's ``gather_bucket_bytes``; runs of small ones
   (at most :data:`SMALL_PARAM_BYTES` each) share one at any length (:func:`gather_buckets`).
-  A bucket never spans two repeated blocks (:func:`block_of`), as FSDP2 gathers one module's
-  parameters: one block's recomputation or backward re-gathers that block and no part of the
-  next.
+  A bucket with a parameter that is not small never spans two repeated blocks
+  (:func:`block_of`), as FSDP2 gathers one module's parameters: one block's recomputation or
+  backward re-gathers that block and no part of the next.
 * At most :data:`MAX_IN_FLIGHT` gradient collectives (reduce-scatters, all-reduce buckets) run at
   once: starting one more first completes the oldest.
 
@@ -95,29 +95,34 @@ def block_of(param: str) -> str | None:
     """The repeated block a parameter belongs to: the outermost indexed submodule in its name
     (``layers.3`` of ``layers.3.mlp.fc1.weight``, ``model.layers.3`` in a Hugging Face model,
     as ``regions.region_of`` finds a region), None outside any (embeddings, final norm, head).
-    Gather buckets do not cross blocks: it is part of their key."""
+    A gather bucket with a parameter that is not small stays within one block."""
     match = _BLOCK.match(param)
     return match.group(1) if match else None
 
 
-def gather_buckets(sizes: list[tuple[Any, int]],
-                   bucket_bytes: int = SMALL_PARAM_BYTES) -> list[list[int]]:
+def gather_buckets(sizes: list[tuple[Any, int]], bucket_bytes: int = SMALL_PARAM_BYTES,
+                   blocks: Sequence[str | None] | None = None) -> list[list[int]]:
     """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
-    order. A parameter joins the bucket of the gather before it when their keys (strategy,
-    dtypes, block; unique for the mesh strategies, which are never bucketed) agree and either
+    order and its block (:func:`block_of`; None: no blocks). A parameter joins the bucket of the
+    gather before it when their keys (strategy, dtypes; unique for the mesh strategies, which
+    are never bucketed) agree and either
 
-    * the bucket then holds at most ``bucket_bytes`` in all (a whole transformer block in one
-      all-gather and one reduce-scatter, as FSDP2 groups a module's parameters; its members'
-      gradients are copied into the bucket's flat buffer), or
+    * it is of the bucket's block and the bucket then holds at most ``bucket_bytes`` in all (a
+      whole transformer block in one all-gather and one reduce-scatter, as FSDP2 groups a
+      module's parameters; its members' gradients are copied into the bucket's flat buffer), or
     * it and every member are small (at most :data:`SMALL_PARAM_BYTES`; such runs, biases and
-      norm weights, are short, and their copies cost nothing next to a collective's latency).
+      norm weights, are short, and their copies cost nothing next to a collective's latency;
+      they may span blocks).
 
-    With the default ``bucket_bytes`` only the second applies. Returns index lists."""
+    So a bucket holding a parameter that is not small never spans two blocks. Returns index
+    lists."""
+    block = list(blocks) if blocks is not None else [None] * len(sizes)
     buckets: list[list[int]] = []
     total, small = 0, False
     for i, (key, nbytes) in enumerate(sizes):
         joins = buckets and sizes[buckets[-1][0]][0] == key and (
-            total + nbytes <= bucket_bytes or (small and nbytes <= SMALL_PARAM_BYTES))
+            (block[buckets[-1][0]] == block[i] and total + nbytes <= bucket_bytes)
+            or (small and nbytes <= SMALL_PARAM_BYTES))
         if joins:
             buckets[-1].append(i)
             total += nbytes

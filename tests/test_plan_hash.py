@@ -31,14 +31,11 @@ def test_searched_plan_hash_is_pinned():
     # prefetch window hides (overlap.gather_windows); c5e58031ca1437d4 (23 / 1 / 4, both blocks
     # recomputed, prefetch 2, 1 MiB gather buckets; predicted 2.672 ms, 1.79 MiB) before the
     # search raised the exact problem's limit where its separable memory overestimates the
-    # timeline's peak (search._loosen); 0f52f9ed0a38816d (the same strategies and regions, 64 KiB
-    # gather buckets: the four 64 KiB weights of both blocks in one; predicted 2.433 ms) before
-    # gather buckets stopped at block boundaries (buckets.block_of). This plan (both blocks still
-    # recomputed, one bucket per block; prefetch 0 and 1 tie on this fake profile): predicted
-    # 2.799 ms, 1.96 MiB of the 2.05 MiB it plans for.
+    # timeline's peak (search._loosen). This plan (both blocks still recomputed; prefetch 0 and
+    # 1 tie on this fake profile): predicted 2.433 ms, 1.93 MiB of the 2.05 MiB it plans for.
     assert plan.counts() == {"replicate": 24, "shard_grad_op": 4, "full_shard": 0,
                              "hybrid_shard": 0, "hierarchical": 0}
     assert dict(plan.recompute) == {"model.blocks.0": "full", "model.blocks.1": "full"}
     assert (plan.prefetch, plan.gather_bucket_bytes, plan.reduce_bucket_bytes) == (
-        0, 2**20, 25 * 2**20)
-    assert plan.hash() == "99a42576ecceb6e3"
+        0, 64 * 1024, 25 * 2**20)
+    assert plan.hash() == "0f52f9ed0a38816d"

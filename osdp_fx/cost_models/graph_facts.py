@@ -114,22 +114,23 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
                            small_bytes: int = SMALL_PARAM_BYTES) -> list[list[fx.Node]]:
     """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
     the runtime issues them: by first use, runs of ``full_shard``/``shard_grad_op`` parameters
-    of one block (``buckets.block_of``) bucketed into one (``buckets.gather_buckets`` with
-    ``small_bytes``)."""
+    bucketed into one (``buckets.gather_buckets`` with ``small_bytes``, a bucket holding a
+    parameter that is not small within one block: ``buckets.block_of``)."""
     sharded = [n for n, name in facts.param_of.items()
                if traits(params[name].strategy).sharded and facts.param_uses(n)]
     first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
     order = sorted(sharded, key=first.__getitem__)
 
-    def key(n: fx.Node) -> tuple[tuple[str, str | None], int]:
-        name = facts.param_of[n]
-        state = params[name]
+    def key(n: fx.Node) -> tuple[str, int]:
+        state = params[facts.param_of[n]]
         flat = not traits(state.strategy).needs_mesh
-        return ((state.strategy if flat else f"mesh {n}", block_of(name)),
+        return (state.strategy if flat else f"mesh {n}",
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size))
 
-    return [[order[i] for i in b] for b in gather_buckets([key(n) for n in order], small_bytes)]
+    blocks = [block_of(facts.param_of[n]) for n in order]
+    return [[order[i] for i in b]
+            for b in gather_buckets([key(n) for n in order], small_bytes, blocks)]
 
 
 def regathered_together(facts: GraphFacts, params: Mapping[str, ParamState],

@@ -97,10 +97,10 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> N
         return shard.numel() * world_size * shard.element_size()
 
     # only flat gathers over the world share: a mesh strategy's shards are laid out per stage
-    keys = [((f"{n.args[2]}/{sorted(n.kwargs.items())}" if n.args[3] == WORLD else f"mesh {i}",
-              block_of(osdp_meta(n).param or "")), gathered_bytes(n))
-            for i, n in enumerate(gathers)]
-    for bucket in gather_buckets(keys, bucket_bytes):
+    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}" if n.args[3] == WORLD else f"mesh {i}",
+             gathered_bytes(n)) for i, n in enumerate(gathers)]
+    blocks = [block_of(osdp_meta(n).param or "") for n in gathers]
+    for bucket in gather_buckets(keys, bucket_bytes, blocks):
         if len(bucket) == 1:
             continue
         members = [gathers[i] for i in bucket]

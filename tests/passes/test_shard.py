@@ -346,6 +346,16 @@ def test_prefetch_distance_is_recorded_in_the_plan_and_its_file(tmp_path, prefet
     torch.testing.assert_close(compiled(*inputs), default(*inputs), rtol=0, atol=0)
 
 
+def test_a_bucket_with_a_parameter_that_is_not_small_stays_in_its_block():
+    small, big = SMALL_PARAM_BYTES, SMALL_PARAM_BYTES + 1
+    sizes = [("a", small), ("a", small), ("a", big), ("a", small), ("a", small), ("a", big)]
+    blocks = ["b0", "b1", "b1", "b1", "b2", "b2"]
+    # the small run spans b0 and b1; the big parameter of b1 cannot join it (it would span two
+    # blocks), and the small one of b2 cannot join the big one's
+    assert gather_buckets(sizes, 2**20, blocks) == [[0, 1], [2, 3], [4, 5]]
+    assert gather_buckets(sizes, 2**20) == [[0, 1, 2, 3, 4, 5]]
+
+
 def test_runs_of_small_parameters_share_a_bucket():
     small, big = SMALL_PARAM_BYTES, SMALL_PARAM_BYTES + 1
     sizes = [("a", small), ("a", small), ("a", big), ("a", small), ("a", small), ("b", small),
@@ -370,11 +380,12 @@ def test_a_parameter_belongs_to_the_outermost_indexed_submodule_of_its_name():
 
 
 def test_a_gather_bucket_never_spans_two_blocks(tmp_path):
-    """Buckets as large as the whole model still gather one block each, as FSDP2 gathers one
-    module's parameters, and the parameters outside the blocks in runs of their own."""
+    """Buckets as large as the whole model still gather one block each (its 192 KiB weights are
+    not small), as FSDP2 gathers one module's parameters, and the parameters outside the blocks
+    (a 128 KiB embedding, the final norm) in runs of their own."""
     torch.manual_seed(0)
-    model = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=3, heads=2, max_seq=16))
-    x = torch.randint(0, 64, (2, 16))
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=128, depth=3, heads=2, max_seq=16))
+    x = torch.randint(0, 256, (2, 16))
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
                                 "params": {}, "gather_bucket_bytes": 2**30}))
