@@ -18,7 +18,12 @@ machine: 16 rounds gave 0.94-1.06x between runs). That the two train alike is te
 
     python benchmarks/torch_compile.py [--world-size 2] [--plans replicate,shard_grad_op,full_shard]
         [--backend inductor] [--dim 512] [--depth 4] [--vocab 2048] [--heads 8] [--seq 32]
-        [--batch 8] [--rounds 40] [--warmup 2] [--out-dir benchmarks/results]
+        [--batch 8] [--rounds 40] [--warmup 2] [--gather-bucket-bytes N]
+        [--out-dir benchmarks/results]
+
+``--gather-bucket-bytes 1073741824``: the plans gather each transformer block in one all-gather
+(a bucket holding a parameter larger than 64 KiB never spans two blocks), as FSDP2 does; there
+are then about as many collective calls, and graph breaks, as blocks.
 
 Target (issue 17): compiled <= 1.0x eager's step time under every uniform strategy. Prints a
 Markdown table and, last, one JSON line with the ratios; writes the table to
@@ -33,6 +38,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,13 +61,29 @@ class Options:
     """The uniform plans to run, each eager and compiled."""
     backend: str
     """The ``torch.compile`` backend."""
+    gather_bucket_bytes: int | None = None
+    """The plans' gather bucket size (None: the default, small parameters only)."""
+
+
+def plan_spec(plan: str, gather_bucket_bytes: int | None, directory: str) -> str:
+    """The uniform ``plan``, by name, or as a plan file with ``gather_bucket_bytes`` (one per
+    rank and process: a rank never reads a file another is writing)."""
+    if gather_bucket_bytes is None:
+        return plan
+    path = Path(directory) / f"{plan}-rank{dist.get_rank()}.json"
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": plan,
+                                "params": {}, "gather_bucket_bytes": gather_bucket_bytes}))
+    return str(path)
 
 
 def make_system(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
-                devices: Devices, plan: str, backend: str | None) -> System:
+                devices: Devices, plan: str, backend: str | None,
+                gather_bucket_bytes: int | None = None) -> System:
     """osdp-fx under ``plan``, run eagerly (``backend`` None) or under ``torch.compile``."""
-    compiled = compile_osdp(build_model(cfg, device), (x,), devices, plan=plan,
-                            optimizer="adamw")
+    with tempfile.TemporaryDirectory() as directory:
+        compiled = compile_osdp(build_model(cfg, device), (x,), devices,
+                                plan=plan_spec(plan, gather_bucket_bytes, directory),
+                                optimizer="adamw")
     model = compiled if backend is None else torch.compile(compiled, backend=backend)
     return System("osdp-fx" if backend is None else f"torch.compile ({backend})", plan, model,
                   x, device)
@@ -81,7 +103,8 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
             options: Options) -> dict[str, Any]:
     x = local_batch(cfg, rank, device)
     devices = Devices(world_size=world)  # the plans are uniform: no search, no detection
-    systems = [make_system(cfg, world, device, x, devices, plan, backend)
+    systems = [make_system(cfg, world, device, x, devices, plan, backend,
+                           options.gather_bucket_bytes)
                for plan in options.plans for backend in (None, options.backend)]
     warm_up(systems, max(1, cfg.warmup))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -142,6 +165,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--plans", default=",".join(UNIFORM_PLANS))
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--gather-bucket-bytes", type=int, default=None,
+                    help="gather bucket size of the plans (default: small parameters only; "
+                         "1073741824 gathers each transformer block in one all-gather, as "
+                         "FSDP2 does)")
     for name, default in (("vocab", 2048), ("dim", 512), ("depth", 4), ("heads", 8),
                           ("seq", 32), ("batch", 8), ("rounds", 40), ("warmup", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
@@ -149,20 +176,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     cfg = Config(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads,
                  seq=args.seq, batch=args.batch, steps=args.rounds, warmup=args.warmup)
-    options = Options(plans=tuple(args.plans.split(",")), backend=args.backend)
+    options = Options(plans=tuple(args.plans.split(",")), backend=args.backend,
+                      gather_bucket_bytes=args.gather_bucket_bytes)
     start = time.perf_counter()
     result = start_world(args.world_size, measure, cfg, options)[0]
     rows = result["rows"]
     text = table(rows)
+    buckets = (f"gather buckets of {options.gather_bucket_bytes} bytes"
+               if options.gather_bucket_bytes else "default gather buckets")
     print(f"world {args.world_size} ({result['backend']}, {result['device']}), "
-          f"{cfg}, backend {options.backend}, {result['graphs']} graphs compiled on rank 0, "
+          f"{cfg}, backend {options.backend}, {buckets}, {result['graphs']} graphs compiled on "
+          f"rank 0, "
           f"{time.perf_counter() - start:.0f} s in all")
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"torch-compile-world{args.world_size}"
+    stem = args.out_dir / (f"torch-compile-world{args.world_size}" + (
+        f"-buckets{options.gather_bucket_bytes}" if options.gather_bucket_bytes else ""))
     stem.with_suffix(".md").write_text(text + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"config": dataclasses.asdict(cfg),
-                                                     "backend": options.backend, **result}))
+                                                     "backend": options.backend,
+                                                     "gather_bucket_bytes":
+                                                         options.gather_bucket_bytes, **result}))
     out = ratios(rows)
     print(json.dumps(out))
     return out

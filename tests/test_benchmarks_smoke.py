@@ -141,6 +141,22 @@ def test_torch_compile_benchmark_times_every_uniform_plan_both_ways(tmp_path: Pa
         assert p["interval_90"][0] == p["median"] == p["interval_90"][1] > 0, plan
 
 
+def test_torch_compile_benchmark_runs_plans_with_block_sized_gather_buckets(tmp_path: Path) -> None:
+    """``--gather-bucket-bytes``: the plans are files with that bucket size, both systems run
+    them, and the results say so."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch_compile
+
+    out = torch_compile.main(["--vocab", "64", "--dim", "32", "--depth", "1", "--heads", "2",
+                              "--seq", "8", "--batch", "2", "--rounds", "1", "--warmup", "1",
+                              "--backend", "aot_eager", "--plans", "full_shard",
+                              "--gather-bucket-bytes", str(2**30), "--out-dir", str(tmp_path)])
+    assert set(out["compiled_over_eager_step"]) == {"full_shard"}
+    result = json.loads((tmp_path / f"torch-compile-world2-buckets{2**30}.json").read_text())
+    assert result["gather_bucket_bytes"] == 2**30
+    assert {r["plan"] for r in result["rows"]} == {"full_shard"} and len(result["rows"]) == 2
+
+
 def test_the_median_interval_is_the_binomial_order_statistics() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from torch_compile import median_interval

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import weakref
 from typing import Any
 
 import torch
@@ -51,6 +52,15 @@ def _held_storages() -> set[int]:
     return {d.untyped_storage()._cdata for t in held_tensors() for d in dense_tensors(t)}
 
 
+def _earlier_storages(own: list[torch.Tensor]) -> list[weakref.ref]:
+    """The storages the process holds now (in a shared test world: what earlier cases still
+    hold), but those of ``own`` (the case's model and inputs)."""
+    mine = {d.untyped_storage()._cdata for t in own for d in dense_tensors(t)}
+    storages = {d.untyped_storage()._cdata: d.untyped_storage()
+                for t in held_tensors() for d in dense_tensors(t)}
+    return [weakref.ref(s) for key, s in storages.items() if key not in mine]
+
+
 def _stray_tensors(compiled: nn.Module, inputs: tuple[torch.Tensor, ...],
                    before: set[int]) -> list[str]:
     """Tensors the process holds that it did not hold ``before`` compiling and that are none of
@@ -70,6 +80,8 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
 
     Returns the predictions, the tracker's (start, peak) bytes per step, the bytes of tensors
     that compile left in reference cycles, and the tensors held besides the compiled module's.
+    What earlier cases of the shared world held before this one compiled and still hold after a
+    step (alive throughout it) is not this case's: it is left out of the step's bytes.
     """
     gc.collect()  # what earlier cases in this process left, so that it is not counted here
     net = build(model, device="meta" if on_meta else "cpu")
@@ -79,6 +91,7 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
     enabled = gc.isenabled()
     gc.disable()
     before = _held_storages() - {p.untyped_storage()._cdata for p in net.parameters()}
+    earlier = _earlier_storages([*net.parameters(), *net.buffers(), x])
     try:
         compiled = compile_osdp(net, (x,), Devices(world_size=world), plan=plan,
                                 memory_limit=limit, optimizer=optimizer, **options)
@@ -105,7 +118,8 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
             opt.step()
             opt.zero_grad()
             del loss
-        measured.append((tracker.start_bytes, tracker.peak_bytes))
+        held = sum(s.nbytes() for s in (ref() for ref in earlier) if s is not None)
+        measured.append((tracker.start_bytes - held, tracker.peak_bytes - held))
     pr = compiled.plan.prediction
     assert pr is not None
     out = {"first_step": pr.first_step_peak_bytes, "steady": pr.peak_memory_bytes,
