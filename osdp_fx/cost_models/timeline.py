@@ -98,14 +98,8 @@ def constant_bytes(gm: fx.GraphModule) -> int:
                 value = getattr(value, part, None)
             if isinstance(value, torch.Tensor) and id(value) not in params:
                 tensors[str(n.target)] = value
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for t in tensors.values():
-        key = (id(t.untyped_storage()) if t.device.type != "meta" else id(t), t.numel())
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors.values()}
+    return sum(storages.values())
 
 
 def _step_timeline(

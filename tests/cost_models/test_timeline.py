@@ -61,3 +61,29 @@ def test_the_searches_peak_equals_the_full_prediction():
             states = param_states(analysis, strategies)
             full = predict_step_memory(analysis.captured.gm, states, **args).peak_bytes
             assert predict_peak_bytes(analysis.captured.gm, states, **args) == full, kw
+
+
+def test_buffers_and_constants_are_held_throughout_once_each():
+    """A module's buffers (one storage once, however many tensors view it) and the tensor
+    constants its graph reads count in every point of the step; parameters do not."""
+    import torch
+    from torch import fx, nn
+
+    from osdp_fx.cost_models.timeline import constant_bytes
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("mask", torch.ones(256))  # 1 KiB
+            self.register_buffer("head", self.mask[:128])  # a view of the same storage
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.mask[:4] + self.head[:4]
+
+    gm = fx.symbolic_trace(Net())
+    gm.table = torch.zeros(64, dtype=torch.int64)  # a constant the graph reads: 512 B
+    with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op == "output")):
+        gm.graph.get_attr("table")
+    gm.recompile()
+    assert constant_bytes(gm) == 1024 + 512
