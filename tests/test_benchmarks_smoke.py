@@ -113,7 +113,8 @@ def test_optimality_times_every_plan_that_fits(tmp_path: Path) -> None:
     assert "autotuned / fastest" in (tmp_path / "optimality-tiny-3MiB.md").read_text()
     # The 2 fastest screened plans and the searched ones, timed again; the ratios use those.
     confirmed = [r for r in timed if r.get("confirmed_step_s") is not None]
-    screened = sorted(r["measured_step_s"] for r in timed)
+    # each distinct plan once: a plan built twice shares its twin's times
+    screened = sorted(r["measured_step_s"] for r in timed if "same_as" not in r)
     assert {"searched", "autotuned"} <= {r["plan"] for r in confirmed}
     assert all(r["measured_step_s"] <= screened[1] for r in confirmed
                if r["plan"] not in ("searched", "autotuned", *twins.values(), *twins))
