@@ -71,6 +71,7 @@ import torch
 from torch import fx
 
 from ..layout import shard_count
+from ..meta import osdp_meta
 from ..strategies import traits
 from ..buckets import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, MAX_IN_FLIGHT,
                        SMALL_PARAM_BYTES)
@@ -89,14 +90,13 @@ def constant_bytes(gm: fx.GraphModule) -> int:
     """Bytes of the tensors ``gm`` holds that are not parameters: its buffers (a rotary
     embedding's frequencies, a causal mask) and the constants its graph reads (``get_attr``),
     each storage once. Every rank holds them whole, whatever the plan."""
-    params = {id(p) for p in gm.parameters()}
     tensors = dict(gm.named_buffers())
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and n.target not in tensors:
+    for n in gm.graph.nodes:  # parameters' get_attr nodes name their group: not resolved here
+        if n.op == "get_attr" and not osdp_meta(n).param and n.target not in tensors:
             value: object = gm
             for part in str(n.target).split("."):
                 value = getattr(value, part, None)
-            if isinstance(value, torch.Tensor) and id(value) not in params:
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 tensors[str(n.target)] = value
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors.values()}
     return sum(storages.values())
