@@ -111,14 +111,19 @@ def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts
 
 def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
                            world_size: int,
-                           small_bytes: int = SMALL_PARAM_BYTES) -> list[list[fx.Node]]:
+                           small_bytes: int = SMALL_PARAM_BYTES,
+                           region_first: Mapping[fx.Node, int] | None = None) -> list[list[fx.Node]]:
     """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
     the runtime issues them: by first use, runs of ``full_shard``/``shard_grad_op`` parameters
     bucketed into one (``buckets.gather_buckets`` with ``small_bytes``, a bucket holding a
-    parameter that is not small within one block: ``buckets.block_of``)."""
+    parameter that is not small within one block: ``buckets.block_of``). ``region_first``:
+    the position of the first operator of the recomputed region each of its operators is in;
+    a region's all-gathers all run before it, in the parameters' graph order
+    (``passes/recompute.py``)."""
     sharded = [n for n, name in facts.param_of.items()
                if traits(params[name].strategy).sharded and facts.param_uses(n)]
-    first = {n: min(facts.pos[u] for u in facts.param_uses(n)) for n in sharded}
+    at = region_first or {}
+    first = {n: min(at.get(u, facts.pos[u]) for u in facts.param_uses(n)) for n in sharded}
     order = sorted(sharded, key=first.__getitem__)
 
     def key(n: fx.Node) -> tuple[str, int]:

@@ -71,7 +71,7 @@ import torch
 from torch import fx
 
 from ..layout import shard_count
-from ..meta import osdp_meta
+from ..meta import NodeRole, osdp_meta
 from ..strategies import traits
 from ..buckets import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, MAX_IN_FLIGHT,
                        SMALL_PARAM_BYTES)
@@ -168,7 +168,8 @@ def _step_timeline(
     uses_of = {node: facts.param_uses(node) for node in param_of}
     sharded = [node for node in param_of if traits(params[param_of[node]].strategy).sharded
                and uses_of[node]]
-    buckets = sharded_gather_buckets(facts, params, world_size, gather_bucket_bytes)
+    buckets = sharded_gather_buckets(facts, params, world_size, gather_bucket_bytes,
+                                     {u: span.first for u, span in spans.items()})
     # a recomputed region reads its parameters from before its first to after its last operator
     at = {u: (spans[u].first, spans[u].last) if u in spans else (pos[u], pos[u]) for u in nodes}
     first_use = {n: min(at[u][0] for u in uses_of[n]) for n in sharded}
@@ -194,6 +195,21 @@ def _step_timeline(
         regathered_together(facts, params, buckets, world_size, gather_bucket_bytes),
         {n: gathered_param_bytes(params[param_of[n]].numel, world_size=world_size,
                                  element_size=params[param_of[n]].compute_size) for n in sharded})
+    def scattered_when_ready(node: fx.Node) -> bool:
+        """Whether a sharded parameter's reduce-scatter starts when its gradient is complete.
+        Not when a recomputed region reads it through an all-gather that runs before the region
+        (a bucket's, or read outside the region too): then after the region's backward
+        ([Note: reduce-scatter in recomputed regions] in ``passes/recompute.py``)."""
+        regions = {spans[u].name if u in spans else None for u in uses_of[node]}
+        if regions == {None}:
+            return True
+        outside = [m for m in members[node] if m not in spans]
+        casts = [m for m in outside if osdp_meta(m).role == NodeRole.CAST]
+        return (len(regions) == 1 and None not in regions and len(buckets[bucket_of[node]]) == 1
+                and set(outside) <= {node, *casts}
+                and all(set(m.users) <= spans.keys() for m in casts)
+                and set(node.users) <= (set(casts) if casts else spans.keys()))
+
     # (launch time, since, bytes held from then until it completes, staged block from launch)
     scatters: list[tuple[float, float, int, int]] = []
     nodes_in_mesh = world_size // (ranks_per_node or world_size)
@@ -256,6 +272,8 @@ def _step_timeline(
         if not grad_uses:
             continue
         grad_start, grad_done = bwd(max(pos[u] for u in grad_uses)), bwd(min(pos[u] for u in grad_uses))
+        if t.sharded and not scattered_when_ready(node):  # after its regions' backward
+            grad_done = bwd(min(at[u][0] for u in grad_uses))
         # A parameter read by several operators (tied weights) gets its gradient summed out of
         # place (autograd's input buffer): the backward of every use but the first to run
         # allocates its contribution and the sum while the gradient so far is alive.

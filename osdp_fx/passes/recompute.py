@@ -15,6 +15,17 @@ re-gathers the handle checkpoint saved for its input), never through a second al
 its own (FSDP pays that twice: pytorch issue #105635). ``tests/passes/test_recompute.py``
 counts the all-gathers.
 
+[Note: reduce-scatter in recomputed regions]
+Autograd runs, among the backward nodes that are ready, the one created last first. A region's
+all-gathers run before the region, so their backward (which starts a sharded parameter's
+reduce-scatter) would run only after the backward of the whole region: all of a block's
+gradients alive at its end, their reduce-scatters started there one after another. So the body
+reads a parameter (or its cast) that only the region reads through ``runtime.params.
+grad_ready``, placed before its first read: its backward node is created inside the region, and
+starts the reduce-scatter as soon as the parameter's gradient is complete, as outside a region.
+A bucket's all-gather (``passes/shard.py``) still reduce-scatters after the region's backward
+(``cost_models/timeline.py`` predicts both).
+
 Before (one block, ``policy="full"``)::
 
     ln1_weight = self.blocks.0.ln1.weight
@@ -43,8 +54,9 @@ from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import PlanError
-from ..meta import NodeRole, set_osdp_meta
+from ..meta import NodeRole, osdp_meta, set_osdp_meta
 from ..regions import Recompute, check_policy, find_regions
+from ..runtime.params import grad_ready
 from ..runtime.recompute import RecomputedRegion
 
 log = logging.getLogger(__name__)
@@ -75,6 +87,13 @@ def _wrap_region(gm: fx.GraphModule, name: str, ops: list[fx.Node], policy: Reco
         env[a].meta = dict(a.meta)
     for n in ops:
         env[n] = body.node_copy(n, env.__getitem__)
+    for a in inputs:  # [Note: reduce-scatter in recomputed regions]
+        if osdp_meta(a).role in (NodeRole.PARAM, NodeRole.CAST) and set(a.users) <= inside:
+            first_read = next(n for n in body.nodes if env[a] in n.all_input_nodes)
+            with body.inserting_before(first_read):
+                ready = body.call_function(grad_ready, (env[a],))
+            ready.meta = dict(env[a].meta)
+            env[a].replace_all_uses_with(ready, delete_user_cb=lambda user: user is not ready)
     body.output(tuple(env[o] for o in outputs))
     body.lint()
     target = region_module_name(name)

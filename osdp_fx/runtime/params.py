@@ -206,15 +206,55 @@ class _AllGatherParam(torch.autograd.Function):
         ctx.padded_numel = shard.numel() * shard_chunks(group)
         ctx.shard = shard  # the leaf itself: saved_tensors would give a new tensor object
         ctx.scatters = _scatters()
+        ctx.set_materialize_grads(False)  # None: grad_ready started the reduce-scatter
         return gather_full(shard, shape, group, pending, dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, ...]:
+    def backward(ctx: Any, grad_full: torch.Tensor | None) -> tuple[None, ...]:
         # The shard's gradient is not returned to autograd: the asynchronous reduce-scatter
         # accumulates it into ``shard.grad`` itself (by the end of backward).
-        ctx.scatters.start(ctx.shard, grad_full, ctx.group, ctx.padded_numel,
-                           ctx.reduce_dtype)
+        if grad_full is not None:
+            _start_scatter(ctx, grad_full)
         return None, None, None, None, None, None
+
+
+def _start_scatter(gather: Any, grad_full: torch.Tensor) -> None:
+    gather.scatters.start(gather.shard, grad_full, gather.group, gather.padded_numel,
+                          gather.reduce_dtype)
+
+
+class _GradReady(torch.autograd.Function):
+    """The gathered parameter as it is; its backward reduce-scatters the gradient in place of
+    the all-gather's (:func:`grad_ready`)."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, gather: Any) -> torch.Tensor:
+        ctx.gather = gather
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None]:
+        _start_scatter(ctx.gather, grad_full)
+        return None, None  # the all-gather's backward gets None: it starts nothing
+
+
+@torch.compiler.disable
+def grad_ready(full: torch.Tensor) -> torch.Tensor:
+    """A recomputed region's first read of a gathered parameter that only it reads
+    (``passes/recompute.py``, [Note: reduce-scatter in recomputed regions]).
+
+    The region's all-gathers run before it, so autograd, which runs the ready backward of the
+    most recently created node first, would run theirs, and start the reduce-scatters, only
+    after the backward of the whole region: every gradient of the block alive at once, and its
+    reduce-scatters one after another, waited for, at its end. Read through this, the gradient
+    is reduce-scattered as soon as the region's backward has computed it, as outside regions.
+    Anything but the output of a single parameter's all-gather (a bucket's member, a
+    replicated parameter, the region's recomputation reading a re-gathered parameter) is
+    returned as it is."""
+    gather = full.grad_fn
+    if isinstance(gather, _AllGatherParam._backward_cls) and torch.is_grad_enabled():
+        return _GradReady.apply(full, gather)
+    return full
 
 
 class Prefetched:

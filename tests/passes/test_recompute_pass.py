@@ -82,3 +82,27 @@ def test_selective_regions_are_charged_their_dispatch_per_operator():
         for before, after in zip(options, charged[name]):
             added = 1e-3 * ops if before.policy == "selective" else 0.0
             assert after.recompute_s == pytest.approx(before.recompute_s + added)
+
+
+def test_the_body_reads_each_parameter_only_the_region_reads_through_grad_ready():
+    """[Note: reduce-scatter in recomputed regions]: the first read of each parameter the region
+    alone reads goes through ``grad_ready``; activations and the caller's tensors do not."""
+    from osdp_fx.runtime.params import grad_ready
+
+    captured, _ = _captured()
+    gm = captured.gm
+    region = find_regions(gm.graph)["model.blocks.1"]
+    read = {a.target for n in region for a in n.all_input_nodes if a.op == "get_attr"}
+    recompute_regions_pass(gm, policies={"model.blocks.1": "full"})
+    call = next(n for n in gm.graph.nodes if n.op == "call_module")
+    body = gm.get_submodule(call.target).body.graph
+    placeholders = {p.name: a for p, a in zip(
+        [n for n in body.nodes if n.op == "placeholder"], call.args)}
+    ready = [n for n in body.nodes if n.target is grad_ready]
+    wrapped = {placeholders[n.args[0].name].target for n in ready}
+    assert wrapped == read and len(ready) == len(read)
+    for n in ready:  # right before the first read, which reads it through grad_ready alone
+        after = n.next
+        while after.target is grad_ready:
+            after = after.next
+        assert len(n.args[0].users) == 1 and after in n.users
