@@ -77,6 +77,9 @@ class NodeProfile:
     """Peak bytes the forward allocates beyond what it leaves alive (workspaces); 0 if fake."""
     bwd_transient_bytes: int = 0
     """Peak bytes the backward allocates beyond the gradients it returns; 0 if fake."""
+    grad_passthrough: tuple[str, ...] = ()
+    """Names of the argument nodes whose gradient the backward returns as the output's gradient
+    itself, the same storage (an addition's two operands, a clone): no new tensor."""
     compute_dtype: str = ""
     """Dtype the node computes in (its first floating input's, else output's, e.g. 'bfloat16';
     '' when it has none): the roofline takes that dtype's throughput (``Devices.flops_per_s``)."""

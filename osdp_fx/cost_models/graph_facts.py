@@ -237,8 +237,19 @@ def activation_grad_intervals(facts: GraphFacts,
     but the first to run allocates its contribution, and a quarter step later the sum, while
     the gradient so far is alive. A scalar output (the loss) gets the gradient
     ``loss.backward()`` starts from (``ones_like(loss)``), which the caller holds until backward
-    returns."""
+    returns. When that last reader's backward returns its own output's gradient as the node's
+    (``NodeProfile.grad_passthrough``: a residual addition gives both operands the gradient it
+    received), the two are one tensor: counted once, from the earlier start to the later end."""
     pos, prof, out = facts.pos, facts.profile, []
+    spans: dict[fx.Node, tuple[float, float, int]] = {}
+    same: dict[fx.Node, fx.Node] = {}  # a gradient -> the one whose storage it is (union-find)
+    links: list[tuple[fx.Node, fx.Node]] = []  # (node, reader whose output's gradient it gets)
+
+    def owner(n: fx.Node) -> fx.Node:
+        while same.get(n, n) is not n:
+            n = same[n]
+        return n
+
     for n in facts.nodes:
         if n.op == "output":
             out += [(bwd(pos[n]), bwd(0), prof[a].output_bytes) for a in n.all_input_nodes
@@ -251,8 +262,18 @@ def activation_grad_intervals(facts: GraphFacts,
         if not grad_users:
             continue
         nbytes = prof[n].output_bytes
-        out.append((bwd(max(pos[u] for u in grad_users)), bwd(pos[n]), nbytes))
+        last = max(grad_users, key=pos.__getitem__)
+        spans[n] = (bwd(pos[last]), bwd(pos[n]), nbytes)
+        if any(m.name in prof[last].grad_passthrough for m in facts.members[n]):
+            links.append((n, facts.root[last]))
         direct = sorted({pos[u] for u in n.users if u.op != "output" and facts.requires_grad[u]})
         for p in direct[:-1]:  # the last reader's backward runs first and makes the buffer
             out += [(bwd(p), bwd(p) + 0.25, nbytes), (bwd(p) + 0.25, bwd(p) + 0.25, nbytes)]
-    return out
+    for n, given in links:
+        if given in spans and owner(n) is not owner(given):
+            same[owner(n)] = owner(given)
+    merged: dict[fx.Node, tuple[float, float, int]] = {}
+    for n, (start, end, nbytes) in spans.items():
+        s0, e0, b0 = merged.get(owner(n), (start, end, nbytes))
+        merged[owner(n)] = (min(s0, start), max(e0, end), max(b0, nbytes))
+    return out + list(merged.values())

@@ -47,6 +47,8 @@ class PreparedInputs:
     kwargs: dict[str, Any]
     leaves: list[torch.Tensor]
     """Leaf tensors requiring grad that the backward differentiates with respect to."""
+    leaf_names: list[str | None]
+    """The node each leaf came from (None: not an input node's tensor)."""
     storages: dict[int, str]
     """Storage key of each prepared input -> name of the node it came from."""
 
@@ -59,6 +61,7 @@ def prepare_inputs(profiler: Any, n: fx.Node, args: Any, kwargs: Any) -> Prepare
         for t in tensors(profiler.env.get(inp)):
             names.setdefault(id(t), inp.name)
     leaves: list[torch.Tensor] = []
+    leaf_names: list[str | None] = []
     storages: dict[int, str] = {}
     memo: dict[int, torch.Tensor] = {}
 
@@ -81,13 +84,14 @@ def prepare_inputs(profiler: Any, n: fx.Node, args: Any, kwargs: Any) -> Prepare
             fresh = leaf.requires_grad_(needs_grad)
         if needs_grad:
             leaves.append(leaf)
+            leaf_names.append(names.get(id(t)))
         if id(t) in names:
             storages[storage_key(fresh)] = names[id(t)]
         memo[id(t)] = fresh
         return fresh
 
     new_args, new_kwargs = pytree.tree_map(prepare, (tuple(args), dict(kwargs)))
-    return PreparedInputs(new_args, new_kwargs, leaves, storages)
+    return PreparedInputs(new_args, new_kwargs, leaves, leaf_names, storages)
 
 
 def outputs_to_differentiate(n: fx.Node, result: Any) -> list[torch.Tensor]:
@@ -161,6 +165,7 @@ def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
     grad_outputs = outputs_to_differentiate(n, result)
     seeds = [torch.ones_like(t) for t in grad_outputs]
     bwd_flops, grad_input_bytes, bwd_transient_bytes = 0, 0, 0
+    passthrough: set[str] = set()
     has_backward = bool(grad_outputs and inputs.leaves)
     if has_backward:
         bwd_tracker = profiler.tracker()
@@ -171,6 +176,9 @@ def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
         bwd_transient_bytes = transient_bytes(bwd_tracker)
         bwd_flops = bwd_counter.get_total_flops()
         grad_input_bytes = tensor_bytes([g for g in grads if g is not None])
+        seeded = {storage_key(t) for t in seeds}
+        passthrough = {name for name, g in zip(inputs.leaf_names, grads)
+                       if name is not None and g is not None and storage_key(g) in seeded}
 
     fwd_time_s: float | None = None
     bwd_time_s: float | None = None
@@ -209,6 +217,7 @@ def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
         saved_input_bytes=sum(v for k, v in saved_storages.items() if k in inputs.storages),
         fwd_transient_bytes=transient_bytes(fwd_tracker),
         bwd_transient_bytes=bwd_transient_bytes,
+        grad_passthrough=tuple(sorted(passthrough)),
         compute_dtype=next((str(t.dtype).removeprefix("torch.") for t in tensors(
             (inputs.args, inputs.kwargs, outputs)) if t.dtype.is_floating_point), ""),
     )

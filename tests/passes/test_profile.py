@@ -235,6 +235,22 @@ def test_reshape_of_an_expanded_input_is_a_copy() -> None:
     assert matmul.saved_input_bytes >= reshape.output_bytes  # the copy is saved, not the view
 
 
+class Residual(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x + y) * y
+
+
+def test_an_addition_passes_its_gradient_through_and_a_product_does_not() -> None:
+    """The backward of ``x + y`` returns the gradient it received for both operands (one
+    storage); that of ``s * y`` computes new ones."""
+    gm = trace(Residual())
+    profile_graph_pass(gm, (torch.randn(4, 5, requires_grad=True),
+                            torch.randn(4, 5, requires_grad=True)), **FAST)
+    add, mul = [osdp_meta(n).profile for n in gm.graph.nodes if n.op == "call_function"]
+    assert add.grad_passthrough == ("x", "y")
+    assert mul.grad_passthrough == ()
+
+
 # -- whole models: per-node sums equal FlopCounterMode on the model ----------------------------
 
 def whole_model_flops(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int]:
