@@ -49,6 +49,10 @@ class RegionSpan:
     """Position of its last operator."""
     kept: frozenset[fx.Node]
     """Operators whose outputs it keeps (selective)."""
+    stop: int = -1
+    """Position of the last recomputed operator that saves a tensor: the recomputation stops
+    there (checkpoint's early stop), so a kept output after it is never taken back out of
+    selective checkpointing's cache and lives until the region's backward ends."""
 
     def recompute_at(self, bwd: Callable[[int], float]) -> float:
         """When backward re-creates what the region dropped."""
@@ -87,7 +91,9 @@ def region_spans(facts: GraphFacts, recompute: Mapping[str, str],
         if policy == Recompute.SAVE:
             continue
         kept = frozenset(n for n in ops if policy == Recompute.SELECTIVE and kept_by_selective(n))
-        span = RegionSpan(name, policy, facts.pos[ops[0]], facts.pos[ops[-1]], kept)
+        stop = max((facts.pos[n] for n in ops
+                    if n not in kept and facts.profile[n].saved_bytes > 0), default=-1)
+        span = RegionSpan(name, policy, facts.pos[ops[0]], facts.pos[ops[-1]], kept, stop)
         out.update((n, span) for n in ops)
     return out
 
@@ -113,8 +119,8 @@ def root_intervals(r: fx.Node, facts: GraphFacts, spans: Mapping[fx.Node, Region
         span = spans.get(u)
         if span is not None and span is not own:
             end = max(end, bwd(span.first))
-    if own is not None and r in own.kept:
-        end = max(end, own.recompute_at(bwd))
+    if own is not None and r in own.kept:  # until the recomputation takes it from the cache
+        end = max(end, own.recompute_at(bwd) if pos[r] < own.stop else bwd(own.first))
     nbytes = facts.profile[r].output_bytes
     return [(pos[r], end, nbytes, False), *(
         (span.recompute_at(bwd), free, nbytes, True) for span, free in recomputed.values())]

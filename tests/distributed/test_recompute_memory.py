@@ -1,7 +1,8 @@
 """The memory promise holds for plans that recompute: the independent storage tracker
-(``osdp_fx/storage_tracker.py``) measures within 5 % of the predicted peak, for hand-written
-plans (selective and full, under replicate and full_shard) and for a plan searched under a limit
-below the all-full_shard peak, which measures under its limit."""
+(``osdp_fx/storage_tracker.py``) measures within 5 % of the predicted peak for a plan searched
+under a limit below the all-full_shard peak, which measures under its limit, and at most 0.5 %
+under the prediction (never over it) for hand-written plans (selective and full, under
+replicate and full_shard)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ def test_sharded_gradients_of_a_recomputed_block_are_reduce_scattered_as_they_co
     """A recomputed block's all-gathers run before it, so autograd would run their backward
     (which starts each reduce-scatter) after the whole block's: under shard_grad_op the Llama's
     peak measured 1.8 % (full) and 2.1 % (selective) over the prediction, every gradient of the
-    block alive at its end. Read through ``grad_ready``, each starts when complete: ``full`` is
-    predicted from above and closely; ``selective`` within 1 % (it measures 64 KiB, one
-    attention mask, over: ``docs/cost-models.md``)."""
+    block alive at its end. Read through ``grad_ready``, each starts when complete, and the
+    peak is predicted from above and closely (``selective``: 64 KiB, 0.6 %, over: the model
+    keeps a kept attention's mask from forward, the recomputation re-creates it)."""
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({
         "format": "osdp-fx-plan", "version": 1, "default": "shard_grad_op", "params": {},
@@ -68,6 +69,5 @@ def test_sharded_gradients_of_a_recomputed_block_are_reduce_scattered_as_they_co
     for rank, r in enumerate(worlds(2).run(memory_cases.compile_and_steps, model="llama",
                                            plan=str(path), steps=3)):
         for _, peak in r["measured"][1:]:
-            low, high = (0.995, 1.0) if policy == "full" else (0.99, 1.01)
-            assert low * r["steady"] <= peak <= high * r["steady"], (
+            assert 0.99 * r["steady"] <= peak <= r["steady"], (
                 rank, peak, r["steady"], r["peak_at"], r["breakdown"])
