@@ -212,6 +212,7 @@ def _step_timeline(
 
     # (launch time, since, bytes held from then until it completes, staged block from launch)
     scatters: list[tuple[float, float, int, int]] = []
+    scatter_bucket: list[int] = []  # the gather bucket of each
     nodes_in_mesh = world_size // (ranks_per_node or world_size)
     for node, name in param_of.items():
         state = params[name]
@@ -317,10 +318,12 @@ def _step_timeline(
         held, held_block = sum(g[3] for g in grads), sum(g[5] for g in grads)
         if len(grads) == 1 and len(bucket) == 1 and held == grads[0][2]:
             scatters.append((scatter, grads[0][0], held, held_block))
+            scatter_bucket.append(i)
         else:
             for start, _, grad, *_ in grads:
                 tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=SYNC)
             scatters.append((scatter, scatter, held, held_block))
+            scatter_bucket.append(i)
         for *_, shard, _ in grads:
             tl.alive(scatter, optim_t, shard, Category.GRADIENTS, scaled=False, only=SYNC)
         # Accumulating: the synchronised backward adds into the held buffer and reduce-scatters
@@ -333,7 +336,10 @@ def _step_timeline(
                 tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=LOCAL)
     # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
     # the rest complete at the end of backward.
-    scatters.sort()
+    # Those launched at one time point start in the order autograd runs their all-gathers'
+    # backward: the all-gather issued last first.
+    scatters = [scatters[k] for k in sorted(range(len(scatters)),
+                                            key=lambda k: (scatters[k][0], -scatter_bucket[k]))]
     for i, (launch, since, held, held_block) in enumerate(scatters):
         later = i + reduce_scatters_in_flight
         # completed (and its buffer freed) before the later one starts
