@@ -41,7 +41,10 @@ elements padded; for hybrid_shard read R for N throughout):
   the full gradient P until the backward of the first use in graph order, then the asynchronous
   reduce-scatter holds it (or its padded copy Pp when Pp != numel; on gloo a copy it makes at
   the launch, when the gradient is alive too) until it completes: when the
-  reduce-scatter ``reduce_scatters_in_flight`` later starts, or at the end of backward; the Pp/N
+  reduce-scatter ``reduce_scatters_in_flight`` later starts (those starting at one time point
+  in the order autograd runs their all-gathers' backward: the one issued last first; a
+  recomputed region's all-gathers, issued before it, after the region's backward unless read
+  through ``grad_ready``), or at the end of backward; the Pp/N
   shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
   intra-node stage also holds a Pp / R block until the reduce-scatter completes);
 * gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
