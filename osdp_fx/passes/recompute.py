@@ -88,7 +88,9 @@ def _wrap_region(gm: fx.GraphModule, name: str, ops: list[fx.Node], policy: Reco
     for n in ops:
         env[n] = body.node_copy(n, env.__getitem__)
     for a in inputs:  # [Note: reduce-scatter in recomputed regions]
-        if osdp_meta(a).role in (NodeRole.PARAM, NodeRole.CAST) and set(a.users) <= inside:
+        role = osdp_meta(a).role
+        if set(a.users) <= inside and (role == NodeRole.PARAM or role == NodeRole.CAST and all(
+                set(p.users) == {a} for p in a.all_input_nodes)):  # the cast alone reads it
             first_read = next(n for n in body.nodes if env[a] in n.all_input_nodes)
             with body.inserting_before(first_read):
                 ready = body.call_function(grad_ready, (env[a],))
