@@ -51,6 +51,16 @@ import torch.distributed as dist  # noqa: E402
 from compare import RESULTS_DIR, UNIFORM_PLANS, Config, System, build_model, local_batch, start_world  # noqa: E402,E501
 from compare import time_round_robin  # noqa: E402
 from osdp_fx import Devices, compile_osdp  # noqa: E402
+from osdp_fx.examples import HFCausalLMWithLoss  # noqa: E402
+
+DDP = "DDP"
+"""The reference row's plan: DDP, eager and compiled, in the same world (what torch.compile
+gains on this model without osdp-fx)."""
+EAGER = "eager"
+MODEL_DEFAULTS = {
+    "gpt": {"vocab": 2048, "dim": 512, "depth": 4, "heads": 8, "seq": 32, "batch": 8},
+    "llama": {"vocab": 2048, "dim": 256, "depth": 4, "heads": 4, "seq": 128, "batch": 4},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,10 @@ class Options:
     """The ``torch.compile`` backend."""
     gather_bucket_bytes: int | None = None
     """The plans' gather bucket size (None: the default, small parameters only)."""
+    model: str = "gpt"
+    """"gpt" (compare.py's) or "llama" (Hugging Face, captured by torch.export)."""
+    reference: bool = True
+    """Also time DDP eager and under torch.compile."""
 
 
 def plan_spec(plan: str, gather_bucket_bytes: int | None, directory: str) -> str:
@@ -76,16 +90,40 @@ def plan_spec(plan: str, gather_bucket_bytes: int | None, directory: str) -> str
     return str(path)
 
 
+def build(model: str, cfg: Config, device: torch.device) -> torch.nn.Module:
+    """The benchmark's model, returning its loss: the compare.py GPT, or a Hugging Face Llama
+    (hidden ``--dim``, ``--depth`` layers, ``--heads`` heads, half as many key/value heads,
+    intermediate size 3x hidden; torch.export captures it) whose RMSNorm, rotary embedding
+    and SiLU gate are many small operators in eager mode."""
+    if model == "gpt":
+        return build_model(cfg, device)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=3 * cfg.dim,
+                         num_hidden_layers=cfg.depth, num_attention_heads=cfg.heads,
+                         num_key_value_heads=max(1, cfg.heads // 2), vocab_size=cfg.vocab,
+                         max_position_embeddings=cfg.seq)
+    return HFCausalLMWithLoss(LlamaForCausalLM(config)).to(device)
+
+
 def make_system(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
                 devices: Devices, plan: str, backend: str | None,
-                gather_bucket_bytes: int | None = None) -> System:
-    """osdp-fx under ``plan``, run eagerly (``backend`` None) or under ``torch.compile``."""
-    with tempfile.TemporaryDirectory() as directory:
-        compiled = compile_osdp(build_model(cfg, device), (x,), devices,
-                                plan=plan_spec(plan, gather_bucket_bytes, directory),
-                                optimizer="adamw")
-    model = compiled if backend is None else torch.compile(compiled, backend=backend)
-    return System("osdp-fx" if backend is None else f"torch.compile ({backend})", plan, model,
+                gather_bucket_bytes: int | None = None, model: str = "gpt") -> System:
+    """osdp-fx under ``plan`` (or, for ``plan`` "DDP", the reference: DDP), run eagerly
+    (``backend`` None) or under ``torch.compile``."""
+    if plan == DDP:
+        from torch.nn.parallel import DistributedDataParallel
+
+        module: torch.nn.Module = DistributedDataParallel(build(model, cfg, device))
+    else:
+        with tempfile.TemporaryDirectory() as directory:
+            module = compile_osdp(build(model, cfg, device), (x,), devices,
+                                  plan=plan_spec(plan, gather_bucket_bytes, directory),
+                                  optimizer="adamw")
+    if backend is not None:
+        module = torch.compile(module, backend=backend)
+    return System(EAGER if backend is None else f"torch.compile ({backend})", plan, module,
                   x, device)
 
 
@@ -104,8 +142,9 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     x = local_batch(cfg, rank, device)
     devices = Devices(world_size=world)  # the plans are uniform: no search, no detection
     systems = [make_system(cfg, world, device, x, devices, plan, backend,
-                           options.gather_bucket_bytes)
-               for plan in options.plans for backend in (None, options.backend)]
+                           options.gather_bucket_bytes, options.model)
+               for plan in (*options.plans, *((DDP,) if options.reference else ()))
+               for backend in (None, options.backend)]
     warm_up(systems, max(1, cfg.warmup))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     time_round_robin(systems, cfg.steps, 0)
@@ -145,10 +184,10 @@ def ratios(rows: list[dict]) -> dict[str, Any]:
     """compiled / eager per plan: the ratio of the median steps, and the median of the ratios
     of each round's two steps (timed in the same round, so the machine's slow drifts cancel)
     with its 90 % interval."""
-    eager = {r["plan"]: r for r in rows if r["system"] == "osdp-fx"}
+    eager = {r["plan"]: r for r in rows if r["system"] == EAGER}
     out, paired = {}, {}
     for r in rows:
-        if r["system"] == "osdp-fx":
+        if r["system"] == EAGER:
             continue
         e = eager[r["plan"]]
         out[r["plan"]] = round(r["step_s"] / e["step_s"], 3)
@@ -157,7 +196,8 @@ def ratios(rows: list[dict]) -> dict[str, Any]:
         paired[r["plan"]] = {"median": round(statistics.median(per_round), 3),
                              "interval_90": [round(low, 3), round(high, 3)]}
     return {"compiled_over_eager_step": out, "paired": paired,
-            "targets_met": {f"{p}: compiled<=1.0x eager": v <= 1.0 for p, v in out.items()}}
+            "targets_met": {f"{p}: compiled<=1.0x eager": v <= 1.0 for p, v in out.items()
+                            if p != DDP}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -169,15 +209,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="gather bucket size of the plans (default: small parameters only; "
                          "1073741824 gathers each transformer block in one all-gather, as "
                          "FSDP2 does)")
-    for name, default in (("vocab", 2048), ("dim", 512), ("depth", 4), ("heads", 8),
-                          ("seq", 32), ("batch", 8), ("rounds", 40), ("warmup", 2)):
+    ap.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="gpt",
+                    help="gpt: compare.py's GPT; llama: a Hugging Face Llama captured by "
+                         "torch.export (defaults: dim 256, 4 heads, sequence 128, batch 4)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="leave out the reference rows (DDP, eager and compiled)")
+    for name in ("vocab", "dim", "depth", "heads", "seq", "batch"):
+        ap.add_argument(f"--{name}", type=int, default=None)
+    for name, default in (("rounds", 40), ("warmup", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
-    cfg = Config(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads,
-                 seq=args.seq, batch=args.batch, steps=args.rounds, warmup=args.warmup)
+    shape = {name: getattr(args, name) if getattr(args, name) is not None else default
+             for name, default in MODEL_DEFAULTS[args.model].items()}
+    cfg = Config(**shape, steps=args.rounds, warmup=args.warmup)
     options = Options(plans=tuple(args.plans.split(",")), backend=args.backend,
-                      gather_bucket_bytes=args.gather_bucket_bytes)
+                      gather_bucket_bytes=args.gather_bucket_bytes, model=args.model,
+                      reference=not args.no_reference)
     start = time.perf_counter()
     result = start_world(args.world_size, measure, cfg, options)[0]
     rows = result["rows"]
@@ -185,15 +233,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     buckets = (f"gather buckets of {options.gather_bucket_bytes} bytes"
                if options.gather_bucket_bytes else "default gather buckets")
     print(f"world {args.world_size} ({result['backend']}, {result['device']}), "
-          f"{cfg}, backend {options.backend}, {buckets}, {result['graphs']} graphs compiled on "
+          f"{options.model} {cfg}, backend {options.backend}, {buckets}, {result['graphs']} graphs compiled on "
           f"rank 0, "
           f"{time.perf_counter() - start:.0f} s in all")
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / (f"torch-compile-world{args.world_size}" + (
+    stem = args.out_dir / (f"torch-compile-{options.model}-world{args.world_size}" + (
         f"-buckets{options.gather_bucket_bytes}" if options.gather_bucket_bytes else ""))
     stem.with_suffix(".md").write_text(text + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({"config": dataclasses.asdict(cfg),
+    stem.with_suffix(".json").write_text(json.dumps({"model": options.model,
+                                                     "config": dataclasses.asdict(cfg),
                                                      "backend": options.backend,
                                                      "gather_bucket_bytes":
                                                          options.gather_bucket_bytes, **result}))

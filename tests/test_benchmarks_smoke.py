@@ -131,31 +131,34 @@ def test_torch_compile_benchmark_times_every_uniform_plan_both_ways(tmp_path: Pa
     out = torch_compile.main(["--vocab", "64", "--dim", "32", "--depth", "1", "--heads", "2",
                               "--seq", "8", "--batch", "2", "--rounds", "1", "--warmup", "1",
                               "--backend", "aot_eager", "--out-dir", str(tmp_path)])
-    assert set(out["compiled_over_eager_step"]) == {"replicate", "full_shard", "shard_grad_op"}
+    plans = {"replicate", "full_shard", "shard_grad_op"}
+    assert set(out["compiled_over_eager_step"]) == plans | {"DDP"}  # DDP: the reference
+    assert set(out["targets_met"]) == {f"{p}: compiled<=1.0x eager" for p in plans}
     assert all(r > 0 for r in out["compiled_over_eager_step"].values())
-    rows = json.loads((tmp_path / "torch-compile-world2.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "torch-compile-gpt-world2.json").read_text())["rows"]
     assert sorted((r["system"], r["plan"]) for r in rows) == sorted(
-        (system, plan) for plan in ("replicate", "full_shard", "shard_grad_op")
-        for system in ("osdp-fx", "torch.compile (aot_eager)"))
-    assert (tmp_path / "torch-compile-world2.md").read_text().count("\n") == 5
+        (system, plan) for plan in (*plans, "DDP")
+        for system in ("eager", "torch.compile (aot_eager)"))
+    assert (tmp_path / "torch-compile-gpt-world2.md").read_text().count("\n") == 6
     for plan, p in out["paired"].items():  # one round: its ratio, and an interval of it alone
         assert p["interval_90"][0] == p["median"] == p["interval_90"][1] > 0, plan
 
 
 def test_torch_compile_benchmark_runs_plans_with_block_sized_gather_buckets(tmp_path: Path) -> None:
     """``--gather-bucket-bytes``: the plans are files with that bucket size, both systems run
-    them, and the results say so."""
+    them, and the results say so; on the Hugging Face Llama (``--model llama``)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch_compile
 
-    out = torch_compile.main(["--vocab", "64", "--dim", "32", "--depth", "1", "--heads", "2",
+    out = torch_compile.main(["--model", "llama", "--vocab", "64", "--dim", "32", "--depth", "1",
+                              "--heads", "2",
                               "--seq", "8", "--batch", "2", "--rounds", "1", "--warmup", "1",
                               "--backend", "aot_eager", "--plans", "full_shard",
                               "--gather-bucket-bytes", str(2**30), "--out-dir", str(tmp_path)])
-    assert set(out["compiled_over_eager_step"]) == {"full_shard"}
-    result = json.loads((tmp_path / f"torch-compile-world2-buckets{2**30}.json").read_text())
-    assert result["gather_bucket_bytes"] == 2**30
-    assert {r["plan"] for r in result["rows"]} == {"full_shard"} and len(result["rows"]) == 2
+    assert set(out["compiled_over_eager_step"]) == {"full_shard", "DDP"}
+    result = json.loads((tmp_path / f"torch-compile-llama-world2-buckets{2**30}.json").read_text())
+    assert result["gather_bucket_bytes"] == 2**30 and result["model"] == "llama"
+    assert {r["plan"] for r in result["rows"]} == {"full_shard", "DDP"} and len(result["rows"]) == 4
 
 
 def test_the_median_interval_is_the_binomial_order_statistics() -> None:

@@ -66,7 +66,9 @@ def test_measured_peaks_match_the_prediction_from_the_first_step(worlds, model, 
     for k in (1, 2):  # searched plans at a third and two thirds of the way between
         limit = low + (high - low) * k // 3
         run = world.run(memory_cases.compile_and_steps, model=model, limit=limit)
-        assert sum(run[0]["counts"].values()) > run[0]["counts"]["replicate"], run[0]["counts"]
+        # it shards something, or recomputes blocks of a replicated model
+        assert (sum(run[0]["counts"].values()) > run[0]["counts"]["replicate"]
+                or run[0]["recompute"]), run[0]["counts"]
         results[f"searched @ {limit} B"] = run
     problems = [p for label, runs in results.items() for rank, r in enumerate(runs)
                 for p in _check(r, f"{label} rank {rank}")]

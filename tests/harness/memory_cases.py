@@ -130,7 +130,8 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
     assert pr is not None
     out = {"first_step": pr.first_step_peak_bytes, "steady": pr.peak_memory_bytes,
            "breakdown": pr.breakdown(), "peak_at": pr.peak_at, "limit": limit,
-           "counts": compiled.plan.counts(), "measured": measured,
+           "counts": compiled.plan.counts(), "recompute": dict(compiled.plan.recompute),
+           "measured": measured,
            "cycle_bytes": sum(cycles.values()), "garbage_objects": garbage, "stray": stray}
     # Dropping the compiled model frees its tensors at once, not at the next collection.
     gc.disable()
