@@ -32,7 +32,7 @@ from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
     param_states,
     plannable_bytes,
 )
-from .buckets import SMALL_PARAM_BYTES, Schedule
+from .buckets import Schedule
 from .capture import Captured
 from .cost_models.recompute import recomputed_params, region_rows, region_spans
 from .cost_models.step import predict_step_time, regathered_params
@@ -45,11 +45,9 @@ from .passes.split_linear import apply_splits
 from .plan import DEFAULT_PREFETCH, Plan, Prediction
 from .plan_request import PlanRequest, build_plan, resolve_plan
 from .precision import MixedPrecision, dtype_name
-from .strategies import FULL_SHARD, SHARD_GRAD_OP
 from .runtime.collectives import scatter_copies_input
 from .schedule import schedule_memory_kwargs
 from .search import (  # noqa: F401  (re-exported)
-    block_gather_bytes,
     choose_splits,
     search_batch_size,
     search_beyond_margin,
@@ -147,9 +145,6 @@ def make_plan(
         resolved = resolve_plan(request, param_specs(captured), world_size=devices.world_size,
                                 ranks_per_node=devices.ranks_per_node,
                                 memory_limit_bytes=memory_limit_bytes)
-        if request.strategy in BLOCK_GATHERED:
-            resolved = dataclasses.replace(resolved, gather_bucket_bytes=named_plan_bucket_bytes(
-                analysis, devices.world_size))
         if prefetch is not None:
             resolved = dataclasses.replace(resolved, prefetch=prefetch)
     if precision is not None:
@@ -164,22 +159,6 @@ def make_plan(
         devices=devices, optimizer=optimizer, grad_accumulation=acc)
         for _, sch, (st, rc) in alternatives)
     return plan_out, analysis
-
-
-BLOCK_GATHERED = (FULL_SHARD, SHARD_GRAD_OP)
-"""The named plans whose all-gathers gather one transformer block each."""
-
-
-def named_plan_bucket_bytes(analysis: Analysis, world_size: int) -> int:
-    """The gather bucket size of a named sharded plan (``plan="full_shard"`` or
-    ``"shard_grad_op"``): one transformer block per all-gather and reduce-scatter, as FSDP2's
-    ``fully_shard`` on every block groups them (``search.block_gather_bytes``); the default,
-    small parameters only, for a model without repeated blocks. On this CPU, gathering per
-    block rather than per parameter made a step 1.10-1.12x faster on the compare.py GPT and
-    1.34-1.44x on a Hugging Face Llama (``docs/benchmarks.md``); it holds up to two blocks
-    gathered (the one in use and the one prefetched) instead of two parameters."""
-    block = block_gather_bytes(analysis, world_size)
-    return block if block is not None and block > SMALL_PARAM_BYTES else SMALL_PARAM_BYTES
 
 
 def _prefetch(prefetch: int | None) -> int:
