@@ -1,11 +1,15 @@
 """``torch.compile(compiled)`` against eager osdp-fx: step time under each uniform strategy.
 
-Starts one local world (gloo on CPU, NCCL on GPUs) and, on the GPT of ``compare.py`` (its
-forward returns the LM loss; default vocab 2048, dim 512, depth 4, 8 heads, sequence 32,
-per-rank batch 8; AdamW), compiles with osdp-fx under each of ``--plans`` twice: one module run
-eagerly, one wrapped in ``torch.compile(compiled, backend=--backend)``. What inductor sees is
-the compute between the runtime's collectives ([Note: torch.compile] in
-``osdp_fx/runtime/compile_support.py``, ``docs/training.md``).
+Starts one local world (gloo on CPU, NCCL on GPUs) and, on ``--model`` (``gpt``: the GPT of
+``compare.py``, its forward returning the LM loss, default vocab 2048, dim 512, depth 4, 8 heads,
+sequence 32, per-rank batch 8; ``llama``: a Hugging Face Llama captured by torch.export, default
+vocab 2048, hidden 256, 4 layers, 4 heads, sequence 128, per-rank batch 4), with AdamW, compiles
+with osdp-fx under each of ``--plans`` twice: one module run eagerly, one wrapped in
+``torch.compile(compiled, backend=--backend)``. What inductor sees is the compute between the
+runtime's collectives ([Note: torch.compile] in ``osdp_fx/runtime/compile_support.py``,
+``docs/training.md``). The reference, in the same world: DDP eager and DDP under
+``torch.compile`` (what inductor gains on this model without osdp-fx; ``--no-reference``
+leaves it out).
 
 Every system gets ``--warmup`` steps first (the compiled ones compile then: the table shows those
 seconds), then all are timed round-robin in the same world (``--rounds`` rounds, the order
@@ -16,10 +20,10 @@ round's compiled / eager ratio with its 90 % interval (a step varies by ±15 % o
 machine: 16 rounds gave 0.94-1.06x between runs). That the two train alike is tested
 (``tests/distributed/test_torch_compile.py``), not measured here.
 
-    python benchmarks/torch_compile.py [--world-size 2] [--plans replicate,shard_grad_op,full_shard]
-        [--backend inductor] [--dim 512] [--depth 4] [--vocab 2048] [--heads 8] [--seq 32]
-        [--batch 8] [--rounds 40] [--warmup 2] [--gather-bucket-bytes N]
-        [--out-dir benchmarks/results]
+    python benchmarks/torch_compile.py [--model gpt|llama] [--world-size 2]
+        [--plans replicate,shard_grad_op,full_shard] [--backend inductor] [--dim N] [--depth N]
+        [--vocab N] [--heads N] [--seq N] [--batch N] [--rounds 40] [--warmup 2]
+        [--gather-bucket-bytes N] [--no-reference] [--out-dir benchmarks/results]
 
 ``--gather-bucket-bytes 1073741824``: the plans gather each transformer block in one all-gather
 (a bucket holding a parameter larger than 64 KiB never spans two blocks), as FSDP2 does; there
@@ -27,7 +31,7 @@ are then about as many collective calls, and graph breaks, as blocks.
 
 Target (issue 17): compiled <= 1.0x eager's step time under every uniform strategy. Prints a
 Markdown table and, last, one JSON line with the ratios; writes the table to
-``<out-dir>/torch-compile-world{N}.md`` and the rows to ``.json``.
+``<out-dir>/torch-compile-<model>-world{N}.md`` and the rows to ``.json``.
 """
 
 from __future__ import annotations
