@@ -325,8 +325,9 @@ def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
                   if not traits(p.strategy).sharded and p.trainable]
     held = HeldGrads()
     return GradSync(GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype,
-                                bucket_bytes=plan.reduce_bucket_bytes),
-                    GradReduceScatters(held=held), held)
+                                bucket_bytes=plan.reduce_bucket_bytes,
+                                max_in_flight=plan.scatters_in_flight),
+                    GradReduceScatters(plan.scatters_in_flight, held=held), held)
 
 
 class OSDPModule(nn.Module):

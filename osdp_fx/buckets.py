@@ -54,6 +54,10 @@ class Schedule:
     all-gather and one reduce-scatter (:func:`gather_buckets`)."""
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bytes of one all-reduce bucket of replicated gradients (:func:`plan_buckets`)."""
+    scatters_in_flight: int = MAX_IN_FLIGHT
+    """Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once:
+    starting one more first completes the oldest. 1 holds one block's gradient buffers at a
+    time where a gather bucket is a whole block, as FSDP2 does."""
 
 
 def candidate_schedules(prefetch: int | None = None,
@@ -62,15 +66,18 @@ def candidate_schedules(prefetch: int | None = None,
     ``prefetch`` when the user fixed it), gather buckets of 64 KiB (small parameters only),
     1 MiB, or ``block_bytes`` when given (the most bytes one transformer block gathers: one
     all-gather per block, as FSDP2 groups a block's parameters), all-reduce buckets of 25 MiB
-    or 4 MiB. Each costs memory (a deeper prefetch holds more gathered parameters, a larger
-    bucket a larger flat buffer) and saves time (overlap, latency; a bucket's members pay for
-    copying through its flat buffers)."""
+    or 4 MiB; with block buckets also one gradient collective in flight instead of
+    :data:`MAX_IN_FLIGHT` (each holds a block's flat gradient and its shard). Each costs memory
+    (a deeper prefetch holds more gathered parameters, a larger bucket a larger flat buffer,
+    more collectives in flight more buffers) and saves time (overlap, latency; a bucket's
+    members pay for copying through its flat buffers)."""
     depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
     gathers = [SMALL_PARAM_BYTES, 2**20]
     if block_bytes is not None and block_bytes > 2**20:
         gathers.append(block_bytes)
-    return [Schedule(d, g, r) for d in depths for g in gathers
-            for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)]
+    return [Schedule(d, g, r, f) for d in depths for g in gathers
+            for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)
+            for f in ((MAX_IN_FLIGHT, 1) if g == block_bytes else (MAX_IN_FLIGHT,))]
 
 
 def plan_buckets(sizes: Sequence[tuple[Any, int]], bucket_bytes: int) -> list[list[int]]:

@@ -46,7 +46,8 @@ from .regions import Recompute, check_policy
 from .plan_table import describe_collectives, plan_table
 from .units import format_bytes
 
-from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, SMALL_PARAM_BYTES, Schedule
+from .buckets import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, MAX_IN_FLIGHT, SMALL_PARAM_BYTES,
+                      Schedule)
 from .layout import Stage, collective_stages, shard_count  # noqa: F401  (re-exported)
 from .strategies import (  # noqa: F401  (re-exported: the plan's vocabulary)
     FREED_AFTER_FORWARD,
@@ -285,6 +286,8 @@ class Plan:
     and one reduce-scatter (``buckets.gather_buckets``)."""
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bytes of one all-reduce bucket of replicated gradients."""
+    scatters_in_flight: int = MAX_IN_FLIGHT
+    """Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once."""
     measured: tuple[TimedPlan, ...] = ()
     """Autotuning (``compile_osdp(autotune=K)``): the plans it timed, fastest measured first
     (the plan in force need not be: ``autotune.keep_index``); empty when the plan was not
@@ -294,6 +297,11 @@ class Plan:
         check_prefetch(self.prefetch)
         check_bucket_bytes("gather_bucket_bytes", self.gather_bucket_bytes)
         check_bucket_bytes("reduce_bucket_bytes", self.reduce_bucket_bytes)
+        if (isinstance(self.scatters_in_flight, bool) or not isinstance(self.scatters_in_flight, int)
+                or self.scatters_in_flight < 1):
+            raise PlanError(f"scatters_in_flight={self.scatters_in_flight!r}: give an int >= 1 "
+                            f"(how many gradient collectives may run at once; default "
+                            f"{MAX_IN_FLIGHT})")
         object.__setattr__(self, "recompute", recomputed_regions(self.recompute))
         object.__setattr__(self, "ranks_per_node",
                            normalized_ranks_per_node(self.ranks_per_node, self.world_size))
@@ -314,7 +322,8 @@ class Plan:
     @property
     def schedule(self) -> Schedule:
         """Prefetch distance and bucket sizes."""
-        return Schedule(self.prefetch, self.gather_bucket_bytes, self.reduce_bucket_bytes)
+        return Schedule(self.prefetch, self.gather_bucket_bytes, self.reduce_bucket_bytes,
+                        self.scatters_in_flight)
 
     def strategy_of(self, name: str) -> str:
         return self[name].strategy
@@ -415,6 +424,8 @@ def _to_dict(self: Plan) -> dict[str, Any]:
            if self.gather_bucket_bytes != SMALL_PARAM_BYTES else {}),
         **({"reduce_bucket_bytes": self.reduce_bucket_bytes}
            if self.reduce_bucket_bytes != DEFAULT_BUCKET_BYTES else {}),
+        **({"scatters_in_flight": self.scatters_in_flight}
+           if self.scatters_in_flight != MAX_IN_FLIGHT else {}),
         **({"mixed_precision": {"param_dtype": self.param_dtype,
                                 "reduce_dtype": self.reduce_dtype}}
            if self.param_dtype else {}),

@@ -206,7 +206,8 @@ def build_plan(
                 memory_limit_bytes=memory_limit_bytes, source=source,
                 splits=tuple(sorted((splits or {}).items())), prefetch=schedule.prefetch,
                 gather_bucket_bytes=schedule.gather_bucket_bytes,
-                reduce_bucket_bytes=schedule.reduce_bucket_bytes, ranks_per_node=ranks_per_node,
+                reduce_bucket_bytes=schedule.reduce_bucket_bytes,
+                scatters_in_flight=schedule.scatters_in_flight, ranks_per_node=ranks_per_node,
                 recompute=tuple((recompute or {}).items()))
 
 

@@ -37,7 +37,8 @@ def plan_table(self: Any) -> str:
     if self.param_dtype:
         split += f"; compute in {self.param_dtype}, reduce in {self.reduce_dtype}"
     split += (f"; prefetch {self.prefetch}, gather buckets {format_bytes(self.gather_bucket_bytes)}"
-              f", all-reduce buckets {format_bytes(self.reduce_bucket_bytes)}")
+              f", all-reduce buckets {format_bytes(self.reduce_bucket_bytes)}"
+              f", gradient collectives in flight {self.scatters_in_flight}")
     if self.recompute:
         split += "; recompute: " + ", ".join(f"{r} {p}" for r, p in self.recompute)
     mesh = (f" = {self.num_nodes} nodes x {self.ranks_per_node} ranks"

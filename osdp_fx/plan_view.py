@@ -231,7 +231,8 @@ def _header(plan: Plan, width: int) -> list[str]:
     if plan.param_dtype:
         text += f"; compute in {plan.param_dtype}, reduce in {plan.reduce_dtype}"
     text += (f"; prefetch {plan.prefetch}, buckets {format_bytes(plan.gather_bucket_bytes)} "
-             f"(gather) / {format_bytes(plan.reduce_bucket_bytes)} (all-reduce)")
+             f"(gather) / {format_bytes(plan.reduce_bucket_bytes)} (all-reduce), "
+             f"{plan.scatters_in_flight} in flight")
     return textwrap.wrap(text, width=width - 1, subsequent_indent="  ")
 
 

@@ -26,14 +26,18 @@ log = logging.getLogger(__name__)
 def schedule_memory_kwargs(schedule: Schedule) -> dict[str, int]:
     """``cost_models.timeline.predict_step_memory``'s keyword arguments for ``schedule``."""
     return {"prefetch": schedule.prefetch, "bucket_bytes": schedule.reduce_bucket_bytes,
-            "gather_bucket_bytes": schedule.gather_bucket_bytes}
+            "gather_bucket_bytes": schedule.gather_bucket_bytes,
+            "reduce_scatters_in_flight": schedule.scatters_in_flight}
 
 
 def collectives_key(facts: GraphFacts, states: Mapping[str, ParamState], schedule: Schedule,
                     world_size: int) -> Hashable:
     """What the runtime does under ``states`` and ``schedule``: the strategies, the gather
     buckets and the prefetch distance (when something is sharded), the all-reduce buckets. Two
-    plans with the same key run the same collectives at the same points."""
+    plans with the same key run the same collectives at the same points. How many gradient
+    collectives may be in flight, which the step model does not see, is not part of it: of
+    two such plans :func:`rank_schedules` keeps the first (``candidate_schedules`` lists
+    ``MAX_IN_FLIGHT`` first)."""
     gathers = tuple(tuple(facts.param_of[n] for n in b) for b in sharded_gather_buckets(
         facts, states, world_size, schedule.gather_bucket_bytes))
     replicated = [n for n, p in states.items() if not traits(p.strategy).sharded and p.trainable]

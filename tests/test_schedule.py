@@ -159,6 +159,19 @@ def test_the_schedule_round_trips_through_the_plan_file_and_the_runtime_honours_
     assert len(replicated._runtime.grad_sync.reducer.buckets) == 4  # one 256 KiB weight per bucket
     assert len(compile_osdp(copy.deepcopy(model), inputs,
                             plan="replicate")._runtime.grad_sync.reducer.buckets) == 1
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                                "params": {}, "scatters_in_flight": 1}))
+    one = compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
+    assert one.plan.schedule == Schedule(scatters_in_flight=1)
+    assert "gradient collectives in flight 1" in str(one.plan)
+    assert (one._runtime.grad_sync.scatters.max_in_flight,
+            one._runtime.grad_sync.reducer.max_in_flight) == (1, 1)
+    one.plan.save(tmp_path / "one.json")
+    assert json.loads((tmp_path / "one.json").read_text())["scatters_in_flight"] == 1
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                                "params": {}, "scatters_in_flight": 0}))
+    with pytest.raises(PlanError, match="scatters_in_flight=0"):
+        compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
 
 
 def test_a_limit_the_most_sharded_plan_fits_always_gets_a_plan():
@@ -210,8 +223,10 @@ def test_the_search_offers_gather_buckets_of_one_transformer_block():
     assert in_block and block == sum(in_block)  # every size divides by 4: no padding
     assert block_gather_bytes(analysis, world_size=3) > block  # shards padded to equal sizes
     schedules = candidate_schedules(block_bytes=block)
-    assert len(schedules) == 18 and schedules[0] == Schedule()
+    assert len(schedules) == 24 and schedules[0] == Schedule()
     assert {s.gather_bucket_bytes for s in schedules} == {SMALL_PARAM_BYTES, 2**20, block}
+    # one gradient collective in flight is offered with block buckets only
+    assert {s.gather_bucket_bytes for s in schedules if s.scatters_in_flight == 1} == {block}
     assert candidate_schedules(block_bytes=2**19) == candidate_schedules()  # no larger than 1 MiB
     # where most parameters must be sharded and a collective costs mostly its latency, a
     # bucket per block is the predicted fastest
@@ -220,3 +235,21 @@ def test_the_search_offers_gather_buckets_of_one_transformer_block():
     found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
                              optimizer="adamw")
     assert found[0][1].gather_bucket_bytes == block, found[0][1]
+
+
+def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_search_uses_it():
+    """With block buckets, full_shard holds each block's flat gradient and its shard until the
+    reduce-scatter completes: two in flight hold two blocks' buffers. Under a limit only one in
+    flight fits, the search keeps block buckets with one in flight (its step time predicted
+    the same: the step model does not see the number in flight)."""
+    analysis = _gpt(dim=512)
+    block = block_gather_bytes(analysis, world_size=4)
+    two, one = (_predicted(analysis, "full_shard", Schedule(1, block, scatters_in_flight=k))
+                for k in (2, 1))
+    assert one.peak_memory_bytes < two.peak_memory_bytes
+    assert one.step_time_s == two.step_time_s
+    limit = int((one.peak_memory_bytes + two.peak_memory_bytes) / 2 / 0.97)
+    slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
+    found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
+                             optimizer="adamw")
+    assert found[0][1] == Schedule(1, block, scatters_in_flight=1), found[0][1]

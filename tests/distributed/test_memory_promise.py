@@ -75,6 +75,26 @@ def test_measured_peaks_match_the_prediction_from_the_first_step(worlds, model, 
     assert not problems, "\n".join(problems)
 
 
+def test_one_gradient_collective_in_flight_is_measured_as_predicted(worlds, tmp_path):
+    """full_shard with a bucket per block (a GPT of 4 blocks): two reduce-scatters in flight
+    hold two blocks' flat gradients and shards, one in flight (``scatters_in_flight``) one."""
+    world = worlds(2)
+    runs = {}
+    for k in (2, 1):
+        path = tmp_path / f"in_flight_{k}.json"
+        path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1,
+                                    "default": "full_shard", "params": {},
+                                    "gather_bucket_bytes": 2**30, "scatters_in_flight": k}))
+        runs[k] = world.run(memory_cases.compile_and_steps, model="gpt_4_blocks",
+                            plan=str(path))
+    problems = [p for k, rs in runs.items() for rank, r in enumerate(rs)
+                for p in _check(r, f"{k} in flight rank {rank}")]
+    assert not problems, "\n".join(problems)
+    for r1, r2 in zip(runs[1], runs[2]):
+        assert max(p for _, p in r1["measured"]) < max(p for _, p in r2["measured"])
+        assert max(p for _, p in r1["measured"]) <= r1["steady"] * (1 + 0.005)
+
+
 @pytest.mark.parametrize("variant", [
     "replicate", "shard_grad_op", "full_shard", "split", "bf16", "meta", "llama", "gpt2_meta"])
 def test_compile_leaves_nothing_behind(worlds, variant, tmp_path_factory):

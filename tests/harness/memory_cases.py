@@ -20,12 +20,14 @@ VOCAB = 512
 
 
 def build(model: str, *, device: str = "cpu") -> nn.Module:
-    """'gpt': the traced GPT of compare.py, smaller; 'llama' and 'gpt2': Hugging Face models
+    """'gpt': the traced GPT of compare.py, smaller ('gpt_4_blocks': with 4 blocks, not 2);
+    'llama' and 'gpt2': Hugging Face models
     (captured by torch.export)."""
     torch.manual_seed(0)
     with torch.device(device):
-        if model == "gpt":
-            return GPTWithLoss(TinyGPT(vocab=VOCAB, dim=256, depth=2, heads=4, max_seq=64))
+        if model in ("gpt", "gpt_4_blocks"):
+            depth = 4 if model == "gpt_4_blocks" else 2
+            return GPTWithLoss(TinyGPT(vocab=VOCAB, dim=256, depth=depth, heads=4, max_seq=64))
         if model == "llama":
             from transformers import LlamaConfig, LlamaForCausalLM
             from transformers.utils import logging as hf_logging
