@@ -80,6 +80,13 @@ def check_bucket_bytes(name: str, nbytes: Any) -> None:
         raise PlanError(f"{name} must be a number of bytes >= 1 (an int), got {nbytes!r}")
 
 
+def check_in_flight(count: Any) -> None:
+    """Raise PlanError unless ``count`` (the plan's ``scatters_in_flight``) is an int >= 1."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise PlanError(f"scatters_in_flight={count!r}: give an int >= 1 (how many gradient "
+                        f"collectives may run at once; default {MAX_IN_FLIGHT})")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
     """The decision for one parameter group."""
@@ -297,11 +304,7 @@ class Plan:
         check_prefetch(self.prefetch)
         check_bucket_bytes("gather_bucket_bytes", self.gather_bucket_bytes)
         check_bucket_bytes("reduce_bucket_bytes", self.reduce_bucket_bytes)
-        if (isinstance(self.scatters_in_flight, bool) or not isinstance(self.scatters_in_flight, int)
-                or self.scatters_in_flight < 1):
-            raise PlanError(f"scatters_in_flight={self.scatters_in_flight!r}: give an int >= 1 "
-                            f"(how many gradient collectives may run at once; default "
-                            f"{MAX_IN_FLIGHT})")
+        check_in_flight(self.scatters_in_flight)
         object.__setattr__(self, "recompute", recomputed_regions(self.recompute))
         object.__setattr__(self, "ranks_per_node",
                            normalized_ranks_per_node(self.ranks_per_node, self.world_size))
@@ -322,8 +325,7 @@ class Plan:
     @property
     def schedule(self) -> Schedule:
         """Prefetch distance and bucket sizes."""
-        return Schedule(self.prefetch, self.gather_bucket_bytes, self.reduce_bucket_bytes,
-                        self.scatters_in_flight)
+        return Schedule(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Schedule)})
 
     def strategy_of(self, name: str) -> str:
         return self[name].strategy
