@@ -324,7 +324,7 @@ class Plan:
 
     @property
     def schedule(self) -> Schedule:
-        """Prefetch distance and bucket sizes."""
+        """Prefetch distance, bucket sizes and gradient collectives in flight."""
         return Schedule(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Schedule)})
 
     def strategy_of(self, name: str) -> str:
