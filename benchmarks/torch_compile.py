@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     buckets = (f"gather buckets of {options.gather_bucket_bytes} bytes"
                if options.gather_bucket_bytes else "default gather buckets")
     print(f"world {args.world_size} ({result['backend']}, {result['device']}), "
-          f"{options.model} {cfg}, backend {options.backend}, {buckets}, {result['graphs']} graphs compiled on "
-          f"rank 0, "
+          f"{options.model} {cfg}, backend {options.backend}, {buckets}, "
+          f"{result['graphs']} graphs compiled on rank 0, "
           f"{time.perf_counter() - start:.0f} s in all")
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)

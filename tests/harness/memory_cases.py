@@ -21,8 +21,7 @@ VOCAB = 512
 
 def build(model: str, *, device: str = "cpu") -> nn.Module:
     """'gpt': the traced GPT of compare.py, smaller ('gpt_4_blocks': with 4 blocks, not 2);
-    'llama' and 'gpt2': Hugging Face models
-    (captured by torch.export)."""
+    'llama' and 'gpt2': Hugging Face models (captured by torch.export)."""
     torch.manual_seed(0)
     with torch.device(device):
         if model in ("gpt", "gpt_4_blocks"):
@@ -99,12 +98,13 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
         compiled = compile_osdp(net, (x,), Devices(world_size=world), plan=plan,
                                 memory_limit=limit, optimizer=optimizer, **options)
         del net
-        stray = _stray_tensors(compiled, (x,), before)
-        for _ in range(50):  # gloo's worker thread drops a finished collective's tensors a
-            if not stray:    # moment after wait() returns (the last broadcast's, 10-20 KB)
+        # gloo's worker thread drops a finished collective's tensors a moment after wait()
+        # returns (the last broadcast's, 10-20 KB): look again for up to 0.5 s
+        for _ in range(51):
+            stray = _stray_tensors(compiled, (x,), before)
+            if not stray:
                 break
             time.sleep(0.01)
-            stray = _stray_tensors(compiled, (x,), before)
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         cycles = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
