@@ -35,6 +35,9 @@ SMALL_PARAM_BYTES = 64 * 1024
 one reduce-scatter (``runtime.params.all_gather_params``), whatever the schedule's bucket size;
 the default ``gather_bucket_bytes``."""
 
+LARGE_GATHER_BUCKET_BYTES = 2**20
+"""The larger fixed gather bucket the search (and a named plan's schedule) tries: 1 MiB."""
+
 MAX_IN_FLIGHT = 2
 """Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once."""
 
@@ -72,8 +75,8 @@ def candidate_schedules(prefetch: int | None = None,
     more collectives in flight more buffers) and saves time (overlap, latency; a bucket's
     members pay for copying through its flat buffers)."""
     depths = [DEFAULT_PREFETCH, 0, 2] if prefetch is None else [prefetch]
-    gathers = [SMALL_PARAM_BYTES, 2**20]
-    if block_bytes is not None and block_bytes > 2**20:
+    gathers = [SMALL_PARAM_BYTES, LARGE_GATHER_BUCKET_BYTES]
+    if block_bytes is not None and block_bytes > LARGE_GATHER_BUCKET_BYTES:
         gathers.append(block_bytes)
     return [Schedule(d, g, r, f) for d in depths for g in gathers
             for r in (DEFAULT_BUCKET_BYTES, 4 * 2**20)

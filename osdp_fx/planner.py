@@ -32,7 +32,7 @@ from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
     param_states,
     plannable_bytes,
 )
-from .buckets import Schedule
+from .buckets import LARGE_GATHER_BUCKET_BYTES, Schedule
 from .capture import Captured
 from .cost_models.recompute import recomputed_params, region_rows, region_spans
 from .cost_models.step import predict_step_time, regathered_params
@@ -47,7 +47,9 @@ from .plan_request import PlanRequest, build_plan, resolve_plan
 from .precision import MixedPrecision, dtype_name
 from .runtime.collectives import scatter_copies_input
 from .schedule import schedule_memory_kwargs
+from .strategies import traits
 from .search import (  # noqa: F401  (re-exported)
+    block_gather_bytes,
     choose_splits,
     search_batch_size,
     search_beyond_margin,
@@ -150,6 +152,10 @@ def make_plan(
     if precision is not None:
         resolved = dataclasses.replace(resolved, param_dtype=dtype_name(precision.param_dtype),
                                        reduce_dtype=dtype_name(precision.reduce_dtype))
+    if request.kind == "uniform":
+        schedule = agree(uniform_schedule(analysis, resolved, devices=devices,
+                                          optimizer=optimizer, grad_accumulation=acc))
+        resolved = dataclasses.replace(resolved, **dataclasses.asdict(schedule))
     plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch,
                        grad_accumulation=acc)
     analysis.alternatives = tuple(predict(
@@ -165,6 +171,56 @@ def _prefetch(prefetch: int | None) -> int:
     return DEFAULT_PREFETCH if prefetch is None else prefetch
 
 
+def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
+                     grad_accumulation: int = 1) -> Schedule:
+    """The schedule of a plan named by a strategy ("full_shard"): the largest gather buckets
+    whose predicted peak is at most that of the default schedule (small parameters only),
+    tried in this order: one transformer block per all-gather (as FSDP2 gathers a module), with
+    two and then one gradient collective in flight; 1 MiB; the default. A strategy named
+    promises its memory; gathering more per collective pays fewer collectives' latency (the
+    runtime's per call, the link's per message) and, under ``torch.compile``, leaves longer
+    regions to compile ([Note: torch.compile]). shard_grad_op, which keeps every gathered
+    parameter until backward anyway, mostly gathers by block; full_shard, whose gathered block
+    would be held whole, mostly by 1 MiB. The prefetch distance stays the plan's."""
+    default = plan.schedule
+    states = param_states(analysis, {p.name: p.strategy for p in plan.params})
+    block = block_gather_bytes(analysis, devices.world_size)
+    if not any(traits(s.strategy).sharded and not traits(s.strategy).needs_mesh
+               for s in states.values()):
+        return default  # nothing is bucketed (the mesh strategies never are)
+    recompute = dict(plan.recompute)
+
+    def peak(schedule: Schedule) -> int:
+        return _memory(analysis, states, recompute, schedule, devices=devices,
+                       optimizer=optimizer, batch=analysis.plan_batch,
+                       grad_accumulation=grad_accumulation).peak_bytes
+
+    tries = [(LARGE_GATHER_BUCKET_BYTES, default.scatters_in_flight)]
+    if block is not None and block > LARGE_GATHER_BUCKET_BYTES:
+        tries[:0] = [(block, default.scatters_in_flight), (block, 1)]
+    limit = peak(default)
+    for nbytes, in_flight in tries:
+        schedule = dataclasses.replace(default, gather_bucket_bytes=nbytes,
+                                       scatters_in_flight=in_flight)
+        if nbytes > default.gather_bucket_bytes and peak(schedule) <= limit:
+            return schedule
+    return default
+
+
+def _memory(analysis: Analysis, states: dict[str, Any], recompute: dict[str, str],
+            schedule: Schedule, *, devices: Devices, optimizer: str, batch: int,
+            grad_accumulation: int, seq: int | None = None) -> MemoryPrediction:
+    """The predicted memory of a step under ``states`` and ``schedule`` at ``batch`` per rank
+    (and sequence length ``seq``: None, the profiled one)."""
+    return predict_step_memory(
+        analysis.captured.gm, states, world_size=devices.world_size,
+        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+        profiled_batch=analysis.batch_size, batch_size=batch,
+        grad_accumulation=grad_accumulation, recompute=recompute,
+        seq_scale=analysis.seq_scale(seq), scatter_copies_input=scatter_copies_input(),
+        **schedule_memory_kwargs(schedule))
+
+
 def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
             batch_size: int | None = None, grad_accumulation: int = 1) -> Plan:
     """``plan`` with the predicted step time, peak memory and per-group costs attached, at
@@ -178,13 +234,9 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
                                     optimizer=optimizer, profiled_batch=analysis.batch_size,
                                     recompute=recompute, schedule=plan.schedule)
     def memory_at(batch: int, seq: int | None) -> MemoryPrediction:
-        return predict_step_memory(
-            analysis.captured.gm, states, world_size=devices.world_size,
-            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            profiled_batch=analysis.batch_size, batch_size=batch,
-            grad_accumulation=grad_accumulation, recompute=recompute,
-            seq_scale=analysis.seq_scale(seq), scatter_copies_input=scatter_copies_input(),
-            **schedule_memory_kwargs(plan.schedule))
+        return _memory(analysis, states, recompute, plan.schedule, devices=devices,
+                       optimizer=optimizer, batch=batch, grad_accumulation=grad_accumulation,
+                       seq=seq)
 
     memory = memory_at(batch, None)
     lines, shape_expr = None, None

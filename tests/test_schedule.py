@@ -19,7 +19,7 @@ from osdp_fx.cost_models.overlap import exposed_gather_s
 from osdp_fx.cost_models.step import bucket_copy_s
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
-from osdp_fx.planner import analyze, predict, search_schedules
+from osdp_fx.planner import analyze, make_plan, predict, search_schedules
 from osdp_fx.search import block_gather_bytes
 from osdp_fx.plan_request import build_plan
 from osdp_fx.planner import param_specs
@@ -253,3 +253,37 @@ def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_sear
     found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
                              optimizer="adamw")
     assert found[0][1] == Schedule(1, block, scatters_in_flight=1), found[0][1]
+
+
+@pytest.mark.parametrize("dim, expected", [
+    # d 64: a block is under 1 MiB; shard_grad_op, which holds what it gathers until backward
+    # anyway, gathers it in one collective, where full_shard would hold a gathered block
+    (64, {"shard_grad_op": 2**20, "full_shard": SMALL_PARAM_BYTES}),
+    # d 512: a block (12 MiB) held whole, or its flat gradient, would raise either's peak
+    (512, {"shard_grad_op": 2**20, "full_shard": 2**20}),
+])
+def test_a_named_strategy_gathers_in_the_largest_buckets_that_keep_its_predicted_peak(
+        dim, expected):
+    """A plan named by a strategy keeps the peak of gathering small parameters only, and within
+    it gathers as much per collective as it can: tried first one block (two, then one gradient
+    collective in flight), then 1 MiB; every larger bucket it passes over is predicted to
+    hold more."""
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=dim, depth=2, heads=4, max_seq=32))
+    x = torch.randint(0, 256, (4, 32))
+    devices = Devices(world_size=4)
+    chosen = {}
+    for strategy in ("shard_grad_op", "full_shard"):
+        plan, analysis = make_plan(capture(model, (x,)), (x,), plan=strategy, devices=devices,
+                                   memory_limit_bytes=None, optimizer="adamw", fake=True)
+        default = _predicted(analysis, strategy, Schedule()).peak_memory_bytes
+        block = block_gather_bytes(analysis, world_size=4)
+        tries = ([Schedule(1, block), Schedule(1, block, scatters_in_flight=1)]
+                 if block > 2**20 else []) + [Schedule(1, 2**20)]
+        assert plan.peak_memory_bytes <= default
+        chosen[strategy] = plan.schedule
+        for schedule in tries:
+            if schedule == plan.schedule:
+                break
+            assert _predicted(analysis, strategy, schedule).peak_memory_bytes > default, schedule
+    assert {k: s.gather_bucket_bytes for k, s in chosen.items()} == expected
