@@ -25,6 +25,9 @@ machine: 16 rounds gave 0.94-1.06x between runs). That the two train alike is te
         [--vocab N] [--heads N] [--seq N] [--batch N] [--rounds 40] [--warmup 2]
         [--gather-bucket-bytes N] [--no-reference] [--out-dir benchmarks/results]
 
+Without ``--gather-bucket-bytes`` each plan is named (``plan="full_shard"``) and gathers in the
+buckets a named plan chooses: the largest (a block, else 1 MiB) whose predicted peak is that of
+gathering small parameters only (the table's "gather buckets" column).
 ``--gather-bucket-bytes 1073741824``: the plans gather each transformer block in one all-gather
 (a bucket holding a parameter larger than 64 KiB never spans two blocks), as FSDP2 does; there
 are then about as many collective calls, and graph breaks, as blocks.
@@ -116,6 +119,7 @@ def make_system(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
                 gather_bucket_bytes: int | None = None, model: str = "gpt") -> System:
     """osdp-fx under ``plan`` (or, for ``plan`` "DDP", the reference: DDP), run eagerly
     (``backend`` None) or under ``torch.compile``."""
+    buckets = None
     if plan == DDP:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -125,10 +129,11 @@ def make_system(cfg: Config, world: int, device: torch.device, x: torch.Tensor,
             module = compile_osdp(build(model, cfg, device), (x,), devices,
                                   plan=plan_spec(plan, gather_bucket_bytes, directory),
                                   optimizer="adamw")
+        buckets = module.plan.schedule.gather_bucket_bytes
     if backend is not None:
         module = torch.compile(module, backend=backend)
     return System(EAGER if backend is None else f"torch.compile ({backend})", plan, module,
-                  x, device)
+                  x, device, gather_bucket_bytes=buckets)
 
 
 def warm_up(systems: list[System], steps: int) -> None:
@@ -156,9 +161,13 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     return {"rows": rows, "graphs": graphs, "backend": dist.get_backend(), "device": str(device)}
 
 
+def _bucket_label(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.2f} MiB"
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| plan | eager step s | compiled step s | compiled / eager | eager fwd / bwd / opt s "
-            "| compiled fwd / bwd / opt s | compiled warm-up s |")
+    head = ("| plan | gather buckets | eager step s | compiled step s | compiled / eager "
+            "| eager fwd / bwd / opt s | compiled fwd / bwd / opt s | compiled warm-up s |")
     lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
     by_plan: dict[str, list[dict]] = {}
     for r in rows:
@@ -167,7 +176,8 @@ def table(rows: list[dict]) -> str:
         phases = [" / ".join(f"{r[f'{p}_s']:.3f}" for p in ("forward", "backward", "optimizer"))
                   for r in (eager, comp)]
         lines.append(
-            f"| {plan} | {eager['step_s']:.3f} | {comp['step_s']:.3f} | "
+            f"| {plan} | {_bucket_label(eager['gather_bucket_bytes'])} "
+            f"| {eager['step_s']:.3f} | {comp['step_s']:.3f} | "
             f"{comp['step_s'] / eager['step_s']:.2f}x | {phases[0]} | {phases[1]} | "
             f"{comp['warmup_s']:.1f} |")
     return "\n".join(lines)
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = result["rows"]
     text = table(rows)
     buckets = (f"gather buckets of {options.gather_bucket_bytes} bytes"
-               if options.gather_bucket_bytes else "default gather buckets")
+               if options.gather_bucket_bytes else "each named plan's gather buckets")
     print(f"world {args.world_size} ({result['backend']}, {result['device']}), "
           f"{options.model} {cfg}, backend {options.backend}, {buckets}, "
           f"{result['graphs']} graphs compiled on rank 0, "
