@@ -220,13 +220,14 @@ def predict_step_time(
     other_s += recompute_time_s(facts, spans, devices)
     regathered = regathered_params(facts) | recomputed_params(facts, spans)
     # Replicated gradients: each all-reduce bucket pays one latency, shared by its members.
-    order = [n for n, st in params.items() if not traits(st.strategy).sharded and st.trainable]
+    backward_order = [n for n, st in list(params.items())[::-1]
+                      if not traits(st.strategy).sharded and st.trainable]
     filled = {}
     for bucket in plan_buckets([(params[n].element_size, params[n].numel * params[n].element_size)
-                                for n in order[::-1]], schedule.reduce_bucket_bytes):
-        members = [order[::-1][i] for i in bucket]
-        for n in members:
-            filled[n] = sum(params[m].numel * params[m].reduce_size for m in members)
+                                for n in backward_order], schedule.reduce_bucket_bytes):
+        members = [backward_order[i] for i in bucket]
+        nbytes = sum(params[m].numel * params[m].reduce_size for m in members)
+        filled.update(dict.fromkeys(members, nbytes))
     costs = {
         name: group_cost(state, regathered=name in regathered, compute_s=per_group.get(name, 0.0),
                          devices=devices, optimizer=optimizer,
