@@ -155,12 +155,12 @@ def make_plan(
     if request.kind == "uniform":
         schedule = agree(uniform_schedule(analysis, resolved, devices=devices,
                                           optimizer=optimizer, grad_accumulation=acc))
-        resolved = dataclasses.replace(resolved, **dataclasses.asdict(schedule))
+        resolved = resolved.with_schedule(schedule)
     plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch,
                        grad_accumulation=acc)
     analysis.alternatives = tuple(predict(
-        analysis, dataclasses.replace(
-            resolved, **dataclasses.asdict(sch), recompute=tuple(rc.items()), params=tuple(
+        analysis, resolved.with_schedule(
+            sch, recompute=tuple(rc.items()), params=tuple(
                 dataclasses.replace(p, strategy=st[p.name]) for p in resolved.params)),
         devices=devices, optimizer=optimizer, grad_accumulation=acc)
         for _, sch, (st, rc) in alternatives)
