@@ -167,7 +167,7 @@ def plan_command(args: argparse.Namespace) -> int:
     rows = []
     from .plan_request import resolve_plan
     from .strategies import MESH_STRATEGIES
-    from .planner import param_specs, predict, uniform_schedule
+    from .planner import param_specs, predict, uniform_schedule, with_schedule
     labels = {"replicate": "DDP", "full_shard": "FSDP", "hybrid_shard": "FSDP HYBRID_SHARD",
               "hierarchical": "two-stage collectives"}
     with progress.task("compare with uniform plans"):
@@ -175,8 +175,8 @@ def plan_command(args: argparse.Namespace) -> int:
                      *(MESH_STRATEGIES if devices.num_nodes > 1 else ())):
             named = resolve_plan(name, param_specs(captured), world_size=devices.world_size,
                                  ranks_per_node=devices.ranks_per_node)
-            named = named.with_schedule(uniform_schedule(analysis, named, devices=devices,
-                                                         optimizer=args.optimizer))
+            named = with_schedule(named, uniform_schedule(analysis, named, devices=devices,
+                                                          optimizer=args.optimizer))
             other = predict(analysis, named, devices=devices, optimizer=args.optimizer,
                             batch_size=batch)
             rows.append(_totals_row(f"all {name} ({labels[name]})", other, limit))

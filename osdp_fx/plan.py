@@ -327,10 +327,6 @@ class Plan:
         """Prefetch distance, bucket sizes and gradient collectives in flight."""
         return Schedule(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Schedule)})
 
-    def with_schedule(self, schedule: Schedule, **changes: Any) -> Plan:
-        """This plan under ``schedule`` (and any other ``changes`` of its fields)."""
-        return dataclasses.replace(self, **dataclasses.asdict(schedule), **changes)
-
     def strategy_of(self, name: str) -> str:
         return self[name].strategy
 

@@ -155,16 +155,21 @@ def make_plan(
     if request.kind == "uniform":
         schedule = agree(uniform_schedule(analysis, resolved, devices=devices,
                                           optimizer=optimizer, grad_accumulation=acc))
-        resolved = resolved.with_schedule(schedule)
+        resolved = with_schedule(resolved, schedule)
     plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch,
                        grad_accumulation=acc)
     analysis.alternatives = tuple(predict(
-        analysis, resolved.with_schedule(
-            sch, recompute=tuple(rc.items()), params=tuple(
+        analysis, with_schedule(
+            resolved, sch, recompute=tuple(rc.items()), params=tuple(
                 dataclasses.replace(p, strategy=st[p.name]) for p in resolved.params)),
         devices=devices, optimizer=optimizer, grad_accumulation=acc)
         for _, sch, (st, rc) in alternatives)
     return plan_out, analysis
+
+
+def with_schedule(plan: Plan, schedule: Schedule, **changes: Any) -> Plan:
+    """``plan`` under ``schedule`` (and any other ``changes`` of its fields)."""
+    return dataclasses.replace(plan, **dataclasses.asdict(schedule), **changes)
 
 
 def _prefetch(prefetch: int | None) -> int:
@@ -179,16 +184,17 @@ def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimi
     two and then one gradient collective in flight; 1 MiB; the default. A strategy named
     promises its memory; gathering more per collective pays fewer collectives' latency (the
     runtime's per call, the link's per message) and, under ``torch.compile``, leaves longer
-    regions to compile ([Note: torch.compile]). shard_grad_op, which keeps every gathered
-    parameter until backward anyway, mostly gathers by block; full_shard, whose gathered block
-    would be held whole, mostly by 1 MiB. The prefetch distance stays the plan's."""
+    regions to compile ([Note: torch.compile]). shard_grad_op keeps every gathered parameter
+    until backward anyway, so a block bucket may cost it nothing (the Llama of
+    ``benchmarks/torch_compile.py``); full_shard would hold a gathered block whole. The
+    prefetch distance stays the plan's."""
     default = plan.schedule
     states = param_states(analysis, {p.name: p.strategy for p in plan.params})
-    block = block_gather_bytes(analysis, devices.world_size)
     if not any(traits(s.strategy).sharded and not traits(s.strategy).needs_mesh
                for s in states.values()):
         return default  # nothing is bucketed (the mesh strategies never are)
     recompute = dict(plan.recompute)
+    block = block_gather_bytes(analysis, devices.world_size)
 
     def peak(schedule: Schedule) -> int:
         return _memory(analysis, states, recompute, schedule, devices=devices,
