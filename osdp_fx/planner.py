@@ -47,12 +47,12 @@ from .plan_request import PlanRequest, build_plan, resolve_plan
 from .precision import MixedPrecision, dtype_name
 from .runtime.collectives import scatter_copies_input
 from .schedule import schedule_memory_kwargs
+from .search_margin import search_beyond_margin
 from .strategies import traits
 from .search import (  # noqa: F401  (re-exported)
     block_gather_bytes,
     choose_splits,
     search_batch_size,
-    search_beyond_margin,
     search_plan,
     search_schedules,
     search_strategies,

@@ -24,7 +24,6 @@ from .analysis import (
     param_state,
     param_states,
     plannable_bytes,
-    unmargined_limit,
 )
 from .buckets import DEFAULT_BUCKET_BYTES, Schedule, candidate_schedules
 from .cost_models.graph_facts import ParamState
@@ -172,7 +171,7 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
     lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
               for n, p in analysis.captured.params.items()}
     full = {r: opts[-1] for r, opts in (regions or {}).items()}
-    peak = _peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()},
+    peak = plan_peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()},
                        devices=devices, optimizer=optimizer, batch_size=batch_size,
                        grad_accumulation=grad_accumulation, schedule=schedule)
     regathered = regathered_params(analysis.facts)
@@ -302,7 +301,7 @@ def _search(
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         recompute = {r: opts[j].policy for (r, opts), j in
                      zip(regions.items(), result.choices[len(names):]) if j}
-        peak = _peak_bytes(analysis, strategies, recompute, devices=devices, optimizer=optimizer,
+        peak = plan_peak_bytes(analysis, strategies, recompute, devices=devices, optimizer=optimizer,
                            batch_size=batch_size, grad_accumulation=grad_accumulation,
                            schedule=schedule)
         return (strategies, recompute), peak, result.peak_bytes
@@ -319,7 +318,7 @@ def _search(
         if limit <= base:
             break
     if fit is not None:
-        found = fit[0] if not loosen else _loosen(fit, limit, target, solve, lambda f: _step_s(
+        found = fit[0] if not loosen else _loosen(fit, limit, target, solve, lambda f: plan_step_s(
             analysis, f, devices=devices, optimizer=optimizer, batch_size=batch_size,
             schedule=schedule))
         counts = {s: sum(v == s for v in found[0].values()) for s in STRATEGIES}
@@ -373,7 +372,7 @@ def _loosen(fit: tuple[Found, int, int], limit: int, target: int,
     return best
 
 
-def _step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
+def plan_step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
             batch_size: int | None, schedule: Schedule) -> float:
     """The step model's seconds for a plan at the batch the search plans for."""
     step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
@@ -384,7 +383,7 @@ def _step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: st
     return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s
 
 
-def _peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute: Mapping[str, str],
+def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute: Mapping[str, str],
                 *, devices: Devices, optimizer: str, batch_size: int | None,
                 grad_accumulation: int, schedule: Schedule) -> int:
     """The timeline's predicted peak of one candidate plan."""
@@ -464,25 +463,6 @@ def search_schedules(
                 break
             loosened.append((score(schedule, found)[0], schedule, found))
     return sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
-
-
-def search_beyond_margin(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    faster_than_s: float, prefetch: int | None = None, grad_accumulation: int = 1,
-    recompute: bool = True,
-) -> list[tuple[float, Schedule, Found]]:
-    """Plans the models predict to fit ``memory_limit_bytes`` itself, not only its plannable
-    share (``MEMORY_MARGIN``), and to step in less than ``faster_than_s`` (the best plan under
-    the margin), fastest first: none when none does. The prediction alone does not promise that
-    they fit; autotuning measures them first (``autotune.py``)."""
-    try:
-        found = search_schedules(analysis, devices=devices,
-                                 memory_limit_bytes=unmargined_limit(memory_limit_bytes),
-                                 optimizer=optimizer, prefetch=prefetch,
-                                 grad_accumulation=grad_accumulation, recompute=recompute)
-    except PlanError:
-        return []
-    return [f for f in found if f[0] < faster_than_s]
 
 
 def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:

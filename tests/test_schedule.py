@@ -287,3 +287,36 @@ def test_a_named_strategy_gathers_in_the_largest_buckets_that_keep_its_predicted
                 break
             assert _predicted(analysis, strategy, schedule).peak_memory_bytes > default, schedule
     assert {k: s.gather_bucket_bytes for k, s in chosen.items()} == expected
+
+
+def test_largest_first_shards_the_fewest_largest_groups_that_fit():
+    """"Shard the k largest groups, replicate the rest": the least k whose predicted peak fits,
+    per strategy and schedule; the search beyond the margin offers such plans to autotuning,
+    fastest first, each predicted faster than the plan it is to beat."""
+    from osdp_fx.search_margin import largest_first, search_beyond_margin
+
+    analysis = _gpt(dim=128)
+    specs = param_specs(analysis.captured)
+    by_size = sorted(specs, key=lambda s: -s.element_size * int(torch.Size(s.shape).numel()))
+    replicated = _predicted(analysis, "replicate", Schedule()).peak_memory_bytes
+    limit = (replicated + _predicted(analysis, "full_shard", Schedule()).peak_memory_bytes) // 2
+    devices = Devices(world_size=4, memory_bytes=limit)
+    found = largest_first(analysis, devices=devices, memory_limit_bytes=limit, optimizer="adamw",
+                          schedules=[Schedule()])
+    assert [f[2][0][by_size[0].name] for f in found] == ["full_shard", "shard_grad_op"]
+    for seconds, schedule, (strategies, recompute) in found:
+        k = sum(s != "replicate" for s in strategies.values())
+        assert 0 < k < len(specs) and recompute == {}
+        assert {strategies[s.name] for s in by_size[:k]} == {strategies[by_size[0].name]}
+
+        def peak(k: int) -> int:
+            plan = build_plan({s.name: strategies[by_size[0].name] if i < k else "replicate"
+                               for i, s in enumerate(by_size)}, specs, world_size=4)
+            return predict(analysis, plan, devices=devices,
+                           optimizer="adamw").peak_memory_bytes
+
+        assert peak(k) <= limit < peak(k - 1)
+    beyond = search_beyond_margin(analysis, devices=devices, memory_limit_bytes=limit,
+                                  optimizer="adamw", faster_than_s=float("inf"))
+    times = [f[0] for f in beyond]
+    assert times == sorted(times) and len(beyond) >= len(found)

@@ -1,0 +1,89 @@
+"""Plans beyond the memory margin, for autotuning to measure before it trusts them.
+
+:func:`search_beyond_margin` searches as ``search.search_schedules`` does, but for the whole
+memory limit rather than its plannable share (``analysis.MEMORY_MARGIN``), and adds the plans a
+user writes by hand (:func:`largest_first`); ``compile_osdp(autotune=K)`` times the fastest K
+of those predicted faster than the searched plan, and keeps one only when it measured under
+the limit and faster (``autotune.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .analysis import Analysis, param_state, unmargined_limit
+from .buckets import Schedule
+from .devices import Devices
+from .errors import PlanError
+from .search import LOOSENED_SCHEDULES, Found, plan_peak_bytes, plan_step_s, search_schedules
+from .strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
+
+
+def search_beyond_margin(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    faster_than_s: float, prefetch: int | None = None, grad_accumulation: int = 1,
+    recompute: bool = True,
+) -> list[tuple[float, Schedule, Found]]:
+    """Plans the models predict to fit ``memory_limit_bytes`` itself, not only its plannable
+    share (``MEMORY_MARGIN``), and to step in less than ``faster_than_s`` (the best plan under
+    the margin), fastest first: none when none does. The prediction alone does not promise that
+    they fit; autotuning measures them first (``autotune.py``)."""
+    try:
+        found = search_schedules(analysis, devices=devices,
+                                 memory_limit_bytes=unmargined_limit(memory_limit_bytes),
+                                 optimizer=optimizer, prefetch=prefetch,
+                                 grad_accumulation=grad_accumulation, recompute=recompute)
+    except PlanError:
+        return []
+    schedules = list(dict.fromkeys(f[1] for f in found[:LOOSENED_SCHEDULES]))
+    found += largest_first(analysis, devices=devices, memory_limit_bytes=memory_limit_bytes,
+                           optimizer=optimizer, schedules=schedules,
+                           grad_accumulation=grad_accumulation)
+    distinct = {(f[1], tuple(sorted(f[2][0].items())), tuple(sorted(f[2][1].items()))): f
+                for f in sorted(found, key=lambda f: f[0], reverse=True)}
+    return sorted((f for f in distinct.values() if f[0] < faster_than_s), key=lambda f: f[0])
+
+
+LARGEST_FIRST = (FULL_SHARD, SHARD_GRAD_OP)
+"""The strategies of :func:`largest_first`'s plans."""
+
+
+def largest_first(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    schedules: Sequence[Schedule], grad_accumulation: int = 1,
+) -> list[tuple[float, Schedule, Found]]:
+    """The plans a user writes by hand, "shard the k largest parameter groups, replicate the
+    rest", with each strategy of :data:`LARGEST_FIRST` under each of ``schedules``: for each,
+    the least k whose predicted peak is at most ``memory_limit_bytes`` (found by bisection, the
+    peak falling as k grows), with its predicted step seconds; none where even every trainable
+    group sharded does not fit. The exact problem's step time is separable and the step
+    model's is not, so near the limit the solver can miss such a plan that the step model
+    predicts faster (``docs/benchmarks.md``, optimality run N): the search beyond the margin
+    offers them to autotuning too."""
+    if devices.world_size < 2:
+        return []
+    names = list(analysis.captured.params)
+    sizes = {n: param_state(analysis, n, REPLICATE) for n in names}
+    largest = sorted((n for n in names if analysis.captured.params[n].trainable),
+                     key=lambda n: -sizes[n].numel * sizes[n].element_size)
+    how = dict(devices=devices, optimizer=optimizer, batch_size=None)
+    out: list[tuple[float, Schedule, Found]] = []
+    for schedule in schedules:
+        for strategy in LARGEST_FIRST:
+            def plan(k: int) -> Found:
+                top = set(largest[:k])
+                return {n: strategy if n in top else REPLICATE for n in names}, {}
+
+            def fits(k: int) -> bool:
+                return plan_peak_bytes(analysis, plan(k)[0], {}, grad_accumulation=grad_accumulation,
+                                   schedule=schedule, **how) <= memory_limit_bytes
+
+            low, high = 0, len(largest)
+            if not fits(high):
+                continue
+            while low < high:
+                mid = (low + high) // 2
+                low, high = (low, mid) if fits(mid) else (mid + 1, high)
+            found = plan(low)
+            out.append((plan_step_s(analysis, found, schedule=schedule, **how), schedule, found))
+    return out
