@@ -10,6 +10,7 @@ the limit and faster (``autotune.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from .analysis import Analysis, param_state, unmargined_limit
 from .buckets import Schedule
@@ -39,9 +40,11 @@ def search_beyond_margin(
     found += largest_first(analysis, devices=devices, memory_limit_bytes=memory_limit_bytes,
                            optimizer=optimizer, schedules=schedules,
                            grad_accumulation=grad_accumulation)
-    distinct = {(f[1], tuple(sorted(f[2][0].items())), tuple(sorted(f[2][1].items()))): f
-                for f in sorted(found, key=lambda f: f[0], reverse=True)}
-    return sorted((f for f in distinct.values() if f[0] < faster_than_s), key=lambda f: f[0])
+    distinct: dict[tuple[Any, ...], tuple[float, Schedule, Found]] = {}
+    for f in sorted(found, key=lambda f: f[0]):  # fastest first; a plan found twice, once
+        strategies, recompute = f[2]
+        distinct.setdefault((f[1], *sorted(strategies.items()), *sorted(recompute.items())), f)
+    return [f for f in distinct.values() if f[0] < faster_than_s]
 
 
 LARGEST_FIRST = (FULL_SHARD, SHARD_GRAD_OP)
@@ -75,8 +78,9 @@ def largest_first(
                 return {n: strategy if n in top else REPLICATE for n in names}, {}
 
             def fits(k: int) -> bool:
-                return plan_peak_bytes(analysis, plan(k)[0], {}, grad_accumulation=grad_accumulation,
-                                   schedule=schedule, **how) <= memory_limit_bytes
+                return plan_peak_bytes(analysis, plan(k)[0], {}, schedule=schedule,
+                                       grad_accumulation=grad_accumulation,
+                                       **how) <= memory_limit_bytes
 
             low, high = 0, len(largest)
             if not fits(high):
