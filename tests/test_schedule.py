@@ -291,8 +291,8 @@ def test_a_named_strategy_gathers_in_the_largest_buckets_that_keep_its_predicted
 
 def test_largest_first_shards_the_fewest_largest_groups_that_fit():
     """"Shard the k largest groups, replicate the rest": the least k whose predicted peak fits,
-    per strategy and schedule; the search beyond the margin offers such plans to autotuning,
-    fastest first, each predicted faster than the plan it is to beat."""
+    per strategy and schedule; the search beyond the margin lists them among its plans,
+    fastest first."""
     from osdp_fx.search_margin import largest_first, search_beyond_margin
 
     analysis = _gpt(dim=128)
