@@ -55,6 +55,7 @@ EXACT_COMBINATIONS = 1024
 """Largest plan space (product of the rows' option counts) searched exactly."""
 
 Found = tuple[dict[str, str], dict[str, str]]
+"""A searched plan: (strategy per parameter group, policy per recomputed region)."""
 
 
 def plan_space(option_counts: Sequence[int]) -> int:

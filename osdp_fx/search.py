@@ -34,14 +34,15 @@ from .cost_models.overlap import gather_windows, hidden_share_s
 from .cost_models.timeline import BATCH, predict_peak_bytes
 from .devices import Devices
 from .errors import InputError, PlanError
-from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
+from .exhaustive import EXACT_COMBINATIONS, Found, exhaustive_search, plan_space
+from .local_search import improve_fastest
 from .passes.split_linear import SPLIT_FACTORS, linear_sites
 from .plan import DEFAULT_PREFETCH
 from .regions import find_regions
 from .runtime.collectives import scatter_copies_input
 from .schedule import collectives_key, rank_schedules, schedule_memory_kwargs
 from .solver import solve_min_time
-from .strategies import FULL_SHARD, MESH_STRATEGIES, REPLICATE, STRATEGIES, traits
+from .strategies import FULL_SHARD, REPLICATE, STRATEGIES, searched_strategies, traits
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def choose_splits(
     times, persistent, transient, labels = [], [], [], []
     for n in names:
         info = analysis.captured.params[n]
-        strategies = searched_strategies(devices) if info.trainable else [REPLICATE]
+        strategies = searched_strategies(devices.num_nodes) if info.trainable else [REPLICATE]
         costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                             devices=devices, optimizer=optimizer,
                             grad_accumulation=grad_accumulation) for st in strategies]
@@ -185,14 +186,6 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
                      - sum(int(o.kept_bytes * scale) for o in full.values()))
 
 
-def searched_strategies(devices: Devices) -> list[str]:
-    """Strategies the search offers a trainable group: hybrid_shard and hierarchical only on
-    several nodes (on one node they equal full_shard)."""
-    if devices.num_nodes > 1:
-        return list(STRATEGIES)
-    return [s for s in STRATEGIES if s not in MESH_STRATEGIES]
-
-
 def search_strategies(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
     batch_size: int | None = None, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
@@ -205,10 +198,6 @@ def search_strategies(
     return _search(analysis, {}, devices=devices, memory_limit_bytes=memory_limit_bytes,
                    optimizer=optimizer, batch_size=batch_size, grad_accumulation=grad_accumulation,
                    schedule=schedule or Schedule(prefetch))[0]
-
-
-Found = tuple[dict[str, str], dict[str, str]]
-"""A searched plan: (strategy per parameter group, policy per recomputed region)."""
 
 
 def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | None = None,
@@ -256,7 +245,7 @@ def _search(
     names = list(analysis.captured.params)
     trainable = {n: analysis.captured.params[n].trainable for n in names}
     sharding_helps = devices.world_size > 1
-    options = {n: searched_strategies(devices) if trainable[n] and sharding_helps else [REPLICATE]
+    options = {n: searched_strategies(devices.num_nodes) if trainable[n] and sharding_helps else [REPLICATE]
                for n in names}
     regathered = regathered_params(analysis.facts)
     cost_tables = {} if cost_tables is None else cost_tables
@@ -462,7 +451,14 @@ def search_schedules(
             except PlanError:
                 break
             loosened.append((score(schedule, found)[0], schedule, found))
-    return sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
+    best = sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
+    target = plannable_bytes(memory_limit_bytes)
+    return improve_fastest(  # the models themselves judge changes of the largest groups
+        best, analysis=analysis, devices=devices, optimizer=optimizer,
+        step_s=lambda s, f: score(s, f)[0],
+        fits=lambda s, f: plan_peak_bytes(analysis, *f, devices=devices, optimizer=optimizer,
+                                          batch_size=None, grad_accumulation=grad_accumulation,
+                                          schedule=s) <= target)
 
 
 def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:

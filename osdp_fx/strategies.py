@@ -28,7 +28,7 @@ from typing import Literal
 __all__ = [
     "COLLECTIVES", "Collective", "FREED_AFTER_FORWARD", "FULL_SHARD", "HIERARCHICAL", "HYBRID_SHARD", "MESH_STRATEGIES",
     "REPLICATE", "SHARDED", "SHARD_GRAD_OP", "STRATEGIES", "Strategy", "StrategyTraits",
-    "TRAITS", "traits",
+    "TRAITS", "searched_strategies", "traits",
 ]
 
 
@@ -121,3 +121,11 @@ MESH_STRATEGIES = tuple(s for s in Strategy if TRAITS[s].needs_mesh)
 node)."""
 FREED_AFTER_FORWARD = tuple(s for s in Strategy if TRAITS[s].freed_after_forward)
 """Strategies that free the gathered parameter after its last forward use and re-gather it."""
+
+
+def searched_strategies(num_nodes: int) -> list[Strategy]:
+    """Strategies the search offers a trainable group: hybrid_shard and hierarchical only on
+    several nodes (on one node they equal full_shard)."""
+    if num_nodes > 1:
+        return list(STRATEGIES)
+    return [s for s in STRATEGIES if s not in MESH_STRATEGIES]
