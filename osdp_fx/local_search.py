@@ -1,4 +1,4 @@
-"""Local search: improve a searched plan by changing one parameter group at a time.
+"""After the exact search: plans judged by the timeline and the step model themselves.
 
 The exact problem (``solver``) weighs a plan by a separable step time and a separable memory
 (each group's time and bytes added up); the timeline and the step model, which judge the plan,
@@ -9,7 +9,11 @@ two: at the Llama of ``benchmarks/optimality.py`` at 70 MiB, the search's "full_
 groups" (153.7 ms predicted, 66.8 MiB) against "full_shard on 6" (146.3 ms, 67.6 MiB), both
 under the 67.9 MiB it plans for. :func:`improve` climbs from the searched plan: each round it
 tries every other strategy for each of the largest groups, judged by the two models themselves,
-and takes the fastest change that fits, until none is faster.
+and takes the fastest change that fits, until none is faster. Before it, :func:`refine` adds
+the uniform plans a user would write by hand (every group shard_grad_op, or full_shard) under
+each schedule: the exact problem weighs a sharded group by its own collectives and does not
+see that a bucket's members share one collective's latency, so it can return a plan slower than
+all full_shard in 1 MiB buckets, which fits (the 2-block GPT of ``tests/test_local_search.py``).
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .analysis import Analysis, param_state
+from .analysis import Analysis, param_state, param_states
 from .cost_models.memory import persistent_bytes
 from .devices import Devices
 from .exhaustive import Found
-from .strategies import REPLICATE, searched_strategies
+from .schedule import collectives_key
+from .strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP, searched_strategies
+
+UNIFORM = (SHARD_GRAD_OP, FULL_SHARD)
+"""The uniform plans :func:`refine` offers under every schedule."""
 
 IMPROVED_GROUPS = 12
 """The largest parameter groups whose strategy :func:`improve` changes: they move the step time
@@ -62,22 +70,38 @@ def improve(
     return best_s, best
 
 
-def improve_fastest(
+def refine(
     ranked: Sequence[tuple[float, Any, Found]], *, analysis: Analysis, devices: Devices,
-    optimizer: str, fits: Callable[[Any, Found], bool], step_s: Callable[[Any, Found], float],
+    optimizer: str, schedules: Sequence[Any], fits: Callable[[Any, Found], bool],
+    step_s: Callable[[Any, Found], float],
 ) -> list[tuple[float, Any, Found]]:
-    """``ranked`` (seconds, schedule, plan), fastest first, and before it its fastest plan as
-    :func:`improve` leaves it, where that is faster: changes of the :func:`largest_groups`,
-    under the same schedule and recomputation, judged by ``fits`` and ``step_s`` (the
-    timeline's peak against the target, the step model's seconds)."""
+    """``ranked`` (seconds, schedule, plan; fastest first, from the exact search) with, before
+    it, where predicted faster than its fastest: the :data:`UNIFORM` plans that fit under any of
+    ``schedules`` (each distinct plan of collectives judged once), fastest first, and the fastest
+    plan of all as :func:`improve` leaves it. ``fits``, ``step_s``: the timeline's peak against
+    the target and the step model's seconds, under a schedule."""
     if devices.world_size < 2:
         return list(ranked)
+    uniform, seen = [], set()
+    for strategy in UNIFORM:
+        plan = ({n: strategy if p.trainable else REPLICATE
+                 for n, p in analysis.captured.params.items()}, {})
+        states = param_states(analysis, plan[0])
+        for schedule in schedules:
+            key = (collectives_key(analysis.facts, states, schedule, devices.world_size),
+                   schedule.scatters_in_flight)
+            if key in seen:
+                continue
+            seen.add(key)
+            if fits(schedule, plan):
+                uniform.append((step_s(schedule, plan), schedule, plan))
+    ranked = sorted([u for u in uniform if u[0] < ranked[0][0]], key=lambda u: u[0]) + list(ranked)
+    fastest_s, schedule, (plan, recompute) = ranked[0]
     states = {n: param_state(analysis, n, REPLICATE) for n in largest_groups(analysis)}
     options = {n: {s: persistent_bytes(st.numel, element_size=st.element_size, strategy=s,
                                        world_size=devices.world_size, optimizer=optimizer,
                                        ranks_per_node=devices.ranks_per_node)
                    for s in searched_strategies(devices.num_nodes)} for n, st in states.items()}
-    fastest_s, schedule, (plan, recompute) = ranked[0]
 
     def seconds(trial: Mapping[str, str]) -> float | None:
         found = (dict(trial), recompute)
@@ -85,9 +109,8 @@ def improve_fastest(
 
     s, better = improve(plan, options=options, step_s=seconds)
     if s is None or better == plan or s >= fastest_s:
-        return list(ranked)
+        return ranked
     return [(s, schedule, (better, recompute)), *ranked]
-
 
 
 def largest_groups(analysis: Analysis) -> list[str]:

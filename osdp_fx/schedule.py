@@ -16,7 +16,12 @@ import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from .buckets import Schedule, plan_buckets
-from .cost_models.graph_facts import GraphFacts, ParamState, sharded_gather_buckets
+from .cost_models.graph_facts import (
+    GraphFacts,
+    ParamState,
+    regathered_together,
+    sharded_gather_buckets,
+)
 from .errors import PlanError
 from .strategies import traits
 
@@ -33,17 +38,20 @@ def schedule_memory_kwargs(schedule: Schedule) -> dict[str, int]:
 def collectives_key(facts: GraphFacts, states: Mapping[str, ParamState], schedule: Schedule,
                     world_size: int) -> Hashable:
     """What the runtime does under ``states`` and ``schedule``: the strategies, the gather
-    buckets and the prefetch distance (when something is sharded), the all-reduce buckets. Two
-    plans with the same key run the same collectives at the same points. How many gradient
+    buckets, which of them backward re-gathers whole, and the prefetch distance (when something
+    is sharded), the all-reduce buckets. Two plans with the same key run the same collectives
+    at the same points. How many gradient
     collectives may be in flight, which the step model does not see, is not part of it: of
     two such plans :func:`rank_schedules` keeps the first (``candidate_schedules`` lists
     ``MAX_IN_FLIGHT`` first)."""
-    gathers = tuple(tuple(facts.param_of[n] for n in b) for b in sharded_gather_buckets(
-        facts, states, world_size, schedule.gather_bucket_bytes))
+    buckets = sharded_gather_buckets(facts, states, world_size, schedule.gather_bucket_bytes)
+    gathers = tuple(tuple(facts.param_of[n] for n in b) for b in buckets)
+    together = tuple(facts.param_of[b[0]] for b in regathered_together(
+        facts, states, buckets, world_size, schedule.gather_bucket_bytes))
     replicated = [n for n, p in states.items() if not traits(p.strategy).sharded and p.trainable]
     reduces = plan_buckets([(states[n].element_size, states[n].numel * states[n].element_size)
                             for n in replicated[::-1]], schedule.reduce_bucket_bytes)
-    return (tuple(p.strategy for p in states.values()), gathers,
+    return (tuple(p.strategy for p in states.values()), gathers, together,
             schedule.prefetch if gathers else 0, tuple(map(tuple, reduces)))
 
 

@@ -35,7 +35,7 @@ from .cost_models.timeline import BATCH, predict_peak_bytes
 from .devices import Devices
 from .errors import InputError, PlanError
 from .exhaustive import EXACT_COMBINATIONS, Found, exhaustive_search, plan_space
-from .local_search import improve_fastest
+from .local_search import refine
 from .passes.split_linear import SPLIT_FACTORS, linear_sites
 from .plan import DEFAULT_PREFETCH
 from .regions import find_regions
@@ -453,9 +453,9 @@ def search_schedules(
             loosened.append((score(schedule, found)[0], schedule, found))
     best = sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
     target = plannable_bytes(memory_limit_bytes)
-    return improve_fastest(  # the models themselves judge changes of the largest groups
+    return refine(  # the uniform plans and changes of the largest groups, by the models
         best, analysis=analysis, devices=devices, optimizer=optimizer,
-        step_s=lambda s, f: score(s, f)[0],
+        schedules=[o[0] for o in options], step_s=lambda s, f: score(s, f)[0],
         fits=lambda s, f: plan_peak_bytes(analysis, *f, devices=devices, optimizer=optimizer,
                                           batch_size=None, grad_accumulation=grad_accumulation,
                                           schedule=s) <= target)

@@ -252,7 +252,11 @@ def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_sear
     slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
     found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
                              optimizer="adamw")
-    assert found[0][1] == Schedule(1, block, scatters_in_flight=1), found[0][1]
+    # the exact search's fastest plan (uniform shard_grad_op, which the search also offers,
+    # fits here too and is predicted faster still: local_search.refine)
+    mixed = [f for f in found if len(set(f[2][0].values())) > 1]
+    assert mixed[0][1] == Schedule(1, block, scatters_in_flight=1), mixed[0][1]
+    assert set(found[0][2][0].values()) == {"shard_grad_op"}
 
 
 @pytest.mark.parametrize("dim, expected", [
