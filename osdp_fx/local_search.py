@@ -97,11 +97,11 @@ def refine(
                 uniform.append((step_s(schedule, plan), schedule, plan))
     ranked = sorted([u for u in uniform if u[0] < ranked[0][0]], key=lambda u: u[0]) + list(ranked)
     fastest_s, schedule, (plan, recompute) = ranked[0]
-    states = {n: param_state(analysis, n, REPLICATE) for n in largest_groups(analysis)}
+    sizes = {n: param_state(analysis, n, REPLICATE) for n in largest_groups(analysis)}
     options = {n: {s: persistent_bytes(st.numel, element_size=st.element_size, strategy=s,
                                        world_size=devices.world_size, optimizer=optimizer,
                                        ranks_per_node=devices.ranks_per_node)
-                   for s in searched_strategies(devices.num_nodes)} for n, st in states.items()}
+                   for s in searched_strategies(devices.num_nodes)} for n, st in sizes.items()}
 
     def seconds(trial: Mapping[str, str]) -> float | None:
         found = (dict(trial), recompute)

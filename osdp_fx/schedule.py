@@ -40,10 +40,9 @@ def collectives_key(facts: GraphFacts, states: Mapping[str, ParamState], schedul
     """What the runtime does under ``states`` and ``schedule``: the strategies, the gather
     buckets, which of them backward re-gathers whole, and the prefetch distance (when something
     is sharded), the all-reduce buckets. Two plans with the same key run the same collectives
-    at the same points. How many gradient
-    collectives may be in flight, which the step model does not see, is not part of it: of
-    two such plans :func:`rank_schedules` keeps the first (``candidate_schedules`` lists
-    ``MAX_IN_FLIGHT`` first)."""
+    at the same points. How many gradient collectives may be in flight, which the step model
+    does not see, is not part of it: of two such plans :func:`rank_schedules` keeps the first
+    (``candidate_schedules`` lists ``MAX_IN_FLIGHT`` first)."""
     buckets = sharded_gather_buckets(facts, states, world_size, schedule.gather_bucket_bytes)
     gathers = tuple(tuple(facts.param_of[n] for n in b) for b in buckets)
     together = tuple(facts.param_of[b[0]] for b in regathered_together(

@@ -245,8 +245,8 @@ def _search(
     names = list(analysis.captured.params)
     trainable = {n: analysis.captured.params[n].trainable for n in names}
     sharding_helps = devices.world_size > 1
-    options = {n: searched_strategies(devices.num_nodes) if trainable[n] and sharding_helps else [REPLICATE]
-               for n in names}
+    options = {n: searched_strategies(devices.num_nodes) if trainable[n] and sharding_helps
+               else [REPLICATE] for n in names}
     regathered = regathered_params(analysis.facts)
     cost_tables = {} if cost_tables is None else cost_tables
     table = cost_tables.get(schedule.reduce_bucket_bytes)
@@ -455,7 +455,8 @@ def search_schedules(
     target = plannable_bytes(memory_limit_bytes)
     return refine(  # the uniform plans and changes of the largest groups, by the models
         best, analysis=analysis, devices=devices, optimizer=optimizer,
-        schedules=[o[0] for o in options], step_s=lambda s, f: score(s, f)[0],
+        schedules=list(dict.fromkeys(o[0] for o in options)),
+        step_s=lambda s, f: score(s, f)[0],
         fits=lambda s, f: plan_peak_bytes(analysis, *f, devices=devices, optimizer=optimizer,
                                           batch_size=None, grad_accumulation=grad_accumulation,
                                           schedule=s) <= target)
