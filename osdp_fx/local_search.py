@@ -113,9 +113,8 @@ def refine(
     return [(s, schedule, (better, recompute)), *ranked]
 
 
-def largest_groups(analysis: Analysis) -> list[str]:
-    """The :data:`IMPROVED_GROUPS` largest trainable parameter groups, largest first."""
+def largest_groups(analysis: Analysis, count: int | None = IMPROVED_GROUPS) -> list[str]:
+    """The ``count`` largest trainable parameter groups (None: all), largest first, by bytes."""
     states = {n: param_state(analysis, n, REPLICATE) for n, p in analysis.captured.params.items()
               if p.trainable}
-    return sorted(states, key=lambda n: -states[n].numel * states[n].element_size)[
-        :IMPROVED_GROUPS]
+    return sorted(states, key=lambda n: -states[n].numel * states[n].element_size)[:count]

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .analysis import Analysis, param_state, unmargined_limit
+from .analysis import Analysis, unmargined_limit
 from .buckets import Schedule
 from .devices import Devices
 from .errors import PlanError
+from .local_search import largest_groups
 from .search import LOOSENED_SCHEDULES, Found, plan_peak_bytes, plan_step_s, search_schedules
 from .strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
 
@@ -66,9 +67,7 @@ def largest_first(
     if devices.world_size < 2:
         return []
     names = list(analysis.captured.params)
-    sizes = {n: param_state(analysis, n, REPLICATE) for n in names}
-    largest = sorted((n for n in names if analysis.captured.params[n].trainable),
-                     key=lambda n: -sizes[n].numel * sizes[n].element_size)
+    largest = largest_groups(analysis, None)
     how = dict(devices=devices, optimizer=optimizer, batch_size=None)
     out: list[tuple[float, Schedule, Found]] = []
     for schedule in schedules:
