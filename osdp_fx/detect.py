@@ -280,17 +280,22 @@ def _selective_op_time_s(device: Any) -> float:
             body(x)
         recomputed.append(timed.recomputed_s)
 
-    def step(selective: bool) -> None:
+    def step(selective: bool) -> float:
+        _synchronize(device)
+        start = time.perf_counter()
         if selective:
             out = checkpoint(body, x, use_reentrant=False, context_fn=selective_contexts)
         else:
             out = body(x)
         out.sum().backward()
+        _synchronize(device)
+        return time.perf_counter() - start
 
-    added = (_median_time_s(lambda: step(True), device)
-             - _median_time_s(lambda: step(False), device)
-             - statistics.median(recomputed[1:]))
-    return max(added, 0.0) / timed.ops
+    step(True), step(False)  # warmup
+    # paired: each selective step against the plain step right after it, so that a load on the
+    # machine that changes between the runs cancels (as the median of two medians did not)
+    added = statistics.median(step(True) - step(False) for _ in range(2 * _REPEATS + 1))
+    return max(added - statistics.median(recomputed[1:]), 0.0) / timed.ops
 
 
 def _device_memory_bytes(device: Any, default_bytes: int) -> int:
