@@ -274,11 +274,10 @@ def _selective_op_time_s(device: Any) -> float:
                 self.recomputed_s += time.perf_counter() - start
             return out
 
-    recomputed = []
-    for _ in range(1 + _REPEATS):
+    def recomputed_s() -> tuple[float, int]:
         with torch.no_grad(), Timed() as timed:
             body(x)
-        recomputed.append(timed.recomputed_s)
+        return timed.recomputed_s, timed.ops
 
     def step(selective: bool) -> float:
         _synchronize(device)
@@ -291,11 +290,15 @@ def _selective_op_time_s(device: Any) -> float:
         _synchronize(device)
         return time.perf_counter() - start
 
-    step(True), step(False)  # warmup
-    # paired: each selective step against the plain step right after it, so that a load on the
-    # machine that changes between the runs cancels (as the median of two medians did not)
-    added = statistics.median(step(True) - step(False) for _ in range(2 * _REPEATS + 1))
-    return max(added - statistics.median(recomputed[1:]), 0.0) / timed.ops
+    recomputed_s(), step(True), step(False)  # warmup
+    # paired: each round times the recomputed operators, a selective step and a plain step one
+    # after the other, so that a load on the machine that changes between rounds cancels (as
+    # medians taken apart did not)
+    rounds = []
+    for _ in range(2 * _REPEATS + 1):
+        recomputed, ops = recomputed_s()
+        rounds.append(step(True) - step(False) - recomputed)
+    return max(statistics.median(rounds), 0.0) / ops
 
 
 def _device_memory_bytes(device: Any, default_bytes: int) -> int:
