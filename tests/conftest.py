@@ -6,13 +6,6 @@ import os
 import sys
 
 import pytest
-import torch
-
-# Two pytest workers share the machine's cores: each gets its share of intra-op threads, as
-# torchrun gives each rank one, since a pool larger than its cores makes every small operator
-# wait on threads that are not running (Devices.detect's selective-checkpoint figure measured 0)
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 sys.path.insert(0, os.path.dirname(__file__))
 

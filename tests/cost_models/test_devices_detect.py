@@ -45,7 +45,15 @@ def test_json_errors_name_the_problem(tmp_path: Path) -> None:
 
 
 def test_detect_without_process_group() -> None:
-    devices = Devices.detect(memory_limit="2GiB")
+    # one intra-op thread, as each rank of a world has (torchrun's default): with the suite's
+    # second worker busy, a pool of two threads on two cores makes every small operator wait
+    # on a thread that is not running, and the selective-checkpoint figure measured 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        devices = Devices.detect(memory_limit="2GiB")
+    finally:
+        torch.set_num_threads(threads)
     assert devices.world_size == 1 and devices.memory_bytes == 2 * 2**30
     _positive_finite(devices, MEASURED)
     # every optimizer kind is timed, per element and per tensor
