@@ -99,11 +99,12 @@ def region_spans(facts: GraphFacts, recompute: Mapping[str, str],
 
 
 def root_intervals(r: fx.Node, facts: GraphFacts, spans: Mapping[fx.Node, RegionSpan],
-                   bwd: Callable[[int], float], grad_sync: float) -> list[Interval]:
-    """Lifetimes of the output of ``r`` (a storage root) under the recomputed ``spans``."""
+                   bwd: Callable[[int], float], outputs_until: float) -> list[Interval]:
+    """Lifetimes of the output of ``r`` (a storage root) under the recomputed ``spans``; the
+    graph's outputs are alive until ``outputs_until`` (the caller holds them)."""
     pos = facts.pos
     users = [u for m in facts.members[r] for u in m.users]
-    end = max((pos[u] if u.op != "output" else grad_sync for u in users), default=pos[r])
+    end = max((pos[u] if u.op != "output" else outputs_until for u in users), default=pos[r])
     own = spans.get(r)
     recomputed: dict[str, tuple[RegionSpan, float]] = {}
     for s in facts.savers.get(r, []):

@@ -18,6 +18,8 @@ elements padded; for hybrid_shard read R for N throughout):
 * always: local parameters (shard Pp/N or full P), the module's buffers and tensor constants
   (:func:`constant_bytes`, counted with the parameters) and optimizer state (by optimizer
   kind, Adam's step counters too);
+* the graph's outputs (the loss, a model output's logits): until after the optimizer step, as
+  ``out = model(x); out.loss.backward(); opt.step()`` holds them;
 * activations: a node's new output from its forward until its last forward use or, when autograd
   saves it (or a view of it), until the backward of the earliest node in graph order that saves
   it; tensors a node saves that are not its inputs or outputs (e.g. LayerNorm statistics) from
@@ -50,7 +52,9 @@ elements padded; for hybrid_shard read R for N throughout):
 * gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
   from when its last gradient is ready until the bucket ``reduce_scatters_in_flight`` later
   starts or backward ends;
-* optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter.
+* optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter,
+  and the previous parameter's division result, which torch's single-tensor loop still holds
+  (its ``denom``, until the next is assigned): at most the second largest, whatever the order.
 
 Gradient accumulation (``grad_accumulation`` k > 1, the first k - 1 micro-batches of a step inside
 ``no_sync()``): a no_sync micro-batch runs no collective (no reduce-scatter or all-reduce buffers,
@@ -145,7 +149,7 @@ def _step_timeline(
     spans = region_spans(facts, recompute or {})
     intervals = [iv for r in users_of_root if r.op not in ("placeholder", "get_attr")
                  and not prof[r].output_is_view
-                 for iv in root_intervals(r, facts, spans, bwd, grad_sync)]
+                 for iv in root_intervals(r, facts, spans, bwd, optim_t)]
     intervals += [internal_interval(j, facts, spans, bwd) for j in nodes]
     for start, end, nbytes, again in intervals + recompute_workspace(spans, facts, bwd):
         tl.alive(start, end, nbytes, Category.RECOMPUTED if again else Category.ACTIVATIONS,
@@ -358,7 +362,8 @@ def _step_timeline(
         replicated_buckets(tl, params, replicated_ready, bucket_bytes=bucket_bytes,
                             in_flight=reduce_scatters_in_flight, end=grad_sync)
     if OPTIMIZER_STATES[optimizer] == 2 and local_bytes:
-        tl.alive(optim_t, optim_t, 2 * max(local_bytes), Category.OPTIMIZER_TEMPORARIES,
+        largest, second = ([*sorted(local_bytes, reverse=True), 0])[:2]
+        tl.alive(optim_t, optim_t, 2 * largest + second, Category.OPTIMIZER_TEMPORARIES,
                  scaled=False, only=SYNC)
 
     # Accumulating, a no_sync micro-batch comes first on the timeline (shifted before t = 0).

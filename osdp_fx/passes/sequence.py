@@ -17,8 +17,9 @@ Before and after (a node of a traced GPT, the example 4 x 16 tokens, points 16, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,13 +49,25 @@ def sequence_numels(gm: fx.GraphModule, example_inputs: Sequence[Any], *, seq_le
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         inputs = [_resized(x, seq_len, s, mode, meta_device) for x in example_inputs]
         try:
-            runs.append(_Numels(gm, mode, torch.device(meta_device)).numels(inputs))
+            with _quiet(logging.getLogger("torch._subclasses.fake_tensor")):
+                runs.append(_Numels(gm, mode, torch.device(meta_device)).numels(inputs))
         except Exception as exc:  # the model fixes its sequence length
             log.info("the graph does not run at sequence length %d (%s: %s): memory is "
                      "predicted for the example's sequence length only", s,
                      type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
     return {name: tuple(run[name] for run in runs) for name in runs[0]}
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """``logger`` silent inside (FakeTensorMode logs, as an error, the failure of an operator
+    that this analysis expects when the model fixes its sequence length)."""
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _resized(x: Any, seq_len: int, s: int, mode: FakeTensorMode,
