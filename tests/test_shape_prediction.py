@@ -20,8 +20,8 @@ def _ids(b: int, s: int) -> torch.Tensor:
     return torch.randint(0, shape_cases.VOCAB, (b, s), generator=torch.Generator().manual_seed(b))
 
 
-@pytest.mark.parametrize("model,tolerance", [("gpt", 0.01), ("llama", 0.05)])
-def test_peak_at_another_shape_matches_profiling_at_it(model, tolerance):
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_peak_at_another_shape_matches_profiling_at_it(model):
     def build():
         return TinyGPT(67, 32, 2, 4, 64) if model == "gpt" else shape_cases.build("llama")
 
@@ -30,8 +30,10 @@ def test_peak_at_another_shape_matches_profiling_at_it(model, tolerance):
     assert base.peak_bytes_at(4, 16) == base.peak_memory_bytes
     for b, s in ((8, 32), (2, 8), (4, 40)):
         direct = compile_osdp(build(), (_ids(b, s),), plan="full_shard").plan.prediction
-        assert base.peak_bytes_at(b, s) == pytest.approx(direct.peak_memory_bytes,
-                                                         rel=tolerance), (b, s)
+        # from above, and within 0.5 % (the Llama's attention saves (b, h, s, s) probabilities,
+        # measured at three lengths: scaled as its inputs and output it fell 2.9 % short at 40)
+        predicted = base.peak_bytes_at(b, s)
+        assert direct.peak_memory_bytes <= predicted <= direct.peak_memory_bytes * 1.005, (b, s)
 
 
 def test_max_shape_plans_for_the_largest_shape():

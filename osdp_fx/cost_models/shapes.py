@@ -5,9 +5,12 @@ known at three sequence lengths ``s0 > s1 > s2`` (``passes/sequence.py``; ``s0``
 one). Through each runs one quadratic in ``s`` (projections are linear in ``s``, attention
 scores and masks quadratic), so a node's bytes at ``s`` are its profiled bytes times
 ``q(s) / q(s0)`` (:func:`node_factors`): its output and the outputs it saves by the output's
-quadratic, the inputs it saves as those inputs' outputs, what else it saves and its temporaries
-by the quadratic of its inputs and output together. The timeline (``timeline.py``) is linear in every amount it is given,
-so each of its time points holds ``b / b0 * Q_t(s) + F_t`` bytes with ``Q_t`` a quadratic too:
+quadratic, the inputs it saves as those inputs' outputs, what else it saves and its forward and
+backward temporaries each by its own quadratic, measured at the three lengths too (an eager
+attention saves (b, h, s, s) probabilities, which outgrow its (b, 1, s, s) mask: scaled as its
+inputs and output together they fell short above ``s0`` and were too large below). The
+timeline (``timeline.py``) is linear in every amount it is given, so each of its time points
+holds ``b / b0 * Q_t(s) + F_t`` bytes with ``Q_t`` a quadratic too:
 predicting the step at ``s0``, ``s1`` and ``s2`` gives ``Q_t`` at three points, hence
 everywhere (:func:`peak_lines`). The peak at any (b, s) is the largest point
 (``Prediction.peak_bytes_at``); :func:`peak_expr` writes it as a sympy ``Max`` in ``b`` and ``s``.
@@ -57,19 +60,22 @@ def sequence_points(seq_len: int) -> tuple[int, ...]:
 
 def node_factors(numels: Mapping[str, Sequence[tuple[int, ...]]] | None, seq_len: int | None,
                  seq: int | None) -> dict[str, tuple[float, ...]] | None:
-    """Node name -> (output, inputs, both) factors at sequence length ``seq``: how the elements
-    of its output, of its non-parameter inputs and of both compare with those at the profiled
-    ``seq_len``; ``numels`` at :func:`sequence_points` (``passes/sequence.py``). None: nothing
-    to scale."""
+    """Node name -> (output, inputs, both, saved, forward temporaries, backward temporaries)
+    factors at sequence length ``seq``: how the elements of its output, of its non-parameter
+    inputs and of both, and the bytes it saves that are neither and its temporaries, compare
+    with those at the profiled ``seq_len``; ``numels`` at :func:`sequence_points`
+    (``passes/sequence.py``). None: nothing to scale."""
     if numels is None or seq_len is None or seq is None or seq == seq_len:
         return None
     points = sequence_points(seq_len)
     out: dict[str, tuple[float, ...]] = {}
     for name, per_point in numels.items():
-        factors = []
-        for k in range(3):
+        factors: list[float] = []
+        for k in range(len(per_point[0])):
             values = [p[k] for p in per_point]
-            if values[0] == 0 or len(set(values)) == 1:
+            if values[0] == 0 and k > 2:  # not seen at the profiled length: as the node's tensors
+                factors.append(factors[2])
+            elif values[0] == 0 or len(set(values)) == 1:
                 factors.append(1.0)
             else:
                 factors.append(max(0.0, float(_at(quadratic(points, values), seq) / values[0])))
@@ -110,8 +116,12 @@ def rescaled(prof: Mapping[Any, Any],
     :func:`node_factors` gives (parameters keep their bytes)."""
     out, by_name = {}, {n.name: n for n in prof}
     for n, p in prof.items():
-        f_out, f_in, f_all = seq_scale.get(n.name, (1.0, 1.0, 1.0))
-        if n.op == "get_attr" or f_out == f_in == f_all == 1.0:
+        factors = seq_scale.get(n.name, (1.0,) * 6)
+        f_out, f_in, f_all = factors[:3]
+        # what it saves beyond its inputs and outputs and its transients, by their own
+        # quadratics (an attention's (b, h, s, s) probabilities outgrow its (b, 1, s, s) mask)
+        f_saved, f_fwd, f_bwd = factors[3:6] if len(factors) >= 6 else (f_all,) * 3
+        if n.op == "get_attr" or all(f == 1.0 for f in factors):
             out[n] = p
             continue
         # the inputs it saves: as their own outputs scale (the rest of its inputs may not)
@@ -121,12 +131,12 @@ def rescaled(prof: Mapping[Any, Any],
             f_in = sum(prof[i].output_bytes * seq_scale.get(i.name, (1.0,))[0]
                        for i in saved) / before
         saved_out, saved_in = p.saved_output_bytes * f_out, p.saved_input_bytes * f_in
-        internal = (p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes) * f_all
+        internal = (p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes) * f_saved
         out[n] = dataclasses.replace(
             p, output_bytes=round(p.output_bytes * f_out), saved_output_bytes=round(saved_out),
             saved_input_bytes=round(saved_in), saved_bytes=round(saved_out + saved_in + internal),
-            fwd_transient_bytes=round(p.fwd_transient_bytes * f_all),
-            bwd_transient_bytes=round(p.bwd_transient_bytes * f_all))
+            fwd_transient_bytes=round(p.fwd_transient_bytes * f_fwd),
+            bwd_transient_bytes=round(p.bwd_transient_bytes * f_bwd))
     return out
 
 

@@ -286,7 +286,8 @@ class _NodeProfiler(fx.Interpreter):
             self._fake_attrs[key] = (value, fake)  # keep value alive so its id stays unique
         return self._fake_attrs[key][1]
 
-    def profile(self, example_inputs: list[Any]) -> None:
+    def profile(self, example_inputs: list[Any], label: str = "profile") -> None:
+        """Run the graph on ``example_inputs`` node by node, reporting progress as ``label``."""
         if self.fake_mode is not None:
             example_inputs = pytree.tree_map(self._to_fake, example_inputs)
             params = [self._to_fake(p) for p in self.module.parameters()]
@@ -300,7 +301,7 @@ class _NodeProfiler(fx.Interpreter):
                 f"profile_graph_pass got {len(flat_inputs)} example inputs for a graph with "
                 f"{num_placeholders} placeholders; pass the positional inputs of the model's forward"
             )
-        with progress.task("profile", total=len(self.graph.nodes), unit="nodes") as task:
+        with progress.task(label, total=len(self.graph.nodes), unit="nodes") as task:
             self._task = task
             self.run(*flat_inputs, enable_io_processing=False)
 

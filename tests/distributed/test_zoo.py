@@ -2,7 +2,8 @@
 (input_ids, a right-padded attention_mask, labels: the model computes its loss), train three
 steps of different shapes at world 2 under full_shard and under a searched plan (a limit 20 %
 above full_shard's peak: a mix of strategies) like one process (1e-5 in the loss, 1e-4 in the
-parameters), and return their own output class."""
+parameters), return their own output class, and measure (a storage tracker, each step) at most
+the memory predicted at the step's shape."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def test_architecture_trains_unwrapped_like_one_process(worlds, arch):
     # (on these tiny models, whose collectives are all latency, the search often shards every
     # group alike: one bucket; mixed plans train at parity in test_parity and test_recompute)
     assert results[0]["searched"]["fits"]
+    # what a storage tracker counts in each step (the model's output held through it, as a
+    # training loop holds it) is at most the predicted peak at the step's shape, and close to it
+    for plan in ("full_shard", "searched"):
+        for rank_result in results:
+            for shape, measured, predicted in zip(zoo_cases.SHAPES, rank_result[plan]["peaks"],
+                                                  rank_result[plan]["predicted"], strict=True):
+                assert 0.85 * predicted <= measured <= predicted, (plan, shape, measured,
+                                                                   predicted)

@@ -4,7 +4,10 @@ its own loss (tiny configs, random weights, dropout off)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +15,7 @@ import torch
 from torch import nn
 
 from osdp_fx import compile_osdp
+from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors
 
 VOCAB = 97
 SHAPES = ((4, 10), (3, 7), (4, 12))
@@ -84,17 +88,34 @@ def batch(arch: str, step: int, rank: int) -> dict[str, Any]:
     return out
 
 
-def _train(net: Any, arch: str, ranks: range, *, lr: float) -> list[float]:
-    """SGD steps on the mean of the ranks' losses (what averaging gradients over ranks does)."""
+def _train(net: Any, arch: str, ranks: range, *, lr: float, peaks: list[int] | None = None,
+           held_before: list[weakref.ref] = ()) -> list[float]:
+    """SGD steps on the mean of the ranks' losses (what averaging gradients over ranks does);
+    ``peaks`` gets each step's peak bytes as a storage tracker counts them, less those of the
+    storages ``held_before`` (what the process held before compiling: earlier cases')."""
     opt = torch.optim.SGD(net.parameters(), lr=lr)
     losses = []
     for step in range(len(SHAPES)):
-        loss = sum(net(**batch(arch, step, r)).loss for r in ranks) / len(ranks)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        tracker = StorageTracker() if peaks is not None else contextlib.nullcontext()
+        with tracker:
+            out = [net(**batch(arch, step, r)) for r in ranks]  # held through the step
+            loss = sum(o.loss for o in out) / len(ranks)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            del out, loss
+        if peaks is not None:
+            earlier = (ref() for ref in held_before)
+            peaks.append(tracker.peak_bytes - sum(s.nbytes() for s in earlier if s is not None))
     return losses
+
+
+def _held_storages() -> list[weakref.ref]:
+    """The storages the process holds now."""
+    held = {d.untyped_storage()._cdata: d.untyped_storage()
+            for t in held_tensors() for d in dense_tensors(t)}
+    return [weakref.ref(s) for s in held.values()]
 
 
 def zoo_train(rank: int, world: int, *, arch: str, lr: float = 0.05) -> dict[str, Any]:
@@ -104,21 +125,29 @@ def zoo_train(rank: int, world: int, *, arch: str, lr: float = 0.05) -> dict[str
     out: dict[str, Any] = {}
     limit = None
     for plan in ("full_shard", None):
+        gc.collect()  # what earlier cases left, so that it is not counted here
+        held_before = _held_storages()
         compiled = compile_osdp(build(arch), (), example_kwargs=batch(arch, 0, rank), plan=plan,
-                                memory_limit=limit, max_shape=MAX_SHAPE)
+                                memory_limit=limit, max_shape=MAX_SHAPE, optimizer="sgd")
         # the search under a limit 20 % above full_shard's peak
         limit = int(compiled.plan.prediction.peak_memory_bytes * 1.2)
-        losses = _train(compiled, arch, range(rank, rank + 1), lr=lr)
+        peaks: list[int] = []
+        losses = _train(compiled, arch, range(rank, rank + 1), lr=lr, peaks=peaks,
+                        held_before=held_before)
         out[plan or "searched"] = {
-            "losses": losses, "state": compiled.full_state_dict(),
+            "losses": losses, "peaks": peaks,
+            "predicted": [compiled.plan.prediction.peak_bytes_at(b, s) for b, s in SHAPES],
+            "state": compiled.full_state_dict(),
             "strategies": sorted({p.strategy for p in compiled.plan.params}),
             "fits": compiled.plan.peak_memory_bytes <= (limit if plan is None else math.inf),
         }
         with torch.no_grad():
             out[plan or "searched"]["output"] = type(compiled(**batch(arch, 0, rank))).__name__
+        del compiled
     if rank == 0:
         net = build(arch)
         out["reference"] = {"losses": _train(net, arch, range(world), lr=lr),
                             "state": net.state_dict(),
                             "output": type(net(**batch(arch, 0, 0))).__name__}
     return out
+
