@@ -4,13 +4,13 @@ the model's output held through the step as a training loop holds it."""
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
 from osdp_fx import compile_osdp
-from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors
+from osdp_fx.storage_tracker import StorageTracker
+
+from harness.memory_cases import earlier_storages
 
 
 class Wide(nn.Module):
@@ -33,7 +33,7 @@ def test_first_adamw_step_is_predicted_from_above_within_a_parameter() -> None:
     caller holds the output: a model counting only 2x the largest parameter and dropping the
     outputs after backward predicts less than the tracker measures."""
     torch.manual_seed(0)
-    earlier = [weakref.ref(d.untyped_storage()) for t in held_tensors() for d in dense_tensors(t)]
+    earlier = earlier_storages([])
     compiled = compile_osdp(Wide(), (torch.randn(4, 128),), plan="replicate", optimizer="adamw")
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     x = torch.randn(4, 128)

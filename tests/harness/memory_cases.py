@@ -54,7 +54,7 @@ def _held_storages() -> set[int]:
     return {d.untyped_storage()._cdata for t in held_tensors() for d in dense_tensors(t)}
 
 
-def _earlier_storages(own: list[torch.Tensor]) -> list[weakref.ref]:
+def earlier_storages(own: list[torch.Tensor]) -> list[weakref.ref]:
     """The storages the process holds now (in a shared test world: what earlier cases still
     hold), but those of ``own`` (the case's model and inputs)."""
     mine = {d.untyped_storage()._cdata for t in own for d in dense_tensors(t)}
@@ -93,7 +93,7 @@ def compile_and_steps(rank: int, world: int, *, model: str, plan: Any = None,
     enabled = gc.isenabled()
     gc.disable()
     before = _held_storages() - {p.untyped_storage()._cdata for p in net.parameters()}
-    earlier = _earlier_storages([*net.parameters(), *net.buffers(), x])
+    earlier = earlier_storages([*net.parameters(), *net.buffers(), x])
     try:
         compiled = compile_osdp(net, (x,), Devices(world_size=world), plan=plan,
                                 memory_limit=limit, optimizer=optimizer, **options)

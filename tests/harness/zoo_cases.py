@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from osdp_fx import compile_osdp
-from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors
+from osdp_fx.storage_tracker import StorageTracker
+
+from .memory_cases import earlier_storages
 
 VOCAB = 97
 SHAPES = ((4, 10), (3, 7), (4, 12))
@@ -111,13 +113,6 @@ def _train(net: Any, arch: str, ranks: range, *, lr: float, peaks: list[int] | N
     return losses
 
 
-def _held_storages() -> list[weakref.ref]:
-    """The storages the process holds now."""
-    held = {d.untyped_storage()._cdata: d.untyped_storage()
-            for t in held_tensors() for d in dense_tensors(t)}
-    return [weakref.ref(s) for s in held.values()]
-
-
 def zoo_train(rank: int, world: int, *, arch: str, lr: float = 0.05) -> dict[str, Any]:
     """Train ``arch`` unwrapped for three steps under full_shard and under the plan searched
     under a limit 20 % above full_shard's predicted peak; rank 0 also trains one process on
@@ -126,7 +121,7 @@ def zoo_train(rank: int, world: int, *, arch: str, lr: float = 0.05) -> dict[str
     limit = None
     for plan in ("full_shard", None):
         gc.collect()  # what earlier cases left, so that it is not counted here
-        held_before = _held_storages()
+        held_before = earlier_storages([])
         compiled = compile_osdp(build(arch), (), example_kwargs=batch(arch, 0, rank), plan=plan,
                                 memory_limit=limit, max_shape=MAX_SHAPE, optimizer="sgd")
         # the search under a limit 20 % above full_shard's peak
