@@ -356,6 +356,10 @@ class _NodeProfiler(fx.Interpreter):
         """A live-tensor tracker for real runs (nothing to count under fake mode)."""
         return LiveTensorTracker() if self.fake_mode is None else contextlib.nullcontext()
 
+    def flop_counter(self) -> Any:
+        """What counts a node's FLOPs (``get_total_flops()``)."""
+        return flop_counter.FlopCounterMode(display=False)
+
     def call(self, n: fx.Node, inputs: PreparedInputs) -> Any:
         with torch.enable_grad():
             return getattr(self, n.op)(n.target, inputs.args, inputs.kwargs)

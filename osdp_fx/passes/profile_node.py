@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..meta import NodeProfile
 from ..runtime.memory import LiveTensorTracker
@@ -152,7 +151,7 @@ def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
         return t.detach()
 
     fwd_tracker = profiler.tracker()
-    with FlopCounterMode(display=False) as fwd_counter, fwd_tracker:
+    with profiler.flop_counter() as fwd_counter, fwd_tracker:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = profiler.call(n, inputs)
     outputs = tensors(result)
@@ -169,7 +168,7 @@ def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
     has_backward = bool(grad_outputs and inputs.leaves)
     if has_backward:
         bwd_tracker = profiler.tracker()
-        with FlopCounterMode(display=False) as bwd_counter, bwd_tracker:
+        with profiler.flop_counter() as bwd_counter, bwd_tracker:
             grads = torch.autograd.grad(
                 grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
             )

@@ -8,6 +8,9 @@ no compute) at the example's and two shorter sequence lengths and records, per n
 elements of its output, of its inputs that are not parameters, and of both, and the bytes it
 saves that are neither and its forward and backward temporaries, at each;
 ``cost_models/shapes.py`` fits a quadratic in the sequence length through the three points.
+At the shorter lengths only the nodes that save or hold such bytes at the example's are
+profiled (a tenth of a GPT's nodes), the others only run: ``shapes.node_factors`` scales bytes
+not seen at the example's length by the node's tensors whatever the other lengths show.
 The sequence dimension is dimension 1 of every input that has the example's sequence length
 there ([Note: input shapes] in ``io_spec.py``).
 
@@ -31,6 +34,7 @@ from torch.utils import _pytree as pytree
 from ..cost_models.shapes import sequence_points
 from ..runtime.memory import LiveTensorTracker
 from .profile import _NodeProfiler
+from .profile_node import detached, prepare_inputs
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +54,12 @@ def sequence_numels(gm: fx.GraphModule, example_inputs: Sequence[Any], *, seq_le
     runs: list[dict[str, tuple[int, ...]]] = []
     for s in points:
         inputs = [_resized(x, seq_len, s) for x in example_inputs]
+        # At the shorter lengths only the nodes that save or hold more than their inputs and
+        # output at s0 are profiled; shapes.node_factors scales the others by those tensors.
+        full = None if not runs else {name for name, v in runs[0].items() if any(v[3:])}
         try:
             with _quiet(logging.getLogger("torch._subclasses.fake_tensor")):
-                runs.append(_Numels(gm, torch.device(meta_device)).numels(inputs, s))
+                runs.append(_Numels(gm, torch.device(meta_device), full).numels(inputs, s))
         except Exception as exc:  # the model fixes its sequence length
             log.info("the graph does not run at sequence length %d (%s: %s): memory is "
                      "predicted for the example's sequence length only", s,
@@ -98,12 +105,25 @@ class _FakeLiveTracker(LiveTensorTracker):
         return out
 
 
+class _NoFlops(contextlib.nullcontext):
+    """FLOPs not counted (a fifth of the analysis's time)."""
+
+    def __enter__(self) -> _NoFlops:
+        return self
+
+    def get_total_flops(self) -> int:
+        return 0
+
+
 class _Numels(_NodeProfiler):
     """The profile pass's node-by-node run under FakeTensorMode, the bytes it measures kept here
     (the graph's profile is not touched)."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+    def __init__(self, gm: fx.GraphModule, device: torch.device,
+                 full: set[str] | None = None) -> None:
         super().__init__(gm, warmup=0, repeats=0, fake=True, meta_device=device)
+        self.full = full
+        """The nodes profiled (None: all); the others are only run, for their elements."""
         self.out: dict[str, tuple[int, ...]] = {}
 
     def numels(self, inputs: list[Any], seq: int) -> dict[str, tuple[int, ...]]:
@@ -113,12 +133,23 @@ class _Numels(_NodeProfiler):
     def tracker(self) -> Any:
         return _FakeLiveTracker()
 
+    def flop_counter(self) -> Any:
+        return _NoFlops()
+
     def run_node(self, n: fx.Node) -> Any:
         with self._mode():
-            result, p = self._run_and_profile(n)
+            if self.full is None or n.name in self.full:
+                result, p = self._run_and_profile(n)
+                held = (p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes,
+                        p.fwd_transient_bytes, p.bwd_transient_bytes)
+            elif n.op in ("call_function", "call_method", "call_module"):
+                # on copies of its inputs, as profiled: in-place operators stay legal
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                result = detached(self.call(n, prepare_inputs(self, n, args, kwargs)))
+                held = (0, 0, 0)
+            else:
+                result, held = fx.Interpreter.run_node(self, n), (0, 0, 0)
         out = _numel(result)
         inputs = sum(_numel(self.env[a]) for a in n.all_input_nodes if a.op != "get_attr")
-        internal = p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes
-        self.out[n.name] = (out, inputs, out + inputs, internal, p.fwd_transient_bytes,
-                            p.bwd_transient_bytes)
+        self.out[n.name] = (out, inputs, out + inputs, *held)
         return result
