@@ -132,16 +132,46 @@ _measured: collections.OrderedDict[tuple[Any, ...], dict[str, NodeProfile]] = (
 """Measured profiles of this process, by :func:`_profile_key`, the latest last."""
 
 
-def _profile_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What a measured profile depends on: the process group, the graph's code, the shapes,
-    dtypes and devices of its parameters, buffers and inputs, and the threads that compute."""
+_sequence_measured: collections.OrderedDict[tuple[Any, ...], NodeNumels | None] = (
+    collections.OrderedDict())
+"""Sequence analyses of this process (``passes/sequence.py``), by :func:`_graph_key`."""
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The graph's code and the shapes, dtypes and devices of its parameters, buffers and
+    inputs."""
     def sig(t: torch.Tensor) -> tuple[Any, ...]:
         return tuple(t.shape), t.dtype, t.device.type, t.requires_grad
 
-    group = id(torch.distributed.group.WORLD) if group_size(WORLD) > 1 else None
     inputs = [sig(t) for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
     state = [(n, *sig(t)) for n, t in (*gm.named_parameters(), *gm.named_buffers())]
-    return group, gm.code, tuple(inputs), tuple(state), torch.get_num_threads()
+    return gm.code, tuple(inputs), tuple(state)
+
+
+def _profile_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a measured profile depends on: the process group, :func:`_graph_key` and the
+    threads that compute."""
+    group = id(torch.distributed.group.WORLD) if group_size(WORLD) > 1 else None
+    return group, *_graph_key(gm, example_inputs), torch.get_num_threads()
+
+
+def _sequence_numels(captured: Captured, example_inputs: tuple[Any, ...],
+                     seq: int) -> NodeNumels | None:
+    """``sequence_numels`` of the captured graph, analysed once per process for a graph and
+    its shapes (it depends on nothing else; compiling the same model again reuses it)."""
+    device = captured.materialize_device or "cpu"
+    # the nodes whose bytes beyond their tensors the memory model scales (shapes.rescaled)
+    held = frozenset(n.name for n in captured.gm.graph.nodes if (p := osdp_meta(n).profile) and (
+        p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes or p.fwd_transient_bytes
+        or p.bwd_transient_bytes))
+    key = (*_graph_key(captured.gm, example_inputs), seq, str(device), held)
+    if key not in _sequence_measured:
+        _sequence_measured[key] = sequence_numels(captured.gm, example_inputs, seq_len=seq,
+                                                  meta_device=device, profiled=held)
+        while len(_sequence_measured) > _PROFILES_KEPT:
+            _sequence_measured.popitem(last=False)
+    _sequence_measured.move_to_end(key)
+    return _sequence_measured[key]
 
 
 def _restore_profile(gm: fx.GraphModule, key: tuple[Any, ...]) -> bool:
@@ -176,7 +206,8 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
 
     Measured once per process group for a graph and its inputs' and parameters' shapes: a later
     call with the same reuses those times (the last few are kept), so that compiling the same
-    model twice gives the same plan, as ``Devices`` are detected once per group."""
+    model twice gives the same plan, as ``Devices`` are detected once per group; the sequence
+    analysis is reused alike, in any group."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
     key = None if fake else _profile_key(captured.gm, example_inputs)
     if key is None or not _restore_profile(captured.gm, key):
@@ -192,8 +223,7 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
             _remember_profile(captured.gm, key)
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch, seq = input_shape(example_inputs)
-    numels = None if seq is None else sequence_numels(
-        captured.gm, example_inputs, seq_len=seq, meta_device=captured.materialize_device or "cpu")
+    numels = None if seq is None else _sequence_numels(captured, example_inputs, seq)
     return Analysis(captured, graph_facts(captured.gm, trainable), batch, precision,
                     seq_len=seq, seq_numels=numels, max_shape=max_shape)
 

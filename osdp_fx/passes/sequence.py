@@ -8,9 +8,8 @@ no compute) at the example's and two shorter sequence lengths and records, per n
 elements of its output, of its inputs that are not parameters, and of both, and the bytes it
 saves that are neither and its forward and backward temporaries, at each;
 ``cost_models/shapes.py`` fits a quadratic in the sequence length through the three points.
-At the shorter lengths only the nodes that save or hold such bytes at the example's are
-profiled (a tenth of a GPT's nodes), the others only run: ``shapes.node_factors`` scales bytes
-not seen at the example's length by the node's tensors whatever the other lengths show.
+Only the nodes whose profile shows such bytes are profiled (a tenth of a GPT's nodes; the
+factors of the others would multiply zero bytes), the others only run.
 The sequence dimension is dimension 1 of every input that has the example's sequence length
 there ([Note: input shapes] in ``io_spec.py``).
 
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ from torch.utils import _pytree as pytree
 from ..cost_models.shapes import sequence_points
 from ..runtime.memory import LiveTensorTracker
 from .profile import _NodeProfiler
-from .profile_node import detached, prepare_inputs
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +43,21 @@ bytes)."""
 
 
 def sequence_numels(gm: fx.GraphModule, example_inputs: Sequence[Any], *, seq_len: int,
-                    meta_device: torch.device | str = "cpu") -> NodeNumels | None:
+                    meta_device: torch.device | str = "cpu",
+                    profiled: Collection[str] | None = None) -> NodeNumels | None:
     """Elements per node at each of :func:`sequence_points` (``seq_len`` the example's); None
-    when the graph does not run at another sequence length (the model fixes it)."""
+    when the graph does not run at another sequence length (the model fixes it). Only the
+    nodes named in ``profiled`` (None: all) are profiled for the bytes they save or hold beyond
+    their tensors (0 for the others)."""
     points = sequence_points(seq_len)
     if not points:
         return None
     runs: list[dict[str, tuple[int, ...]]] = []
     for s in points:
         inputs = [_resized(x, seq_len, s) for x in example_inputs]
-        # At the shorter lengths only the nodes that save or hold more than their inputs and
-        # output at s0 are profiled; shapes.node_factors scales the others by those tensors.
-        full = None if not runs else {name for name, v in runs[0].items() if any(v[3:])}
         try:
             with _quiet(logging.getLogger("torch._subclasses.fake_tensor")):
-                runs.append(_Numels(gm, torch.device(meta_device), full).numels(inputs, s))
+                runs.append(_Numels(gm, torch.device(meta_device), profiled).numels(inputs, s))
         except Exception as exc:  # the model fixes its sequence length
             log.info("the graph does not run at sequence length %d (%s: %s): memory is "
                      "predicted for the example's sequence length only", s,
@@ -105,6 +103,12 @@ class _FakeLiveTracker(LiveTensorTracker):
         return out
 
 
+def _not_leaf(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy with a gradient function if it is a leaf that requires grad (autograd
+    refuses an in-place operator on such a leaf)."""
+    return t.clone() if t.requires_grad and t.is_leaf else t
+
+
 class _NoFlops(contextlib.nullcontext):
     """FLOPs not counted (a fifth of the analysis's time)."""
 
@@ -120,7 +124,7 @@ class _Numels(_NodeProfiler):
     (the graph's profile is not touched)."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device,
-                 full: set[str] | None = None) -> None:
+                 full: Collection[str] | None = None) -> None:
         super().__init__(gm, warmup=0, repeats=0, fake=True, meta_device=device)
         self.full = full
         """The nodes profiled (None: all); the others are only run, for their elements."""
@@ -142,13 +146,11 @@ class _Numels(_NodeProfiler):
                 result, p = self._run_and_profile(n)
                 held = (p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes,
                         p.fwd_transient_bytes, p.bwd_transient_bytes)
-            elif n.op in ("call_function", "call_method", "call_module"):
-                # on copies of its inputs, as profiled: in-place operators stay legal
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                result = detached(self.call(n, prepare_inputs(self, n, args, kwargs)))
-                held = (0, 0, 0)
-            else:
-                result, held = fx.Interpreter.run_node(self, n), (0, 0, 0)
+                if self.full is not None:  # not a leaf: a later node run as is may change it
+                    result = pytree.tree_map_only(torch.Tensor, _not_leaf, result)
+            else:  # only run, as the model runs (a tenth of the time of a profiled node)
+                with torch.enable_grad():
+                    result, held = fx.Interpreter.run_node(self, n), (0, 0, 0)
         out = _numel(result)
         inputs = sum(_numel(self.env[a]) for a in n.all_input_nodes if a.op != "get_attr")
         self.out[n.name] = (out, inputs, out + inputs, *held)
