@@ -15,7 +15,7 @@ from torch import fx
 from .capture import Captured, unchanged_state
 from .cost_models.graph_facts import GraphFacts, ParamState, graph_facts
 from .cost_models.shapes import node_factors
-from .devices import OPTIMIZERS
+from .devices import OPTIMIZERS, Devices
 from .errors import InputError
 from .io_spec import input_shape
 from .meta import NodeProfile, osdp_meta, set_osdp_meta
@@ -28,29 +28,29 @@ from .precision import MixedPrecision
 from .runtime.collectives import WORLD, group_size
 
 
-MEMORY_MARGIN = 0.03
-"""Share of the memory limit the search keeps free for bytes the memory model does not predict.
+MEMORY_MARGIN = Devices.memory_margin
+"""Share of the memory limit the search keeps free for bytes the memory model does not predict,
+unless the devices say otherwise (``Devices.memory_margin``; 0 on the CPU).
 
 Measured against an independent storage tracker (``tests/distributed/test_memory_promise.py``,
-``docs/cost-models.md``, ``benchmarks/recompute.py``, ``benchmarks/optimality.py``), predicted
-peaks on the CPU equal what a step holds or lie above it (the largest excess measured: 0.6 %, a
-recomputed attention's mask); what the model does not see is the allocator (a GPU's caching
-allocator rounds and fragments, ``foreach`` Adam's temporaries) and models unlike those
-measured. A searched plan is therefore one whose predicted peak is at most
-``(1 - MEMORY_MARGIN) * limit``."""
+``tests/distributed/test_zoo.py``, ``docs/cost-models.md``, ``benchmarks/recompute.py``,
+``benchmarks/optimality.py``), predicted peaks on the CPU equal what a step holds or lie above
+it; what the model does not see is a GPU's allocator (the caching allocator rounds and
+fragments, ``foreach`` Adam's temporaries). A searched plan is therefore one whose predicted
+peak is at most ``(1 - margin) * limit``."""
 
 
-def plannable_bytes(memory_limit_bytes: int) -> int:
+def plannable_bytes(memory_limit_bytes: int, margin: float = MEMORY_MARGIN) -> int:
     """The predicted peak a searched plan may have under ``memory_limit_bytes``."""
-    return memory_limit_bytes - int(memory_limit_bytes * MEMORY_MARGIN)
+    return memory_limit_bytes - int(memory_limit_bytes * margin)
 
 
-def unmargined_limit(memory_limit_bytes: int) -> int:
+def unmargined_limit(memory_limit_bytes: int, margin: float = MEMORY_MARGIN) -> int:
     """The limit whose plannable bytes are at most ``memory_limit_bytes`` itself, and as close
     as bytes allow: a search under it plans up to the limit, with no margin (autotuning's
     candidates above the margin, which it admits only when measured under the limit)."""
-    limit = int(memory_limit_bytes / (1 - MEMORY_MARGIN)) + 1
-    while plannable_bytes(limit) > memory_limit_bytes:
+    limit = int(memory_limit_bytes / (1 - margin)) + 1
+    while plannable_bytes(limit, margin) > memory_limit_bytes:
         limit -= 1
     return limit
 

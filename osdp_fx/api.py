@@ -202,7 +202,8 @@ def compile_osdp(
             resolved = autotune_plans(
                 candidates, functools.partial(_trial_module, captured, rank=rank,
                                               reduce_dtype=reduce_dtype),
-                inputs, optimizer=optimizer, limit_bytes=devices.memory_bytes)
+                inputs, optimizer=optimizer, limit_bytes=devices.memory_bytes,
+                margin=devices.memory_margin)
         _check_ranks_agree(resolved)
     with progress.stage("shard", log, times):
         table = _shard(captured.gm, resolved, captured, rank=rank, reduce_dtype=reduce_dtype)

@@ -3,7 +3,7 @@
 ``compile_osdp(autotune=K)`` searches as usual, then builds the K plans that fit with the least
 predicted step times (distinct plans: strategies and schedule, ``schedule.rank_schedules``), and
 up to K more that the models predict faster still, whose predicted peak lies between the memory
-margin and the limit (``analysis.MEMORY_MARGIN``: the prediction alone does not promise those).
+margin and the limit (``Devices.memory_margin``: the prediction alone does not promise those).
 Each is built on a copy of the captured graph, one at a time, and trained on the example inputs:
 one warm-up step, one step whose peak memory the storage tracker measures
 (:func:`step_peak_bytes`), then :data:`TIMED_STEPS` timed steps (forward, backward with its
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .analysis import plannable_bytes
+from .analysis import MEMORY_MARGIN, plannable_bytes
 from .errors import InputError
 from .plan import Plan, TimedPlan
 from .runtime.collectives import WORLD, group_size
@@ -180,7 +180,8 @@ def _reference(fits: Sequence[bool]) -> int:
 
 
 def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
-                   inputs: tuple[Any, ...], *, optimizer: str, limit_bytes: int | None) -> Plan:
+                   inputs: tuple[Any, ...], *, optimizer: str, limit_bytes: int | None,
+                   margin: float = MEMORY_MARGIN) -> Plan:
     """Time each of ``plans`` (the predicted best first; ``build`` makes a compiled module of
     one), measure its peak, and return the one :func:`keep_index` keeps among those measured
     under ``limit_bytes`` (None: no limit), recording every plan's figures (``TimedPlan``),
@@ -218,7 +219,7 @@ def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
     record = tuple(TimedPlan(
         plans[i].hash(), plans[i].step_time_s or 0.0, statistics.median(times[i]),
         plans[i].peak_memory_bytes or 0, peaks[i],
-        role=_role(plans, i, limit_bytes)) for i in order)
+        role=_role(plans, i, limit_bytes, margin)) for i in order)
     log.info("autotune: timed %d plans in %.2f s (%s); keeping %s", len(plans),
              time.perf_counter() - start,
              ", ".join(f"{t.hash} {t.measured_step_s * 1e3:.1f} ± "
@@ -228,9 +229,9 @@ def autotune_plans(plans: Sequence[Plan], build: Callable[[Plan], nn.Module],
     return dataclasses.replace(best, measured=record, source=f"{best.source}, autotuned")
 
 
-def _role(plans: Sequence[Plan], i: int, limit_bytes: int | None) -> str:
+def _role(plans: Sequence[Plan], i: int, limit_bytes: int | None, margin: float) -> str:
     if i == 0:
         return "predicted best"
     above = limit_bytes is not None and (plans[i].peak_memory_bytes or 0) > plannable_bytes(
-        limit_bytes)
+        limit_bytes, margin)
     return "above the margin" if above else "alternative"

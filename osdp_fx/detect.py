@@ -38,6 +38,14 @@ _COLLECTIVE_REPEATS = 9
 most from run to run."""
 
 
+CPU_MEMORY_MARGIN = 0.0
+"""``Devices.memory_margin`` that ``detect`` sets on the CPU. There a tensor's bytes are freed
+when its storage is, with nothing cached, so what a step holds is what a storage tracker counts,
+which is what the memory model predicts: equal or above on every plan measured so far (the
+architectures of ``tests/distributed/test_zoo.py`` and the plans of ``benchmarks/optimality.py``,
+``docs/cost-models.md``). A margin would only keep plans slower than the limit allows."""
+
+
 def detect_devices(
     cls: Any, *, memory_limit: int | str | None, group: Any, ranks_per_node: int | None,
     optimizers: Sequence[str], default_memory_bytes: int,
@@ -94,6 +102,7 @@ def detect_devices(
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
         source="detected", **figures,
+        **({"memory_margin": CPU_MEMORY_MARGIN} if device.type == "cpu" else {}),
     )
     log.info("detected %s", devices)
     return devices

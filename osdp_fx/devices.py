@@ -73,6 +73,9 @@ class Devices:
     differs from ``compute_flops_per_s`` (tensor cores); the roofline uses :meth:`flops_per_s`."""
     source: str = ""
     """Where the figures come from: "preset:<name>", "detected", or "" (defaults, by hand)."""
+    memory_margin: float = 0.03
+    """Share of ``memory_bytes`` the search keeps free for what a GPU's caching allocator adds
+    to the predicted peak (every preset's); ``detect`` on the CPU sets 0 (``detect.py``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -87,6 +90,7 @@ class Devices:
             )
         if self.memory_bytes is not None:
             object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes))
+        _check_margin(self.memory_margin)
         _check_collective_links(self.collective_links)
         for name, keys, low, what in (
                 ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),
@@ -197,6 +201,12 @@ def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
 
 LINK_SCOPES = ("intra_node", "inter_node")
 """Scopes of link figures: collectives inside a node and collectives that cross nodes."""
+
+
+def _check_margin(margin: Any) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise InputError(f"Devices.memory_margin={margin!r} is not a share of the memory limit: "
+                         "give a float in [0, 1), e.g. 0.03 to plan for 97 %")
 
 
 def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,

@@ -23,7 +23,6 @@ from typing import Any
 
 
 from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
-    MEMORY_MARGIN,
     Analysis,
     analyze,
     check_grad_accumulation,

@@ -19,7 +19,6 @@ from typing import Any
 from torch import fx
 
 from .analysis import (
-    MEMORY_MARGIN,
     Analysis,
     param_state,
     param_states,
@@ -113,7 +112,8 @@ def choose_splits(
                                schedule=Schedule(prefetch), grad_accumulation=grad_accumulation)
     try:
         result = solve_min_time(times, persistent, transient,
-                                limit_bytes=plannable_bytes(memory_limit_bytes),
+                                limit_bytes=plannable_bytes(memory_limit_bytes,
+                                                            devices.memory_margin),
                                 base_bytes=base, names=names)
     except PlanError:
         return {}  # the strategy search reports what does not fit
@@ -270,7 +270,7 @@ def _search(
     lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
                                          batch_size=batch_size, schedule=schedule,
                                          grad_accumulation=grad_accumulation, regions=regions)
-    target = plannable_bytes(memory_limit_bytes)
+    target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
     if plan_space([len(r[0]) for r in rows]) <= EXACT_COMBINATIONS:
         found = exhaustive_search(
             analysis, options, regions, devices=devices, optimizer=optimizer,
@@ -403,8 +403,8 @@ def _no_plan_message(memory_limit_bytes: int, target: int, lowest_peak: int, bas
                      regions: Mapping[str, list[RegionCost]]) -> str:
     return (
         f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank (the "
-        f"search plans for {format_bytes(target)}, keeping {MEMORY_MARGIN:.0%} for what the "
-        f"memory model does not predict): even with every parameter group sharded (full_shard)"
+        f"search plans for {format_bytes(target)}, keeping {1 - target / memory_limit_bytes:.0%}"
+        f" for what the memory model does not predict): even with every parameter group sharded (full_shard)"
         f"{' and every region recomputed' if regions else ''} a step needs "
         f"{format_bytes(lowest_peak)} ({format_bytes(lowest_peak - base)} "
         f"parameters, gradients and optimizer state, the rest activations). Raise the memory "
@@ -452,7 +452,7 @@ def search_schedules(
                 break
             loosened.append((score(schedule, found)[0], schedule, found))
     best = sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
-    target = plannable_bytes(memory_limit_bytes)
+    target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
     return refine(  # the uniform plans and changes of the largest groups, by the models
         best, analysis=analysis, devices=devices, optimizer=optimizer,
         schedules=list(dict.fromkeys(o[0] for o in options)),

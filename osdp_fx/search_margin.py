@@ -1,7 +1,7 @@
 """Plans beyond the memory margin, for autotuning to measure before it trusts them.
 
 :func:`search_beyond_margin` searches as ``search.search_schedules`` does, but for the whole
-memory limit rather than its plannable share (``analysis.MEMORY_MARGIN``), and adds the plans a
+memory limit rather than its plannable share (``Devices.memory_margin``), and adds the plans a
 user writes by hand (:func:`largest_first`); ``compile_osdp(autotune=K)`` times the fastest K
 of those predicted faster than the searched plan, and keeps one only when it measured under
 the limit and faster (``autotune.py``).
@@ -27,12 +27,13 @@ def search_beyond_margin(
     recompute: bool = True,
 ) -> list[tuple[float, Schedule, Found]]:
     """Plans the models predict to fit ``memory_limit_bytes`` itself, not only its plannable
-    share (``MEMORY_MARGIN``), and to step in less than ``faster_than_s`` (the best plan under
-    the margin), fastest first: none when none does. The prediction alone does not promise that
-    they fit; autotuning measures them first (``autotune.py``)."""
+    share (``Devices.memory_margin``), and to step in less than ``faster_than_s`` (the best plan
+    under the margin), fastest first: none when none does. The prediction alone does not
+    promise that they fit; autotuning measures them first (``autotune.py``)."""
     try:
         found = search_schedules(analysis, devices=devices,
-                                 memory_limit_bytes=unmargined_limit(memory_limit_bytes),
+                                 memory_limit_bytes=unmargined_limit(memory_limit_bytes,
+                                                                    devices.memory_margin),
                                  optimizer=optimizer, prefetch=prefetch,
                                  grad_accumulation=grad_accumulation, recompute=recompute)
     except PlanError:

@@ -11,7 +11,8 @@ from osdp_fx import compile_osdp
 from osdp_fx.devices import Devices
 from osdp_fx.errors import InputError
 from osdp_fx.plan_request import build_plan, resolve_plan
-from osdp_fx.planner import MEMORY_MARGIN, param_specs, predict, search_strategies
+from osdp_fx.analysis import MEMORY_MARGIN
+from osdp_fx.planner import param_specs, predict, search_strategies
 
 from test_planner import MIB, profiled_gpt
 

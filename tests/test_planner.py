@@ -18,8 +18,8 @@ from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.plan_request import build_plan, resolve_plan
 from osdp_fx.strategies import MESH_STRATEGIES
+from osdp_fx.analysis import MEMORY_MARGIN
 from osdp_fx.planner import (
-    MEMORY_MARGIN,
     make_plan,
     param_specs,
     predict,

@@ -177,7 +177,8 @@ def test_the_schedule_round_trips_through_the_plan_file_and_the_runtime_honours_
 def test_a_limit_the_most_sharded_plan_fits_always_gets_a_plan():
     """Near the all-full_shard peak the separable search may find nothing (rounding) or give
     up tightening; the most sharded plan, which fits by the timeline, is returned then."""
-    from osdp_fx.search import MEMORY_MARGIN, _activation_base, search_strategies
+    from osdp_fx.analysis import MEMORY_MARGIN
+    from osdp_fx.search import _activation_base, search_strategies
 
     analysis = _gpt()
     devices = Devices(world_size=4)

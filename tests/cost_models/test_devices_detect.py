@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from osdp_fx.detect import CPU_MEMORY_MARGIN
 from osdp_fx.devices import OPTIMIZERS, Devices
 from osdp_fx.errors import InputError
 
@@ -44,6 +45,16 @@ def test_json_errors_name_the_problem(tmp_path: Path) -> None:
         Devices.from_json(tmp_path / "missing.json")
 
 
+def test_memory_margin_is_a_share_of_the_limit(tmp_path: Path) -> None:
+    assert Devices().memory_margin == 0.03 == Devices.preset("a100-sxm-40gb-8x").memory_margin
+    devices = Devices(memory_margin=0.1)
+    devices.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json").memory_margin == 0.1
+    for bad in (1.0, -0.01, "3%", True):
+        with pytest.raises(InputError, match=r"memory_margin=.* is not a share of the memory"):
+            Devices(memory_margin=bad)
+
+
 def test_detect_without_process_group() -> None:
     # one intra-op thread, as each rank of a world has (torchrun's default): with the suite's
     # second worker busy, a pool of two threads on two cores makes every small operator wait
@@ -55,6 +66,7 @@ def test_detect_without_process_group() -> None:
     finally:
         torch.set_num_threads(threads)
     assert devices.world_size == 1 and devices.memory_bytes == 2 * 2**30
+    assert devices.memory_margin == CPU_MEMORY_MARGIN == 0.0  # no caching allocator
     _positive_finite(devices, MEASURED)
     # every optimizer kind is timed, per element and per tensor
     for times in (devices.optimizer_element_time_s, devices.optimizer_tensor_time_s):

@@ -1,5 +1,6 @@
 """``compile_osdp(autotune=K)`` on a real gloo world: it times the best predicted plans on the
-example inputs, with plans predicted above the memory margin among them, measures each one's
+example inputs, with plans predicted above the memory margin among them (a GPU's 3 %, set on
+the detected devices: on the CPU there is none), measures each one's
 peak, every rank keeps the same one, measured under the limit, the plan records the measured
 figures, the model's values are left alone, and training with the kept plan matches one
 process."""
@@ -14,10 +15,12 @@ from harness import cases
 from osdp_fx.analysis import plannable_bytes
 
 LIMIT = 560_000  # bytes: the harness GPT's search finds several distinct plans that fit
+MARGIN = 0.03
 
 
 def test_autotune_keeps_a_measured_plan_that_every_rank_agrees_on(worlds):
-    results = worlds(2).run(ac.train_autotuned, model="gpt", limit=LIMIT, autotune=3)
+    results = worlds(2).run(ac.train_autotuned, model="gpt", limit=LIMIT, autotune=3,
+                             margin=MARGIN)
     assert len({r["hash"] for r in results}) == 1
     for r in results:
         timed = r["plan"]["autotuned"]
@@ -34,7 +37,7 @@ def test_autotune_keeps_a_measured_plan_that_every_rank_agrees_on(worlds):
         assert r["plan"]["autotuned"] == results[0]["plan"]["autotuned"]  # the same figures
         assert sum(t["role"] == "predicted best" for t in timed) == 1
         for t in timed:  # plans predicted between the margin and the limit are marked
-            above = t["predicted_peak_bytes"] > plannable_bytes(LIMIT)
+            above = t["predicted_peak_bytes"] > plannable_bytes(LIMIT, MARGIN)
             assert t["role"] == ("predicted best" if t["hash"] == predicted_best
                                  else "above the margin" if above else "alternative"), t
         for t in timed:  # the plan's own peak, not the process's (which holds every copy)
