@@ -134,7 +134,8 @@ _measured: collections.OrderedDict[tuple[Any, ...], dict[str, NodeProfile]] = (
 
 _sequence_measured: collections.OrderedDict[tuple[Any, ...], NodeNumels | None] = (
     collections.OrderedDict())
-"""Sequence analyses of this process (``passes/sequence.py``), by :func:`_graph_key`."""
+"""Sequence analyses of this process (``passes/sequence.py``), by :func:`_graph_key`, the
+sequence length, the device and the nodes profiled."""
 
 
 def _graph_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
