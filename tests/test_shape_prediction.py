@@ -36,6 +36,34 @@ def test_peak_at_another_shape_matches_profiling_at_it(model):
         assert direct.peak_memory_bytes <= predicted <= direct.peak_memory_bytes * 1.005, (b, s)
 
 
+def test_profiling_only_the_nodes_that_hold_bytes_scales_as_profiling_every_node():
+    """The sequence analysis profiles only the nodes whose profile holds bytes beyond their
+    tensors (23 of this Llama's 237): every node's factors that the memory model multiplies
+    with nonzero bytes are those of profiling every node."""
+    from osdp_fx.analysis import _sequence_numels, analyze
+    from osdp_fx.capture import capture
+    from osdp_fx.cost_models.shapes import node_factors
+    from osdp_fx.meta import osdp_meta
+    from osdp_fx.passes.sequence import sequence_numels
+
+    x = _ids(4, 16)
+    captured = capture(shape_cases.build("llama"), (x,))
+    analyze(captured, (x,))
+    some = _sequence_numels(captured, (x,), 16)
+    every = sequence_numels(captured.gm, (x,), seq_len=16)
+    profiles = {n.name: osdp_meta(n).profile for n in captured.gm.graph.nodes}
+    held = {name for name, v in some.items() if any(v[0][3:])}
+    assert 0 < len(held) < len(some) // 4
+    for s in (8, 12, 20, 40):
+        a, b = node_factors(some, 16, s), node_factors(every, 16, s)
+        for name, p in profiles.items():
+            nonzero = (p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes,
+                       p.fwd_transient_bytes, p.bwd_transient_bytes)
+            assert a[name][:3] == b[name][:3], (s, name)
+            for k, nbytes in enumerate(nonzero, start=3):
+                assert not nbytes or a[name][k] == b[name][k], (s, name, k)
+
+
 def test_max_shape_plans_for_the_largest_shape():
     example = (_ids(2, 8),)
     at_example = compile_osdp(TinyGPT(67, 32, 2, 4, 64), example).plan.prediction
