@@ -404,7 +404,8 @@ def _no_plan_message(memory_limit_bytes: int, target: int, lowest_peak: int, bas
     return (
         f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank (the "
         f"search plans for {format_bytes(target)}, keeping {1 - target / memory_limit_bytes:.0%}"
-        f" for what the memory model does not predict): even with every parameter group sharded (full_shard)"
+        f" for what the memory model does not predict): even with every parameter group "
+        f"sharded (full_shard)"
         f"{' and every region recomputed' if regions else ''} a step needs "
         f"{format_bytes(lowest_peak)} ({format_bytes(lowest_peak - base)} "
         f"parameters, gradients and optimizer state, the rest activations). Raise the memory "
