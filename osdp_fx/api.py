@@ -38,7 +38,8 @@ from .precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .planner import (check_grad_accumulation, check_optimizer, make_plan,
                       param_specs)
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
-from .runtime.compile_support import GROUPED, grouped_for, under_torch_compile
+from .runtime.compile_support import (REGIONS, regions_for, release_graphs, run_eagerly,
+                                      under_torch_compile)
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
 from .runtime.accumulation import GradSync, HeldGrads
 from .runtime.forward import ModuleRuntime
@@ -313,11 +314,6 @@ def _broadcast_from_rank0(gm: fx.GraphModule) -> None:
             broadcast_(t.data, WORLD)
 
 
-def _release_graphs(graphs: list[fx.Graph]) -> None:
-    for graph in graphs:
-        graph._owning_module = None
-
-
 def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
     """The reducer (all-reduce buckets of the plan's size), reduce-scatter queue and no_sync
     state of one compiled module."""
@@ -356,15 +352,14 @@ class OSDPModule(nn.Module):
             regather=any(traits(p.strategy).freed_after_forward for p in plan.params))
         # A graph module and its graph refer to each other: cut that when this module goes, or
         # its shards outlive it until Python's collector runs (export nests graph modules).
-        weakref.finalize(self, _release_graphs, [
+        weakref.finalize(self, release_graphs, [
             m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)])
 
     # ---- running ------------------------------------------------------------------------
-    @torch.compiler.disable(recursive=False)  # torch.compile compiles self._gm only
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self._io(args, kwargs) if self._io else args  # io_spec.py; before any collective
         with self._runtime.forward() as scope:
-            scope.output = (grouped_for(self, self._gm) if under_torch_compile()
+            scope.output = (regions_for(self, self._gm) if under_torch_compile()
                             else self._gm)(*inputs)
         return scope.end()
 
@@ -381,9 +376,10 @@ class OSDPModule(nn.Module):
         super().zero_grad(set_to_none)
 
     def train(self, mode: bool = True) -> OSDPModule:
-        for gm in (self._gm, self.__dict__.get(GROUPED)):
-            if gm is not None:
-                gm.training = mode
+        self._gm.training = mode
+        regions = self.__dict__.get(REGIONS)
+        if regions is not None:
+            regions.train(mode)
         return super().train(mode)
 
     # ---- inspection ---------------------------------------------------------------------
@@ -480,3 +476,6 @@ class OSDPModule(nn.Module):
                     for part, full in table.pieces(canon, state_dict[key]):
                         local = table.local(part)
                         local.copy_(table.to_local(part, full.to(local.dtype)))
+
+
+run_eagerly(OSDPModule.forward)  # under torch.compile, the step's set-up runs as it is

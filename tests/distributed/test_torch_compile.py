@@ -2,12 +2,14 @@
 every strategy, a split plan, recomputed regions, mixed precision and prefetch, gradient
 accumulation with ``no_sync()``.
 
-Most cases compile with ``backend="aot_eager"`` (dynamo and AOT autograd, the graph breaks at
-the collectives and the compiled regions' forward and backward, without inductor's C++ code
-generation, which costs tens of seconds per graph on this CPU); one case runs inductor.
+Most cases compile with ``backend="aot_eager"`` (dynamo and AOT autograd: the regions of compute
+between the collectives compiled, forward and backward, without inductor's C++ code generation,
+which costs tens of seconds per graph on this CPU); one case runs inductor.
 """
 
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -40,34 +42,40 @@ def test_every_strategy(worlds, model, plan, devices):
     for result in results:
         assert {p["strategy"] for p in result["eager"]["plan"]["params"].values()} == {plan}
         assert_trains_like_eager(result)
-        # adjacent collective calls run as one: dynamo breaks the graph once per group
-        assert result["graph_breaks"] <= result["call_sites"] <= result["ungrouped_call_sites"]
+        # adjacent collective calls run as one; dynamo compiles each region between two calls
+        # whole, once, and nothing else
+        assert result["call_sites"] <= result["ungrouped_call_sites"]
+        assert result["graph_breaks"] == 0 and result["graphs"] == result["regions"]
+        assert result["regions"] <= result["call_sites"] + 1
 
 
-def test_adjacent_collective_calls_are_grouped_and_run_as_before(monkeypatch):
-    """The graph torch.compile runs groups each run of collective calls with nothing computed
-    between them into one call; run eagerly, it computes what the printed graph computes."""
+def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(monkeypatch):
+    """The module torch.compile runs groups each run of collective calls with nothing computed
+    between them into one call and makes each run of compute between two calls one region (a
+    submodule); run eagerly, it computes what the printed graph computes."""
     from osdp_fx import api, compile_osdp
     from osdp_fx.examples import TinyGPT
-    from osdp_fx.runtime.compile_support import CallGroup, _eager_calls, grouped_for
+    from osdp_fx.runtime.compile_support import REGION, CallGroup, is_collective_call, regions_for
 
     torch.manual_seed(0)  # weights larger than a gather bucket: gathered one by one
     net = TinyGPT(vocab=67, dim=128, depth=2, heads=4, max_seq=16)
     loss_fn = models.build("gpt", 0)[1]
     batch = models.batches("gpt", global_batch=2, steps=1)[0]
     compiled = compile_osdp(net, batch[:1], Devices(world_size=1), plan="shard_grad_op")
-    grouped = grouped_for(compiled, compiled.graph_module)
-    kinds = ["call" if n.op == "call_function" and n.target in _eager_calls else
-             "group" if n.op == "call_module" and isinstance(grouped.get_submodule(n.target),
-                                                             CallGroup) else
-             "attr" if n.op == "get_attr" else "other" for n in grouped.graph.nodes]
-    calls = [k for k in kinds if k != "attr"]
-    assert not any(a in ("call", "group") and b in ("call", "group")
-                   for a, b in zip(calls, calls[1:])), "two collective call sites in a row"
-    groups = kinds.count("group")
-    assert groups >= 2 and compile_cases.collective_call_sites(grouped) < (
+    regions = regions_for(compiled, compiled.graph_module)
+    kinds = ["call" if is_collective_call(regions, n) else
+             "region" if n.op == "call_module" and n.target.startswith(REGION) else
+             n.op for n in regions.graph.nodes]
+    assert set(kinds) == {"placeholder", "get_attr", "call", "region", "call_function", "output"}
+    assert all(n.target is operator.getitem for n in regions.graph.nodes  # a region's outputs
+               if n.op == "call_function" and not is_collective_call(regions, n))
+    steps = [k for k in kinds if k in ("call", "region")]
+    assert not any(a == b for a, b in zip(steps, steps[1:])), "two calls or regions in a row"
+    groups = sum(1 for n in regions.graph.nodes if n.op == "call_module"
+                 and isinstance(regions.get_submodule(n.target), CallGroup))
+    assert groups >= 2 and compile_cases.collective_call_sites(regions) < (
         compile_cases.collective_call_sites(compiled.graph_module))
-    assert compiled.code == compiled.graph_module.code and "osdp_call_group" not in compiled.code
+    assert compiled.code == compiled.graph_module.code and REGION not in compiled.code
 
     def step() -> tuple[float, dict[str, torch.Tensor]]:
         loss = loss_fn(compiled(*batch[:1]), batch)
@@ -77,7 +85,7 @@ def test_adjacent_collective_calls_are_grouped_and_run_as_before(monkeypatch):
         return loss.item(), grads
 
     plain = step()
-    monkeypatch.setattr(api, "under_torch_compile", lambda: True)  # the grouped graph, eagerly
+    monkeypatch.setattr(api, "under_torch_compile", lambda: True)  # the regions, eagerly
     loss, grads = step()
     assert loss == plain[0]
     for name, grad in plain[1].items():

@@ -8,20 +8,23 @@ from typing import Any
 import torch
 
 from osdp_fx import compile_osdp
-from osdp_fx.runtime.compile_support import grouped_for
+from osdp_fx.runtime.compile_support import REGION, regions_for
 from osdp_fx.storage_tracker import StorageTracker
 
 from .models import batches, build, local
 
 
 def collective_call_sites(gm: torch.fx.GraphModule) -> int:
-    """The graph's collective calls (torch.compile breaks the graph at each): runtime calls
-    and groups of them."""
-    from osdp_fx.runtime.compile_support import CallGroup, _eager_calls
+    """The graph's collective calls (regions of compute lie between them): runtime calls and
+    groups of them."""
+    from osdp_fx.runtime.compile_support import is_collective_call
 
-    return sum(1 for n in gm.graph.nodes
-               if (n.op == "call_function" and n.target in _eager_calls)
-               or (n.op == "call_module" and isinstance(gm.get_submodule(n.target), CallGroup)))
+    return sum(1 for n in gm.graph.nodes if is_collective_call(gm, n))
+
+
+def compiled_region_count(gm: torch.fx.GraphModule) -> int:
+    """The compute regions of a :func:`regions_for` module: the frames torch.compile compiles."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(REGION))
 
 
 def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
@@ -72,8 +75,9 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
         runs[mode] = {"losses": losses, "held_after_forward": held,
                       "state": compiled.full_state_dict(), "plan": compiled.plan.to_dict()}
         if mode == "compiled":
-            grouped = grouped_for(compiled, compiled.graph_module)
-            runs["call_sites"] = collective_call_sites(grouped)
+            regions = regions_for(compiled, compiled.graph_module)
+            runs["call_sites"] = collective_call_sites(regions)
+            runs["regions"] = compiled_region_count(regions)
             runs["ungrouped_call_sites"] = collective_call_sites(compiled.graph_module)
     runs["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     runs["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
