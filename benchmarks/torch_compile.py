@@ -11,8 +11,9 @@ runtime's collectives ([Note: torch.compile] in ``osdp_fx/runtime/compile_suppor
 ``torch.compile`` (what inductor gains on this model without osdp-fx; ``--no-reference``
 leaves it out).
 
-Every system gets ``--warmup`` steps first (the compiled ones compile then: the table shows those
-seconds), then all are timed round-robin in the same world (``--rounds`` rounds, the order
+Every system gets ``--warmup`` steps first, at least the 13 after which torch.compile's regions
+run their measured way ([Note: measured regions]: the compiled ones compile, then time each
+region compiled and eager; the table shows those seconds), then all are timed round-robin in the same world (``--rounds`` rounds, the order
 rotated each round so that changes in the machine's load hit every system alike; a step is
 forward, backward, AdamW step and zero_grad, after a barrier; its time is the slowest rank's;
 the median is kept). Besides the ratio of the medians it prints, per plan, the median of each
@@ -59,6 +60,7 @@ from compare import RESULTS_DIR, UNIFORM_PLANS, Config, System, build_model, loc
 from compare import time_round_robin  # noqa: E402
 from osdp_fx import Devices, compile_osdp  # noqa: E402
 from osdp_fx.examples import HFCausalLMWithLoss  # noqa: E402
+from osdp_fx.runtime.compiled_regions import SETTLED_AFTER  # noqa: E402
 
 DDP = "DDP"
 """The reference row's plan: DDP, eager and compiled, in the same world (what torch.compile
@@ -154,11 +156,25 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
                            options.gather_bucket_bytes, options.model)
                for plan in (*options.plans, *((DDP,) if options.reference else ()))
                for backend in (None, options.backend)]
-    warm_up(systems, max(1, cfg.warmup))
+    # the compiled systems compile, then time their regions both ways and choose
+    warm_up(systems, max(cfg.warmup, SETTLED_AFTER))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     time_round_robin(systems, cfg.steps, 0)
+    for s in systems:
+        s.info["regions"] = compiled_regions(s.model)
     rows = [s.row(world, cfg.batch) for s in systems]
     return {"rows": rows, "graphs": graphs, "backend": dist.get_backend(), "device": str(device)}
+
+
+def compiled_regions(module: torch.nn.Module) -> str:
+    """How many of an osdp-fx module's regions run compiled after the trials: "k of n"
+    ([Note: measured regions]); "-" for the others."""
+    from osdp_fx.runtime.compiled_regions import COMPILED, REGIONS
+
+    regions = getattr(module, "_orig_mod", module).__dict__.get(REGIONS)
+    if regions is None:
+        return "-"
+    return f"{sum(r.mode == COMPILED for r in regions.regions)} of {len(regions.regions)}"
 
 
 def _bucket_label(nbytes: int | None) -> str:
@@ -166,8 +182,9 @@ def _bucket_label(nbytes: int | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| plan | gather buckets | eager step s | compiled step s | compiled / eager "
-            "| eager fwd / bwd / opt s | compiled fwd / bwd / opt s | compiled warm-up s |")
+    head = ("| plan | gather buckets | regions compiled | eager step s | compiled step s "
+            "| compiled / eager | eager fwd / bwd / opt s | compiled fwd / bwd / opt s "
+            "| compiled warm-up s |")
     lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
     by_plan: dict[str, list[dict]] = {}
     for r in rows:
@@ -176,7 +193,7 @@ def table(rows: list[dict]) -> str:
         phases = [" / ".join(f"{r[f'{p}_s']:.3f}" for p in ("forward", "backward", "optimizer"))
                   for r in (eager, comp)]
         lines.append(
-            f"| {plan} | {_bucket_label(eager['gather_bucket_bytes'])} "
+            f"| {plan} | {_bucket_label(eager['gather_bucket_bytes'])} | {comp['regions']} "
             f"| {eager['step_s']:.3f} | {comp['step_s']:.3f} | "
             f"{comp['step_s'] / eager['step_s']:.2f}x | {phases[0]} | {phases[1]} | "
             f"{comp['warmup_s']:.1f} |")

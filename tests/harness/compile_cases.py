@@ -8,23 +8,17 @@ from typing import Any
 import torch
 
 from osdp_fx import compile_osdp
-from osdp_fx.runtime.compile_support import REGION, regions_for
+from osdp_fx.runtime.compiled_regions import regions_for
 from osdp_fx.storage_tracker import StorageTracker
 
 from .models import batches, build, local
 
 
 def collective_call_sites(gm: torch.fx.GraphModule) -> int:
-    """The graph's collective calls (regions of compute lie between them): runtime calls and
-    groups of them."""
+    """The graph's collective calls (regions of compute lie between them)."""
     from osdp_fx.runtime.compile_support import is_collective_call
 
-    return sum(1 for n in gm.graph.nodes if is_collective_call(gm, n))
-
-
-def compiled_region_count(gm: torch.fx.GraphModule) -> int:
-    """The compute regions of a :func:`regions_for` module: the frames torch.compile compiles."""
-    return sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(REGION))
+    return sum(1 for n in gm.graph.nodes if is_collective_call(n))
 
 
 def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
@@ -34,7 +28,8 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
                measure_held: bool = True) -> dict[str, Any]:
     """Train the same model from the same seed twice, eager and under ``torch.compile`` with
     ``backend``, ``steps`` SGD steps each; return both runs' losses and final states and how
-    many graphs dynamo compiled. ``method``: compile with ``compiled.compile()`` instead.
+    many graphs dynamo compiled, and how many regions torch.compile had and the way each runs
+    once chosen (``region_modes``, None before the trials end). ``method``: compile with ``compiled.compile()`` instead.
     ``accumulate``: each step first runs ``accumulate - 1`` forwards and backwards of its batch
     inside ``compiled.no_sync()``. ``held_after_forward``: the bytes of the storages the
     process holds after the last step's forward beyond those it held before it (the
@@ -76,9 +71,9 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
                       "state": compiled.full_state_dict(), "plan": compiled.plan.to_dict()}
         if mode == "compiled":
             regions = regions_for(compiled, compiled.graph_module)
-            runs["call_sites"] = collective_call_sites(regions)
-            runs["regions"] = compiled_region_count(regions)
-            runs["ungrouped_call_sites"] = collective_call_sites(compiled.graph_module)
+            runs["call_sites"] = collective_call_sites(compiled.graph_module)
+            runs["regions"] = len(regions.regions)
+            runs["region_modes"] = [r.mode for r in regions.regions] if regions.decided else None
     runs["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     runs["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     torch._dynamo.reset()
