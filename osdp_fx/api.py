@@ -491,4 +491,8 @@ class OSDPModule(nn.Module):
                         local.copy_(table.to_local(part, full.to(local.dtype)))
 
 
-run_eagerly(OSDPModule.forward)  # under torch.compile, the step's set-up runs as it is
+# Under torch.compile the step's set-up runs as it is, and so does all it calls but the regions
+# ([Note: torch.compile]).
+run_eagerly(OSDPModule.forward)
+run_eagerly(CallCheck.__call__, recursive=True)
+run_eagerly(ModuleRuntime.forward, recursive=True)

@@ -73,13 +73,16 @@ def eager(before: Callable[[], None]) -> Callable[[_F], _F]:
     return decorate
 
 
-def run_eagerly(fn: Callable[..., object]) -> None:
-    """Have torch.compile run ``fn``'s own frame as it is, and compile the frames it calls (as
-    ``torch.compiler.disable(fn, recursive=False)`` does, without a wrapper dynamo traces and
-    a call back into Python at each call: dynamo skips the code object from C)."""
-    from torch._dynamo.eval_frame import skip_code
+def run_eagerly(fn: Callable[..., object], *, recursive: bool = False) -> None:
+    """Have torch.compile run ``fn``'s frame as it is and compile the frames it calls, or, with
+    ``recursive``, run those as they are too: ``torch.compiler.disable(fn, recursive=...)``
+    without a wrapper around each call (dynamo skips the code object from C, not through a
+    call back into Python)."""
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    skip_code(fn.__code__)
+    nested = FrameAction.SKIP if recursive else FrameAction.DEFAULT
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, nested))
 
 
 def under_torch_compile() -> bool:
@@ -101,3 +104,4 @@ def release_graphs(graphs: list[fx.Graph]) -> None:
     other: without this their parameters outlive them until Python's collector runs)."""
     for graph in graphs:
         graph._owning_module = None
+

@@ -18,9 +18,9 @@ eagerly, whichever measured faster on this machine:
   only);
 - the forward after them sums each trial's times over the ranks (one all-reduce, so every rank
   makes the same choice) and compiles a region only where its compiled trials beat its eager
-  ones by more than chance would (:data:`SIGNIFICANCE`): ties run eagerly. From then on the
-  graph runs the eager regions' operators in its own frame, as without torch.compile, and calls
-  the compiled regions.
+  ones by more than chance would (:data:`SIGNIFICANCE`): ties run eagerly, and so as the plan
+  predicts (a compiled region frees a gathered parameter at its end, not after its last use).
+  From then on an eager region runs, with everything it calls, as without torch.compile.
 
 ``compiled.compiled_regions`` (``OSDPModule``) prints the regions, their times and choices.
 """
@@ -195,28 +195,30 @@ class CompiledRegions:
             not_faster = sum(c >= e for c in compiled for e in eager)
             r.mode = COMPILED if not_faster <= most else EAGER
         old = self.module
-        # a region run eagerly is its operators in the graph's own frame; a compiled one stays
-        # a Region (a graph module there would be recompiled with the graph, and so re-traced)
-        self.module = self._graph(
-            lambda k: self.regions[k] if self.regions[k].mode == COMPILED else None)
+        # A compiled region stays a Region (its body, a graph module, would be recompiled with
+        # the graph, and so re-traced); an eager one is its body, which runs, with everything
+        # it calls (saved-tensor hooks, free_param), as it does without torch.compile.
+        self.module = self._graph(lambda k: self.regions[k] if self.regions[k].mode == COMPILED
+                                  else self.regions[k].body)
+        for r in self.regions:
+            if r.mode == EAGER:
+                run_eagerly(type(r.body).forward, recursive=True)
         release_graphs([old.graph])
         self.decided = True
 
-    def _graph(self, call: Callable[[int], nn.Module | None]) -> fx.GraphModule:
-        """``gm``'s graph with each run ``k`` of compute a call of ``call(k)``, or, where that
-        is None, its operators as they are; it runs as it is, its callees as dynamo decides."""
+    def _graph(self, call: Callable[[int], nn.Module]) -> fx.GraphModule:
+        """``gm``'s graph with each run ``k`` of compute a call of ``call(k)``; it runs as it
+        is, its callees as dynamo decides."""
         starts = {run[0]: k for k, run in enumerate(self.runs)}
+        inside = {n for run in self.runs for n in run}
         graph = fx.Graph()
         graph._codegen = self.gm.graph._codegen  # export's pytree inputs and outputs
         env: dict[fx.Node, fx.Node] = {}
         targets: dict[str, Any] = {}
-        inside: set[fx.Node] = set()
         for node in self.gm.graph.nodes:
             k = starts.get(node)
-            module = call(k) if k is not None else None
-            if module is not None:
-                inside.update(self.runs[k])
-                targets[f"{REGION}{k}"] = module
+            if k is not None:
+                targets[f"{REGION}{k}"] = call(k)
                 inputs, outputs = _boundary(self.runs[k])
                 out = graph.call_module(f"{REGION}{k}", tuple(env[a] for a in inputs))
                 for i, n in enumerate(outputs):
@@ -227,7 +229,7 @@ class CompiledRegions:
             if node.op == "get_attr" and not node.users:
                 graph.erase_node(node)
         for node in graph.nodes:
-            if node.op in ("get_attr", "call_module") and node.target not in targets:
+            if node.op == "get_attr":
                 targets[node.target] = operator.attrgetter(node.target)(self.gm)
         top = fx.GraphModule(targets, graph, class_name=type(self.gm).__name__)
         run_eagerly(type(top).forward)  # each graph module has a class, and forward, its own
