@@ -43,7 +43,7 @@ from .compile_support import is_collective_call, release_graphs, run_eagerly
 
 WARMUP_STEPS = 2
 """Forwards that run every region compiled before the trials (the first compiles)."""
-TRIAL_STEPS = 5
+TRIAL_STEPS = 8
 """Timed forwards (and their backwards) per way of running the regions, alternating."""
 SETTLED_AFTER = WARMUP_STEPS + 2 * TRIAL_STEPS + 1
 """The forwards after which every region runs its chosen way (the last of them chooses)."""
