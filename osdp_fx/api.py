@@ -39,7 +39,7 @@ from .planner import (check_grad_accumulation, check_optimizer, make_plan,
                       param_specs)
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.compile_support import release_graphs, run_eagerly, under_torch_compile
-from .runtime.compiled_regions import REGIONS, regions_for
+from .runtime.compiled_regions import regions_for, regions_table, train_regions
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
 from .runtime.accumulation import GradSync, HeldGrads
 from .runtime.forward import ModuleRuntime
@@ -359,12 +359,9 @@ class OSDPModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self._io(args, kwargs) if self._io else args  # io_spec.py; before any collective
         with self._runtime.forward() as scope:
-            if under_torch_compile():  # [Note: measured regions]
-                regions = regions_for(self, self._gm)
-                regions.begin_forward()
-                scope.output = regions(*inputs)
-            else:
-                scope.output = self._gm(*inputs)
+            # under torch.compile, the graph's regions ([Note: measured regions])
+            scope.output = (regions_for(self, self._gm) if under_torch_compile()
+                            else self._gm)(*inputs)
         return scope.end()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -381,9 +378,7 @@ class OSDPModule(nn.Module):
 
     def train(self, mode: bool = True) -> OSDPModule:
         self._gm.training = mode
-        regions = self.__dict__.get(REGIONS)
-        if regions is not None:
-            regions.train(mode)
+        train_regions(self, mode)
         return super().train(mode)
 
     # ---- inspection ---------------------------------------------------------------------
@@ -399,12 +394,8 @@ class OSDPModule(nn.Module):
 
     @property
     def compiled_regions(self) -> str:
-        """Under torch.compile: the regions of compute between collective calls, their median
-        step times compiled and eager, and the way each runs ([Note: measured regions])."""
-        regions = self.__dict__.get(REGIONS)
-        if regions is None:
-            return "not run under torch.compile yet: no regions"
-        return regions.table()
+        """Under torch.compile: its regions and the way each runs (:func:`regions_table`)."""
+        return regions_table(self)
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -467,14 +458,7 @@ class OSDPModule(nn.Module):
                 f"{missing[:5]}, unexpected: {unexpected[:5]}); pass the dict returned by "
                 "full_state_dict() or the original model's state_dict()"
             )
-        expected = {
-            key: table.full_shape(table.alias_to_name[key]) if key in table.alias_to_name
-            else tuple(table.buffer(key).shape)
-            for key in table.state_keys
-        }
-        wrong = [f"{k!r} has shape {tuple(getattr(state_dict[k], 'shape', ()))}, the model "
-                 f"expects {shape}" for k, shape in expected.items()
-                 if not isinstance(state_dict[k], torch.Tensor) or tuple(state_dict[k].shape) != shape]
+        wrong = _wrong_shapes(table, state_dict)
         if wrong:  # checked before anything is loaded, so a failed load changes nothing
             raise InputError(
                 f"load_full_state_dict: tensors of the wrong shape ({'; '.join(wrong[:5])}); "
@@ -489,6 +473,18 @@ class OSDPModule(nn.Module):
                     for part, full in table.pieces(canon, state_dict[key]):
                         local = table.local(part)
                         local.copy_(table.to_local(part, full.to(local.dtype)))
+
+
+def _wrong_shapes(table: ParamTable, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """What in a full state dict (with every key of ``table``) has the wrong shape."""
+    expected = {
+        key: table.full_shape(table.alias_to_name[key]) if key in table.alias_to_name
+        else tuple(table.buffer(key).shape)
+        for key in table.state_keys
+    }
+    return [f"{k!r} has shape {tuple(getattr(state_dict[k], 'shape', ()))}, the model "
+            f"expects {shape}" for k, shape in expected.items()
+            if not isinstance(state_dict[k], torch.Tensor) or tuple(state_dict[k].shape) != shape]
 
 
 # Under torch.compile the step's set-up runs as it is, and so does all it calls but the regions

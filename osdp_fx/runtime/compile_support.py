@@ -40,6 +40,8 @@ from typing import TypeVar
 import torch
 from torch import fx
 
+from ..errors import InputError
+
 _F = TypeVar("_F", bound=Callable[..., object])
 
 _deferred: list[torch.Tensor] = []
@@ -77,12 +79,28 @@ def run_eagerly(fn: Callable[..., object], *, recursive: bool = False) -> None:
     """Have torch.compile run ``fn``'s frame as it is and compile the frames it calls, or, with
     ``recursive``, run those as they are too: ``torch.compiler.disable(fn, recursive=...)``
     without a wrapper around each call (dynamo skips the code object from C, not through a
-    call back into Python)."""
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
+    call back into Python). A torch without per-code strategies is refused under torch.compile
+    (:func:`check_compilable`)."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
     nested = FrameAction.SKIP if recursive else FrameAction.DEFAULT
     set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, nested))
+
+
+def check_compilable() -> None:
+    """InputError, under torch.compile, where this torch cannot skip code from C."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy  # noqa: F401
+        from torch._dynamo.types import FrameAction, FrameExecStrategy  # noqa: F401
+    except ImportError as e:
+        raise InputError(
+            f"torch.compile of an osdp-fx module needs dynamo's per-code execution strategies "
+            f"(torch._C._dynamo.eval_frame.set_code_exec_strategy), which torch "
+            f"{torch.__version__} lacks ({e}); upgrade torch (2.11 and 2.13 are tested) or "
+            f"run the module without torch.compile") from None
 
 
 def under_torch_compile() -> bool:

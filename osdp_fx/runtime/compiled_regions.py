@@ -39,7 +39,7 @@ import torch
 from torch import fx, nn
 
 from .collectives import WORLD, all_reduce_sum_
-from .compile_support import is_collective_call, release_graphs, run_eagerly
+from .compile_support import check_compilable, is_collective_call, release_graphs, run_eagerly
 
 WARMUP_STEPS = 2
 """Forwards that run every region compiled before the trials (the first compiles)."""
@@ -54,6 +54,11 @@ REGION = "osdp_region_"
 """The name of a region's submodule in the graph :class:`CompiledRegions` runs, before its
 index."""
 COMPILED, EAGER = "compiled", "eager"
+
+
+@torch.compiler.disable
+def _device_of(args: tuple[Any, ...]) -> torch.device | None:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
 
 
 @torch.compiler.disable
@@ -92,7 +97,7 @@ class Region(nn.Module):
 
     def _timed(self, run: Callable[..., tuple[Any, ...]], args: tuple[Any, ...]) -> Any:
         times = self.times[self.mode]
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        device = _device_of(args)
         t0 = _now(device)
         out = run(*args)
         times["forward"].append(_now(device) - t0)
@@ -169,12 +174,18 @@ class CompiledRegions:
         self.decided = False
 
     def __call__(self, *inputs: Any) -> Any:
+        self.begin_forward()
         return self.module(*inputs)
 
     @torch.compiler.disable
     def begin_forward(self) -> None:
-        """Called as each forward begins: the regions' way of running in it."""
+        """Called as each forward begins: the regions' way of running in it. Only forwards
+        with gradients count (a forward under ``torch.no_grad()`` is not timed)."""
         if self.decided:
+            return
+        if not torch.is_grad_enabled():
+            for r in self.regions:
+                r.timing = False
             return
         trial = self.forwards - WARMUP_STEPS
         self.forwards += 1
@@ -323,6 +334,7 @@ def regions_for(owner: nn.Module, gm: fx.GraphModule) -> CompiledRegions:
     if regions is None:
         import weakref
 
+        check_compilable()
         regions = CompiledRegions(gm)
         object.__setattr__(owner, REGIONS, regions)
         weakref.finalize(owner, regions.release)
@@ -330,3 +342,19 @@ def regions_for(owner: nn.Module, gm: fx.GraphModule) -> CompiledRegions:
 
 
 run_eagerly(CompiledRegions.__call__)
+
+
+def regions_table(owner: nn.Module) -> str:
+    """``owner``'s regions under torch.compile: operators, median times compiled and eager
+    (forward plus backward) and the way each runs."""
+    regions = owner.__dict__.get(REGIONS)
+    if regions is None:
+        return "not run under torch.compile yet: no regions"
+    return regions.table()
+
+
+def train_regions(owner: nn.Module, mode: bool) -> None:
+    """Set the training mode of ``owner``'s regions, if torch.compile has run it."""
+    regions = owner.__dict__.get(REGIONS)
+    if regions is not None:
+        regions.train(mode)

@@ -3,7 +3,8 @@ enters and leaves.
 
 ``OSDPModule.forward`` runs its graph module inside :meth:`ModuleRuntime.forward`. Entering and
 leaving it are runtime code that ``torch.compile`` runs as is ([Note: torch.compile] in
-``compile_support.py``): under ``torch.compile(compiled)`` only the graph module's frames are compiled.
+``compile_support.py``): under ``torch.compile(compiled)`` only the regions of the graph are
+compiled (``compiled_regions.py``).
 """
 
 from __future__ import annotations
