@@ -78,6 +78,9 @@ def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(
 
     plain = step()
     monkeypatch.setattr(api, "under_torch_compile", lambda: True)  # the regions, eagerly
+    with torch.no_grad():  # evaluation forwards are no trials
+        compiled(*batch[:1])
+    assert regions.forwards == 0
     for _ in range(compiled_regions.SETTLED_AFTER + 1):
         loss, grads = step()
         assert loss == plain[0]
