@@ -56,6 +56,8 @@ def detect_devices(
     import torch
     import torch.distributed as dist
 
+    from .runtime.collectives import collective_device
+
     distributed = dist.is_available() and dist.is_initialized()
     if group is not None and not distributed:
         raise InputError(
@@ -63,7 +65,7 @@ def detect_devices(
             "torch.distributed.init_process_group first, or omit group to measure one process"
         )
     world_size = dist.get_world_size(group) if distributed else 1
-    device = _benchmark_device(group) if distributed else torch.device("cpu")
+    device = collective_device(group) if distributed else torch.device("cpu")
     if ranks_per_node is None:
         ranks_per_node = _ranks_per_node_from_hosts(group) if world_size > 1 else 1
     if ranks_per_node < 1 or world_size % ranks_per_node:
@@ -106,15 +108,6 @@ def detect_devices(
     )
     log.info("detected %s", devices)
     return devices
-
-
-def _benchmark_device(group: Any) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _ranks_per_node_from_hosts(group: Any) -> int:

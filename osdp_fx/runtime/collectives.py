@@ -36,6 +36,14 @@ def resolve_group(name: str) -> Any:
     return _named_groups[name]
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """The device ``group``'s collectives take tensors on (NCCL: this rank's GPU; the default
+    group where None)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_size(name: str) -> int:
     """Ranks in the named group; 1 when torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .collectives import WORLD, all_reduce_sum_
+from .collectives import WORLD, all_reduce_sum_, collective_device, group_size
 from .compile_support import check_compilable, is_collective_call, release_graphs, run_eagerly
 
 WARMUP_STEPS = 2
@@ -199,9 +199,10 @@ class CompiledRegions:
     def _decide(self) -> None:
         samples = torch.tensor([[r.samples(m)[:TRIAL_STEPS] for m in (COMPILED, EAGER)]
                                 for r in self.regions], dtype=torch.float64)
-        summed = all_reduce_sum_(samples.to(_collective_device()), WORLD).cpu()
+        if group_size(WORLD) > 1:  # every rank chooses alike
+            samples = all_reduce_sum_(samples.to(collective_device()), WORLD).cpu()
         most = _most_pairs_not_faster(TRIAL_STEPS, SIGNIFICANCE)
-        for r, (compiled, eager) in zip(self.regions, summed.tolist()):
+        for r, (compiled, eager) in zip(self.regions, samples.tolist()):
             r.timing = False
             not_faster = sum(c >= e for c in compiled for e in eager)
             r.mode = COMPILED if not_faster <= most else EAGER
@@ -312,15 +313,6 @@ def _body(gm: fx.GraphModule, run: list[fx.Node]) -> fx.GraphModule:
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(gm, graph, class_name="OSDPRegion")
-
-
-def _collective_device() -> torch.device:
-    """The device the world's collectives take tensors on (NCCL: this rank's GPU)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 REGIONS = "_osdp_regions"
