@@ -11,7 +11,7 @@ runtime's collectives ([Note: torch.compile] in ``osdp_fx/runtime/compile_suppor
 ``torch.compile`` (what inductor gains on this model without osdp-fx; ``--no-reference``
 leaves it out).
 
-Every system gets ``--warmup`` steps first, at least the 13 after which torch.compile's regions
+Every system gets ``--warmup`` steps first, at least the 19 after which torch.compile's regions
 run their measured way ([Note: measured regions]: the compiled ones compile, then time each
 region compiled and eager; the table shows those seconds), then all are timed round-robin in the same world (``--rounds`` rounds, the order
 rotated each round so that changes in the machine's load hit every system alike; a step is
