@@ -13,13 +13,13 @@ leaves it out).
 
 Every system gets ``--warmup`` steps first, at least the 19 after which torch.compile's regions
 run their measured way ([Note: measured regions]: the compiled ones compile, then time each
-region compiled and eager; the table shows those seconds), then all are timed round-robin in
-the same world (``--rounds`` rounds, the order rotated each round so that changes in the
-machine's load hit every system alike; a step is forward, backward, AdamW step and zero_grad,
-after a barrier; its time is the slowest rank's; the median is kept). Besides the ratio of the medians it prints, per plan, the median of each
-round's compiled / eager ratio with its 90 % interval (a step varies by ±15 % on a loaded 2-core
-machine: 16 rounds gave 0.94-1.06x between runs). That the two train alike is tested
-(``tests/distributed/test_torch_compile.py``), not measured here.
+region compiled and eager; the table shows those seconds), then all are timed round-robin in the
+same world (``--rounds`` rounds, the order rotated each round so that changes in the machine's
+load hit every system alike; a step is forward, backward, AdamW step and zero_grad, after a
+barrier; its time is the slowest rank's; the median is kept). Besides the ratio of the medians
+it prints, per plan, the median of each round's compiled / eager ratio with its 90 % interval (a
+step varies by ±15 % on a loaded 2-core machine: 16 rounds gave 0.94-1.06x between runs). That
+the two train alike is tested (``tests/distributed/test_torch_compile.py``), not measured here.
 
     python benchmarks/torch_compile.py [--model gpt|llama] [--world-size 2]
         [--plans replicate,shard_grad_op,full_shard] [--backend inductor] [--dim N] [--depth N]
