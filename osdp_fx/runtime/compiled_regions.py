@@ -110,9 +110,7 @@ class Region(nn.Module):
                args: tuple[Any, ...], out: tuple[Any, ...]) -> None:
         """Time this forward's backward: from the first of the outputs' backward nodes until
         every input's gradient (with none, every own parameter's) is computed."""
-        for h in self._hooks:  # a forward whose backward never ran
-            h.remove()
-        self._hooks = []
+        self.unhook()  # a forward whose backward never ran
         outputs = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         inputs = inputs or [p for p in self.own_params if p.requires_grad]
@@ -127,12 +125,17 @@ class Region(nn.Module):
         def end(_: Any) -> None:
             if start:
                 into.append(_now(device) - start[0])
-            for h in self._hooks:
-                h.remove()
+            self.unhook()
 
         nodes = {id(o.grad_fn): o.grad_fn for o in outputs if o.grad_fn is not None}
         self._hooks = [n.register_prehook(begin) for n in nodes.values()]
         self._hooks.append(torch.autograd.graph.register_multi_grad_hook(inputs, end))
+
+    def unhook(self) -> None:
+        """Remove the clock's hooks (they hold the autograd nodes they watch)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def samples(self, mode: str) -> list[float]:
         """Seconds of each trial run ``mode`` way: its forward and, where timed, backward."""
@@ -204,6 +207,7 @@ class CompiledRegions:
         most = _most_pairs_not_faster(TRIAL_STEPS, SIGNIFICANCE)
         for r, (compiled, eager) in zip(self.regions, samples.tolist()):
             r.timing = False
+            r.unhook()
             not_faster = sum(c >= e for c in compiled for e in eager)
             r.mode = COMPILED if not_faster <= most else EAGER
         old = self.module
