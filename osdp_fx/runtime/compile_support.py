@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import fx
@@ -75,32 +75,40 @@ def eager(before: Callable[[], None]) -> Callable[[_F], _F]:
     return decorate
 
 
+def _code_strategies() -> tuple[Any, Any, Any] | str:
+    """Dynamo's per-code execution strategies (set_code_exec_strategy, FrameAction,
+    FrameExecStrategy), or why this torch has none."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError as e:
+        return str(e)
+    return set_code_exec_strategy, FrameAction, FrameExecStrategy
+
+
 def run_eagerly(fn: Callable[..., object], *, recursive: bool = False) -> None:
     """Have torch.compile run ``fn``'s frame as it is and compile the frames it calls, or, with
     ``recursive``, run those as they are too: ``torch.compiler.disable(fn, recursive=...)``
     without a wrapper around each call (dynamo skips the code object from C, not through a
     call back into Python). A torch without per-code strategies is refused under torch.compile
     (:func:`check_compilable`)."""
-    try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:
+    strategies = _code_strategies()
+    if isinstance(strategies, str):
         return
-    nested = FrameAction.SKIP if recursive else FrameAction.DEFAULT
-    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, nested))
+    set_code_exec_strategy, action, strategy = strategies
+    nested = action.SKIP if recursive else action.DEFAULT
+    set_code_exec_strategy(fn.__code__, strategy(action.SKIP, nested))
 
 
 def check_compilable() -> None:
     """InputError, under torch.compile, where this torch cannot skip code from C."""
-    try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy  # noqa: F401
-        from torch._dynamo.types import FrameAction, FrameExecStrategy  # noqa: F401
-    except ImportError as e:
+    missing = _code_strategies()
+    if isinstance(missing, str):
         raise InputError(
             f"torch.compile of an osdp-fx module needs dynamo's per-code execution strategies "
             f"(torch._C._dynamo.eval_frame.set_code_exec_strategy), which torch "
-            f"{torch.__version__} lacks ({e}); upgrade torch (2.11 and 2.13 are tested) or "
-            f"run the module without torch.compile") from None
+            f"{torch.__version__} lacks ({missing}); upgrade torch (2.13 is tested) or run the "
+            f"module without torch.compile")
 
 
 def under_torch_compile() -> bool:
