@@ -1,38 +1,59 @@
 """osdp-fx on a CUDA GPU: parity, predicted against measured memory and time, DDP and FSDP2.
 
-One command on a machine with a CUDA GPU (``python benchmarks/gpu_check.py``):
+One command on a machine with one CUDA GPU (``python benchmarks/gpu_check.py --quick --out-dir
+DIR``; about 6 minutes on one H200) measures three things:
 
 1. **Parity.** A GPT (``osdp_fx.examples``) and a Hugging Face Llama (tiny configs, random
    weights, captured by ``torch.export``) train 5 SGD steps on the GPU under ``replicate``,
    ``full_shard`` and the searched plan (at a limit halfway between those two plans' predicted
-   peaks), at world 1 with NCCL and at world 2 with two processes sharing the GPU over gloo
-   (NCCL refuses two ranks on one GPU; step 0 lists which gloo collectives take CUDA tensors),
-   each against single-process CUDA training on the global batch: losses to 1e-5 and parameters
-   to 1e-4 in fp32, and with ``mixed_precision="bf16"`` to the tolerances of
-   ``tests/distributed/test_mixed_precision.py`` (losses rtol 2e-2 / atol 2e-3, parameters
-   5e-3).
-2. **Memory.** A GPT of d=1024, 12 layers, sequence 1024, batch 4 per rank, bf16 compute and
-   AdamW: per plan, the predicted peak (``compiled.plan.prediction``: the first step's and the
-   steady state's) against ``torch.cuda.max_memory_allocated`` over step 1 and over steps 2-5
-   (and ``max_memory_reserved``, what the caching allocator holds), from a reset taken after
-   ``compile_osdp`` returns (no ``gc.collect()``, no ``empty_cache()`` between steps).
-3. **Time.** The same runs' predicted step time against the measured median; then
-   ``benchmarks/compare.py`` at world 1 (NCCL), which times full_shard against FSDP2
-   (``fully_shard`` per block) and replicate against DDP round-robin in one process group.
+   peaks), in fp32 and with ``mixed_precision="bf16"``, at world 1 with NCCL and at world 2 with
+   two processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU), each against
+   single-process CUDA training on the global batch: losses to 1e-5 and parameters to 1e-4 in
+   fp32, and to the tolerances of ``tests/distributed/test_mixed_precision.py`` in bf16 (losses
+   rtol 2e-2 / atol 2e-3, parameters 5e-3).
+2. **Memory.** A GPT of about 350M parameters (d=1024, 24 layers, sequence 1024, vocabulary
+   32768, batch 8 per rank) trained with AdamW, and a LoRA fine-tune (peft, rank 16 on every
+   attention and MLP projection) of a Llama of similar size (hidden 1024, 24 layers, batch 4 per
+   rank) whose frozen weights are bf16, both with bf16 compute: per plan, the predicted peak
+   (``plan.prediction``: the first step's and the steady state's) against
+   ``torch.cuda.max_memory_allocated`` over step 1 and over steps 2-5, and against
+   ``max_memory_reserved`` (what the caching allocator holds: the measured margin is
+   reserved / predicted - 1), each from a reset taken after ``compile_osdp`` returns (no
+   ``gc.collect()``, no ``empty_cache()`` between steps). Each model runs in processes of its
+   own, beside the parity worlds (a process's memory figures are its own): world 1 (NCCL) under
+   ``replicate`` and ``full_shard``, world 2 (gloo, two ranks on the GPU) under ``full_shard``
+   and the searched plan.
+3. **Time.** Alone on the GPU, world 1 (NCCL), the 350M GPT with bf16 compute: osdp-fx
+   ``replicate`` against DDP (under ``torch.autocast``) and osdp-fx ``full_shard`` against FSDP2
+   (``fully_shard`` per block and on the root, ``MixedPrecisionPolicy(bf16, reduce fp32)``),
+   timed round-robin, each step from a barrier to a device synchronize, the median of the
+   rounds; osdp-fx compiles with ``Devices.detect()``, and its predicted step time is shown
+   against the measured one. Then the same four under ``torch.compile`` (DDP and osdp-fx whole,
+   FSDP2 per block as torchtitan does), round-robin after 20 warm-up steps (osdp-fx's regions
+   choose compiled or eager in their first 19).
 
-Writes ``benchmarks/results/gpu-check.md`` (the tables) and ``gpu-check.json``; exits non-zero
-when a parity check fails or a predicted peak is off by more than 10 %.
+Each part writes its rows as soon as it ends: ``DIR/gpu-check.md`` (the tables) and
+``DIR/gpu-check.json``; a part that fails or runs out of ``--budget-s`` is recorded as such and
+the others still run. Exits non-zero when a parity check fails or a predicted steady peak is
+off ``max_memory_allocated`` by more than +5 % / -10 %.
 
-    python benchmarks/gpu_check.py [--skip-compare] [--memory-steps 5] [--quick]
+Without a GPU it prints that it has nothing to check; ``--cpu`` runs everything on the CPU at
+tiny sizes (gloo for NCCL), which checks the script itself.
+
+    python benchmarks/gpu_check.py [--quick] [--out-dir DIR] [--budget-s 330] [--cpu]
+        [--skip-parity] [--skip-memory] [--skip-time] [--skip-compile]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +64,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from osdp_fx import compile_osdp  # noqa: E402
+from osdp_fx import Devices, compile_osdp  # noqa: E402
 from osdp_fx.errors import OSDPError  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
@@ -52,35 +73,46 @@ MiB = 2**20
 RESULTS = ROOT / "benchmarks" / "results"
 PLANS = ("replicate", "full_shard", "searched")
 FP32_TOL = {"loss": (1e-5, 0.0), "param": (1e-4, 0.0)}  # (atol, rtol)
-def WORLDS() -> tuple[tuple[int, str], ...]:  # noqa: N802
-    """(world size, backend): one rank with NCCL, two ranks sharing the GPU with gloo."""
-    return ((1, "nccl" if torch.cuda.is_available() else "gloo"), (2, "gloo"))
-
-
 BF16_TOL = {"loss": (2e-3, 2e-2), "param": (5e-3, 0.0)}
+MEMORY_BOUNDS = (-0.10, 0.05)
+"""The promise checked: a predicted peak at most 10 % below and 5 % above the measured one
+(``(predicted - measured) / measured``)."""
+
+
+def nccl() -> str:
+    """The backend of a one-rank world on the GPU (gloo on the ``--cpu`` dry run)."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 # ---- models ------------------------------------------------------------------------------
 
-def build(name: str, *, dim: int = 64, depth: int = 2, seq: int = 32,
-          vocab: int = 256) -> torch.nn.Module:
+def build(name: str, *, dim: int = 64, depth: int = 2, seq: int = 32, vocab: int = 256,
+          heads: int = 4, lora_rank: int = 16) -> torch.nn.Module:
     """A model whose forward takes token ids and returns the LM loss (seeded: equal in every
-    process)."""
+    process). ``"lora"`` is a peft LoRA Llama whose frozen weights are bf16."""
     torch.manual_seed(0)
     if name == "gpt":
-        return GPTWithLoss(TinyGPT(vocab=vocab, dim=dim, depth=depth, heads=max(1, dim // 64)
-                                   if dim >= 256 else 4, max_seq=seq))
-    if name == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from transformers.utils import logging as hf_logging
+        return GPTWithLoss(TinyGPT(vocab=vocab, dim=dim, depth=depth, heads=heads, max_seq=seq))
+    if name not in ("llama", "lora"):
+        raise ValueError(name)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-        cfg = LlamaConfig(hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=depth,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                          max_position_embeddings=seq, use_cache=False,
-                          attn_implementation="sdpa")
-        return HFCausalLMWithLoss(LlamaForCausalLM(cfg))
-    raise ValueError(name)
+    hf_logging.set_verbosity_error()
+    large = dim >= 512
+    cfg = LlamaConfig(hidden_size=dim, intermediate_size=(11 * dim) // 4 if large else 2 * dim,
+                      num_hidden_layers=depth, num_attention_heads=heads,
+                      num_key_value_heads=heads if large else 2, vocab_size=vocab,
+                      max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa")
+    llama = LlamaForCausalLM(cfg)
+    if name == "llama":
+        return HFCausalLMWithLoss(llama)
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"])
+    return HFCausalLMWithLoss(get_peft_model(llama.to(torch.bfloat16), lora))
 
 
 def global_batches(steps: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
@@ -88,35 +120,14 @@ def global_batches(steps: int, batch: int, seq: int, vocab: int) -> list[torch.T
     return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]
 
 
-# ---- which gloo collectives take CUDA tensors ----------------------------------------------
-
-def probe_gloo_cuda(rank: int, world: int) -> dict[str, str]:
-    """Try each collective osdp-fx uses on CUDA tensors over gloo; 'ok' or the error."""
-    dev = _device_for(rank)
-    x = torch.full((4 * world,), float(rank + 1), device=dev)
-    calls = {
-        "all_reduce": lambda: dist.all_reduce(x.clone()),
-        "all_reduce async": lambda: dist.all_reduce(x.clone(), async_op=True).wait(),
-        "broadcast": lambda: dist.broadcast(x.clone(), src=0),
-        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
-            torch.empty(x.numel() * world, device=dev), x, async_op=True).wait(),
-        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
-            torch.empty(4, device=dev), x, async_op=True).wait(),
-        "all_gather (list)": lambda: dist.all_gather([torch.empty_like(x) for _ in range(world)],
-                                                     x),
-    }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            _sync()
-            out[name] = "ok"
-        except Exception as exc:  # reported, not raised: the point is to find out
-            out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    return out
+def strategy_counts(compiled: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in compiled.plan.params:
+        counts[str(p.strategy)] = counts.get(str(p.strategy), 0) + 1
+    return counts
 
 
-# ---- 1. parity ---------------------------------------------------------------------------
+# ---- the device ---------------------------------------------------------------------------
 
 def _device_for(rank: int) -> torch.device:
     """The GPU, which every rank shares (the CPU for ``--cpu``, a dry run of this script)."""
@@ -136,19 +147,23 @@ def _allocated(kind: str) -> int:
     if not torch.cuda.is_available():
         return 0
     return {"allocated": torch.cuda.memory_allocated, "max": torch.cuda.max_memory_allocated,
-            "reserved": torch.cuda.max_memory_reserved}[kind]()
+            "reserved": torch.cuda.memory_reserved,
+            "max_reserved": torch.cuda.max_memory_reserved}[kind]()
 
 
 def _plan_arg(plan: str, limits: dict[str, int]) -> dict[str, Any]:
+    """compile_osdp's ``plan`` and ``memory_limit`` for a named plan or ``"searched"`` (halfway
+    between replicate's and full_shard's predicted peaks, or 10 % above the smaller where
+    sharding saves nothing, as at world 1)."""
     if plan != "searched":
-        return {"plan": plan}
+        return {"plan": plan, "memory_limit": None}
     if not {"replicate", "full_shard"} <= set(limits):
         raise OSDPError("the searched plan's limit needs replicate's and full_shard's predictions")
     low, high = sorted((limits["replicate"], limits["full_shard"]))
-    # halfway; at world 1 sharding saves nothing, so at least what the smaller plan needs with
-    # the search's safety margin (planner.MEMORY_MARGIN) on top
     return {"plan": None, "memory_limit": max((low + high) // 2, int(low / 0.9))}
 
+
+# ---- 1. parity ---------------------------------------------------------------------------
 
 def train_compiled(rank: int, world: int, model: str, mp: str | None, steps: int,
                    batch: int, seq: int, vocab: int, lr: float) -> dict[str, Any]:
@@ -160,8 +175,7 @@ def train_compiled(rank: int, world: int, model: str, mp: str | None, steps: int
     for plan in PLANS:
         net = build(model, seq=seq, vocab=vocab).to(device)
         try:
-            compiled = compile_osdp(net, (data[0],), plan=_plan_arg(plan, limits)["plan"],
-                                    memory_limit=_plan_arg(plan, limits).get("memory_limit"),
+            compiled = compile_osdp(net, (data[0],), **_plan_arg(plan, limits),
                                     mixed_precision=mp, optimizer="sgd")
         except OSDPError as exc:
             out[plan] = {"error": str(exc)}
@@ -176,13 +190,23 @@ def train_compiled(rank: int, world: int, model: str, mp: str | None, steps: int
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        counts: dict[str, int] = {}
-        for p in compiled.plan.params:
-            counts[str(p.strategy)] = counts.get(str(p.strategy), 0) + 1
         out[plan] = {"losses": losses,
                      "state": {k: v.cpu() for k, v in compiled.full_state_dict().items()},
-                     "strategies": counts}
+                     "strategies": strategy_counts(compiled)}
         del compiled, opt
+    return out
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[str, str | None]],
+                *args: Any) -> dict[str, Any]:
+    """:func:`train_compiled` for each (model, precision) of ``cases`` in one world; a case that
+    raises is its error."""
+    out = {}
+    for model, mp in cases:
+        try:
+            out[f"{model}/{mp}"] = train_compiled(rank, world, model, mp, *args)
+        except Exception as exc:  # noqa: BLE001 - reported as the case's row
+            out[f"{model}/{mp}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return out
 
 
@@ -231,106 +255,301 @@ def compare(results: list[dict[str, Any]], ref: dict[str, Any], tol: dict[str, t
     return rows
 
 
-def parity(quick: bool) -> list[dict[str, Any]]:
-    steps, batch, seq, vocab, lr = 5, 4, 32, 256, 0.05
+PARITY_ARGS = (5, 4, 32, 256, 0.05)  # steps, global batch, sequence, vocabulary, SGD lr
+PARITY_CASES = [(m, mp) for m in ("gpt", "llama") for mp in (None, "bf16")]
+
+
+def parity_world(world: int, backend: str, timeout_s: float) -> list[dict[str, Any]]:
+    """Every case of :data:`PARITY_CASES` in one world, against single-process training."""
+    results = run_world(world, train_cases, PARITY_CASES, *PARITY_ARGS, backend=backend,
+                        timeout_s=timeout_s, collective_timeout_s=min(300.0, timeout_s))
     rows = []
-    worlds = WORLDS()
-    for model in ("gpt", "llama"):
-        for mp in (None, "bf16"):
-            if quick and mp is not None and model == "llama":
-                continue
-            ref = train_reference(model, mp, steps, batch, seq, vocab, lr)
-            for world, backend in worlds:
-                results = run_world(world, train_compiled, model, mp, steps, batch, seq, vocab,
-                                    lr, backend=backend, timeout_s=900.0,
-                                    collective_timeout_s=300.0)
-                for plan, row in compare(results, ref, BF16_TOL if mp else FP32_TOL).items():
-                    rows.append({"model": model, "precision": mp or "fp32", "world": world,
-                                 "backend": backend, "plan": plan, **row})
-                    print(json.dumps(rows[-1]), flush=True)
+    for model, mp in PARITY_CASES:
+        per_rank = [r[f"{model}/{mp}"] for r in results]
+        base = {"model": model, "precision": mp or "fp32", "world": world, "backend": backend}
+        if "error" in per_rank[0]:
+            rows.append({**base, "plan": "all", "ok": False, "error": per_rank[0]["error"]})
+            continue
+        ref = train_reference(model, mp, *PARITY_ARGS)
+        for plan, row in compare(per_rank, ref, BF16_TOL if mp else FP32_TOL).items():
+            rows.append({**base, "plan": plan, **row})
     return rows
 
 
-# ---- 2. and 3. memory and time -----------------------------------------------------------
+# ---- 2. memory -----------------------------------------------------------------------------
 
-def measure_plans(rank: int, world: int, dim: int, depth: int, seq: int, batch: int, vocab: int,
-                  steps: int) -> list[dict[str, Any]]:
-    """Per plan: predicted against measured peak (step 1, steps 2..) and step time."""
+def memory_sizes(quick: bool, cpu: bool) -> dict[str, dict[str, int]]:
+    """The memory and time models' sizes (tiny on the CPU dry run)."""
+    if cpu:
+        return {"gpt": dict(dim=128, depth=2, seq=64, vocab=512, heads=4, batch=2),
+                "lora": dict(dim=128, depth=2, seq=64, vocab=512, heads=4, batch=2)}
+    return {"gpt": dict(dim=1024, depth=24, seq=1024, vocab=32768, heads=16, batch=8),
+            "lora": dict(dim=1024, depth=24, seq=1024, vocab=32000, heads=16, batch=4)}
+
+
+def measure_memory(rank: int, world: int, model: str, size: dict[str, int], plans: list[str],
+                   steps: int, partial: str) -> list[dict[str, Any]]:
+    """Per plan, one after the other in this process: predicted against measured peaks (rank
+    0's rows also written to ``partial``, JSON, as each plan ends)."""
     device = _device_for(rank)
+    size = dict(size)
+    batch = size.pop("batch")
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    x = torch.randint(0, size["vocab"], (batch, size["seq"]), generator=gen).to(device)
     out: list[dict[str, Any]] = []
     limits: dict[str, int] = {}
-    for plan in ("replicate", "shard_grad_op", "full_shard", "searched"):
-        net = build("gpt", dim=dim, depth=depth, seq=seq, vocab=vocab).to(device)
-        args = _plan_arg(plan, limits)
+    for plan in plans:
+        row: dict[str, Any] = {"model": model, "world": world, "plan": plan}
         try:
-            compiled = compile_osdp(net, (x,), plan=args["plan"],
-                                    memory_limit=args.get("memory_limit"),
-                                    mixed_precision="bf16", optimizer="adamw")
-        except OSDPError as exc:
-            out.append({"plan": plan, "error": str(exc).splitlines()[0]})
-            continue
-        del net
-        pred = compiled.plan.prediction
-        limits[plan] = pred.peak_memory_bytes
-        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
-        _sync()
-        held_before = _allocated("allocated")
-        times, peaks, reserved = [], [], []
-        for _ in range(steps):
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            if world > 1:
-                dist.barrier()
-            _sync()
-            t0 = time.perf_counter()
-            compiled(x).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            _sync()
-            times.append(time.perf_counter() - t0)
-            peaks.append(_allocated("max"))
-            reserved.append(_allocated("reserved"))
-        counts: dict[str, int] = {}
-        for p in compiled.plan.params:
-            counts[str(p.strategy)] = counts.get(str(p.strategy), 0) + 1
-        out.append({
-            "plan": plan, "strategies": counts, "held_before_step1": held_before,
-            "predicted_first": pred.first_step_peak_bytes, "measured_first": peaks[0],
-            "predicted_steady": pred.peak_memory_bytes, "measured_steady": max(peaks[1:]),
-            "reserved_steady": max(reserved[1:]), "predicted_step_s": pred.step_time_s,
-            "measured_step_s": statistics.median(times[1:]),
-            "limit": args.get("memory_limit"),
-        })
-        del compiled, opt
+            row.update(_measure_plan(model, size, plan, x, device, world, steps, limits))
+        except Exception as exc:  # noqa: BLE001 - the plan's row says what failed
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        out.append(row)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if rank == 0:
+            Path(partial).write_text(json.dumps(out, default=str))
     return out
+
+
+def _measure_plan(model: str, size: dict[str, int], plan: str, x: torch.Tensor,
+                  device: torch.device, world: int, steps: int,
+                  limits: dict[str, int]) -> dict[str, Any]:
+    args = _plan_arg(plan, limits)
+    held_before_model = _allocated("allocated")
+    net = build(model, **size).to(device)
+    n_params = sum(p.numel() for p in net.parameters())
+    n_trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    start = time.perf_counter()
+    compiled = compile_osdp(net, (x,), **args, mixed_precision="bf16", optimizer="adamw")
+    compile_s = time.perf_counter() - start
+    del net
+    pred = compiled.plan.prediction
+    limits[plan] = pred.peak_memory_bytes
+    opt = torch.optim.AdamW([p for p in compiled.parameters() if p.requires_grad], lr=1e-4)
+    _sync()
+    held_before = _allocated("allocated")
+    reserved_before = _allocated("reserved")
+    times, peaks, reserved = [], [], []
+    for _ in range(steps):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        if world > 1:
+            dist.barrier()
+        _sync()
+        t0 = time.perf_counter()
+        compiled(x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync()
+        times.append(time.perf_counter() - t0)
+        peaks.append(_allocated("max"))
+        reserved.append(_allocated("max_reserved"))
+    row = {
+        "params": n_params, "trainable": n_trainable, "strategies": strategy_counts(compiled),
+        "compile_s": compile_s, "held_before_model": held_before_model,
+        "held_before_step1": held_before, "reserved_before_step1": reserved_before,
+        "predicted_first": pred.first_step_peak_bytes, "measured_first": peaks[0],
+        "predicted_steady": pred.peak_memory_bytes, "measured_steady": max(peaks[1:]),
+        "reserved_first": reserved[0], "reserved_steady": max(reserved[1:]),
+        "predicted_step_s": pred.step_time_s, "measured_step_s": statistics.median(times[1:]),
+        "limit": args["memory_limit"],
+    }
+    del compiled, opt
+    return row
 
 
 def _err(pred: int | None, meas: int) -> float | None:
     return None if not pred or not meas else (pred - meas) / meas
 
 
-def memory_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| world | plan | strategies | first step pred / meas (MiB) | err | steady pred / "
-             "meas (MiB) | err | reserved (MiB) | step pred / meas (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def memory_off(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows whose steady or first-step prediction is outside :data:`MEMORY_BOUNDS`."""
+    low, high = MEMORY_BOUNDS
+    off = []
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['world']} | {r['plan']} | {r['error']} |||||||")
+        if "error" in r or not torch.cuda.is_available():
             continue
-        e1, e2 = _err(r["predicted_first"], r["measured_first"]), _err(
-            r["predicted_steady"], r["measured_steady"])
-        lines.append(
-            f"| {r['world']} | {r['plan']} | {r['strategies']} | "
-            f"{(r['predicted_first'] or 0) / MiB:.0f} / {r['measured_first'] / MiB:.0f} | "
-            f"{'' if e1 is None else f'{e1:+.1%}'} | {r['predicted_steady'] / MiB:.0f} / "
-            f"{r['measured_steady'] / MiB:.0f} | {'' if e2 is None else f'{e2:+.1%}'} | {r['reserved_steady'] / MiB:.0f} | "
-            f"{r['predicted_step_s'] * 1e3:.1f} / {r['measured_step_s'] * 1e3:.1f} |")
-    return "\n".join(lines)
+        errs = [_err(r["predicted_steady"], r["measured_steady"]),
+                _err(r["predicted_first"], r["measured_first"])]
+        if any(e is not None and not low <= e <= high for e in errs):
+            off.append(r)
+    return off
 
+
+# ---- 3. time -------------------------------------------------------------------------------
+
+class Autocast(torch.nn.Module):
+    """``module`` run under ``torch.autocast`` in bf16: how a DDP user trains in bf16."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return self.module(x)
+
+
+def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmup: int,
+                 compiled_too: bool, deadline: float, partial: str) -> dict[str, Any]:
+    """DDP, FSDP2, osdp-fx replicate and full_shard, eager, then under torch.compile; what is
+    measured so far is also written to ``partial`` (JSON) as each half ends."""
+    import compare as bench
+
+    device = _device_for(rank)
+    cfg = bench.Config(vocab=size["vocab"], dim=size["dim"], depth=size["depth"],
+                       heads=size["heads"], seq=size["seq"], batch=size["batch"])
+    x = bench.local_batch(cfg, rank, device)
+    start = time.perf_counter()
+    devices = Devices.detect()
+    detect_s = time.perf_counter() - start
+    out: dict[str, Any] = {"detect_s": detect_s, "devices": {
+        "compute_flops_per_s": devices.compute_flops_per_s,
+        "bf16_flops_per_s": devices.compute_flops_per_s_by_dtype.get("bfloat16"),
+        "memory_bandwidth_bytes_per_s": devices.memory_bandwidth_bytes_per_s,
+        "memory_margin": devices.memory_margin}}
+    for compiled in (False, True) if compiled_too else (False,):
+        key = "compiled" if compiled else "eager"
+        if time.time() > deadline:  # wall clock: the deadline comes from the parent process
+            out[key] = {"error": "skipped: out of --budget-s"}
+            continue
+        try:
+            systems = _systems(cfg, world, device, x, devices, compiled)
+            bench.time_round_robin(systems, rounds, warmup + (19 if compiled else 0))
+            out[key] = [dict(s.row(world, cfg.batch), system=s.system, plan=s.plan)
+                        for s in systems]
+        except Exception as exc:  # noqa: BLE001 - the part's row says what failed
+            out[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+        systems = []
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        Path(partial).write_text(json.dumps(out, default=str))
+    return out
+
+
+def _systems(cfg: Any, world: int, device: torch.device, x: torch.Tensor, devices: Devices,
+             compiled: bool) -> list[Any]:
+    import compare as bench
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] = torch.compile if compiled else (
+        lambda m: m)
+    ddp = DDP(bench.build_model(cfg, device),
+              device_ids=[device.index] if device.type == "cuda" else None)
+    systems = [bench.System("DDP (autocast bf16)", "-", wrap(Autocast(ddp)), x, device)]
+    fsdp = bench.build_model(cfg, device)
+    mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in fsdp.model.blocks:
+        if compiled:
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(fsdp, mesh=mesh, mp_policy=policy)
+    systems.append(bench.System("FSDP2 (bf16)", "-", fsdp, x, device))
+    for plan in ("replicate", "full_shard"):
+        osdp = compile_osdp(bench.build_model(cfg, device), (x,), devices, plan=plan,
+                            mixed_precision="bf16", optimizer="adamw")
+        s = bench.System("osdp-fx (bf16)", plan, wrap(osdp), x, device)
+        s.info.update(predicted_step_s=osdp.plan.step_time_s,
+                      predicted_peak_bytes=osdp.plan.peak_memory_bytes)
+        systems.append(s)
+    return systems
+
+
+# ---- running the parts side by side ----------------------------------------------------------
+
+class Report:
+    """The rows of every part, written to ``out_dir`` each time a part ends."""
+
+    def __init__(self, out_dir: Path, name: str) -> None:
+        self.out_dir, self.lock = out_dir, threading.Lock()
+        self.data: dict[str, Any] = {"device": name, "torch": torch.__version__,
+                                     "cuda": torch.version.cuda, "parts": {}}
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def add(self, part: str, value: Any, seconds: float) -> None:
+        with self.lock:
+            self.data["parts"][part] = {"seconds": round(seconds, 1), "value": value}
+            (self.out_dir / "gpu-check.json").write_text(
+                json.dumps(self.data, indent=1, default=str))
+            (self.out_dir / "gpu-check.md").write_text(markdown(self.data))
+        print(f"[{part}] done in {seconds:.0f} s", flush=True)
+
+
+def _in_thread(report: Report, part: str, fn: Callable[[], Any]) -> threading.Thread:
+    def target() -> None:
+        start = time.monotonic()
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - the part's entry says what failed
+            value = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+        report.add(part, value, time.monotonic() - start)
+
+    thread = threading.Thread(target=target, name=part, daemon=True)
+    thread.start()
+    return thread
+
+
+def run(args: argparse.Namespace) -> Report:
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"
+    print(f"device: {name}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    report = Report(args.out_dir, name)
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    sizes = memory_sizes(args.quick, args.cpu)
+    report.data["sizes"] = sizes
+
+    def left() -> float:
+        return max(10.0, deadline - time.monotonic())
+
+    threads = []
+    if not args.skip_parity:
+        for world, backend in ((1, nccl()), (2, "gloo")):
+            threads.append(_in_thread(report, f"parity world {world} ({backend})",
+                                      lambda w=world, b=backend: parity_world(
+                                          w, b, max(10.0, left() - args.time_reserve_s))))
+    if not args.skip_memory:
+        for model in ("gpt", "lora"):
+            for world, backend, plans in ((1, nccl(), ["replicate", "full_shard"]),
+                                          (2, "gloo", ["replicate", "full_shard", "searched"])):
+                def measure(model=model, world=world, backend=backend, plans=plans) -> Any:
+                    partial = args.out_dir / f"memory-{model}-{world}.json"
+                    try:  # rank 0's rows; ended in time for the time part to run alone
+                        return run_world(world, measure_memory, model, sizes[model], plans,
+                                         args.memory_steps, str(partial), backend=backend,
+                                         timeout_s=max(10.0, left() - args.time_reserve_s),
+                                         collective_timeout_s=300.0)[0]
+                    except OSDPError as exc:  # the plans measured before it failed
+                        rows = json.loads(partial.read_text()) if partial.exists() else []
+                        return rows + [{"model": model, "world": world, "plan": "(rest)",
+                                        "error": str(exc).splitlines()[0][:300]}]
+                threads.append(_in_thread(report, f"memory {model} world {world} ({backend})",
+                                          measure))
+    # the time part runs alone on the GPU: after the others, within what is left
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic() - args.time_reserve_s))
+    if not args.skip_time:
+        t0 = time.monotonic()
+        report.data["running_beside_time"] = [t.name for t in threads if t.is_alive()]
+        partial = args.out_dir / "time-partial.json"
+        try:
+            value = run_world(1, time_systems, sizes["gpt"], args.rounds, 2,
+                              not args.skip_compile, time.time() + left() - 40.0,
+                              str(partial), backend=nccl(), timeout_s=left(),
+                              collective_timeout_s=300.0)[0]
+        except Exception as exc:  # noqa: BLE001 - keep what the world measured before it failed
+            value = json.loads(partial.read_text()) if partial.exists() else {}
+            value["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        report.add("time world 1", value, time.monotonic() - t0)
+    for thread in threads:  # each world has its own timeout
+        thread.join()
+    return report
+
+
+# ---- tables ----------------------------------------------------------------------------------
 
 def parity_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | precision | world (backend) | plan | strategies | max loss diff | "
@@ -341,79 +560,135 @@ def parity_table(rows: list[dict[str, Any]]) -> str:
                          f"{r['plan']} | {r['error']} | | | no |")
             continue
         lines.append(f"| {r['model']} | {r['precision']} | {r['world']} ({r['backend']}) | "
-                     f"{r['plan']} | {r['strategies']} | {r['loss_diff']:.1e} | "
+                     f"{r['plan']} | {_counts(r['strategies'])} | {r['loss_diff']:.1e} | "
                      f"{r['param_diff']:.1e} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def _pct(e: float | None) -> str:
+    return "" if e is None else f"{e:+.1%}"
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | world | plan | strategies | step 1 pred / meas (MiB) | err | steps 2+ "
+             "pred / meas (MiB) | err | reserved (MiB) | reserved / pred | compile (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['world']} | {r['plan']} | {r['error']} "
+                         "||||||||")
+            continue
+        e1 = _err(r["predicted_first"], r["measured_first"])
+        e2 = _err(r["predicted_steady"], r["measured_steady"])
+        margin = r["reserved_steady"] / r["predicted_steady"] - 1 if r["predicted_steady"] else 0
+        lines.append(
+            f"| {r['model']} | {r['world']} | {r['plan']} | {_counts(r['strategies'])} | "
+            f"{(r['predicted_first'] or 0) / MiB:.0f} / {r['measured_first'] / MiB:.0f} | "
+            f"{_pct(e1)} | {r['predicted_steady'] / MiB:.0f} / {r['measured_steady'] / MiB:.0f} "
+            f"| {_pct(e2)} | {r['reserved_steady'] / MiB:.0f} | {margin:+.1%} | "
+            f"{r['compile_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
+    """Median step times; each osdp-fx plan against its baseline (``baseline[plan]``)."""
+    by_name = {r["system"]: r for r in rows}
+    lines = ["| system | plan | step (ms) | fwd / bwd / opt (ms) | predicted (ms) | vs baseline |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = by_name.get(baseline.get(r["plan"], ""))
+        ratio = f"{r['step_s'] / base['step_s']:.3f}x {base['system'].split()[0]}" if (
+            base and r["system"].startswith("osdp")) else ""
+        pred = f"{r['predicted_step_s'] * 1e3:.1f}" if r.get("predicted_step_s") else ""
+        lines.append(f"| {r['system']} | {r['plan']} | {r['step_s'] * 1e3:.1f} | "
+                     f"{r['forward_s'] * 1e3:.1f} / {r['backward_s'] * 1e3:.1f} / "
+                     f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _part(value: Any) -> str | None:
+    """A failed part's message, or None."""
+    return value["error"] if isinstance(value, dict) and "error" in value else None
+
+
+def markdown(data: dict[str, Any]) -> str:
+    parts = data["parts"]
+    text = [f"# osdp-fx on {data['device']} (torch {data['torch']}, CUDA {data['cuda']})", ""]
+    parity = [(k, v) for k, v in parts.items() if k.startswith("parity")]
+    if parity:
+        rows = []
+        text += ["## Parity against single-process training (5 SGD steps)", ""]
+        for k, v in parity:
+            if _part(v["value"]):
+                text += [f"{k}: failed: {_part(v['value'])}", ""]
+            else:
+                rows += v["value"]
+        text += [parity_table(rows), ""]
+    memory = [(k, v) for k, v in parts.items() if k.startswith("memory")]
+    if memory:
+        rows = []
+        text += [f"## Memory: {data.get('sizes')}, bf16 compute, AdamW", ""]
+        for k, v in memory:
+            if _part(v["value"]):
+                text += [f"{k}: failed: {_part(v['value'])}", ""]
+            else:
+                rows += v["value"]
+        text += [memory_table(rows), ""]
+    if "time world 1" in parts:
+        value = parts["time world 1"]["value"]
+        text += ["## Step time, world 1 (NCCL), round-robin", ""]
+        if _part(value):
+            text += [f"failed: {_part(value)}", ""]
+        if "devices" in value:
+            text += [f"Devices.detect ({value['detect_s']:.0f} s): {value['devices']}", ""]
+            for key in ("eager", "compiled"):
+                if key in value:
+                    text += [f"### {key}", ""]
+                    text += [f"failed: {_part(value[key])}" if _part(value[key]) else time_table(
+                        value[key], {"replicate": "DDP (autocast bf16)",
+                                     "full_shard": "FSDP2 (bf16)"}), ""]
+    return "\n".join(text)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer parity cases, a smaller GPT")
-    parser.add_argument("--skip-compare", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="every part within --budget-s (default 450 s with --quick)")
+    parser.add_argument("--budget-s", type=float, default=None)
+    parser.add_argument("--time-reserve-s", type=float, default=220.0,
+                        help="seconds of the budget kept for the time part")
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--memory-steps", type=int, default=5)
-    parser.add_argument("--memory-worlds", type=int, nargs="*", default=[1, 2],
-                        help="world sizes of the memory and time runs (1: NCCL; 2: gloo)")
-    parser.add_argument("--depth", type=int, default=None,
-                        help="layers of the memory and time GPT (default 12; 4 with --quick)")
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--cpu", action="store_true",
                         help="without a GPU: run every step on the CPU (checks the script only)")
     args = parser.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 450.0 if args.quick else 1800.0
     if not torch.cuda.is_available() and not args.cpu:
         print("gpu_check: no CUDA device (--cpu: a dry run of the script on the CPU)")
         return 0
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"
-    print(f"device: {name}, torch {torch.__version__}", flush=True)
-    report: dict[str, Any] = {"device": name, "torch": torch.__version__}
-    report["gloo_cuda"] = run_world(2, probe_gloo_cuda, backend="gloo")[0]
-    print("gloo collectives on CUDA tensors:", json.dumps(report["gloo_cuda"]), flush=True)
-    if not args.skip_parity:
-        report["parity"] = parity(args.quick)
-    size = dict(dim=128, depth=2, seq=64, batch=2, vocab=512) if args.cpu else dict(
-        dim=512, depth=4, seq=512, batch=4, vocab=8192) if args.quick else dict(
-        dim=1024, depth=12, seq=1024, batch=4, vocab=8192)
-    if args.depth:
-        size["depth"] = args.depth
-    report["memory_config"] = size
-    mem_rows = []
-    for world, backend in () if args.skip_memory else WORLDS():
-        if world not in args.memory_worlds:
-            continue
-        rows = run_world(world, measure_plans, *size.values(), args.memory_steps,
-                         backend=backend, timeout_s=1200.0, collective_timeout_s=600.0)[0]
-        for r in rows:
-            r["world"] = world
-            print(json.dumps(r), flush=True)
-        mem_rows += rows
-    report["memory"] = mem_rows
-    if not args.skip_compare:
-        import compare as compare_bench
-
-        report["compare"] = compare_bench.main(
-            ["--world-size", "1", "--dim", "1024", "--depth", "12", "--heads", "16", "--seq", "1024",
-             "--batch", "4", "--vocab", "8192", "--steps", "6", "--limits", "1", "--no-plot",
-             "--out-dir", str(args.out_dir)])
-    text = [f"# osdp-fx on {name} (torch {torch.__version__})", "",
-            "gloo collectives on CUDA tensors (2 ranks sharing the GPU): " +
-            ", ".join(f"{k}: {v}" for k, v in report["gloo_cuda"].items()), ""]
-    if "parity" in report:
-        text += ["## Parity against single-process CUDA training (5 SGD steps)", "",
-                 parity_table(report["parity"]), ""]
-    text += [f"## Memory and step time: GPT {size}, bf16 compute, AdamW", "",
-             memory_table(mem_rows), ""]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "gpu-check.md").write_text("\n".join(text))
-    (args.out_dir / "gpu-check.json").write_text(json.dumps(report, indent=1, default=str))
-    print("\n".join(text), flush=True)
-    failed = [r for r in report.get("parity", []) if not r["ok"]]
-    off = [r for r in mem_rows if "error" not in r and torch.cuda.is_available()
-           and abs(_err(r["predicted_steady"], r["measured_steady"]) or 0) > 0.10]
-    print(f"parity failures: {len(failed)}; plans whose steady peak is off by > 10 %: {len(off)}")
+    report = run(args)
+    print(markdown(report.data), flush=True)
+    parts = report.data["parts"]
+    failed = [r for k, v in parts.items() if k.startswith("parity")
+              for r in (v["value"] if isinstance(v["value"], list) else [v["value"]])
+              if not r.get("ok")]
+    off = memory_off([r for k, v in parts.items() if k.startswith("memory")
+                      and isinstance(v["value"], list) for r in v["value"]])
+    print(f"parity failures: {len(failed)}; predicted peaks outside {MEMORY_BOUNDS}: {len(off)}")
     return 1 if failed or off else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

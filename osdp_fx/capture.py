@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import inspect
 import logging
+import math
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -264,7 +265,8 @@ def _export(model: nn.Module, example_inputs: tuple[Any, ...],
 def _export_module(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     with unchanged_state(model):
         gm = torch.export.export(model, example_inputs, strict=False,
-                                 dynamic_shapes=dynamic_shapes(example_inputs)).module()
+                                 dynamic_shapes=dynamic_shapes(example_inputs,
+                                                               model.forward)).module()
     # ExportedProgram.module() binds train() and eval() (which only raise) to the module itself,
     # a reference cycle that would keep a dropped compiled model's tensors until Python's
     # collector runs; OSDPModule.train switches modes itself.
@@ -273,14 +275,26 @@ def _export_module(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.Grap
     return gm
 
 
-def dynamic_shapes(example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+def dynamic_shapes(example_inputs: tuple[Any, ...],
+                   forward: Callable[..., Any] | None = None) -> tuple[Any, ...]:
     """torch.export's ``dynamic_shapes`` for positional inputs: the batch (dimension 0) and
     sequence (dimension 1) of every tensor are ``Dim.AUTO``, so one graph takes any batch size
     and sequence length; a dimension the model fixes (a size of 1 in the example, a feature
-    dimension a weight fixes) stays static ([Note: input shapes] in ``io_spec.py``)."""
+    dimension a weight fixes) stays static ([Note: input shapes] in ``io_spec.py``). Where
+    ``forward`` takes ``*args`` (a peft ``PeftModel``'s does), the inputs it collects are one
+    tuple of specs, as torch.export matches them to the signature."""
     auto = torch.export.Dim.AUTO
-    return tuple({d: auto for d in range(min(x.dim(), 2))} if isinstance(x, torch.Tensor)
-                 else None for x in example_inputs)
+    specs = tuple({d: auto for d in range(min(x.dim(), 2))} if isinstance(x, torch.Tensor)
+                  else None for x in example_inputs)
+    if forward is None:
+        return specs
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for i, param in enumerate(inspect.signature(forward).parameters.values()):
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            return (*specs[:i], specs[i:])
+        if param.kind not in positional:
+            break
+    return specs
 
 
 def _reason(exc: BaseException) -> str:

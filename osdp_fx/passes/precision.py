@@ -61,9 +61,11 @@ _DTYPE_KWARG_CONVERSIONS = (torch.ops.aten.to.dtype_layout, torch.ops.aten._to_c
 
 
 def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
-    """Make every conversion :func:`_traced_as_same_dtype_conversion` finds convert to the
-    compute ``dtype``; returns how many there were."""
-    nodes = [n for n in gm.graph.nodes if _traced_as_same_dtype_conversion(n)]
+    """Make every conversion :func:`_traced_as_same_dtype_conversion` or
+    :func:`_converts_to_its_params_dtype` finds convert to the compute ``dtype``; returns how
+    many there were."""
+    nodes = [n for n in gm.graph.nodes
+             if _traced_as_same_dtype_conversion(n) or _converts_to_its_params_dtype(gm, n)]
     for node in nodes:
         if node.target is torch.ops.aten.to.dtype:
             node.args = (node.args[0], dtype, *node.args[2:])
@@ -90,6 +92,32 @@ def _traced_as_same_dtype_conversion(node: fx.Node) -> bool:
              else node.kwargs.get("dtype"))
     return (isinstance(source, torch.Tensor) and dtype is not None and source.dtype == dtype
             and dtype.is_floating_point)
+
+
+def _converts_to_its_params_dtype(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A conversion to the dtype of the parameters its users compute with, as traced: peft's
+    LoRA layer converts its input to ``lora_A.weight.dtype`` (float32) in a model whose frozen
+    weights, and so its activations, are bfloat16. Every user takes a parameter's cast (this
+    pass's ``cast_param``) of that dtype, so in low precision, where that parameter arrives in
+    the compute dtype, the conversion meant the compute dtype (unchanged, the user's matmul
+    would fail on two dtypes)."""
+    if node.op != "call_function" or node.target not in (*_DTYPE_KWARG_CONVERSIONS,
+                                                         torch.ops.aten.to.dtype):
+        return False
+    dtype = (node.args[1] if node.target is torch.ops.aten.to.dtype and len(node.args) > 1
+             else node.kwargs.get("dtype"))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or not node.users:
+        return False
+
+    def param_dtype_of(arg: object) -> torch.dtype | None:
+        if not (isinstance(arg, fx.Node) and osdp_meta(arg).role == NodeRole.CAST):
+            return None
+        source = arg.args[0]
+        return gm.get_parameter(source.target).dtype if isinstance(source, fx.Node) else None
+
+    return all(user.op == "call_function"
+               and any(param_dtype_of(a) == dtype for a in user.args if a is not node)
+               for user in node.users)
 
 
 def cast_of(node: fx.Node) -> fx.Node | None:

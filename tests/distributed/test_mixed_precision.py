@@ -20,6 +20,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @pytest.mark.parametrize("plan", ["replicate", "full_shard", "shard_grad_op", "mixed"])
 @pytest.mark.parametrize("model,precision", [("mlp", "bf16"), ("gpt", "bf16"),
                                              ("hf_gpt2", "bf16"), ("hf_llama", "bf16"),
+                                             ("hf_llama_lora", "bf16"),
                                              ("gpt", "fp16")])
 def test_training_matches_single_process_in_low_precision(worlds, tmp_path, model, precision,
                                                            plan):

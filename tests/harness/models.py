@@ -33,15 +33,22 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[Any, Batch], t
                          use_cache=False, resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop,
                          bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg), lambda out, batch: lm_loss(out.logits, batch[0])
-    if name == "hf_llama":  # captured by torch.export; RMSNorm and rotary convert dtypes
-        from transformers import LlamaConfig, LlamaForCausalLM
+    if name in ("hf_llama", "hf_llama_lora"):  # captured by torch.export; RMSNorm and rotary
+        from transformers import LlamaConfig, LlamaForCausalLM  # convert dtypes
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=67,
                           max_position_embeddings=16, use_cache=False)
-        return LlamaForCausalLM(cfg), lambda out, batch: lm_loss(out.logits, batch[0])
+        llama = LlamaForCausalLM(cfg)
+        if name == "hf_llama_lora":  # a LoRA fine-tune: frozen bf16 weights, fp32 adapters
+            from peft import LoraConfig, get_peft_model
+
+            llama = get_peft_model(llama.to(torch.bfloat16), LoraConfig(
+                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                init_lora_weights=False))  # B != 0: the adapters change the loss from step 1
+        return llama, lambda out, batch: lm_loss(out.logits, batch[0])
     raise ValueError(name)
 
 
