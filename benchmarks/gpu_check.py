@@ -51,6 +51,7 @@ import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -417,8 +418,8 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
         try:
             systems = _systems(cfg, world, device, x, devices, compiled)
             bench.time_round_robin(systems, rounds, warmup + (19 if compiled else 0))
-            out[key] = [dict(s.row(world, cfg.batch), system=s.system, plan=s.plan)
-                        for s in systems]
+            out[key] = [dict(s.row(world, cfg.batch), system=s.system, plan=s.plan,
+                             gpu_busy_s=gpu_busy_s(s)) for s in systems]
         except Exception as exc:  # noqa: BLE001 - the part's row says what failed
             out[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
         systems = []
@@ -449,14 +450,44 @@ def _systems(cfg: Any, world: int, device: torch.device, x: torch.Tensor, device
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(fsdp, mesh=mesh, mp_policy=policy)
     systems.append(bench.System("FSDP2 (bf16)", "-", fsdp, x, device))
-    for plan in ("replicate", "full_shard"):
+    block_buckets = Path(tempfile.mkdtemp()) / "full_shard_blocks.json"
+    block_buckets.write_text(json.dumps(BLOCK_BUCKETS_PLAN))
+    for label, plan in (("replicate", "replicate"), ("full_shard", "full_shard"),
+                        (BLOCK_BUCKETS, str(block_buckets))):
         osdp = compile_osdp(bench.build_model(cfg, device), (x,), devices, plan=plan,
                             mixed_precision="bf16", optimizer="adamw")
-        s = bench.System("osdp-fx (bf16)", plan, wrap(osdp), x, device)
+        s = bench.System("osdp-fx (bf16)", label, wrap(osdp), x, device)
+        pred = osdp.plan.prediction
         s.info.update(predicted_step_s=osdp.plan.step_time_s,
-                      predicted_peak_bytes=osdp.plan.peak_memory_bytes)
+                      predicted_peak_bytes=osdp.plan.peak_memory_bytes,
+                      predicted_phases_s=[pred.compute_s, pred.comm_s, pred.optim_s],
+                      gather_bucket_bytes=osdp.plan.gather_bucket_bytes)
         systems.append(s)
     return systems
+
+
+BLOCK_BUCKETS = "full_shard, block buckets"
+BLOCK_BUCKETS_PLAN = {"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                      "gather_bucket_bytes": 2**30, "scatters_in_flight": 1}
+"""The hand-written plan that gathers like FSDP2: every transformer block in one all-gather
+(``docs/plan-format.md``, ``gather_bucket_bytes``), one gradient collective in flight."""
+
+
+def gpu_busy_s(system: Any) -> float | None:
+    """Seconds the GPU runs kernels and copies in one step of ``system`` (torch.profiler's
+    device time); None on the CPU."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            system.step()
+            system.zero_grad()
+            _sync()
+        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    except Exception:  # noqa: BLE001 - a profiler that cannot run leaves the column empty
+        return None
 
 
 # ---- running the parts side by side ----------------------------------------------------------
@@ -597,16 +628,19 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
     """Median step times; each osdp-fx plan against its baseline (``baseline[plan]``)."""
     by_name = {r["system"]: r for r in rows}
-    lines = ["| system | plan | step (ms) | fwd / bwd / opt (ms) | predicted (ms) | vs baseline |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| system | plan | step (ms) | fwd / bwd / opt (ms) | GPU busy (ms) | predicted "
+             "(ms): compute / comm / optimizer | vs baseline |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         base = by_name.get(baseline.get(r["plan"], ""))
         ratio = f"{r['step_s'] / base['step_s']:.3f}x {base['system'].split()[0]}" if (
             base and r["system"].startswith("osdp")) else ""
         pred = f"{r['predicted_step_s'] * 1e3:.1f}" if r.get("predicted_step_s") else ""
+        if r.get("predicted_phases_s"):
+            pred += ": " + " / ".join(f"{t * 1e3:.1f}" for t in r["predicted_phases_s"])
+        busy = f"{r['gpu_busy_s'] * 1e3:.1f}" if r.get("gpu_busy_s") else ""
         lines.append(f"| {r['system']} | {r['plan']} | {r['step_s'] * 1e3:.1f} | "
                      f"{r['forward_s'] * 1e3:.1f} / {r['backward_s'] * 1e3:.1f} / "
-                     f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {ratio} |")
+                     f"{r['optimizer_s'] * 1e3:.1f} | {busy} | {pred} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -650,7 +684,8 @@ def markdown(data: dict[str, Any]) -> str:
                     text += [f"### {key}", ""]
                     text += [f"failed: {_part(value[key])}" if _part(value[key]) else time_table(
                         value[key], {"replicate": "DDP (autocast bf16)",
-                                     "full_shard": "FSDP2 (bf16)"}), ""]
+                                     "full_shard": "FSDP2 (bf16)",
+                                     BLOCK_BUCKETS: "FSDP2 (bf16)"}), ""]
     return "\n".join(text)
 
 
