@@ -418,8 +418,8 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
         try:
             systems = _systems(cfg, world, device, x, devices, compiled)
             bench.time_round_robin(systems, rounds, warmup + (19 if compiled else 0))
-            out[key] = [dict(s.row(world, cfg.batch), system=s.system, plan=s.plan,
-                             gpu_busy_s=gpu_busy_s(s)) for s in systems]
+            out[key] = [dict(s.row(world, cfg.batch), system=s.system, plan=s.plan)
+                        for s in systems]
         except Exception as exc:  # noqa: BLE001 - the part's row says what failed
             out[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
         systems = []
@@ -471,23 +471,6 @@ BLOCK_BUCKETS_PLAN = {"format": "osdp-fx-plan", "version": 1, "default": "full_s
                       "gather_bucket_bytes": 2**30, "scatters_in_flight": 1}
 """The hand-written plan that gathers like FSDP2: every transformer block in one all-gather
 (``docs/plan-format.md``, ``gather_bucket_bytes``), one gradient collective in flight."""
-
-
-def gpu_busy_s(system: Any) -> float | None:
-    """Seconds the GPU runs kernels and copies in one step of ``system`` (torch.profiler's
-    device time); None on the CPU."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            system.step()
-            system.zero_grad()
-            _sync()
-        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
-    except Exception:  # noqa: BLE001 - a profiler that cannot run leaves the column empty
-        return None
 
 
 # ---- running the parts side by side ----------------------------------------------------------
@@ -628,8 +611,8 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
     """Median step times; each osdp-fx plan against its baseline (``baseline[plan]``)."""
     by_name = {r["system"]: r for r in rows}
-    lines = ["| system | plan | step (ms) | fwd / bwd / opt (ms) | GPU busy (ms) | predicted "
-             "(ms): compute / comm / optimizer | vs baseline |", "|---|---|---|---|---|---|---|"]
+    lines = ["| system | plan | step (ms) | fwd / bwd / opt (ms) | predicted (ms): compute / "
+             "comm / optimizer | vs baseline |", "|---|---|---|---|---|---|"]
     for r in rows:
         base = by_name.get(baseline.get(r["plan"], ""))
         ratio = f"{r['step_s'] / base['step_s']:.3f}x {base['system'].split()[0]}" if (
@@ -637,10 +620,9 @@ def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
         pred = f"{r['predicted_step_s'] * 1e3:.1f}" if r.get("predicted_step_s") else ""
         if r.get("predicted_phases_s"):
             pred += ": " + " / ".join(f"{t * 1e3:.1f}" for t in r["predicted_phases_s"])
-        busy = f"{r['gpu_busy_s'] * 1e3:.1f}" if r.get("gpu_busy_s") else ""
         lines.append(f"| {r['system']} | {r['plan']} | {r['step_s'] * 1e3:.1f} | "
                      f"{r['forward_s'] * 1e3:.1f} / {r['backward_s'] * 1e3:.1f} / "
-                     f"{r['optimizer_s'] * 1e3:.1f} | {busy} | {pred} | {ratio} |")
+                     f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -212,8 +212,14 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
 
 
 def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float], list[float]]:
-    """Per optimizer kind, the step time per element (4 tensors of 256 Ki elements) and per
-    tensor (64 tensors of 16 elements), with torch.optim's default implementation."""
+    """Per optimizer kind, the step time per element (4 tensors of 256 Ki elements; on a GPU
+    the slope from 4 x 4 Mi to 4 x 16 Mi elements) and per tensor (64 tensors of 16 elements),
+    with torch.optim's default implementation.
+
+    On a GPU a step of 4 x 256 Ki elements is its launches, not its arithmetic, which counted
+    per element overstated a whole model's optimizer step several times over
+    (``docs/benchmarks.md``, "On a GPU"); the slope between two larger sizes, whose launches
+    are the same, is the arithmetic's alone."""
     import torch
 
     def step_s(kind: str, tensors: int, numel: int) -> float:
@@ -227,10 +233,16 @@ def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float
     per_element, per_tensor = [], []
     for kind in optimizers:
         small = step_s(kind, 64, 16) / 64
-        large = step_s(kind, 4, 2**18)
         per_tensor.append(small)
-        per_element.append(max(large - 4 * small, 0.0) / 2**20)
+        if device.type == "cuda":  # the slope: the launches are the same at both sizes
+            sizes = (2**22, 2**24)
+            times = [step_s(kind, 4, n) for n in sizes]
+            per_element.append(max(times[1] - times[0], 0.0) / (4 * (sizes[1] - sizes[0])))
+        else:
+            large = step_s(kind, 4, 2**18)
+            per_element.append(max(large - 4 * small, 0.0) / 2**20)
     return per_element, per_tensor
+
 
 
 def _selective_op_time_s(device: Any) -> float:
