@@ -21,6 +21,7 @@ from typing import Any
 
 from .cost_models.communication import CollectiveSample, fit_link
 from .errors import InputError
+from .presets import GPU_MEMORY_MARGIN
 from .strategies import COLLECTIVES
 from .units import parse_bytes
 
@@ -104,7 +105,7 @@ def detect_devices(
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
         source="detected", **figures,
-        **({"memory_margin": CPU_MEMORY_MARGIN} if device.type == "cpu" else {}),
+        memory_margin=CPU_MEMORY_MARGIN if device.type == "cpu" else GPU_MEMORY_MARGIN,
     )
     log.info("detected %s", devices)
     return devices

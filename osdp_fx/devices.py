@@ -74,8 +74,8 @@ class Devices:
     source: str = ""
     """Where the figures come from: "preset:<name>", "detected", or "" (defaults, by hand)."""
     memory_margin: float = 0.03
-    """Share of ``memory_bytes`` the search keeps free for what a GPU's caching allocator adds
-    to the predicted peak (every preset's); ``detect`` on the CPU sets 0 (``detect.py``)."""
+    """Share of ``memory_bytes`` kept free for what a GPU's caching allocator adds to the peak:
+    presets and GPU ``detect`` set ``presets.GPU_MEMORY_MARGIN``, CPU ``detect`` 0."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:

@@ -25,6 +25,9 @@ multiplied by an efficiency:
 - latency per ring step: NCCL's tuning model's hardware latencies for ring/Simple (same file,
   ``hwLat``): 3.4 us over NVLink, 5.7 us over PCIe, 9.6 us over the network.
 
+- memory margin: ``GPU_MEMORY_MARGIN`` of the memory limit kept free for what the caching
+  allocator reserves beyond what tensors hold (``Devices.memory_margin``).
+
 ``float32`` figures are the GPUs' non-tensor-core FP32 peaks: PyTorch does not use TF32 for
 float32 matmuls unless ``torch.backends.cuda.matmul.allow_tf32`` is set. Inter-node bandwidth is
 per rank: the node's network bandwidth divided by its GPUs (on DGX systems each GPU has its own
@@ -38,6 +41,13 @@ from typing import Any
 
 from .errors import InputError
 from .units import parse_bytes
+
+GPU_MEMORY_MARGIN = 0.10
+"""``Devices.memory_margin`` of every preset and of ``Devices.detect`` on a GPU: the share of
+the memory limit the search keeps free for what PyTorch's caching allocator reserves beyond the
+tensors it holds. Measured, not assumed: the largest ``max_memory_reserved`` over the predicted
+peak among the plans of ``benchmarks/gpu_check.py`` (``docs/benchmarks.md``, "On a GPU"), as a
+share of the limit, rounded up."""
 
 GiB = 2**30
 TERA = 1e12
@@ -116,6 +126,7 @@ class Preset:
             "inter_node_bandwidth_bytes_per_s":
                 self.inter_node_link_bytes_per_s * self.link_efficiency,
             "inter_node_latency_s": self.inter_node_latency_s,
+            "memory_margin": GPU_MEMORY_MARGIN,
             "source": f"preset:{self.name}",
         }
 

@@ -121,11 +121,11 @@ times the node's kernels alone ([Note: timing a node on a GPU])."""
 
 
 def median_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, warmup: int,
-                  repeats: int) -> float:
+                  repeats: int, gpu: bool = False) -> float:
     """Median seconds of ``run(setup())`` over ``repeats`` runs after ``warmup`` (device work
-    waited for; on a GPU, the larger of its kernels' time and its dispatch's, [Note: timing a
-    node on a GPU])."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    waited for; ``gpu``, where the node's tensors are on a CUDA device: its kernels' time,
+    [Note: timing a node on a GPU])."""
+    if gpu:
         return _median_gpu_time_s(setup, run, warmup=warmup, repeats=repeats)
     times: list[float] = []
     for i in range(warmup + repeats):
@@ -146,15 +146,16 @@ def _median_gpu_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, w
     """[Note: timing a node on a GPU]
 
     A step on a GPU runs as a pipeline: the CPU dispatches each operator and goes on while the
-    GPU runs the kernels queued before it, so an operator costs the step the larger of its
-    dispatch (Python, the dispatcher, the launch) and its kernels' time, not their sum. Timing
-    a node by the wall clock between two synchronizes counts both, and the synchronize's own
-    latency, which made a whole model's nodes add up to several times its measured forward and
-    backward (``docs/benchmarks.md``, "On a GPU"). Here a busy kernel (``torch.cuda._sleep``) holds the GPU while the node is
-    dispatched, CUDA events around the node time its kernels alone, and the wall clock its
-    dispatch without waiting; the node's time is the larger. A node that waits for the GPU
-    itself (a ``.item()``) also waits for the rest of the busy kernel: its time is an upper
-    bound."""
+    GPU runs the kernels queued before it. Timing a node by the wall clock between two
+    synchronizes counts its dispatch, the synchronize's latency and the GPU going idle between
+    them; and the profiler dispatches a node through an interpreter, around which it records
+    what the node saves, at many times the cost of the compiled graph's direct call. Counted
+    either way, a whole model's nodes added up to several times its measured forward and
+    backward (``docs/benchmarks.md``, "On a GPU"). Here a busy kernel
+    (``torch.cuda._sleep``) holds the GPU while the node is dispatched, and CUDA events around
+    the node time its kernels alone: the node's time is its kernels' time. A step's dispatch is
+    not counted, so a model whose kernels are shorter than their launches is predicted faster
+    than it runs."""
     times: list[float] = []
     for i in range(warmup + repeats):
         state = setup()
@@ -162,13 +163,11 @@ def _median_gpu_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, w
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         torch.cuda._sleep(GPU_SLEEP_CYCLES)
         start.record()
-        begin = time.perf_counter()
         out = run(state)
-        dispatch_s = time.perf_counter() - begin
         end.record()
         end.synchronize()
         if i >= warmup:
-            times.append(max(dispatch_s, start.elapsed_time(end) / 1e3))
+            times.append(start.elapsed_time(end) / 1e3)
         del out, state
     return statistics.median(times)
 
@@ -179,10 +178,12 @@ def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
     users and its profile."""
 
     def timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
-        return median_time_s(setup, run, warmup=profiler.warmup, repeats=profiler.repeats)
+        return median_time_s(setup, run, warmup=profiler.warmup, repeats=profiler.repeats,
+                             gpu=on_gpu)
 
     args, kwargs = profiler.fetch_args_kwargs_from_env(n)
     inputs = prepare_inputs(profiler, n, args, kwargs)
+    on_gpu = any(t.is_cuda for t in tensors((inputs.args, inputs.kwargs)))
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from osdp_fx.detect import CPU_MEMORY_MARGIN
+from osdp_fx.presets import GPU_MEMORY_MARGIN
 from osdp_fx.devices import OPTIMIZERS, Devices
 from osdp_fx.errors import InputError
 
@@ -46,7 +47,8 @@ def test_json_errors_name_the_problem(tmp_path: Path) -> None:
 
 
 def test_memory_margin_is_a_share_of_the_limit(tmp_path: Path) -> None:
-    assert Devices().memory_margin == 0.03 == Devices.preset("a100-sxm-40gb-8x").memory_margin
+    assert Devices().memory_margin == 0.03
+    assert Devices.preset("a100-sxm-40gb-8x").memory_margin == GPU_MEMORY_MARGIN == 0.10
     devices = Devices(memory_margin=0.1)
     devices.to_json(tmp_path / "devices.json")
     assert Devices.from_json(tmp_path / "devices.json").memory_margin == 0.1
