@@ -634,26 +634,20 @@ def _part(value: Any) -> str | None:
 def markdown(data: dict[str, Any]) -> str:
     parts = data["parts"]
     text = [f"# osdp-fx on {data['device']} (torch {data['torch']}, CUDA {data['cuda']})", ""]
-    parity = [(k, v) for k, v in parts.items() if k.startswith("parity")]
-    if parity:
+    sections = (("parity", "Parity against single-process training (5 SGD steps)", parity_table),
+                ("memory", f"Memory: {data.get('sizes')}, bf16 compute, AdamW", memory_table))
+    for prefix, title, table in sections:
+        found = [(k, v["value"]) for k, v in parts.items() if k.startswith(prefix)]
+        if not found:
+            continue
+        text += [f"## {title}", ""]
         rows = []
-        text += ["## Parity against single-process training (5 SGD steps)", ""]
-        for k, v in parity:
-            if _part(v["value"]):
-                text += [f"{k}: failed: {_part(v['value'])}", ""]
+        for k, value in found:
+            if _part(value):
+                text += [f"{k}: failed: {_part(value)}", ""]
             else:
-                rows += v["value"]
-        text += [parity_table(rows), ""]
-    memory = [(k, v) for k, v in parts.items() if k.startswith("memory")]
-    if memory:
-        rows = []
-        text += [f"## Memory: {data.get('sizes')}, bf16 compute, AdamW", ""]
-        for k, v in memory:
-            if _part(v["value"]):
-                text += [f"{k}: failed: {_part(v['value'])}", ""]
-            else:
-                rows += v["value"]
-        text += [memory_table(rows), ""]
+                rows += value
+        text += [table(rows), ""]
     if "time world 1" in parts:
         value = parts["time world 1"]["value"]
         text += ["## Step time, world 1 (NCCL), round-robin", ""]
