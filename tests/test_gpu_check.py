@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,6 +33,32 @@ def test_compare_flags_loss_and_parameter_differences():
     failed = [{**same[0], "searched": {"error": "no plan fits"}}] * 2
     assert gpu_check.compare(failed, ref, gpu_check.FP32_TOL)["searched"] == {
         "ok": False, "error": "no plan fits"}
+
+
+def _memory_row(predicted: int, measured: int, first: tuple[int, int] | None = None) -> dict:
+    p1, m1 = first or (predicted, measured)
+    return {"model": "gpt", "world": 1, "plan": "full_shard", "strategies": {"full_shard": 2},
+            "predicted_first": p1, "measured_first": m1, "predicted_steady": predicted,
+            "measured_steady": measured, "reserved_steady": measured, "compile_s": 1.0}
+
+
+def test_memory_promise_is_minus_ten_to_plus_five_percent_from_the_first_step():
+    inside = [_memory_row(95, 100), _memory_row(104, 100), _memory_row(90, 100)]
+    above, below = _memory_row(106, 100), _memory_row(100, 100, first=(89, 100))
+    assert gpu_check.memory_off(inside + [above, below, {"error": "x"}]) == [above, below]
+    assert gpu_check.memory_off([_memory_row(100, 0)]) == []  # the CPU dry run measures 0
+
+
+def test_report_keeps_the_parts_that_ran_beside_one_that_failed(tmp_path):
+    report = gpu_check.Report(tmp_path, "test device")
+    report.add("memory gpt world 1 (nccl)", [_memory_row(95, 100)], 1.0)
+    report.add("memory lora world 1 (nccl)", {"error": "OSDPError: the world did not finish"},
+               2.0)
+    text = (tmp_path / "gpu-check.md").read_text()
+    assert "memory lora world 1 (nccl): failed: OSDPError" in text
+    assert "| gpt | 1 | full_shard | full_shard 2 |" in text and "-5.0%" in text
+    saved = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert set(saved["parts"]) == {"memory gpt world 1 (nccl)", "memory lora world 1 (nccl)"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
