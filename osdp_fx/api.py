@@ -25,7 +25,7 @@ from .devices import Devices, devices_for
 from .errors import InputError, PlanMismatchError
 from .io_spec import CallCheck, ShapeGuard, bind_example, check_max_shape
 from .materialize import (check_initializable, check_same_rng_state, materialize_device,
-                          materialize_meta_model)
+                          materialize_meta_model, model_device)
 from .passes.aliases import annotate_aliases_pass
 from .passes.recompute import recompute_regions_pass
 from .passes.runner import run_passes
@@ -92,8 +92,9 @@ def compile_osdp(
             parameter group, the strategies with the least predicted step time whose predicted
             peak memory fits the memory limit.
         memory_limit: per-rank memory limit, bytes or a string such as ``"8GiB"``; default:
-            ``devices.memory_bytes``, else the detected device memory (GPU) or
-            ``DEFAULT_CPU_MEMORY_BYTES`` (4 GiB, CPU).
+            ``devices.memory_bytes``, else the memory of the device the model runs on, at
+            every world size and under every plan: a GPU's whole memory, 4 GiB on the CPU
+            (``devices.DEFAULT_CPU_MEMORY_BYTES``).
         optimizer: the optimizer kind the memory and time predictions assume: ``"sgd"``,
             ``"sgd_momentum"``, ``"adam"`` or ``"adamw"``.
         batch_sizes: candidate per-rank batch sizes for the search (plan=None): the plan with
@@ -170,7 +171,8 @@ def compile_osdp(
         if precision is None and request.precision is not None:
             precision = MixedPrecision(*map(dtype_from_name, request.precision))
     devices = devices_for(devices, world_size=world_size, memory_limit_bytes=limit,
-                          detect=search, ranks_per_node=per_node)
+                          detect=search, ranks_per_node=per_node,
+                          device=device if on_meta else model_device(model, inputs))
     with progress.stage("plan (profile, search)" if search else "plan (profile)", log,
                         times):
         resolved, analysis = make_plan(captured, inputs, plan=request, devices=devices,

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .api import OSDPModule
-from .errors import InputError, OSDPError
+from .errors import CheckpointError, InputError, OSDPError
 from .runtime.collectives import WORLD, group_rank, group_size
 from .runtime.hierarchy import checkpoint_mesh
 from .strategies import traits
@@ -65,10 +65,6 @@ _INFO_KEY = "osdp"
 _PLAN_FILE = "plan.json"
 _SAVING_SUFFIX = ".saving"
 _OLD_SUFFIX = ".old"
-
-
-class CheckpointError(OSDPError):
-    """A checkpoint could not be saved or does not fit the model or optimizer it is loaded into."""
 
 
 @dataclasses.dataclass(frozen=True)

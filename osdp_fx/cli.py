@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from . import progress
+from .devices import DEFAULT_CPU_MEMORY_BYTES
+from .units import format_bytes
 
 
 def _demo_rank(rank: int, world_size: int, steps: int, plan: str | None,
@@ -143,7 +145,7 @@ def plan_command(args: argparse.Namespace) -> int:
         model, inputs = load_factory(args.factory)
     torch.set_num_threads(args.threads)
     devices = _devices_arg(args)
-    limit = parse_bytes(args.memory or devices.memory_bytes or DEFAULT_PLAN_MEMORY)
+    limit = parse_bytes(args.memory or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES)
     devices = dataclasses.replace(devices, memory_bytes=limit)
     # Figures of hardware one describes give node times by roofline, never this machine's clock.
     fake = args.fake or args.devices is not None
@@ -267,9 +269,6 @@ def profile_command(args: argparse.Namespace) -> int:
 def _ms_or_dash(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
-
-DEFAULT_PLAN_MEMORY = "8GiB"
-"""Memory limit per rank of ``plan`` without --memory and without a preset's GPU memory."""
 
 PLAN_EXAMPLES = """examples:
   python -m osdp_fx plan osdp_fx/examples.py:hf_gpt2_xl_meta --devices h100-sxm-8x \\
@@ -399,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "all on one node); enables hybrid_shard and hierarchical")
     p_plan.add_argument("--memory", default=None,
                         help="memory limit per rank, e.g. 24GiB (default: the preset's GPU "
-                             f"memory, else {DEFAULT_PLAN_MEMORY})")
+                             f"memory, else {format_bytes(DEFAULT_CPU_MEMORY_BYTES)}, as "
+                             "compile_osdp's on the CPU)")
     p_plan.add_argument("--devices", default=None, metavar="PRESET|FILE.json",
                         help="the hardware: a preset (python -m osdp_fx devices lists them, e.g. "
                              "h100-sxm-8x) or a Devices JSON (Devices.to_json); node times then "

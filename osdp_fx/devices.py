@@ -209,15 +209,27 @@ def _check_margin(margin: Any) -> None:
                          "give a float in [0, 1), e.g. 0.03 to plan for 97 %")
 
 
+def device_memory_bytes(device: Any = None) -> int:
+    """The memory a rank on ``device`` plans for when no limit is given: a GPU's whole memory
+    (``torch.cuda.mem_get_info``), else ``DEFAULT_CPU_MEMORY_BYTES``."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[1])
+    return DEFAULT_CPU_MEMORY_BYTES
+
+
 def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
-                detect: bool, ranks_per_node: int | None = None) -> Devices:
+                detect: bool, ranks_per_node: int | None = None, device: Any = None) -> Devices:
     """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
-    the defaults; its world size set to ``world_size``, its memory limit filled in, and its
-    ranks per node set to ``ranks_per_node`` when given."""
+    the defaults; its world size set to ``world_size``, its memory limit filled in (the limit
+    given, else the devices', else the memory of ``device``, where the model runs: the same at
+    every world size and under every plan), and its ranks per node set to ``ranks_per_node``
+    when given."""
     if devices is None:
         devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
                    else Devices())
-    memory = memory_limit_bytes or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES
+    memory = memory_limit_bytes or devices.memory_bytes or device_memory_bytes(device)
     return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
                                ranks_per_node=ranks_per_node or devices.ranks_per_node)
 

@@ -21,3 +21,7 @@ class PlanMismatchError(PlanError):
 
 class InputError(OSDPError):
     """The model, its example inputs or an option passed to compile_osdp is invalid."""
+
+
+class CheckpointError(OSDPError):
+    """A checkpoint could not be saved or does not fit the model or optimizer it is loaded into."""

@@ -74,6 +74,15 @@ def materialize_device(inputs: tuple[Any, ...]) -> torch.device:
     return torch.device("cpu")
 
 
+def model_device(model: nn.Module, inputs: tuple[Any, ...]) -> torch.device:
+    """The device a model that is not on the meta device runs on: that of its first parameter
+    or buffer, else of its first tensor input, else the CPU."""
+    for t in (*model.parameters(), *model.buffers(), *inputs):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
 def check_initializable(model: nn.Module, init_fn: InitFn | None, *, on_meta: bool) -> None:
     """Raise InputError when a meta module would have no way to get its values, or when
     ``init_fn`` is given for a model that is not on the meta device."""

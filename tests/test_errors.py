@@ -89,6 +89,18 @@ def assert_names_problem_and_fix(exc: BaseException, cls: type, fragments: list[
         assert fragment in str(exc), f"{fragment!r} not in message:\n{exc}"
 
 
+def test_the_error_classes_are_exported():
+    import osdp_fx
+    from osdp_fx import errors
+
+    names = ["OSDPError", "CaptureError", "CheckpointError", "InputError", "PlanError",
+             "PlanMismatchError"]
+    assert set(names) <= set(osdp_fx.__all__)
+    for name in names:
+        assert getattr(osdp_fx, name) is getattr(errors, name)
+        assert issubclass(getattr(osdp_fx, name), osdp_fx.OSDPError)
+
+
 def test_every_bad_input_has_an_expectation(tmp_path):
     assert set(pc.bad_inputs(str(tmp_path))) == set(EXPECTED)
 

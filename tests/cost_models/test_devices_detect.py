@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from osdp_fx.detect import CPU_MEMORY_MARGIN
+from osdp_fx.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices, devices_for
 from osdp_fx.presets import GPU_MEMORY_MARGIN
-from osdp_fx.devices import OPTIMIZERS, Devices
 from osdp_fx.errors import InputError
 
 MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s")
@@ -25,6 +25,26 @@ def _positive_finite(devices: Devices, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(devices, name)
         assert value > 0 and math.isfinite(value), (name, value)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize("searched", [True, False])
+def test_default_memory_limit_is_the_devices_memory(world_size: int, searched: bool) -> None:
+    """Without a limit, what the devices say, else the memory of the device the model runs on:
+    the same at every world size and for named plans as for the search (no detection here:
+    a Devices is given, or there is no process group to detect)."""
+    cpu = devices_for(None, world_size=world_size, memory_limit_bytes=None,
+                      detect=searched and world_size == 1, device=torch.device("cpu"))
+    assert cpu.memory_bytes == DEFAULT_CPU_MEMORY_BYTES == 4 * 2**30
+    given = devices_for(Devices(memory_bytes=2**30), world_size=world_size,
+                        memory_limit_bytes=None, detect=searched, device=torch.device("cpu"))
+    assert given.memory_bytes == 2**30
+    assert devices_for(given, world_size=world_size, memory_limit_bytes=3 * 2**30,
+                       detect=searched).memory_bytes == 3 * 2**30
+    if torch.cuda.is_available():
+        gpu = devices_for(None, world_size=world_size, memory_limit_bytes=None,
+                          detect=searched and world_size == 1, device=torch.device("cuda", 0))
+        assert gpu.memory_bytes == torch.cuda.mem_get_info(0)[1]
 
 
 def test_json_round_trip(tmp_path: Path) -> None:
