@@ -214,7 +214,7 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
 
 def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float], list[float]]:
     """Per optimizer kind, the step time per element (4 tensors of 256 Ki elements; on a GPU
-    the slope from 4 x 4 Mi to 4 x 16 Mi elements) and per tensor (64 tensors of 16 elements),
+    the slope from 4 x 2 Mi to 4 x 8 Mi elements) and per tensor (64 tensors of 16 elements),
     with torch.optim's default implementation.
 
     On a GPU a step of 4 x 256 Ki elements is its launches, not its arithmetic, which counted
@@ -236,7 +236,7 @@ def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float
         small = step_s(kind, 64, 16) / 64
         per_tensor.append(small)
         if device.type == "cuda":  # the slope: the launches are the same at both sizes
-            sizes = (2**22, 2**24)
+            sizes = (2**21, 2**23)
             times = [step_s(kind, 4, n) for n in sizes]
             per_element.append(max(times[1] - times[0], 0.0) / (4 * (sizes[1] - sizes[0])))
         else:
