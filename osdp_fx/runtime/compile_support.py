@@ -107,8 +107,8 @@ def check_compilable() -> None:
         raise InputError(
             f"torch.compile of an osdp-fx module needs dynamo's per-code execution strategies "
             f"(torch._C._dynamo.eval_frame.set_code_exec_strategy), which torch "
-            f"{torch.__version__} lacks ({missing}); upgrade torch (2.13 is tested) or run the "
-            f"module without torch.compile")
+            f"{torch.__version__} lacks ({missing}); upgrade torch to 2.7 or newer (2.13 is "
+            f"tested on the CPU, 2.11 on a GPU) or run the module without torch.compile")
 
 
 def under_torch_compile() -> bool:
