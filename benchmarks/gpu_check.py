@@ -1,7 +1,7 @@
 """osdp-fx on a CUDA GPU: parity, predicted against measured memory and time, DDP and FSDP2.
 
 One command on a machine with one CUDA GPU (``python benchmarks/gpu_check.py --quick --out-dir
-DIR``; about 6 minutes on one H200) measures three things:
+DIR``, within ``--budget-s``) measures three things:
 
 1. **Parity.** A GPT (``osdp_fx.examples``) and a Hugging Face Llama (tiny configs, random
    weights, captured by ``torch.export``) train 5 SGD steps on the GPU under ``replicate``,
