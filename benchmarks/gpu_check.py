@@ -47,7 +47,6 @@ tiny sizes (gloo for NCCL), which checks the script itself.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -279,7 +278,7 @@ def parity_world(world: int, backend: str, timeout_s: float) -> list[dict[str, A
 
 # ---- 2. memory -----------------------------------------------------------------------------
 
-def memory_sizes(quick: bool, cpu: bool) -> dict[str, dict[str, int]]:
+def memory_sizes(cpu: bool) -> dict[str, dict[str, int]]:
     """The memory and time models' sizes (tiny on the CPU dry run)."""
     if cpu:
         return {"gpt": dict(dim=128, depth=2, seq=64, vocab=512, heads=4, batch=2),
@@ -513,7 +512,7 @@ def run(args: argparse.Namespace) -> Report:
     report = Report(args.out_dir, name)
     start = time.monotonic()
     deadline = start + args.budget_s
-    sizes = memory_sizes(args.quick, args.cpu)
+    sizes = memory_sizes(args.cpu)
     report.data["sizes"] = sizes
 
     def left() -> float:
@@ -701,5 +700,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(main())
+    sys.exit(main())

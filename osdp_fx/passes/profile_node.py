@@ -115,9 +115,9 @@ def detached(result: Any) -> Any:
 
 
 GPU_SLEEP_CYCLES = 400_000
-"""GPU clock cycles of the busy kernel queued before a timed node on a GPU (about 0.2 ms at the
-H100's and H200's boost clock): longer than the dispatch of one node, so that the GPU's clock
-times the node's kernels alone ([Note: timing a node on a GPU])."""
+"""GPU clock cycles of the busy kernel queued before a timed node on a GPU: more than the CPU
+takes to dispatch one node, so that the GPU's clock times the node's kernels alone ([Note:
+timing a node on a GPU])."""
 
 
 def median_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, warmup: int,
