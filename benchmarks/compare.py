@@ -15,7 +15,7 @@ one system after the other:
 
 The model is a GPT whose forward returns its LM loss (``osdp_fx.examples.GPTWithLoss(TinyGPT)``;
 default vocab 2048, dim 512, depth 4, 8 heads, sequence 32, per-rank batch 8), trained with
-AdamW. osdp-fx compiles with ``Devices.detect()`` measured once, so its predictions use this
+AdamW. osdp-fx compiles with ``detect_devices()`` measured once, so its predictions use this
 machine's figures.
 
     python benchmarks/compare.py [--world-size 2] [--dim 512] [--depth 4] [--vocab 2048]
@@ -75,7 +75,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from osdp_fx import Devices, compile_osdp  # noqa: E402
+from osdp_fx import Devices, compile_osdp, detect_devices  # noqa: E402
 from osdp_fx.errors import PlanError  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.runtime import collectives as osdp_collectives  # noqa: E402
@@ -496,8 +496,8 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     low = add("FSDP2", lambda: make_fsdp2(cfg, world, device, x)).info["peak_bytes"]
     limits = [int(low + (high - low) * (k + 1) / (cfg.limits + 1)) for k in range(cfg.limits)]
     start = time.perf_counter()
-    devices = Devices.detect()
-    timings["Devices.detect"] = time.perf_counter() - start
+    devices = detect_devices()
+    timings["detect_devices"] = time.perf_counter() - start
     for plan in UNIFORM_PLANS:
         add(plan, lambda plan=plan: make_osdp(cfg, world, device, x, devices, plan, None))
     # what prefetching changes: the same full_shard plan, each all-gather started at its use

@@ -27,7 +27,7 @@ DIR``, within ``--budget-s``) measures three things:
    ``replicate`` against DDP (under ``torch.autocast``) and osdp-fx ``full_shard`` against FSDP2
    (``fully_shard`` per block and on the root, ``MixedPrecisionPolicy(bf16, reduce fp32)``),
    timed round-robin, each step from a barrier to a device synchronize, the median of the
-   rounds; osdp-fx compiles with ``Devices.detect()``, and its predicted step time is shown
+   rounds; osdp-fx compiles with ``detect_devices()``, and its predicted step time is shown
    against the measured one. Then the same four under ``torch.compile`` (DDP and osdp-fx whole,
    FSDP2 per block as torchtitan does), round-robin after 20 warm-up steps (osdp-fx's regions
    choose compiled or eager in their first 19).
@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from osdp_fx import Devices, compile_osdp  # noqa: E402
+from osdp_fx import Devices, compile_osdp, detect_devices  # noqa: E402
 from osdp_fx.errors import OSDPError  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
@@ -402,7 +402,7 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
                        heads=size["heads"], seq=size["seq"], batch=size["batch"])
     x = bench.local_batch(cfg, rank, device)
     start = time.perf_counter()
-    devices = Devices.detect()
+    devices = detect_devices()
     detect_s = time.perf_counter() - start
     out: dict[str, Any] = {"detect_s": detect_s, "devices": {
         "compute_flops_per_s": devices.compute_flops_per_s,
@@ -653,7 +653,7 @@ def markdown(data: dict[str, Any]) -> str:
         if _part(value):
             text += [f"failed: {_part(value)}", ""]
         if "devices" in value:
-            text += [f"Devices.detect ({value['detect_s']:.0f} s): {value['devices']}", ""]
+            text += [f"detect_devices ({value['detect_s']:.0f} s): {value['devices']}", ""]
             for key in ("eager", "compiled"):
                 if key in value:
                     text += [f"### {key}", ""]

@@ -31,9 +31,9 @@ from torch import nn  # noqa: E402
 
 from osdp_fx import Devices, compile_osdp  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT  # noqa: E402
-from osdp_fx.plotting import phase_positions, plot_memory_timeline  # noqa: E402
+from osdp_fx.plan.plot import phase_positions, plot_memory_timeline  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
-from osdp_fx.storage_tracker import StorageTracker  # noqa: E402
+from osdp_fx.runtime.storage_tracker import StorageTracker  # noqa: E402
 from osdp_fx.units import format_bytes, parse_bytes  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"

@@ -37,7 +37,7 @@ together, so the machine's drift between rounds cancels).
 mixes, to check that it runs (its timings are no figures).
 
 Default model: the GPT of ``compare.py`` (vocab 2048, dim 512, depth 4, sequence 32, batch 4 per
-rank), AdamW, with a hand-written ``Devices`` measured once by ``Devices.detect`` on rank 0's
+rank), AdamW, with a hand-written ``Devices`` measured once by ``detect_devices`` on rank 0's
 world before anything is compiled (every plan is predicted with the same figures).
 """
 
@@ -60,12 +60,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from memory_timeline import build  # noqa: E402
-from osdp_fx import Devices, compile_osdp  # noqa: E402
+
+from osdp_fx import Devices, compile_osdp, detect_devices  # noqa: E402
 from osdp_fx.errors import PlanError  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
-from osdp_fx.storage_tracker import StorageTracker  # noqa: E402
+from osdp_fx.runtime.storage_tracker import StorageTracker  # noqa: E402
 from osdp_fx.units import format_bytes, parse_bytes  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -151,7 +151,7 @@ def _round_robin(runs: list[_Run], rounds: int) -> None:
 def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_random: int,
             plan_dir: str, autotune: int = 0, confirm: int = 4,
             confirm_rounds: int = 24) -> list[dict[str, Any]]:
-    devices = Devices.detect(memory_limit=limit)
+    devices = detect_devices(memory_limit=limit)
     model, vocab, seq = build(model_name)
     plans = candidate_plans(model, n_random)
     del model

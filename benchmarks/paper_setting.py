@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from osdp_fx.capture import capture  # noqa: E402
-from osdp_fx.devices import Devices  # noqa: E402
+from osdp_fx.core.devices import Devices  # noqa: E402
+from osdp_fx.core.precision import resolve_mixed_precision  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, TinyGPT  # noqa: E402
-from osdp_fx.plan_request import resolve_plan  # noqa: E402
-from osdp_fx.planner import make_plan, param_specs, predict  # noqa: E402
-from osdp_fx.precision import resolve_mixed_precision  # noqa: E402
+from osdp_fx.passes.capture import capture  # noqa: E402
+from osdp_fx.plan.request import resolve_plan  # noqa: E402
+from osdp_fx.planner.make import make_plan, param_specs, predict  # noqa: E402
 from osdp_fx.units import format_bytes  # noqa: E402
 
 GiB = 2**30

@@ -22,14 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from osdp_fx.capture import capture  # noqa: E402
-from osdp_fx.devices import Devices  # noqa: E402
-from osdp_fx.examples import gpt2_48_layers_meta  # noqa: E402
-from osdp_fx.analysis import MEMORY_MARGIN, param_states  # noqa: E402
+from osdp_fx.core.devices import Devices  # noqa: E402
+from osdp_fx.core.regions import find_regions  # noqa: E402
 from osdp_fx.cost_models.timeline import predict_step_memory  # noqa: E402
-from osdp_fx.planner import analyze, choose_splits, search_strategies  # noqa: E402
-from osdp_fx.regions import find_regions  # noqa: E402
-from osdp_fx.search import search_plan, search_schedules  # noqa: E402
+from osdp_fx.examples import gpt2_48_layers_meta  # noqa: E402
+from osdp_fx.passes.capture import capture  # noqa: E402
+from osdp_fx.planner.analysis import MEMORY_MARGIN, param_states  # noqa: E402
+from osdp_fx.planner.make import analyze, choose_splits, search_strategies  # noqa: E402
+from osdp_fx.planner.search import search_plan, search_schedules  # noqa: E402
 from osdp_fx.units import parse_bytes  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 Starts a gloo world on the CPU (default 2 ranks, one thread each), and for an MLP, a GPT with
 tied embeddings and (when transformers is installed) a tiny Hugging Face GPT-2, under replicate,
 shard_grad_op and full_shard, with SGD and AdamW: compiles the model with measured Devices
-(`Devices.detect()`), then measures the median step time over several steps and the peak memory
+(`detect_devices()`), then measures the median step time over several steps and the peak memory
 of one step with the live-tensor tracker, and prints the predicted against the measured value.
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--steps 20]
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from osdp_fx import Devices, compile_osdp  # noqa: E402
+from osdp_fx import Devices, compile_osdp, detect_devices  # noqa: E402
 from osdp_fx.examples import MLP, GPTWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
 from osdp_fx.runtime.memory import measure_step_peak_bytes  # noqa: E402
@@ -70,7 +70,7 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 def measure(rank: int, world: int, models: list[str], steps: int) -> list[dict[str, Any]]:
-    devices = Devices.detect()
+    devices = detect_devices()
     rows = []
     for name in models:
         for plan in ("replicate", "shard_grad_op", "full_shard"):

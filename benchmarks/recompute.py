@@ -9,7 +9,7 @@ depth 4, 4 heads, sequence 256, per-rank batch 4), trained with AdamW:
   ``init_device_mesh("cpu", (world,))`` (``compare.fsdp2_model``);
 - FSDP2 + checkpoint: the same, each block's forward run under
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (applied before ``fully_shard``);
-- osdp-fx ``full_shard``; ``full_shard`` with every region (block, ``osdp_fx.regions.
+- osdp-fx ``full_shard``; ``full_shard`` with every region (block, ``osdp_fx.core.regions.
   find_regions``) recomputed ``"full"``; the same with every region ``"selective"``;
   ``full_shard`` with gather buckets of one block's gathered bytes (one all-gather per block),
   alone and with every region ``"full"`` (plan files);
@@ -22,7 +22,7 @@ depth 4, 4 heads, sequence 256, per-rank batch 4), trained with AdamW:
 The sharding-only search is ``compile_osdp(..., recompute=False)``: the same search (splits,
 schedules, the rank-0 agreement) with no region offered for recomputation (the plan it returns
 is checked to recompute nothing).
-Every osdp-fx system compiles with one ``Devices.detect()`` measured at the start.
+Every osdp-fx system compiles with one ``detect_devices()`` measured at the start.
 
 Peak memory: every system's first ``--peak-steps`` steps (forward, backward, AdamW step, from
 step 1) are each measured by ``storage_tracker.StorageTracker`` (independent of osdp-fx):
@@ -45,7 +45,7 @@ timed too (FSDP2 + checkpoint may not fit A, and its time is still the baseline)
         [--quick]
 
 ``--quick``: vocab 64, dim 32, depth 2, 2 heads, sequence 16, 1 round, 2 peak steps, the
-``Devices()`` defaults instead of ``Devices.detect()`` (``--no-detect``): checks that it runs
+``Devices()`` defaults instead of ``detect_devices()`` (``--no-detect``): checks that it runs
 (its figures are no figures; at that size the limits hold little activation).
 
 Targets (issue 16): at A the searched plan fits (measured) where no plan without recomputation
@@ -79,8 +79,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
-
 from compare import (  # noqa: E402
     Config,
     System,
@@ -92,11 +90,13 @@ from compare import (  # noqa: E402
     start_world,
     time_round_robin,
 )
-from osdp_fx import Devices, compile_osdp  # noqa: E402
-from osdp_fx.capture import capture  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from osdp_fx import Devices, compile_osdp, detect_devices  # noqa: E402
+from osdp_fx.core.regions import find_regions  # noqa: E402
 from osdp_fx.errors import PlanError  # noqa: E402
-from osdp_fx.regions import find_regions  # noqa: E402
-from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors  # noqa: E402
+from osdp_fx.passes.capture import capture  # noqa: E402
+from osdp_fx.runtime.storage_tracker import StorageTracker, dense_tensors, held_tensors  # noqa: E402
 from osdp_fx.units import format_bytes  # noqa: E402
 
 MiB = 2**20
@@ -211,7 +211,7 @@ class World:
         self.timings_s: dict[str, float] = {}
         start = time.perf_counter()
         # once, for every compile; detect() is collective and gives every rank the same figures
-        self.devices = Devices.detect() if opts.detect else Devices(world_size=world)
+        self.devices = detect_devices() if opts.detect else Devices(world_size=world)
         self.timings_s["devices"] = time.perf_counter() - start
 
     def add(self, key: str, make: Callable[[torch.Tensor], tuple[torch.nn.Module, dict]],
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, default in {**MODEL, **MEASURE}.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     parser.add_argument("--no-detect", dest="detect", action="store_false",
-                        help="plan with Devices() defaults instead of Devices.detect() (~15 s)")
+                        help="plan with Devices() defaults instead of detect_devices() (~15 s)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true",
                         help="a tiny GPT, 1 round: checks that it runs (no figures)")

@@ -11,7 +11,7 @@ of ``num_layers`` identical layers one of the 4 strategies by a knapsack dynamic
   ``budget + 1`` cells, 0 .. budget, and the answer is read at the last one);
 - it minimises the **summed per-layer time**; there is no transient (gathered-parameter) term.
 
-That is :func:`osdp_fx.solver.solve_min_time` with ``transient_bytes=None``, persistent
+That is :func:`osdp_fx.planner.solver.solve_min_time` with ``transient_bytes=None``, persistent
 memory ``trunc(mem_mb)`` MiB, ``base_bytes`` = the overhead, ``limit_bytes`` = the device memory
 and ``granularity_bytes`` = 1 MiB (exact: whole-MiB memory rounds up to itself). The published
 case, 48 layers of hidden 1536 at batch index 1 on 8192 MB minus 800 MB, has minimum total time
@@ -43,7 +43,7 @@ from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
-from osdp_fx.solver import SearchResult, solve_min_time  # noqa: E402
+from osdp_fx.planner.solver import SearchResult, solve_min_time  # noqa: E402
 
 MIB = 1 << 20
 """One reference "MB" cell, as bytes."""

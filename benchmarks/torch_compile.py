@@ -55,9 +55,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from compare import (  # noqa: E402,E501
+    RESULTS_DIR,
+    UNIFORM_PLANS,
+    Config,
+    System,
+    build_model,
+    local_batch,
+    start_world,
+    time_round_robin,  # noqa: E402
+)
 
-from compare import RESULTS_DIR, UNIFORM_PLANS, Config, System, build_model, local_batch, start_world  # noqa: E402,E501
-from compare import time_round_robin  # noqa: E402
 from osdp_fx import Devices, compile_osdp  # noqa: E402
 from osdp_fx.examples import HFCausalLMWithLoss  # noqa: E402
 from osdp_fx.runtime.compiled_regions import SETTLED_AFTER  # noqa: E402

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-from .api import OSDPModule, compile_osdp
-from .checkpoint import load_checkpoint, save_checkpoint
-from .clip import clip_grad_norm_
-from .devices import Devices
-from .errors import (CaptureError, CheckpointError, InputError, OSDPError, PlanError,
-                     PlanMismatchError)
-from .plan import Plan
-from .precision import MixedPrecision
+from . import _moved
+from .api import compile_osdp
+from .core.devices import Devices
+from .core.precision import MixedPrecision
+from .errors import (
+                     CaptureError,
+                     CheckpointError,
+                     InputError,
+                     OSDPError,
+                     PlanError,
+                     PlanMismatchError,
+)
+from .module import OSDPModule
+from .plan.plan import Plan
+from .planner.detect import detect_devices
+from .training.checkpoint import load_checkpoint, save_checkpoint
+from .training.clip import clip_grad_norm_
 
-__all__ = ["compile_osdp", "clip_grad_norm_", "Devices", "MixedPrecision", "OSDPModule", "Plan",
+__all__ = ["compile_osdp", "clip_grad_norm_", "detect_devices", "Devices", "MixedPrecision", "OSDPModule", "Plan",
            "load_checkpoint", "save_checkpoint", "OSDPError", "CaptureError", "CheckpointError",
            "InputError", "PlanError", "PlanMismatchError"]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
+
+_moved.install()

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import progress
-from .devices import DEFAULT_CPU_MEMORY_BYTES
+from .core import progress
+from .core.devices import DEFAULT_CPU_MEMORY_BYTES
 from .units import format_bytes
 
 
@@ -69,7 +69,7 @@ def demo(args: argparse.Namespace) -> int:
     per_rank = ", ".join(f"rank {r}: {res['local_param_numel']:,}" for r, res in enumerate(results))
     print(f"parameter elements held per rank: {per_rank}")
     if args.memory_plot:
-        from .plotting import plot_memory_timeline
+        from .plan.plot import plot_memory_timeline
 
         print(f"memory plot of the plan: {plot_memory_timeline(first['plan_obj'], args.memory_plot)}")
     return 0
@@ -80,8 +80,8 @@ def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     import importlib.util
     import os
 
-    from .capture import as_input_tuple
     from .errors import InputError
+    from .passes.capture import as_input_tuple
 
     path, _, name = spec.rpartition(":")
     if not path or not name or not os.path.isfile(path):
@@ -103,8 +103,8 @@ def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
 def _devices_arg(args: argparse.Namespace) -> Any:
     """The Devices of ``--devices`` (a preset name or a Devices JSON file; the defaults when
     not given) for ``--world-size`` ranks, ``--ranks-per-node`` when given."""
-    from .devices import Devices
-    from .presets import PRESETS
+    from .core.devices import Devices
+    from .core.presets import PRESETS
 
     if args.devices in PRESETS:
         devices = Devices.preset(args.devices, world_size=args.world_size)
@@ -134,10 +134,10 @@ def _describe_devices(devices: Any, given: str | None, roofline: bool) -> str:
 def plan_command(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from .capture import capture
-    from .plan_view import folded_table
-    from .planner import make_plan
-    from .precision import resolve_mixed_precision
+    from .core.precision import resolve_mixed_precision
+    from .passes.capture import capture
+    from .plan.folded import folded_table
+    from .planner.make import make_plan
     from .units import format_bytes, parse_bytes
 
     start = time.perf_counter()
@@ -167,9 +167,9 @@ def plan_command(args: argparse.Namespace) -> int:
         p.device.type == "meta" for p in captured.gm.parameters())))
     print(plan.table() if args.full else folded_table(plan))
     rows = []
-    from .plan_request import resolve_plan
-    from .strategies import MESH_STRATEGIES
-    from .planner import param_specs, predict, uniform_schedule, with_schedule
+    from .core.strategies import MESH_STRATEGIES
+    from .plan.request import resolve_plan
+    from .planner.make import param_specs, predict, uniform_schedule, with_schedule
     labels = {"replicate": "DDP", "full_shard": "FSDP", "hybrid_shard": "FSDP HYBRID_SHARD",
               "hierarchical": "two-stage collectives"}
     with progress.task("compare with uniform plans"):
@@ -192,7 +192,7 @@ def plan_command(args: argparse.Namespace) -> int:
         plan.save(args.save)
         print(f"plan saved to {args.save}")
     if args.memory_plot:
-        from .plotting import plot_memory_timeline
+        from .plan.plot import plot_memory_timeline
 
         print(f"memory plot: {plot_memory_timeline(plan, args.memory_plot)}")
     return 0
@@ -210,9 +210,9 @@ def _totals_row(label: str, plan: Any, limit: int) -> list[str]:
 def profile_command(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from .capture import capture
-    from .meta import osdp_meta
-    from .planner import make_plan
+    from .core.node_meta import osdp_meta
+    from .passes.capture import capture
+    from .planner.make import make_plan
     from .runtime.memory import measure_step_peak_bytes
     from .units import format_bytes
 
@@ -287,8 +287,8 @@ def devices_command(args: argparse.Namespace) -> int:
     """List the hardware presets, or show one (and write it as a Devices JSON to edit)."""
     from tabulate import tabulate
 
-    from .devices import Devices
-    from .presets import PRESETS, get_preset
+    from .core.devices import Devices
+    from .core.presets import PRESETS, get_preset
     from .units import format_bytes
 
     if args.name is None:

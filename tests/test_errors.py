@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-
 from harness import property_cases as pc
+
 from osdp_fx import Devices, OSDPError, compile_osdp
 from osdp_fx.errors import CaptureError, InputError, PlanError, PlanMismatchError
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import shape_cases
 from torch import nn
 
 from osdp_fx import compile_osdp
 from osdp_fx.errors import InputError, PlanError
 from osdp_fx.examples import TinyGPT
-
-from harness import shape_cases
 
 
 def _ids(b: int, s: int) -> torch.Tensor:
@@ -40,11 +39,11 @@ def test_profiling_only_the_nodes_that_hold_bytes_scales_as_profiling_every_node
     """The sequence analysis profiles only the nodes whose profile holds bytes beyond their
     tensors (23 of this Llama's 237): every node's factors that the memory model multiplies
     with nonzero bytes are those of profiling every node."""
-    from osdp_fx.analysis import _sequence_numels, analyze
-    from osdp_fx.capture import capture
+    from osdp_fx.core.node_meta import osdp_meta
     from osdp_fx.cost_models.shapes import node_factors
-    from osdp_fx.meta import osdp_meta
+    from osdp_fx.passes.capture import capture
     from osdp_fx.passes.sequence import sequence_numels
+    from osdp_fx.planner.analysis import _sequence_numels, analyze
 
     x = _ids(4, 16)
     captured = capture(shape_cases.build("llama"), (x,))

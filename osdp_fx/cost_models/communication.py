@@ -10,10 +10,10 @@ sends ``n / p`` bytes per rank over a link of bandwidth ``B`` (bytes/s) and pays
 
 ``n`` is always the *total* (unsharded, padded) size of the tensor in bytes. ``B`` is the bus
 bandwidth one rank sees; a ring over ranks on several nodes goes as fast as its slowest link, so
-a group spanning nodes uses the inter-node figures of :class:`~osdp_fx.devices.Devices`.
+a group spanning nodes uses the inter-node figures of :class:`~osdp_fx.core.devices.Devices`.
 
 All functions are pure; :func:`fit_link` inverts the model to turn measured collective times into
-a :class:`Link` (used by ``Devices.detect``).
+a :class:`Link` (used by ``detect_devices``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..core.strategies import COLLECTIVES, Collective
 from ..errors import InputError
-from ..strategies import COLLECTIVES, Collective
 
 if TYPE_CHECKING:
-    from ..devices import Devices
+    from ..core.devices import Devices
 
 __all__ = [
     "COLLECTIVES",

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 from ..errors import InputError
 
 if TYPE_CHECKING:
-    from ..devices import Devices
-    from ..meta import NodeProfile
+    from ..core.devices import Devices
+    from ..core.node_meta import NodeProfile
 
 __all__ = [
     "CALL_OPS",
@@ -66,7 +66,7 @@ def roofline_time_s(flops: float, bytes_moved: float, devices: Devices, *,
         raise InputError(
             f"Devices.compute_flops_per_s ({devices.compute_flops_per_s}) and "
             f"memory_bandwidth_bytes_per_s ({devices.memory_bandwidth_bytes_per_s}) must be "
-            f"positive: fix them, or measure them with Devices.detect()"
+            f"positive: fix them, or measure them with detect_devices()"
         )
     return max(flops / devices.flops_per_s(dtype),
                bytes_moved / devices.memory_bandwidth_bytes_per_s)

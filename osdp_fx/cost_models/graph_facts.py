@@ -11,10 +11,10 @@ from typing import Any
 
 from torch import fx
 
-from ..buckets import SMALL_PARAM_BYTES, block_of, gather_buckets
+from ..core.buckets import SMALL_PARAM_BYTES, block_of, gather_buckets
+from ..core.node_meta import NodeRole, osdp_meta
+from ..core.strategies import traits
 from ..errors import InputError
-from ..meta import NodeRole, osdp_meta
-from ..strategies import traits
 from .memory import gathered_param_bytes
 
 
@@ -156,7 +156,7 @@ def small_gather_key(state: ParamState, world_size: int,
                      small_bytes: int = SMALL_PARAM_BYTES) -> str | None:
     """What a sharded parameter's gather must share with a neighbour's to ride in its bucket
     (:func:`sharded_gather_buckets`: the strategy), or None when it never rides (larger than
-    the bucket, ``small_bytes``, and than :data:`~osdp_fx.buckets.SMALL_PARAM_BYTES` gathered,
+    the bucket, ``small_bytes``, and than :data:`~osdp_fx.core.buckets.SMALL_PARAM_BYTES` gathered,
     or a mesh strategy)."""
     if traits(state.strategy).needs_mesh:
         return None

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import sympy
 from torch import fx
 
-from ..buckets import plan_buckets
-from ..strategies import traits
+from ..core.buckets import plan_buckets
+from ..core.strategies import traits
 from .graph_facts import ParamState
 
 

@@ -15,7 +15,7 @@ strategy            persistent per rank      notes
 ==================  =======================  ================================================
 
 where ``X / N`` is one shard: ``ceil(numel / N)`` elements (a flat shard padded so every rank
-holds the same size; :func:`~osdp_fx.plan.shard_count` gives the number of shards). A sharded group also needs, for a while, the gathered (padded) parameter:
+holds the same size; :func:`~osdp_fx.plan.plan.shard_count` gives the number of shards). A sharded group also needs, for a while, the gathered (padded) parameter:
 :func:`gathered_param_bytes`; and its full gradient before the reduce-scatter:
 :func:`unsharded_grad_bytes`. Where these transients fall on the step's memory timeline is the
 search's business; this module only prices them.
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..core.layout import shard_count
+from ..core.layout import shard_numel as layout_shard_numel
+from ..core.strategies import STRATEGIES, Strategy, traits
 from ..errors import InputError, PlanError
-from ..layout import shard_count
-from ..layout import shard_numel as layout_shard_numel
-from ..strategies import STRATEGIES, Strategy, traits
 
 __all__ = [
     "OPTIMIZER_STATES",

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from ..devices import Devices
-from ..layout import collective_stages
-from ..strategies import traits
+from ..core.devices import Devices
+from ..core.layout import collective_stages
+from ..core.strategies import traits
 from .communication import collective_time_s
 from .compute import CALL_OPS, node_compute_time_s
 from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 
 from torch import fx
 
-from ..plan import RegionPrediction
-from ..regions import Recompute, find_regions, kept_by_selective
+from ..core.regions import Recompute, find_regions, kept_by_selective
+from ..plan.plan import RegionPrediction
 from .compute import CALL_OPS, node_compute_time_s
 from .graph_facts import GraphFacts
 

@@ -12,7 +12,7 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   collectives stage by stage (``plan.collective_stages``), each at the intra-node figures of
   ``Devices`` when it runs inside a node and at the inter-node figures when it crosses nodes;
 * optimizer time ``optim_s(g, s)``: the measured per-tensor time plus the measured per-element
-  time of the optimizer kind times the local numel (``Devices.detect``); without measurements
+  time of the optimizer kind times the local numel (``detect_devices``); without measurements
   memory-bound, ``bytes_per_element(optimizer) * local numel / memory bandwidth``;
 * compute time (forward + backward of the operators that read the group; the same for every
   strategy, attributed to the largest group an operator reads, for display); a recomputed
@@ -40,15 +40,20 @@ from collections.abc import Mapping
 import sympy
 from torch import fx
 
-from ..devices import Devices
-from ..buckets import DEFAULT_BUCKET_BYTES, Schedule, plan_buckets
+from ..core.buckets import DEFAULT_BUCKET_BYTES, Schedule, plan_buckets
+from ..core.devices import Devices
+from ..core.layout import shard_count
+from ..core.strategies import traits
+from ..plan.plan import collective_stages
 from .communication import all_reduce_time_s, collective_time_s, group_link
 from .compute import node_compute_time_s
+from .graph_facts import (
+    GraphFacts,
+    ParamState,
+    regathered_together,
+    sharded_gather_buckets,
+)
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from ..layout import shard_count
-from ..plan import collective_stages
-from ..strategies import traits
-from .graph_facts import GraphFacts, ParamState, regathered_together, sharded_gather_buckets
 from .overlap import hidden_gather_s
 from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH

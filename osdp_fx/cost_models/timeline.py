@@ -77,20 +77,50 @@ from collections.abc import Mapping
 import torch
 from torch import fx
 
-from ..layout import shard_count
-from ..meta import NodeRole, osdp_meta
-from ..strategies import traits
-from ..buckets import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, MAX_IN_FLIGHT,
-                       SMALL_PARAM_BYTES)
-from .envelope import BATCH, envelope as _envelope  # noqa: F401  (BATCH re-exported)
+from ..core.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_PREFETCH,
+    MAX_IN_FLIGHT,
+    SMALL_PARAM_BYTES,
+)
+from ..core.layout import shard_count
+from ..core.node_meta import NodeRole, osdp_meta
+from ..core.strategies import traits
+from .envelope import BATCH  # noqa: F401  (BATCH re-exported)
+from .envelope import envelope as _envelope
+from .graph_facts import (
+    PREFETCH_BEFORE,
+    SPLIT_BEFORE,
+    ParamState,
+    activation_grad_intervals,
+    graph_facts,
+    prefetched_regathers,
+    regathered_together,
+    sharded_gather_buckets,
+)
+from .live_bytes import (  # noqa: F401
+    LOCAL,
+    SYNC,
+    Category,
+    MemoryPoint,
+    MemoryPrediction,
+    Timeline,
+    describe_time,
+    replicated_buckets,
+)
+from .memory import (
+    OPTIMIZER_STATES,
+    gathered_param_bytes,
+    optimizer_state_bytes,
+    shard_numel,
+)
+from .recompute import (
+    internal_interval,
+    recompute_workspace,
+    region_spans,
+    root_intervals,
+)
 from .shapes import rescaled
-from .graph_facts import (PREFETCH_BEFORE, SPLIT_BEFORE, ParamState, activation_grad_intervals,
-                          graph_facts, prefetched_regathers, regathered_together,
-                          sharded_gather_buckets)
-from .recompute import internal_interval, recompute_workspace, region_spans, root_intervals
-from .memory import OPTIMIZER_STATES, gathered_param_bytes, optimizer_state_bytes, shard_numel
-from .live_bytes import (LOCAL, SYNC, Category, MemoryPoint, MemoryPrediction,  # noqa: F401
-                         Timeline, describe_time, replicated_buckets)
 
 
 def constant_bytes(gm: fx.GraphModule) -> int:

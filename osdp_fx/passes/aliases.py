@@ -18,8 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_leaves
 
-from ..capture import unchanged_state
-from ..meta import NodeRole, osdp_meta, set_osdp_meta
+from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
+from .capture import unchanged_state
 from .profile import fake_of
 
 

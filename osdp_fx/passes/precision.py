@@ -1,4 +1,4 @@
-"""Rewriting pass: compute in a lower precision (``osdp_fx.precision``).
+"""Rewriting pass: compute in a lower precision (``osdp_fx.core.precision``).
 
 After every floating parameter's ``get_attr`` a ``cast_param`` node (role ``"cast"``) gives the
 parameter in the compute dtype to all its users; after every placeholder a ``cast_input`` node
@@ -26,8 +26,8 @@ import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from ..meta import NodeRole, osdp_meta, set_osdp_meta
-from ..precision import cast_input, cast_param
+from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
+from ..core.precision import cast_input, cast_param
 
 
 def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:

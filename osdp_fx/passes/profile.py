@@ -29,7 +29,7 @@ With ``fake=True`` the graph runs under :class:`~torch._subclasses.fake_tensor.F
 tensors of ``meta_device``, the CPU by default): FLOPs and bytes are exact, times are None and
 the compute cost model uses a roofline instead (at the throughput of the dtype each node computes
 in, ``NodeProfile.compute_dtype``). Long profiles report progress node by node
-(``osdp_fx.progress``, [Note: progress]).
+(``osdp_fx.core.progress``, [Note: progress]).
 """
 
 from __future__ import annotations
@@ -47,11 +47,16 @@ from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils import _pytree as pytree
 from torch.utils import flop_counter
 
-from .. import progress
+from ..core import progress
+from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..errors import InputError, PlanMismatchError
-from ..meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..runtime.memory import LiveTensorTracker
-from .profile_node import PreparedInputs, profile_compute_node, storage_key, tensor_bytes
+from .profile_node import (
+    PreparedInputs,
+    profile_compute_node,
+    storage_key,
+    tensor_bytes,
+)
 from .profile_node import tensors as _tensor_list
 
 log = logging.getLogger(__name__)
@@ -346,7 +351,7 @@ class _NodeProfiler(fx.Interpreter):
             raise InputError(
                 f"node {n.format_node()} calls module {n.target!r} which owns parameters; the "
                 f"profile pass expects every parameter to be read by a get_attr node: capture the "
-                f"model with osdp_fx.capture (which normalizes modules into functional calls) first"
+                f"model with osdp_fx.passes.capture (which normalizes modules into functional calls) first"
             )
         return profile_compute_node(self, n)
 

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..meta import NodeProfile
+from ..core.node_meta import NodeProfile
 from ..runtime.memory import LiveTensorTracker
 
 

@@ -53,9 +53,9 @@ from collections.abc import Mapping
 from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassResult
 
+from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
+from ..core.regions import Recompute, check_policy, find_regions
 from ..errors import PlanError
-from ..meta import NodeRole, osdp_meta, set_osdp_meta
-from ..regions import Recompute, check_policy, find_regions
 from ..runtime.params import grad_ready
 from ..runtime.recompute import RecomputedRegion
 

@@ -49,41 +49,27 @@ import logging
 import operator
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from ..capture import set_attr
-from ..meta import NodeRole, osdp_meta, set_osdp_meta
-from ..buckets import block_of, gather_buckets
-from ..plan import Plan
-from ..strategies import traits
-from .precision import cast_of
-from ..layout import WORLD, shard_layout, shard_numel
-from ..runtime.collectives import pad_flat
+from ..core.buckets import block_of, gather_buckets
+from ..core.layout import WORLD, shard_layout
+from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
+from ..core.strategies import traits
+from ..plan.plan import Plan
 from ..runtime.params import (
     all_gather_param,
     all_gather_params,
     free_param,
+    make_shard,
     prefetch_param,
     prefetch_params,
+    shard_of,
 )
+from .capture import set_attr
+from .precision import cast_of
 
 log = logging.getLogger(__name__)
-
-
-def make_shard(full: torch.Tensor, *, world_size: int, rank: int) -> nn.Parameter:
-    """This rank's flat zero-padded shard of ``full`` as a new leaf parameter."""
-    n = shard_numel(full.numel(), world_size)
-    flat = pad_flat(full.detach(), n * world_size)
-    return nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=full.requires_grad)
-
-
-def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_node: int | None,
-             rank: int) -> nn.Parameter:
-    """This rank's shard of ``full`` under ``strategy``: its chunk of ``shard_layout``."""
-    layout = shard_layout(strategy, world_size=world_size, ranks_per_node=ranks_per_node,
-                          rank=rank)
-    return make_shard(full, world_size=layout.chunks, rank=layout.index)
 
 
 def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> None:

@@ -47,10 +47,11 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassResult
 
-from ..capture import Captured, ParamInfo, set_attr
+from ..core.layout import SplitSpec
+from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
 from ..errors import PlanError
-from ..meta import NodeRole, osdp_meta, set_osdp_meta
-from .runner import run_passes
+from .capture import Captured, ParamInfo, set_attr
+from .manager import run_passes
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +59,6 @@ _LINEARS = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
 _ADDMM = (torch.ops.aten.addmm.default, torch.addmm)
 _MATMULS = (torch.matmul, operator.matmul, torch.ops.aten.matmul.default, torch.ops.aten.mm.default)
 SPLIT_FACTORS = (2, 4, 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitSpec:
-    """One parameter split into parts along one dimension."""
-
-    name: str
-    """Canonical name of the original parameter."""
-    dim: int
-    """Dimension of the original tensor that is split."""
-    parts: tuple[str, ...]
-    """Names of the part parameters, in order."""
-    sizes: tuple[int, ...]
-    """Size of each part along ``dim``."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..layout import WORLD, shard_numel  # noqa: F401  (re-exported)
+from ..core.layout import WORLD, shard_numel  # noqa: F401  (re-exported)
 from .memory import note_resized
 
 _named_groups: dict[str, Any] = {}

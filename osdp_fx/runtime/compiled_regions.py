@@ -39,7 +39,12 @@ import torch
 from torch import fx, nn
 
 from .collectives import WORLD, all_reduce_sum_, collective_device, group_size
-from .compile_support import check_compilable, is_collective_call, release_graphs, run_eagerly
+from .compile_support import (
+    check_compilable,
+    is_collective_call,
+    release_graphs,
+    run_eagerly,
+)
 
 WARMUP_STEPS = 2
 """Forwards that run every region compiled before the trials (the first compiles)."""

@@ -39,9 +39,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.layout import (  # noqa: F401
+    ShardLayout,
+    mesh_group_name,
+    mesh_shape,
+    shard_count,
+    shard_layout,
+)
+from ..core.strategies import MESH_STRATEGIES, traits
 from ..errors import InputError
-from ..layout import ShardLayout, mesh_group_name, mesh_shape, shard_count, shard_layout  # noqa: F401
-from ..strategies import MESH_STRATEGIES, traits
 from .collectives import (
     WORLD,
     Pending,
@@ -63,7 +69,7 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
 def ranks_per_node_for(devices: Any, world_size: int) -> int | None:
     """Ranks per node of this world, or None when nothing says (one node, or whatever
-    ``Devices.detect`` finds later).
+    ``detect_devices`` finds later).
 
     In order: ``devices.ranks_per_node`` when the user's Devices gives it (so a world on one
     machine can be treated as several nodes); the ``LOCAL_WORLD_SIZE`` torchrun sets; None.

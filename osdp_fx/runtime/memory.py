@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
-
+from torch.utils._pytree import tree_leaves
 
 _active_trackers: list[LiveTensorTracker] = []
 

@@ -27,11 +27,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..buckets import MAX_IN_FLIGHT
-from ..strategies import traits
+from ..core.buckets import MAX_IN_FLIGHT
+from ..core.layout import shard_layout, shard_numel
+from ..core.strategies import traits
 from .accumulation import HeldGrads, LocalScatters
 from .collectives import Pending, pad_flat
+from .compile_support import defer_free, eager, take_deferred
 from .hierarchy import (
     averaging_ranks,
     gather_shards_start,
@@ -39,7 +42,6 @@ from .hierarchy import (
     shard_chunks,
 )
 from .memory import note_resized
-from .compile_support import defer_free, eager, take_deferred
 from .regather import (
     Gathered,
     StepContext,
@@ -48,7 +50,6 @@ from .regather import (
     split_gathered,
     start_params,
 )
-
 
 _local = threading.local()
 
@@ -393,3 +394,18 @@ def _free(full: torch.Tensor) -> None:
         storage = full.untyped_storage()
         storage.resize_(0)
         note_resized(storage)
+
+
+def make_shard(full: torch.Tensor, *, world_size: int, rank: int) -> nn.Parameter:
+    """This rank's flat zero-padded shard of ``full`` as a new leaf parameter."""
+    n = shard_numel(full.numel(), world_size)
+    flat = pad_flat(full.detach(), n * world_size)
+    return nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=full.requires_grad)
+
+
+def shard_of(full: torch.Tensor, strategy: str, *, world_size: int, ranks_per_node: int | None,
+             rank: int) -> nn.Parameter:
+    """This rank's shard of ``full`` under ``strategy``: its chunk of ``shard_layout``."""
+    layout = shard_layout(strategy, world_size=world_size, ranks_per_node=ranks_per_node,
+                          rank=rank)
+    return make_shard(full, world_size=layout.chunks, rank=layout.index)

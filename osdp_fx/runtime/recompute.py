@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ..regions import SELECTIVE_SAVED_OPS, Recompute
+from ..core.regions import SELECTIVE_SAVED_OPS, Recompute
 from .params import region_saves
 
 _SAVED_OPS = frozenset(
@@ -44,7 +44,7 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 
 selective_contexts = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-"""``checkpoint``'s ``context_fn`` of a selective region (also timed by ``Devices.detect``)."""
+"""``checkpoint``'s ``context_fn`` of a selective region (also timed by ``detect_devices``)."""
 
 
 class RecomputedRegion(nn.Module):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
+from ..core.buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
 from .collectives import all_reduce_sum_start, group_size
 from .memory import note_resized
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from osdp_fx.core.devices import Devices
 from osdp_fx.cost_models.communication import (
     CollectiveSample,
     Link,
@@ -18,7 +19,6 @@ from osdp_fx.cost_models.communication import (
     group_link,
     reduce_scatter_time_s,
 )
-from osdp_fx.devices import Devices
 from osdp_fx.errors import InputError
 
 LINK = {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-5}

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from osdp_fx.core.devices import Devices
 from osdp_fx.cost_models.compute import (
     backward_bytes,
     forward_bytes,
@@ -13,7 +14,6 @@ from osdp_fx.cost_models.compute import (
     roofline_time_s,
     total_compute_time_s,
 )
-from osdp_fx.devices import Devices
 from osdp_fx.errors import InputError
 from osdp_fx.passes.profile import NodeProfile
 

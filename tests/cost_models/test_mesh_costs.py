@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from osdp_fx.core.devices import Devices
 from osdp_fx.cost_models.communication import all_gather_time_s, all_reduce_time_s
+from osdp_fx.cost_models.graph_facts import ParamState
 from osdp_fx.cost_models.memory import param_memory, persistent_bytes
 from osdp_fx.cost_models.step import group_cost
-from osdp_fx.cost_models.graph_facts import ParamState
-from osdp_fx.devices import Devices
-from osdp_fx.plan import Stage, collective_stages, shard_count
+from osdp_fx.plan.plan import Stage, collective_stages, shard_count
 
 # 2 nodes x 8 ranks; intra-node links 80x faster than inter-node ones
 DEVICES = Devices(world_size=16, ranks_per_node=8, memory_bandwidth_bytes_per_s=1e12,

@@ -5,12 +5,11 @@ the model's output held through the step as a training loop holds it."""
 from __future__ import annotations
 
 import torch
+from harness.memory_cases import earlier_storages
 from torch import nn
 
 from osdp_fx import compile_osdp
-from osdp_fx.storage_tracker import StorageTracker
-
-from harness.memory_cases import earlier_storages
+from osdp_fx.runtime.storage_tracker import StorageTracker
 
 
 class Wide(nn.Module):

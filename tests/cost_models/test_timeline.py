@@ -43,10 +43,10 @@ def test_the_searches_peak_equals_the_full_prediction():
     peak: every strategy, recomputation, accumulation, another batch, prefetch and buckets."""
     import torch
 
-    from osdp_fx.analysis import analyze, param_states
-    from osdp_fx.capture import capture
     from osdp_fx.cost_models.timeline import predict_peak_bytes, predict_step_memory
     from osdp_fx.examples import GPTWithLoss, TinyGPT
+    from osdp_fx.passes.capture import capture
+    from osdp_fx.planner.analysis import analyze, param_states
 
     torch.manual_seed(0)
     net = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=2, heads=2, max_seq=16))

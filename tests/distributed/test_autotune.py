@@ -12,7 +12,7 @@ import re
 from harness import autotune_cases as ac
 from harness import cases
 
-from osdp_fx.analysis import plannable_bytes
+from osdp_fx.planner.analysis import plannable_bytes
 
 LIMIT = 560_000  # bytes: the harness GPT's search finds several distinct plans that fit
 MARGIN = 0.03

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from harness import checkpoint_cases as cc
 
 

@@ -4,7 +4,6 @@ made once its output is dropped: the runtime's saved-tensor hooks must not keep 
 from __future__ import annotations
 
 import pytest
-
 from harness import cases
 
 

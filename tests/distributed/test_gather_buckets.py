@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from harness import cases, recompute_cases
 
 

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 import torch
-
 from harness import cases
 from harness import hierarchy_cases as hc
+
 from osdp_fx import Devices
 
 MESH = Devices(world_size=4, ranks_per_node=2)

@@ -4,8 +4,8 @@ world 4 as 2 nodes x 2 ranks for hybrid_shard and hierarchical)."""
 from __future__ import annotations
 
 import pytest
-
 from harness import cases
+
 from osdp_fx import Devices
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from harness import memory_cases
 
 TOLERANCE = 0.05

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from harness import meta_cases as mc
 
 MIB = 2**20

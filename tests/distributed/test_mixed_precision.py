@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import cases
 from test_parity import mixed_plan_file
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
-
 from harness import cases
 from harness import no_sync_cases as nc
+
 from osdp_fx import Devices
 
 MESH = Devices(world_size=4, ranks_per_node=2)

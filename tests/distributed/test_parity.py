@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from harness import cases
 
 MODELS = ["mlp", "gpt", "hf_gpt2"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import cases, recompute_cases
 
 BLOCKS = {"gpt": ("blocks.0", "blocks.1"), "hf_gpt2": ("transformer.h.0", "transformer.h.1")}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from harness import memory_cases
-from osdp_fx.analysis import MEMORY_MARGIN
+
+from osdp_fx.planner.analysis import MEMORY_MARGIN
 
 TOLERANCE = 0.05
 REGIONS = ("model.blocks.0", "model.blocks.1")

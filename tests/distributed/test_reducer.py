@@ -4,7 +4,6 @@ bucket order, and average the ranks' gradients exactly as an all-reduce at the e
 from __future__ import annotations
 
 import torch
-
 from harness import reducer_cases
 
 

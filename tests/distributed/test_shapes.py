@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-
 from harness import shape_cases
 
 

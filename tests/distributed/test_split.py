@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from harness import split_cases
 
 MIB = 2**20

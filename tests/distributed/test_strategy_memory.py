@@ -8,7 +8,6 @@ all-gather ahead unless ``prefetch=0``.
 from __future__ import annotations
 
 import pytest
-
 from harness import cases
 
 W = 512 * 512 * 4

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import compile_cases, models, recompute_cases
-from osdp_fx import Devices
 from test_parity import split_plan_file
+
+from osdp_fx import Devices
 
 TWO_NODES = Devices(world_size=2, ranks_per_node=1)  # hybrid_shard and hierarchical at world 2
 

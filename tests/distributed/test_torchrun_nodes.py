@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import torch
+from harness import cases
 
 import osdp_fx
-from harness import cases
 from osdp_fx.runtime.launch import free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "harness",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import two_models_cases
 
 

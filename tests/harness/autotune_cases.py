@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from osdp_fx import compile_osdp
-from osdp_fx.devices import _detected
+from osdp_fx.planner.detect import _detected
 
 from .cases import sgd_losses
 from .models import batches, build, local

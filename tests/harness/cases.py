@@ -248,12 +248,11 @@ def forwards_without_backward(rank: int, world: int, *, model: str, plan: str,
 def slowest_rank_times(rank: int, world: int, *, mismatch: bool = False) -> dict[str, Any]:
     """Each rank's measured node times before and after ``slowest_rank_times_pass``; with
     ``mismatch`` rank 1 profiles a deeper model (a different graph)."""
-    from osdp_fx.capture import capture
+    from osdp_fx.core.node_meta import osdp_meta
     from osdp_fx.errors import PlanMismatchError
-    from osdp_fx.meta import osdp_meta
-    from osdp_fx.passes.profile import profile_graph_pass, slowest_rank_times_pass
-
     from osdp_fx.examples import MLP
+    from osdp_fx.passes.capture import capture
+    from osdp_fx.passes.profile import profile_graph_pass, slowest_rank_times_pass
 
     class Net(torch.nn.Module):
         def __init__(self, sizes: tuple[int, ...]) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from osdp_fx import compile_osdp
 from osdp_fx.runtime.compiled_regions import regions_for
-from osdp_fx.storage_tracker import StorageTracker
+from osdp_fx.runtime.storage_tracker import StorageTracker
 
 from .models import batches, build, local
 

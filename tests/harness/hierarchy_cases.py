@@ -8,10 +8,9 @@ from typing import Any
 import torch
 
 from osdp_fx import compile_osdp
-from osdp_fx.capture import capture
-from osdp_fx.passes.shard import make_shard
-from osdp_fx.plan import MESH_STRATEGIES
-from osdp_fx.planner import make_plan
+from osdp_fx.passes.capture import capture
+from osdp_fx.plan.plan import MESH_STRATEGIES
+from osdp_fx.planner.make import make_plan
 from osdp_fx.runtime.collectives import all_gather_flat
 from osdp_fx.runtime.hierarchy import (
     gather_shards,
@@ -20,6 +19,7 @@ from osdp_fx.runtime.hierarchy import (
     reduce_scatter_shards,
     shard_layout,
 )
+from osdp_fx.runtime.params import make_shard
 
 from .models import batches, build, local
 

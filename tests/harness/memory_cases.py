@@ -14,7 +14,7 @@ from torch import nn
 
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT
-from osdp_fx.storage_tracker import StorageTracker, dense_tensors, held_tensors
+from osdp_fx.runtime.storage_tracker import StorageTracker, dense_tensors, held_tensors
 
 VOCAB = 512
 

@@ -207,7 +207,8 @@ def hf_on_meta(rank: int, world: int, *, plan: Any) -> dict[str, Any]:
     """A Hugging Face GPT-2 built on the meta device (only torch.export captures it), initialised
     by its own ``_init_weights`` and trained 3 SGD steps: its initial full state, its losses
     and its final full state."""
-    from .models import batches, build as build_test_model
+    from .models import batches
+    from .models import build as build_test_model
 
     torch.manual_seed(0)
     with torch.device("meta"):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.runtime import collectives
-from osdp_fx.storage_tracker import StorageTracker
+from osdp_fx.runtime.storage_tracker import StorageTracker
 
 from .models import batches, build, cast_forward, local
 
@@ -221,7 +221,8 @@ def accumulation_memory(rank: int, world: int, *, plan: str, k: int = 3, steps: 
                         optimizer: str = "sgd") -> dict[str, Any]:
     """Peaks of steps of ``k`` micro-batches (the first ``k - 1`` inside no_sync) measured by
     the independent storage tracker, against the predictions with grad_accumulation=k and 1."""
-    from .memory_cases import batch, build as build_memory_model
+    from .memory_cases import batch
+    from .memory_cases import build as build_memory_model
 
     gc.collect()
     x = batch(rank)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from osdp_fx import compile_osdp
-from osdp_fx.storage_tracker import StorageTracker
+from osdp_fx.runtime.storage_tracker import StorageTracker
 
 from .memory_cases import earlier_storages
 

@@ -12,12 +12,12 @@ import copy
 
 import pytest
 import torch
+from harness import property_cases as pc
 from torch import fx, nn
 
-from harness import property_cases as pc
-from osdp_fx.capture import capture
-from osdp_fx.meta import osdp_meta
+from osdp_fx.core.node_meta import osdp_meta
 from osdp_fx.passes.aliases import annotate_aliases_pass
+from osdp_fx.passes.capture import capture
 
 
 class Views(nn.Module):

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from harness import property_cases as pc
 from torch import fx, nn
 
-from harness import property_cases as pc
-from osdp_fx.capture import Captured, _normalize, capture
-from osdp_fx.meta import osdp_meta
+from osdp_fx.core.node_meta import osdp_meta
+from osdp_fx.passes.capture import Captured, _normalize, capture
 
 MODELS = pc.PASS_MODELS
 

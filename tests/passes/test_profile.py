@@ -10,8 +10,8 @@ from torch import fx, nn
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
+from osdp_fx.core.node_meta import osdp_meta
 from osdp_fx.errors import InputError
-from osdp_fx.meta import osdp_meta
 from osdp_fx.passes import profile as profile_module
 from osdp_fx.passes.profile import NodeProfile, profile_graph_pass, summarize_profile
 
@@ -375,8 +375,8 @@ def test_hugging_face_model_on_meta_profiles_like_the_one_on_the_cpu():
     then name the CPU, not meta) gets, node by node, the FLOPs and bytes of the same model built
     on the CPU and profiled for real."""
     pytest.importorskip("transformers")
-    from osdp_fx.capture import capture
     from osdp_fx.examples import hf_gpt2_meta
+    from osdp_fx.passes.capture import capture
 
     shape = {"n_layer": 1, "n_embd": 64, "n_head": 4, "vocab": 97, "seq": 32, "batch": 2}
     meta_model, meta_inputs = hf_gpt2_meta(**shape)

@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 
-from osdp_fx.capture import capture
+from osdp_fx.core.node_meta import NodeRole, osdp_meta
+from osdp_fx.core.regions import find_regions, kept_by_selective
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
-from osdp_fx.meta import NodeRole, osdp_meta
+from osdp_fx.passes.capture import capture
 from osdp_fx.passes.recompute import recompute_regions_pass
-from osdp_fx.regions import find_regions, kept_by_selective
 
 
 def _captured():
@@ -65,9 +65,9 @@ def test_unknown_region_names_the_regions():
 def test_selective_regions_are_charged_their_dispatch_per_operator():
     """The step model charges a selective region ``Devices.selective_op_time_s`` per operator
     (selective checkpointing's dispatch mode wraps each); save and full are not charged it."""
-    from osdp_fx.analysis import analyze
+    from osdp_fx.core.devices import Devices
     from osdp_fx.cost_models.recompute import region_costs
-    from osdp_fx.devices import Devices
+    from osdp_fx.planner.analysis import analyze
 
     torch.manual_seed(0)
     model = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=2, heads=2, max_seq=16))

@@ -23,22 +23,23 @@ from typing import Any
 
 import pytest
 import torch
+from harness import property_cases as pc
 from torch import fx, nn
 
-from harness import property_cases as pc
 from osdp_fx import compile_osdp
-from osdp_fx.capture import capture
+from osdp_fx.core.buckets import SMALL_PARAM_BYTES, block_of, gather_buckets
+from osdp_fx.core.node_meta import osdp_meta
 from osdp_fx.examples import GPTWithLoss, TinyGPT, lm_loss
-from osdp_fx.meta import osdp_meta
 from osdp_fx.passes.aliases import annotate_aliases_pass
-from osdp_fx.passes.shard import make_shard, shard_parameters_pass
-from osdp_fx.plan import Plan
-from osdp_fx.plan_request import ParamSpec, build_plan
-from osdp_fx.buckets import SMALL_PARAM_BYTES, block_of, gather_buckets
+from osdp_fx.passes.capture import capture
+from osdp_fx.passes.shard import shard_parameters_pass
+from osdp_fx.plan.plan import Plan
+from osdp_fx.plan.request import ParamSpec, build_plan
 from osdp_fx.runtime.params import (
     all_gather_param,
     all_gather_params,
     free_param,
+    make_shard,
     prefetch_param,
     prefetch_params,
 )

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from osdp_fx import compile_osdp
-from osdp_fx.capture import capture
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import MLP, TinyGPT
+from osdp_fx.passes.capture import capture
 from osdp_fx.passes.split_linear import apply_splits, linear_sites
 
 

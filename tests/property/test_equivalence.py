@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 import torch
+from harness import property_cases as pc
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
-
-from harness import property_cases as pc
 
 STRATEGIES = ("replicate", "shard_grad_op", "full_shard")
 WORLD_SIZES = (1, 2, 3, 4)

@@ -26,20 +26,20 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from osdp_fx.analysis import analyze, param_states, plannable_bytes
-from osdp_fx.buckets import Schedule
-from osdp_fx.capture import capture
+from osdp_fx.core.buckets import Schedule
+from osdp_fx.core.devices import Devices
+from osdp_fx.core.regions import POLICIES, find_regions
+from osdp_fx.core.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
+from osdp_fx.cost_models.recompute import region_costs
 from osdp_fx.cost_models.step import predict_step_time
 from osdp_fx.cost_models.timeline import predict_step_memory
-from osdp_fx.devices import Devices
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
-from osdp_fx.exhaustive import peak_floor_bytes, step_time_bounds
-from osdp_fx.cost_models.recompute import region_costs
-from osdp_fx.regions import POLICIES, find_regions
-from osdp_fx.schedule import schedule_memory_kwargs
-from osdp_fx.search import search_plan
-from osdp_fx.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
+from osdp_fx.passes.capture import capture
+from osdp_fx.planner.analysis import analyze, param_states, plannable_bytes
+from osdp_fx.planner.exhaustive import peak_floor_bytes, step_time_bounds
+from osdp_fx.planner.schedule_search import schedule_memory_kwargs
+from osdp_fx.planner.search import search_plan
 
 OPTIMIZER = "adamw"
 DEVICES = Devices(world_size=2)

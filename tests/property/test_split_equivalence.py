@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-
 from test_equivalence import STRATEGIES, check_equivalence, mlp_specs
 
 

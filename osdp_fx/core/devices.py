@@ -1,0 +1,210 @@
+"""Devices: what the cluster looks like, for planning and cost models.
+
+A :class:`Devices` is written by hand (or loaded with :meth:`Devices.from_json`) to plan for
+hardware one does not have, or measured on the running process group with
+:func:`osdp_fx.detect_devices`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from typing import Any
+
+from ..errors import InputError
+from ..units import parse_bytes
+from .strategies import COLLECTIVES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
+"""Memory limit per rank assumed on CPU when none is given (documented in docs/)."""
+
+OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+"""The optimizer kinds cost models know (torch.optim.SGD without and with momentum, Adam, AdamW)."""
+DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+"""Dtype names ``Devices.compute_flops_per_s_by_dtype`` takes (torch's, without 'torch.')."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    """The devices a plan is made for. Figures are per rank unless a name says otherwise."""
+
+    world_size: int = 1
+    """Number of ranks (processes, one device each)."""
+    ranks_per_node: int | None = None
+    """Ranks that share a node's fast links; None means all ranks are on one node."""
+    memory_bytes: int | None = None
+    """Memory limit per rank for parameters, gradients, optimizer state and activations."""
+    compute_flops_per_s: float = 1e11
+    """Sustained dense matmul throughput of one device."""
+    memory_bandwidth_bytes_per_s: float = 2e10
+    """Device memory bandwidth (for the roofline of memory-bound operators)."""
+    intra_node_bandwidth_bytes_per_s: float = 5e9
+    """Per-rank bus bandwidth of collectives inside a node."""
+    intra_node_latency_s: float = 5e-5
+    """Fixed cost of one collective step inside a node."""
+    inter_node_bandwidth_bytes_per_s: float = 1.25e9
+    """Per-rank bus bandwidth of collectives across nodes."""
+    inter_node_latency_s: float = 1e-4
+    """Fixed cost of one collective step across nodes."""
+    collective_links: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Link figures of one collective in one scope, where it runs unlike the scope's figures
+    above: keys ``"<scope>.<collective>"`` (scope ``intra_node`` or ``inter_node``; collective
+    ``all_gather``, ``reduce_scatter`` or ``all_reduce``), values ``{"bandwidth_bytes_per_s": B,
+    "latency_s": alpha}``. ``detect`` fits every collective to its own timings (CPU gloo's
+    all-gather and reduce-scatter are slower than its all-reduce, by a ratio that changes with
+    the size); a collective without an entry runs at its scope's figures."""
+    optimizer_element_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Measured optimizer step time per parameter element, by optimizer kind ("sgd",
+    "sgd_momentum", "adam", "adamw"); a kind missing here is modelled as memory-bound (the bytes
+    its update moves over the memory bandwidth)."""
+    optimizer_tensor_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Measured fixed time per parameter tensor of an optimizer step (its kernel launches and
+    Python), by optimizer kind; 0 for a kind missing here."""
+    selective_op_time_s: float = 0.0
+    """Time torch's selective activation checkpointing adds per operator of a selectively
+    recomputed region, in forward and in the recomputation together (its dispatch mode runs
+    Python around every operator); measured by ``detect``, 0 when not measured."""
+    compute_flops_per_s_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Sustained matmul throughput of operators computing in a dtype ("bfloat16", ...) where it
+    differs from ``compute_flops_per_s`` (tensor cores); the roofline uses :meth:`flops_per_s`."""
+    source: str = ""
+    """Where the figures come from: "preset:<name>", "detected", or "" (defaults, by hand)."""
+    memory_margin: float = 0.03
+    """Share of ``memory_bytes`` kept free for what a GPU's caching allocator adds to the peak:
+    presets and GPU ``detect`` set ``presets.GPU_MEMORY_MARGIN``, CPU ``detect`` 0."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise InputError(f"Devices.world_size must be a positive int, got {self.world_size!r}")
+        if self.ranks_per_node is not None and (
+            self.ranks_per_node < 1 or self.world_size % self.ranks_per_node
+        ):
+            raise InputError(
+                f"Devices.ranks_per_node={self.ranks_per_node} must divide world_size="
+                f"{self.world_size}; set it to the number of ranks on each node, and give the "
+                f"world size with it (e.g. Devices(world_size=16, ranks_per_node=8))"
+            )
+        if self.memory_bytes is not None:
+            object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes))
+        _check_margin(self.memory_margin)
+        _check_collective_links(self.collective_links)
+        for name, keys, low, what in (
+                ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),
+                ("optimizer_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
+                ("compute_flops_per_s_by_dtype", DTYPES, 1e-300, "positive FLOP/s")):
+            bad = {k: v for k, v in getattr(self, name).items() if k not in keys
+                   or not isinstance(v, (int, float)) or not low <= v < float("inf")}
+            if bad:
+                raise InputError(f"Devices.{name} has invalid entries {bad}: keys are "
+                                 f"{'optimizer kinds' if keys is OPTIMIZERS else 'dtype names'}"
+                                 f" ({', '.join(keys)}), values {what}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // (self.ranks_per_node or self.world_size)
+
+    def flops_per_s(self, dtype: str = "") -> float:
+        """Matmul throughput of an operator computing in ``dtype`` (a torch dtype name)."""
+        return self.compute_flops_per_s_by_dtype.get(dtype, self.compute_flops_per_s)
+
+    @classmethod
+    def preset(cls, name: str, *, world_size: int | None = None,
+               memory_limit: int | str | None = None) -> Devices:
+        """``world_size`` ranks (default: one node) of a known cluster kind, e.g. ``Devices.
+        preset("h100-sxm-8x", world_size=64)``: datasheet figures times stated efficiencies,
+        sources in ``osdp_fx/presets.py`` (``python -m osdp_fx devices`` lists the names);
+        ``memory_limit`` defaults to the GPU's memory."""
+        from .presets import preset_figures
+
+        return cls(**preset_figures(name, world_size=world_size, memory_limit=memory_limit))
+
+    @classmethod
+    def detect(
+        cls,
+        *,
+        memory_limit: int | str | None = None,
+        group: Any = None,
+        ranks_per_node: int | None = None,
+    ) -> Devices:
+        """Deprecated alias of ``osdp_fx.detect_devices`` (``planner/detect.py``)."""
+        warnings.warn("Devices.detect() is deprecated and will be removed in osdp-fx 0.3: use "
+                      "osdp_fx.detect_devices()", DeprecationWarning, stacklevel=2)
+        from ..planner.detect import (
+            detect_devices,  # deprecated alias: the one upward import
+        )
+
+        return detect_devices(memory_limit=memory_limit, group=group,
+                              ranks_per_node=ranks_per_node)
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write these figures as a JSON object (one key per field) to ``path``."""
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Devices:
+        """Read a Devices written by :meth:`to_json` (or by hand; missing keys keep defaults)."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise InputError(f"cannot read devices file {os.fspath(path)!r}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise InputError(f"devices file {os.fspath(path)!r} is not valid JSON: {e}") from e
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict):
+            raise InputError(
+                f"devices file {os.fspath(path)!r} must hold a JSON object with keys among "
+                f"{', '.join(names)}"
+            )
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise InputError(
+                f"devices file {os.fspath(path)!r} has unknown keys {unknown}; valid keys are "
+                f"{', '.join(names)}"
+            )
+        return cls(**data)
+
+
+def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
+    keys = {f"{scope}.{c}" for scope in LINK_SCOPES for c in COLLECTIVES}
+    for key, figures in links.items():
+        if key not in keys:
+            raise InputError(
+                f"Devices.collective_links has an unknown key {key!r}: keys are "
+                f"'<scope>.<collective>' with scope {' or '.join(LINK_SCOPES)} and collective "
+                f"one of {', '.join(COLLECTIVES)}, e.g. 'intra_node.all_gather'"
+            )
+        if (not isinstance(figures, dict) or set(figures) != {"bandwidth_bytes_per_s", "latency_s"}
+                or not 0 < figures["bandwidth_bytes_per_s"] < float("inf")
+                or not 0 <= figures["latency_s"] < float("inf")):
+            raise InputError(
+                f"Devices.collective_links[{key!r}] = {figures!r} must be "
+                '{"bandwidth_bytes_per_s": positive bytes/s, "latency_s": non-negative seconds}'
+            )
+
+
+LINK_SCOPES = ("intra_node", "inter_node")
+"""Scopes of link figures: collectives inside a node and collectives that cross nodes."""
+
+
+def _check_margin(margin: Any) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise InputError(f"Devices.memory_margin={margin!r} is not a share of the memory limit: "
+                         "give a float in [0, 1), e.g. 0.03 to plan for 97 %")
+
+
+def device_memory_bytes(device: Any = None) -> int:
+    """The memory a rank on ``device`` plans for when no limit is given: a GPU's whole memory
+    (``torch.cuda.mem_get_info``), else ``DEFAULT_CPU_MEMORY_BYTES``."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[1])
+    return DEFAULT_CPU_MEMORY_BYTES

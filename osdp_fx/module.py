@@ -1,0 +1,206 @@
+"""``OSDPModule``: a compiled model, called like the original, whose parameters are this rank's
+shards. ``compile_osdp`` (``api.py``) builds it; this module holds what it owns per model: its
+graph, plan, parameter table and runtime state (reducer, reduce-scatter queue, no_sync state)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .core.io_spec import CallCheck
+from .core.strategies import traits
+from .errors import InputError
+from .plan.plan import Plan
+from .runtime.accumulation import GradSync, HeldGrads
+from .runtime.collectives import WORLD, group_rank
+from .runtime.compile_support import release_graphs, run_eagerly, under_torch_compile
+from .runtime.compiled_regions import regions_for, regions_table, train_regions
+from .runtime.forward import ModuleRuntime
+from .runtime.param_table import ParamTable
+from .runtime.params import GradReduceScatters
+from .runtime.reducer import GradReducer
+
+
+def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
+    """The reducer (all-reduce buckets of the plan's size), reduce-scatter queue and no_sync
+    state of one compiled module."""
+    plan = table.plan
+    replicated = [table.local(p.name) for p in plan.params
+                  if not traits(p.strategy).sharded and p.trainable]
+    held = HeldGrads()
+    return GradSync(GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype,
+                                bucket_bytes=plan.reduce_bucket_bytes,
+                                max_in_flight=plan.scatters_in_flight),
+                    GradReduceScatters(plan.scatters_in_flight, held=held), held)
+
+
+class OSDPModule(nn.Module):
+    """A compiled model: called like the original, parameters are this rank's shards.
+
+    Parameter and buffer names are the model's own. ``parameters()`` yields the flat shard of a
+    sharded parameter and the full tensor of a replicated one; after ``backward()`` every
+    ``.grad`` holds the gradient averaged over ranks (``no_sync()`` accumulates without it).
+    """
+
+    def __init__(self, table: ParamTable, *, captured_by: str,
+                 reduce_dtype: torch.dtype | None = None, io: CallCheck | None = None) -> None:
+        super().__init__()
+        gm, plan = table.gm, table.plan
+        object.__setattr__(self, "_gm", gm)
+        # Share the graph module's attributes so names are the model's own.
+        self._modules = gm._modules
+        self._parameters = gm._parameters
+        self._buffers = gm._buffers
+        self._plan = plan
+        self._table = table
+        self._captured_by, self._io = captured_by, io  # io: calls -> graph inputs (io_spec)
+        self._runtime = ModuleRuntime(  # reducer, reduce-scatters, no_sync state
+            _grad_sync(table, reduce_dtype), prefetch=plan.prefetch,
+            regather=any(traits(p.strategy).freed_after_forward for p in plan.params))
+        # A graph module and its graph refer to each other: cut that when this module goes, or
+        # its shards outlive it until Python's collector runs (export nests graph modules).
+        weakref.finalize(self, release_graphs, [
+            m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)])
+
+    # ---- running ------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = self._io(args, kwargs) if self._io else args  # io_spec.py; before any collective
+        with self._runtime.forward() as scope:
+            # under torch.compile, the graph's regions ([Note: measured regions])
+            scope.output = (regions_for(self, self._gm) if under_torch_compile()
+                            else self._gm)(*inputs)
+        return scope.end()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """The backwards of forwards run inside this context run no collective: gradients
+        accumulate on this rank, and the next backward of a forward run outside reduces their
+        sum once, as DDP's ``no_sync()``. Sharded parameters hold a full gradient meanwhile;
+        plan for it with ``compile_osdp(..., grad_accumulation=k)`` (``docs/training.md``)."""
+        return self._runtime.grad_sync.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops what an unfinished ``no_sync()`` accumulation holds."""
+        self._runtime.grad_sync.drop()
+        super().zero_grad(set_to_none)
+
+    def train(self, mode: bool = True) -> OSDPModule:
+        self._gm.training = mode
+        train_regions(self, mode)
+        return super().train(mode)
+
+    # ---- inspection ---------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan in force; ``print(compiled.plan)`` shows it as a table."""
+        return self._plan
+
+    @property
+    def param_table(self) -> ParamTable:
+        """This rank's parameters: names, aliases, splits, strategies, shard layouts."""
+        return self._table
+
+    @property
+    def compiled_regions(self) -> str:
+        """Under torch.compile: its regions and the way each runs (:func:`regions_table`)."""
+        return regions_table(self)
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The rewritten torch.fx GraphModule."""
+        return self._gm
+
+    @property
+    def captured_by(self) -> str:
+        """How the model was captured: ``"symbolic_trace"`` or ``"export"``."""
+        return self._captured_by
+
+    @property
+    def code(self) -> str:
+        """Python code of the rewritten graph, with its collectives as calls."""
+        return self._gm.code
+
+    def print_readable(self, print_output: bool = True) -> str:
+        return self._gm.print_readable(print_output=print_output)
+
+    # ---- state --------------------------------------------------------------------------
+    def full_state_dict(self, *, rank0_only: bool = False,
+                        cpu_offload: bool = False) -> OrderedDict[str, torch.Tensor]:
+        """Full tensors under exactly the keys of the original ``model.state_dict()``, loadable
+        into the original, unwrapped model class.
+
+        Collective: every rank must call it. Tied parameters are one tensor under each name.
+        ``rank0_only``: other ranks return an empty dict (they still take part in the gathers).
+        ``cpu_offload``: the tensors are moved to the CPU one by one as they are gathered.
+        """
+        table = self._table
+        keep = not rank0_only or group_rank(WORLD) == 0
+        gathered: dict[str, torch.Tensor] = {}
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for key in table.state_keys:
+            canon = table.alias_to_name.get(key)
+            if canon is None:
+                value = table.buffer(key).detach().clone()
+            else:
+                if canon not in gathered:
+                    full = table.full(canon)
+                    assert full is not None, canon
+                    gathered[canon] = full.cpu() if cpu_offload else full
+                value = gathered[canon]
+            if keep:
+                out[key] = value.cpu() if cpu_offload else value
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Full averaged gradients by canonical parameter name (collective; for inspection)."""
+        return {name: self._table.full(name, grad=True) for name in self._table.groups}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (keys of the original ``model.state_dict()``) into this rank's shards."""
+        table = self._table
+        missing = [k for k in table.state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in table.state_keys]
+        if missing or unexpected:
+            raise InputError(
+                f"load_full_state_dict: state dict does not match the model (missing: "
+                f"{missing[:5]}, unexpected: {unexpected[:5]}); pass the dict returned by "
+                "full_state_dict() or the original model's state_dict()"
+            )
+        wrong = _wrong_shapes(table, state_dict)
+        if wrong:  # checked before anything is loaded, so a failed load changes nothing
+            raise InputError(
+                f"load_full_state_dict: tensors of the wrong shape ({'; '.join(wrong[:5])}); "
+                "pass full tensors as returned by full_state_dict() or model.state_dict()"
+            )
+        with torch.no_grad():
+            for key in table.state_keys:
+                canon = table.alias_to_name.get(key)
+                if canon is None:
+                    table.buffer(key).copy_(state_dict[key])
+                elif key == canon:
+                    for part, full in table.pieces(canon, state_dict[key]):
+                        local = table.local(part)
+                        local.copy_(table.to_local(part, full.to(local.dtype)))
+
+
+def _wrong_shapes(table: ParamTable, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """What in a full state dict (with every key of ``table``) has the wrong shape."""
+    expected = {
+        key: table.full_shape(table.alias_to_name[key]) if key in table.alias_to_name
+        else tuple(table.buffer(key).shape)
+        for key in table.state_keys
+    }
+    return [f"{k!r} has shape {tuple(getattr(state_dict[k], 'shape', ()))}, the model "
+            f"expects {shape}" for k, shape in expected.items()
+            if not isinstance(state_dict[k], torch.Tensor) or tuple(state_dict[k].shape) != shape]
+
+
+# Under torch.compile the step's set-up runs as it is, and so does all it calls but the regions
+# ([Note: torch.compile]).
+run_eagerly(OSDPModule.forward)
+run_eagerly(CallCheck.__call__, recursive=True)
+run_eagerly(ModuleRuntime.forward, recursive=True)

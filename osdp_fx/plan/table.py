@@ -1,0 +1,103 @@
+"""How a :class:`~osdp_fx.plan.plan.Plan` prints: the table ``print(plan)`` shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from ..units import format_bytes
+
+
+def plan_table(self: Any) -> str:
+    """A Plan printed: its header, one row per parameter group, its predictions."""
+    rows = []
+    predicted = self.prediction is not None
+    by_link = {"intra": 0, "inter": 0}
+    for p in self.params:
+        fwd, bwd = self.collectives_of(p)
+        for stage in fwd + bwd:
+            by_link["inter" if stage.spans_nodes(self.num_nodes) else "intra"] += stage.nbytes
+        row = [
+            p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else ""),
+            "x".join(map(str, p.shape)) or "()",
+            p.strategy + (f" ({p.note})" if p.note else ""),
+            format_bytes(p.shard_bytes(self.world_size, self.ranks_per_node)),
+            describe_collectives(fwd),
+            describe_collectives(bwd),
+        ]
+        if predicted:
+            row += [_ms(p.compute_s), _ms(p.comm_s)]
+        rows.append(row)
+    head = ["parameter", "shape", "strategy", "param bytes/rank", "forward", "backward"]
+    if predicted:
+        head += ["compute ms", "comm ms"]
+    counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
+    split = "; split: " + ", ".join(f"{n} in {k}" for n, k in self.splits) if self.splits else ""
+    if self.param_dtype:
+        split += f"; compute in {self.param_dtype}, reduce in {self.reduce_dtype}"
+    split += (f"; prefetch {self.prefetch}, gather buckets {format_bytes(self.gather_bucket_bytes)}"
+              f", all-reduce buckets {format_bytes(self.reduce_bucket_bytes)}"
+              f", gradient collectives in flight {self.scatters_in_flight}")
+    if self.recompute:
+        split += "; recompute: " + ", ".join(f"{r} {p}" for r, p in self.recompute)
+    mesh = (f" = {self.num_nodes} nodes x {self.ranks_per_node} ranks"
+            if self.num_nodes > 1 else "")
+    lines = [
+        f"Plan for world size {self.world_size}{mesh} ({counts}; source: "
+        f"{self.source or 'user'}; hash {self.hash()}{split})",
+        tabulate(rows, headers=head, disable_numparse=True),
+        f"parameters per rank: {format_bytes(self.persistent_param_bytes())}"
+        + (f"; memory limit {format_bytes(self.memory_limit_bytes)}"
+           if self.memory_limit_bytes is not None else ""),
+    ]
+    if self.num_nodes > 1:
+        lines.append(
+            f"collective buffers per step: {format_bytes(by_link['intra'])} inside nodes, "
+            f"{format_bytes(by_link['inter'])} across nodes ([intra]: a node's ranks, "
+            "[inter]: one rank per node, unmarked: all ranks)")
+    if self.prediction is not None:
+        pr = self.prediction
+        lines.append(
+            f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}"
+            + (f" x sequence {pr.seq_len}" if pr.seq_len else "")
+            + (f", memory of {pr.grad_accumulation} micro-batches per step with no_sync"
+               if pr.grad_accumulation > 1 else "") + "): step "
+            f"{pr.step_time_s * 1e3:.2f} ms (compute {pr.compute_s * 1e3:.2f}, communication "
+            f"{pr.comm_s * 1e3:.2f}, optimizer {pr.optim_s * 1e3:.2f}); peak memory "
+            f"{format_bytes(pr.peak_memory_bytes)} at {pr.peak_at}"
+        )
+        if pr.peak_by_category:
+            first = (f"; first step {format_bytes(pr.first_step_peak_bytes)} (before the "
+                     "optimizer state exists)" if pr.first_step_peak_bytes is not None else "")
+            lines.append(f"peak memory by category: {pr.breakdown()}{first}")
+        if pr.regions:
+            lines.append(_region_table(pr.regions))
+    if self.measured:
+        kept = self.hash()
+        lines.append("autotuned (step median, peak; predicted in brackets): " + ", ".join(
+            f"{t.hash} {t.measured_step_s * 1e3:.1f} ms ({t.predicted_step_s * 1e3:.1f}), "
+            f"{format_bytes(t.measured_peak_bytes)} ({format_bytes(t.predicted_peak_bytes)})"
+            f"{'' if t.role == 'alternative' else ', ' + t.role}"
+            f"{', in force' if t.hash == kept else ''}" for t in self.measured)
+            + "; kept: the fastest measured under the memory limit, when it beats the predicted "
+            "best by more than the timing's noise")
+    return "\n".join(lines)
+
+
+def _region_table(regions: tuple[Any, ...]) -> str:
+    rows = [[r.region, r.policy, ", ".join(r.saved_ops) or "inputs only",
+             ", ".join(r.recomputed_ops), format_bytes(r.kept_bytes),
+             format_bytes(r.recomputed_bytes), _ms(r.recompute_s)] for r in regions]
+    return tabulate(rows, headers=["recomputed region", "policy", "saved", "recomputed",
+                                   "kept fwd->bwd", "re-created in bwd", "recompute ms"],
+                    disable_numparse=True, maxcolwidths=[None, None, 40, 40, None, None, None])
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def describe_collectives(stages: list[Any]) -> str:
+    """Collective stages as one line, "-" for none."""
+    return ", ".join(map(str, stages)) or "-"

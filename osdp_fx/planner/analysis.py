@@ -1,0 +1,241 @@
+"""What the planner knows of a captured model: its profile and facts (:class:`Analysis`), the
+checks of the planner's options, and the share of the memory limit the search plans for."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from ..core.devices import OPTIMIZERS, Devices
+from ..core.io_spec import input_shape
+from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
+from ..core.precision import MixedPrecision
+from ..cost_models.graph_facts import GraphFacts, ParamState, graph_facts
+from ..cost_models.shapes import node_factors
+from ..errors import InputError
+from ..passes.capture import Captured, unchanged_state
+from ..passes.manager import run_passes
+from ..passes.profile import profile_graph_pass, slowest_rank_times_pass
+from ..passes.sequence import NodeNumels, sequence_numels
+from ..plan.plan import Plan
+from ..plan.request import ParamSpec
+from ..runtime.collectives import WORLD, group_size
+
+MEMORY_MARGIN = Devices.memory_margin
+"""Share of the memory limit the search keeps free for bytes the memory model does not predict,
+unless the devices say otherwise (``Devices.memory_margin``; 0 on the CPU).
+
+Measured against an independent storage tracker (``tests/distributed/test_memory_promise.py``,
+``tests/distributed/test_zoo.py``, ``docs/cost-models.md``, ``benchmarks/recompute.py``,
+``benchmarks/optimality.py``), predicted peaks on the CPU equal what a step holds or lie above
+it; what the model does not see is a GPU's allocator (the caching allocator rounds and
+fragments, ``foreach`` Adam's temporaries). A searched plan is therefore one whose predicted
+peak is at most ``(1 - margin) * limit``."""
+
+
+def plannable_bytes(memory_limit_bytes: int, margin: float = MEMORY_MARGIN) -> int:
+    """The predicted peak a searched plan may have under ``memory_limit_bytes``."""
+    return memory_limit_bytes - int(memory_limit_bytes * margin)
+
+
+def unmargined_limit(memory_limit_bytes: int, margin: float = MEMORY_MARGIN) -> int:
+    """The limit whose plannable bytes are at most ``memory_limit_bytes`` itself, and as close
+    as bytes allow: a search under it plans up to the limit, with no margin (autotuning's
+    candidates above the margin, which it admits only when measured under the limit)."""
+    limit = int(memory_limit_bytes / (1 - margin)) + 1
+    while plannable_bytes(limit, margin) > memory_limit_bytes:
+        limit -= 1
+    return limit
+
+
+@dataclasses.dataclass
+class Analysis:
+    """A captured model with its profile."""
+
+    captured: Captured
+    """The normalised graph and the model's parameter groups."""
+    facts: GraphFacts
+    """Storage roots, savers and gradient flow of the profiled graph."""
+    batch_size: int
+    """Per-rank batch size of the profiled inputs (first dimension of the first tensor)."""
+    precision: MixedPrecision | None = None
+    """Mixed precision the graph was cast for before profiling (``cast_params_pass``)."""
+    alternatives: tuple[Plan, ...] = ()
+    """``make_plan(candidates=)``: the next searched plans that fit, by predicted step time."""
+    seq_len: int | None = None
+    """Sequence length of the profiled inputs (dimension 1; None: no such dimension)."""
+    seq_numels: NodeNumels | None = None
+    """Elements per node at three sequence lengths (``passes/sequence.py``); None when the
+    memory is not modelled in the sequence length."""
+    max_shape: tuple[int, int | None] | None = None
+    """The largest per-rank (batch, sequence length) to plan for; None: the profiled one."""
+    _seq_scales: dict[int | None, dict[str, tuple[float, ...]] | None] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def plan_batch(self) -> int:
+        """The per-rank batch size plans are made for."""
+        return self.max_shape[0] if self.max_shape else self.batch_size
+
+    @property
+    def plan_seq(self) -> int | None:
+        """The sequence length plans are made for."""
+        return self.max_shape[1] if self.max_shape and self.max_shape[1] else self.seq_len
+
+    def seq_scale(self, seq: int | None = None) -> dict[str, tuple[float, ...]] | None:
+        """How each node's activation bytes scale at ``seq`` (default: the plan's sequence
+        length) from the profiled one (``cost_models.shapes.node_factors``); computed once per
+        sequence length (the searches ask for it for every candidate plan)."""
+        seq = seq or self.plan_seq
+        if seq not in self._seq_scales:
+            self._seq_scales[seq] = node_factors(self.seq_numels, self.seq_len, seq)
+        return self._seq_scales[seq]
+
+
+def check_grad_accumulation(grad_accumulation: Any) -> None:
+    """Raise InputError unless ``grad_accumulation`` is an int >= 1."""
+    if (isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int)
+            or grad_accumulation < 1):
+        raise InputError(
+            f"grad_accumulation={grad_accumulation!r} is not a number of micro-batches: pass an "
+            "int >= 1, the micro-batches each optimizer step accumulates gradients over (all "
+            "but the last run inside compiled.no_sync()); 1 means no accumulation")
+
+
+def check_optimizer(optimizer: str) -> None:
+    """Raise InputError unless ``optimizer`` is a kind the cost models know."""
+    if optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer {optimizer!r} is not a kind the cost models know; use one "
+                         f"of {', '.join(OPTIMIZERS)} (the closest to your optimizer)")
+
+
+def param_specs(captured: Captured) -> list[ParamSpec]:
+    """What a Plan needs to know about each parameter group of a captured model."""
+    return [
+        ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
+                  element_size=p.dtype.itemsize, aliases=p.aliases, trainable=p.trainable,
+                  frozen=not p.requires_grad)
+        for p in captured.params.values()
+    ]
+
+
+_PROFILES_KEPT = 8
+_measured: collections.OrderedDict[tuple[Any, ...], dict[str, NodeProfile]] = (
+    collections.OrderedDict())
+"""Measured profiles of this process, by :func:`_profile_key`, the latest last."""
+
+
+_sequence_measured: collections.OrderedDict[tuple[Any, ...], NodeNumels | None] = (
+    collections.OrderedDict())
+"""Sequence analyses of this process (``passes/sequence.py``), by :func:`_graph_key`, the
+sequence length, the device and the nodes profiled."""
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The graph's code and the shapes, dtypes and devices of its parameters, buffers and
+    inputs."""
+    def sig(t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(t.shape), t.dtype, t.device.type, t.requires_grad
+
+    inputs = [sig(t) for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    state = [(n, *sig(t)) for n, t in (*gm.named_parameters(), *gm.named_buffers())]
+    return gm.code, tuple(inputs), tuple(state)
+
+
+def _profile_key(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a measured profile depends on: the process group, :func:`_graph_key` and the
+    threads that compute."""
+    group = id(torch.distributed.group.WORLD) if group_size(WORLD) > 1 else None
+    return group, *_graph_key(gm, example_inputs), torch.get_num_threads()
+
+
+def _sequence_numels(captured: Captured, example_inputs: tuple[Any, ...],
+                     seq: int) -> NodeNumels | None:
+    """``sequence_numels`` of the captured graph, analysed once per process for a graph and
+    its shapes (it depends on nothing else; compiling the same model again reuses it)."""
+    device = captured.materialize_device or "cpu"
+    # the nodes whose bytes beyond their tensors the memory model scales (shapes.rescaled)
+    held = frozenset(n.name for n in captured.gm.graph.nodes if (p := osdp_meta(n).profile) and (
+        p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes or p.fwd_transient_bytes
+        or p.bwd_transient_bytes))
+    key = (*_graph_key(captured.gm, example_inputs), seq, str(device), held)
+    if key not in _sequence_measured:
+        _sequence_measured[key] = sequence_numels(captured.gm, example_inputs, seq_len=seq,
+                                                  meta_device=device, profiled=held)
+        while len(_sequence_measured) > _PROFILES_KEPT:
+            _sequence_measured.popitem(last=False)
+    _sequence_measured.move_to_end(key)
+    return _sequence_measured[key]
+
+
+def _restore_profile(gm: fx.GraphModule, key: tuple[Any, ...]) -> bool:
+    """Give ``gm`` the times measured earlier in this process for the same ``key``, if every
+    rank has them (collective in a process group: the ranks must agree to skip measuring)."""
+    saved = _measured.get(key)
+    if group_size(WORLD) > 1:
+        have = torch.tensor([0 if saved is None else 1])
+        torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
+        if not have.item():
+            return False
+    if saved is None:
+        return False
+    for node in gm.graph.nodes:
+        set_osdp_meta(node, profile=saved[node.name])
+    _measured.move_to_end(key)
+    return True
+
+
+def _remember_profile(gm: fx.GraphModule, key: tuple[Any, ...]) -> None:
+    _measured[key] = {n.name: osdp_meta(n).profile for n in gm.graph.nodes}
+    while len(_measured) > _PROFILES_KEPT:
+        _measured.popitem(last=False)
+
+
+def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
+            warmup: int = 1, repeats: int = 3,
+            precision: MixedPrecision | None = None,
+            max_shape: tuple[int, int | None] | None = None) -> Analysis:
+    """Profile ``captured.gm`` on ``example_inputs``; in a process group, the node times are
+    made the same on every rank, summing to the slowest rank's (``slowest_rank_times_pass``).
+
+    Measured once per process group for a graph and its inputs' and parameters' shapes: a later
+    call with the same reuses those times (the last few are kept), so that compiling the same
+    model twice gives the same plan, as ``Devices`` are detected once per group; the sequence
+    analysis is reused alike, in any group."""
+    fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
+    key = None if fake else _profile_key(captured.gm, example_inputs)
+    if key is None or not _restore_profile(captured.gm, key):
+        if not fake and group_size(WORLD) > 1:
+            # ranks time their nodes together, sharing the machine as they do when training
+            torch.distributed.barrier()
+        with unchanged_state(captured.gm):
+            run_passes(captured.gm, [("profile", lambda g: profile_graph_pass(
+                g, example_inputs, warmup=warmup, repeats=repeats, fake=fake,
+                meta_device=captured.materialize_device or "cpu"))])
+        if not fake:
+            run_passes(captured.gm, [("slowest_rank_times", slowest_rank_times_pass)])
+            _remember_profile(captured.gm, key)
+    trainable = {name: p.trainable for name, p in captured.params.items()}
+    batch, seq = input_shape(example_inputs)
+    numels = None if seq is None else _sequence_numels(captured, example_inputs, seq)
+    return Analysis(captured, graph_facts(captured.gm, trainable), batch, precision,
+                    seq_len=seq, seq_numels=numels, max_shape=max_shape)
+
+
+def param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
+    p = analysis.captured.params[name]
+    mp = analysis.precision if p.dtype.is_floating_point else None
+    return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,
+                      trainable=p.trainable,
+                      compute_element_size=mp.param_dtype.itemsize if mp else None,
+                      reduce_element_size=mp.reduce_dtype.itemsize if mp else None)
+
+
+def param_states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, ParamState]:
+    return {name: param_state(analysis, name, strategies[name]) for name in analysis.captured.params}

@@ -1,0 +1,460 @@
+"""Measuring the devices of a running process group (``detect_devices``), and the ``Devices`` a
+compile plans for (``devices_for``).
+
+Dense matmul FLOP/s, memory bandwidth from a large copy, optimizer step times per element and
+per tensor, and every collective's bandwidth and latency inside a node and across nodes, fitted
+to the ring model (``cost_models.communication.fit_link``). Every rank runs the same benchmarks,
+and every rank gets the same figures: timings are reduced to the slowest rank.
+
+Kept apart from ``core/devices.py`` (the record of the hardware, which a plan made offline needs
+without torch.distributed): measuring runs collectives and fits the cost models, two layers above
+the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..core.devices import OPTIMIZERS, Devices, device_memory_bytes
+from ..core.presets import GPU_MEMORY_MARGIN
+from ..core.strategies import COLLECTIVES
+from ..cost_models.communication import CollectiveSample, fit_link
+from ..errors import InputError
+from ..units import parse_bytes
+
+log = logging.getLogger(__name__)
+
+
+_COLLECTIVE_SIZES_BYTES = tuple(2**k for k in range(12, 25, 2))
+"""Message sizes of the collective benchmarks, 4 KiB to 16 MiB by factors of 4: small ones give
+latency, large ones bandwidth, and together they span the parameters plans move (a fit to
+4 KiB-4 MiB in four sizes was off by up to 2x at the sizes in between on CPU gloo)."""
+_REPEATS = 5
+"""Timed runs per benchmark (after one warmup); the median is kept."""
+_COLLECTIVE_REPEATS = 9
+"""Timed runs per collective benchmark: collectives between processes sharing cores vary the
+most from run to run."""
+
+
+CPU_MEMORY_MARGIN = 0.0
+"""``Devices.memory_margin`` that ``detect`` sets on the CPU. There a tensor's bytes are freed
+when its storage is, with nothing cached, so what a step holds is what a storage tracker counts,
+which is what the memory model predicts: equal or above on every plan measured so far (the
+architectures of ``tests/distributed/test_zoo.py`` and the plans of ``benchmarks/optimality.py``,
+``docs/cost-models.md``). A margin would only keep plans slower than the limit allows."""
+
+
+def detect_devices(
+    *, memory_limit: int | str | None = None, group: Any = None,
+    ranks_per_node: int | None = None,
+) -> Devices:
+    """Measure the devices of the running process group by microbenchmarks.
+
+    Every rank of ``group`` (default: the world) must call it, since it runs collectives;
+    every rank returns the same Devices (timings are reduced to the slowest rank first).
+    Measured: dense matmul FLOP/s, memory bandwidth from a large copy, optimizer step
+    times, what selective activation checkpointing adds per operator, and, by a fit of the ring
+    alpha-beta model to each of all-gather, reduce-scatter and all-reduce over sizes from 4 KiB to
+    16 MiB, the bandwidth and latency of each collective inside a node (ranks sharing a host name)
+    and across nodes (``collective_links``; the scope's figures are the all-reduce's).
+    Figures that cannot be measured (inter-node on one node, all collectives without an
+    initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
+    defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
+    ``ranks_per_node`` overrides the node layout found from host names.
+    """
+    optimizers = OPTIMIZERS
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.collectives import collective_device
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if group is not None and not distributed:
+        raise InputError(
+            "detect_devices(group=...) needs an initialized process group: call "
+            "torch.distributed.init_process_group first, or omit group to measure one process"
+        )
+    world_size = dist.get_world_size(group) if distributed else 1
+    device = collective_device(group) if distributed else torch.device("cpu")
+    if ranks_per_node is None:
+        ranks_per_node = _ranks_per_node_from_hosts(group) if world_size > 1 else 1
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise InputError(
+            f"ranks_per_node={ranks_per_node} must divide the group's {world_size} ranks"
+        )
+    barrier = (lambda: dist.barrier(group=group)) if world_size > 1 else None
+
+    figures: dict[str, Any] = {}
+    if barrier is not None:
+        barrier()  # ranks share the machine's cores while they measure, as when training
+    flops_per_s = _matmul_flops_per_s(device)
+    bandwidth = _copy_bandwidth_bytes_per_s(device)
+    memory_bytes = (
+        parse_bytes(memory_limit) if memory_limit is not None else device_memory_bytes(device)
+    )
+    # The slowest rank bounds a synchronous step, and every rank must plan with the same figures.
+    flops_per_s, bandwidth, memory_bytes_f = _all_reduce_floats(
+        [flops_per_s, bandwidth, float(memory_bytes)], "min", group, device, distributed
+    )
+    per_element, per_tensor = _optimizer_times(device, optimizers)
+    measured = _all_reduce_floats([*per_element, *per_tensor], "max", group, device, distributed)
+    selective_s, = _all_reduce_floats([_selective_op_time_s(device)], "max", group, device,
+                                      distributed)
+    figures.update(
+        selective_op_time_s=selective_s,
+        compute_flops_per_s=flops_per_s,
+        memory_bandwidth_bytes_per_s=bandwidth,
+        memory_bytes=int(memory_bytes_f),
+        optimizer_element_time_s=dict(zip(optimizers, measured[:len(optimizers)])),
+        optimizer_tensor_time_s=dict(zip(optimizers, measured[len(optimizers):])),
+    )
+    if world_size > 1:
+        figures.update(_measure_links(group, device, world_size, ranks_per_node))
+    devices = Devices(
+        world_size=world_size,
+        ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
+        source="detected", **figures,
+        memory_margin=CPU_MEMORY_MARGIN if device.type == "cpu" else GPU_MEMORY_MARGIN,
+    )
+    log.info("detected %s", devices)
+    return devices
+
+
+def _ranks_per_node_from_hosts(group: Any) -> int:
+    """Ranks per host name; the ranks of one node are expected to be consecutive."""
+    import torch.distributed as dist
+
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    counts = {h: hosts.count(h) for h in hosts}
+    if len(set(counts.values())) != 1:
+        raise InputError(
+            f"nodes run different numbers of ranks ({counts}); osdp-fx needs the same number on "
+            f"every node: launch evenly, or pass detect_devices(ranks_per_node=...)"
+        )
+    per_node = next(iter(counts.values()))
+    if any(hosts[i] != hosts[i - i % per_node] for i in range(len(hosts))):
+        log.warning(
+            "ranks of one host are not consecutive (%s); cost models assume node-major rank "
+            "order, so inter-node estimates may be off", hosts,
+        )
+    return per_node
+
+
+def _synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time_s(
+    fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None,
+    between: Callable[[], object] | None = None, repeats: int | None = None,
+) -> float:
+    """Median time of ``fn``; with ``barrier``, the trimmed mean over runs of ``_BACK_TO_BACK``
+    calls after one barrier, each call preceded by ``between`` (whose own time is not
+    counted)."""
+
+    def run() -> None:
+        for _ in range(_BACK_TO_BACK if barrier is not None else 1):
+            if between is not None:
+                between()
+            fn()
+
+    def median(body: Callable[[], None]) -> float:
+        times = []
+        for i in range(1 + (repeats or _REPEATS)):
+            if barrier is not None:
+                barrier()
+            _synchronize(device)
+            start = time.perf_counter()
+            body()
+            _synchronize(device)
+            if i:
+                times.append((time.perf_counter() - start) / (_BACK_TO_BACK if barrier else 1))
+        if barrier is None:
+            return statistics.median(times)
+        # A collective's time is bimodal (whether the ranks arrive together or not), and a step
+        # pays the mean of both modes: the mean of the runs without the fastest and slowest.
+        return statistics.mean(sorted(times)[1:-1])
+
+    if between is None:
+        return median(run)
+
+    def between_only() -> None:
+        for _ in range(_BACK_TO_BACK):
+            between()
+
+    return max(median(run) - median(between_only), 1e-7)
+
+
+_BACK_TO_BACK = 4
+"""Collectives are timed in runs of this many calls after one barrier."""
+
+
+def _matmul_flops_per_s(device: Any) -> float:
+    """Dense matmul throughput in the default dtype."""
+    import torch
+
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    return 2 * n**3 / _median_time_s(lambda: torch.mm(a, b), device)
+
+
+def _copy_bandwidth_bytes_per_s(device: Any) -> float:
+    """Bytes read plus written per second by a copy much larger than caches."""
+    import torch
+
+    nbytes = (256 if device.type == "cuda" else 64) * 2**20
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_time_s(lambda: dst.copy_(src), device)
+
+
+def _optimizer(kind: str, params: list[Any]) -> Any:
+    import torch
+
+    if kind in ("sgd", "sgd_momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd_momentum" else 0)
+    return (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=1e-3)
+
+
+def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float], list[float]]:
+    """Per optimizer kind, the step time per element (4 tensors of 256 Ki elements; on a GPU
+    the slope from 4 x 2 Mi to 4 x 8 Mi elements) and per tensor (64 tensors of 16 elements),
+    with torch.optim's default implementation.
+
+    On a GPU a step of 4 x 256 Ki elements is its launches, not its arithmetic, which counted
+    per element overstated a whole model's optimizer step several times over
+    (``docs/benchmarks.md``, "On a GPU"); the slope between two larger sizes, whose launches
+    are the same, is the arithmetic's alone."""
+    import torch
+
+    def step_s(kind: str, tensors: int, numel: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = _optimizer(kind, params)
+        optimizer.step()  # creates the state
+        return _median_time_s(optimizer.step, device)
+
+    per_element, per_tensor = [], []
+    for kind in optimizers:
+        small = step_s(kind, 64, 16) / 64
+        per_tensor.append(small)
+        if device.type == "cuda":  # the slope: the launches are the same at both sizes
+            sizes = (2**21, 2**23)
+            times = [step_s(kind, 4, n) for n in sizes]
+            per_element.append(max(times[1] - times[0], 0.0) / (4 * (sizes[1] - sizes[0])))
+        else:
+            large = step_s(kind, 4, 2**18)
+            per_element.append(max(large - 4 * small, 0.0) / 2**20)
+    return per_element, per_tensor
+
+
+
+def _selective_op_time_s(device: Any) -> float:
+    """What selective activation checkpointing (the runtime's policy) adds per operator beyond
+    recomputing the operators it does not keep: a chain of transformer operators (linear,
+    attention, layer norm, GELU on 4 x 32 tokens of width 256) run forward and backward under
+    ``checkpoint`` with the selective policy and without checkpointing, less the forward time
+    of the operators the policy recomputes (each timed), over the chain's operators (as the
+    graph has them: one per torch function called)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.checkpoint import checkpoint
+
+    from ..core.regions import SELECTIVE_SAVED_OPS
+    from ..runtime.recompute import selective_contexts
+
+    w = torch.randn(256, 256, device=device, requires_grad=True)
+    x = torch.randn(128, 256, device=device, requires_grad=True)  # 4 sequences of 32 tokens
+
+    def body(h: Any) -> Any:
+        for _ in range(4):
+            a = torch.nn.functional.linear(h, w).view(4, 32, 4, 64).transpose(1, 2)
+            a = torch.nn.functional.scaled_dot_product_attention(a, a, a, is_causal=True)
+            a = torch.nn.functional.layer_norm(a.transpose(1, 2).reshape(128, 256), (256,))
+            h = torch.nn.functional.gelu(a * 0.5 + h)
+        return h
+
+    class Timed(TorchFunctionMode):
+        """Counts the torch functions called and times those the policy recomputes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops, self.recomputed_s = 0, 0.0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            _synchronize(device)
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            _synchronize(device)
+            self.ops += 1
+            if getattr(func, "__name__", "") not in SELECTIVE_SAVED_OPS:
+                self.recomputed_s += time.perf_counter() - start
+            return out
+
+    def recomputed_s() -> tuple[float, int]:
+        with torch.no_grad(), Timed() as timed:
+            body(x)
+        return timed.recomputed_s, timed.ops
+
+    def step(selective: bool) -> float:
+        _synchronize(device)
+        start = time.perf_counter()
+        if selective:
+            out = checkpoint(body, x, use_reentrant=False, context_fn=selective_contexts)
+        else:
+            out = body(x)
+        out.sum().backward()
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    recomputed_s(), step(True), step(False)  # warmup
+    # paired: each round times the recomputed operators, a selective step and a plain step one
+    # after the other, so that a load on the machine that changes between rounds cancels (as
+    # medians taken apart did not)
+    rounds = []
+    for _ in range(2 * _REPEATS + 1):
+        recomputed, ops = recomputed_s()
+        rounds.append(step(True) - step(False) - recomputed)
+    return max(statistics.median(rounds), 0.0) / ops
+
+
+def _all_reduce_floats(
+    values: list[float], op: str, group: Any, device: Any, distributed: bool
+) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    if not distributed or dist.get_world_size(group) == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, float]:
+    """Fit intra-node figures on this node's ranks and inter-node figures on the whole group."""
+    import torch.distributed as dist
+
+    measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (scope, ranks, keys)
+    times: list[float] = []
+    if ranks_per_node > 1:
+        node_group = group
+        if ranks_per_node < world_size:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            first = dist.get_rank(group) // ranks_per_node * ranks_per_node
+            node_group = dist.new_group(
+                ranks[first:first + ranks_per_node], use_local_synchronization=True
+            )
+        keys, node_times = _time_collectives(node_group, device)
+        if node_group is not group:
+            dist.destroy_process_group(node_group)
+        measured.append(("intra_node", ranks_per_node, keys))
+        times += node_times
+    if ranks_per_node < world_size:
+        keys, world_times = _time_collectives(group, device)
+        measured.append(("inter_node", world_size, keys))
+        times += world_times
+    times = _all_reduce_floats(times, "max", group, device, True)
+
+    figures: dict[str, Any] = {"collective_links": {}}
+    for scope, size, keys in measured:
+        samples = [
+            CollectiveSample(collective, nbytes, size, times.pop(0))  # type: ignore[arg-type]
+            for collective, nbytes in keys
+        ]
+        # Every collective is fitted to its own timings (gloo runs all-gather and reduce-scatter
+        # more slowly than all-reduce, by a ratio that changes with the size); the scope's
+        # figures are the all-reduce's.
+        for collective in COLLECTIVES:
+            link = fit_link([x for x in samples if x.collective == collective])
+            figures["collective_links"][f"{scope}.{collective}"] = {
+                "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
+            if collective == "all_reduce":
+                figures[f"{scope}_bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
+                figures[f"{scope}_latency_s"] = link.latency_s
+        log.debug("%s collectives measured: %s", scope, samples)
+    return figures
+
+
+def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], list[float]]:
+    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size, as a
+    training step issues them: started asynchronously and waited for, each after some compute
+    (a matmul, whose time is subtracted). Timed back to back instead, with nothing in between,
+    small collectives on CPU gloo cost about half as much as they do inside a step."""
+    import torch
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    keys: list[tuple[str, int]] = []
+    times: list[float] = []
+    for nbytes in _COLLECTIVE_SIZES_BYTES:
+        numel = max(size, nbytes // 4 // size * size)
+        full = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // size, device=device)
+        # outputs are allocated per call, as the runtime does
+        runs: dict[str, Callable[[], object]] = {
+            "all_gather": lambda: all_gather(torch.empty_like(full), shard, group=group,
+                                             async_op=True).wait(),
+            "reduce_scatter": lambda: reduce_scatter(torch.empty_like(shard), full, group=group,
+                                                     async_op=True).wait(),
+            "all_reduce": lambda: dist.all_reduce(full, group=group, async_op=True).wait(),
+        }
+        for collective, run in runs.items():
+            keys.append((collective, numel * 4))
+            times.append(_median_time_s(run, device, barrier=lambda: dist.barrier(group=group),
+                                        between=lambda: torch.mm(a, b),
+                                        repeats=_COLLECTIVE_REPEATS))
+    return keys, times
+
+
+_FILLER_MATMUL_SIZE = 256
+"""Side of the square matmul run before each timed collective on CPU (about 0.5 ms here)."""
+
+
+def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
+                detect: bool, ranks_per_node: int | None = None, device: Any = None) -> Devices:
+    """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
+    the defaults; its world size set to ``world_size``, its memory limit filled in (the limit
+    given, else the devices', else the memory of ``device``, where the model runs: the same at
+    every world size and under every plan), and its ranks per node set to ``ranks_per_node``
+    when given."""
+    if devices is None:
+        devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
+                   else Devices())
+    memory = memory_limit_bytes or devices.memory_bytes or device_memory_bytes(device)
+    return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
+                               ranks_per_node=ranks_per_node or devices.ranks_per_node)
+
+
+_detected_devices: dict[tuple[int, int, int | None], Devices] = {}
+"""Process-wide: the Devices measured per process group, so that compiling the same model twice
+in one process plans with the same figures (keyed by the group's identity; a group lives as long
+as the process or until destroyed)."""
+
+
+def _detected(world_size: int, ranks_per_node: int | None = None) -> Devices:
+    """``detect_devices()`` of the current default process group, measured once per group
+    (collective on first use); ``ranks_per_node`` None finds the nodes from host names."""
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), world_size, ranks_per_node)
+    if key not in _detected_devices:
+        _detected_devices[key] = detect_devices(ranks_per_node=ranks_per_node)
+    return _detected_devices[key]

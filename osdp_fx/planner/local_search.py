@@ -1,0 +1,120 @@
+"""After the exact search: plans judged by the timeline and the step model themselves.
+
+The exact problem (``solver``) weighs a plan by a separable step time and a separable memory
+(each group's time and bytes added up); the timeline and the step model, which judge the plan,
+are not separable (collectives share buckets, prefetching hides a gather behind whatever
+computation precedes it, the peak is reached at one moment). So near the memory limit the
+exact problem's answer can leave a faster plan unfound, one that differs from it in a group or
+two: at the Llama of ``benchmarks/optimality.py`` at 70 MiB, the search's "full_shard on 8
+groups" (153.7 ms predicted, 66.8 MiB) against "full_shard on 6" (146.3 ms, 67.6 MiB), both
+under the 67.9 MiB it plans for. :func:`improve` climbs from the searched plan: each round it
+tries every other strategy for each of the largest groups, judged by the two models themselves,
+and takes the fastest change that fits, until none is faster. Before it, :func:`refine` adds
+the uniform plans a user would write by hand (every group shard_grad_op, or full_shard) under
+each schedule: the exact problem weighs a sharded group by its own collectives and does not
+see that a bucket's members share one collective's latency, so it can return a plan slower than
+all full_shard in 1 MiB buckets, which fits (the 2-block GPT of ``tests/test_local_search.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..core.devices import Devices
+from ..core.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP, searched_strategies
+from ..cost_models.memory import persistent_bytes
+from .analysis import Analysis, param_state, param_states
+from .exhaustive import Found
+from .schedule_search import collectives_key
+
+UNIFORM = (SHARD_GRAD_OP, FULL_SHARD)
+"""The uniform plans :func:`refine` offers under every schedule."""
+
+IMPROVED_GROUPS = 12
+"""The largest parameter groups whose strategy :func:`improve` changes: they move the step time
+and the peak the most; each further group costs a timeline and a step prediction per round."""
+
+IMPROVE_ROUNDS = 4
+"""At most this many changes are taken, one per round."""
+
+
+def improve(
+    strategies: Mapping[str, str], *, options: Mapping[str, Mapping[str, int]],
+    step_s: Callable[[Mapping[str, str]], float | None], rounds: int = IMPROVE_ROUNDS,
+) -> tuple[float | None, dict[str, str]]:
+    """From ``strategies`` (group -> strategy), hill-climb over single changes of the groups
+    of ``options`` (group -> {strategy: the bytes it keeps the group in, persistently}) to a
+    strategy that keeps the group in at least as many bytes as its current one: the exact
+    problem overestimates the peak near the limit and leaves memory unused (``search._loosen``),
+    which such changes spend. ``step_s``: a plan's predicted seconds, None when it does not
+    fit. Each round takes the fastest change faster than the plan so far; at most ``rounds``.
+    Returns (its step seconds, the plan); the seconds are None only when ``strategies`` itself
+    does not fit (it is then returned unchanged)."""
+    best = dict(strategies)
+    best_s = step_s(best)
+    if best_s is None:
+        return None, best
+    for _ in range(rounds):
+        moves = []
+        for name, held in options.items():
+            for strategy, kept in held.items():
+                if strategy == best[name] or kept < held[best[name]]:
+                    continue
+                trial = {**best, name: strategy}
+                if (s := step_s(trial)) is not None and s < best_s:
+                    moves.append((s, trial))
+        if not moves:
+            break
+        best_s, best = min(moves, key=lambda m: m[0])
+    return best_s, best
+
+
+def refine(
+    ranked: Sequence[tuple[float, Any, Found]], *, analysis: Analysis, devices: Devices,
+    optimizer: str, schedules: Sequence[Any], fits: Callable[[Any, Found], bool],
+    step_s: Callable[[Any, Found], float],
+) -> list[tuple[float, Any, Found]]:
+    """``ranked`` (seconds, schedule, plan; fastest first, from the exact search) with, before
+    it, where predicted faster than its fastest: the :data:`UNIFORM` plans that fit under any of
+    ``schedules`` (each distinct plan of collectives judged once), fastest first, and the fastest
+    plan of all as :func:`improve` leaves it. ``fits``, ``step_s``: the timeline's peak against
+    the target and the step model's seconds, under a schedule."""
+    if devices.world_size < 2:
+        return list(ranked)
+    uniform, seen = [], set()
+    for strategy in UNIFORM:
+        plan = ({n: strategy if p.trainable else REPLICATE
+                 for n, p in analysis.captured.params.items()}, {})
+        states = param_states(analysis, plan[0])
+        for schedule in schedules:
+            key = (collectives_key(analysis.facts, states, schedule, devices.world_size),
+                   schedule.scatters_in_flight)
+            if key in seen:
+                continue
+            seen.add(key)
+            if fits(schedule, plan):
+                uniform.append((step_s(schedule, plan), schedule, plan))
+    ranked = sorted([u for u in uniform if u[0] < ranked[0][0]], key=lambda u: u[0]) + list(ranked)
+    fastest_s, schedule, (plan, recompute) = ranked[0]
+    sizes = {n: param_state(analysis, n, REPLICATE) for n in largest_groups(analysis)}
+    options = {n: {s: persistent_bytes(st.numel, element_size=st.element_size, strategy=s,
+                                       world_size=devices.world_size, optimizer=optimizer,
+                                       ranks_per_node=devices.ranks_per_node)
+                   for s in searched_strategies(devices.num_nodes)} for n, st in sizes.items()}
+
+    def seconds(trial: Mapping[str, str]) -> float | None:
+        found = (dict(trial), recompute)
+        return step_s(schedule, found) if fits(schedule, found) else None
+
+    s, better = improve(plan, options=options, step_s=seconds)
+    if s is None or better == plan or s >= fastest_s:
+        return ranked
+    return [(s, schedule, (better, recompute)), *ranked]
+
+
+def largest_groups(analysis: Analysis, count: int | None = IMPROVED_GROUPS) -> list[str]:
+    """The ``count`` largest trainable parameter groups (None: all), largest first, by bytes."""
+    states = {n: param_state(analysis, n, REPLICATE) for n, p in analysis.captured.params.items()
+              if p.trainable}
+    return sorted(states, key=lambda n: -states[n].numel * states[n].element_size)[:count]

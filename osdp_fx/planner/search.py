@@ -1,0 +1,489 @@
+"""The searches: which linears to split, the per-rank batch size, and the plan itself.
+
+:func:`search_strategies` (and :func:`search_plan`, which adds recomputation) chooses a strategy
+per parameter group that minimises the predicted step time under a memory limit: it builds each
+group's options from ``cost_models.step``, solves the exact problem of ``solver`` with the
+activation memory as its base, checks the answer against the timeline's peak, and tightens the
+limit by any excess until the timeline agrees (the search's separable memory model is an
+approximation of the timeline). :func:`search_schedules` runs it under each candidate schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import fx
+
+from ..core.buckets import DEFAULT_BUCKET_BYTES, Schedule, candidate_schedules
+from ..core.devices import Devices
+from ..core.regions import find_regions
+from ..core.strategies import (
+    FULL_SHARD,
+    REPLICATE,
+    STRATEGIES,
+    searched_strategies,
+    traits,
+)
+from ..cost_models.graph_facts import ParamState
+from ..cost_models.memory import gathered_param_bytes
+from ..cost_models.overlap import gather_windows, hidden_share_s
+from ..cost_models.recompute import RegionCost, region_costs
+from ..cost_models.step import (
+    GroupCost,
+    group_cost,
+    predict_step_time,
+    regathered_params,
+)
+from ..cost_models.timeline import BATCH, predict_peak_bytes
+from ..errors import InputError, PlanError
+from ..passes.split_linear import SPLIT_FACTORS, linear_sites
+from ..plan.plan import DEFAULT_PREFETCH
+from ..runtime.collectives import scatter_copies_input
+from ..units import format_bytes
+from .analysis import (
+    Analysis,
+    param_state,
+    param_states,
+    plannable_bytes,
+)
+from .exhaustive import EXACT_COMBINATIONS, Found, exhaustive_search, plan_space
+from .local_search import refine
+from .schedule_search import collectives_key, rank_schedules, schedule_memory_kwargs
+from .solver import solve_min_time
+
+log = logging.getLogger(__name__)
+
+_MAX_TIGHTENINGS = 8
+
+
+def choose_splits(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
+) -> dict[str, int]:
+    """Which linear weights to split into how many parts (k in 2, 4, 8).
+
+    Every splittable weight gets the options k = 1 (its three strategies) and, for each k, "j of
+    the k parts full_shard, the others replicated" (j = 0..k): j sets the memory between
+    replicate and full_shard, k the transient memory (one part's gathered weight at a time)
+    against the latency of k collectives. Other groups keep their strategies as options. The
+    same exact solver as the strategy search picks one option per group; the strategies of the
+    parts are then searched again on the split graph.
+    """
+    names = list(analysis.captured.params)
+    sites = linear_sites(analysis.captured.gm)
+    regathered = regathered_params(analysis.facts)
+    # What the timeline's peak holds besides: gloo copies a gradient it reduce-scatters at the
+    # launch while the one before may still be in flight (a gradient more), and a replicated
+    # gradient is copied into its all-reduce bucket.
+    copies = scatter_copies_input()
+
+    def transient_of(c: GroupCost, state: ParamState) -> int:
+        grad = state.numel * state.reduce_size if state.trainable else 0
+        if traits(c.strategy).sharded:
+            return c.transient_bytes + (grad if copies else 0)
+        return max(c.transient_bytes, min(grad, DEFAULT_BUCKET_BYTES) if devices.world_size > 1
+                   else 0)
+
+    times, persistent, transient, labels = [], [], [], []
+    for n in names:
+        info = analysis.captured.params[n]
+        strategies = searched_strategies(devices.num_nodes) if info.trainable else [REPLICATE]
+        costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
+                            devices=devices, optimizer=optimizer,
+                            grad_accumulation=grad_accumulation) for st in strategies]
+        options = [(1, c.comm_s + c.optim_s, c.persistent_bytes,
+                    transient_of(c, param_state(analysis, n, c.strategy))) for c in costs]
+        site = sites.get(n)
+        if site is not None and info.trainable:
+            summed = _summed_input_grad_bytes(analysis, site.node)
+            for k in SPLIT_FACTORS:
+                if k > site.out_features:
+                    break
+                part = dataclasses.replace(param_state(analysis, n, REPLICATE), numel=info.numel // k)
+                rep, full = (group_cost(dataclasses.replace(part, strategy=st),
+                                        regathered=n in regathered, compute_s=0.0,
+                                        devices=devices, optimizer=optimizer,
+                                        grad_accumulation=grad_accumulation)
+                             for st in (REPLICATE, FULL_SHARD))
+                for j in range(k + 1):
+                    options.append((
+                        k, j * (full.comm_s + full.optim_s) + (k - j) * (rep.comm_s + rep.optim_s),
+                        j * full.persistent_bytes + (k - j) * rep.persistent_bytes,
+                        max(transient_of(full, part) if j else 0,
+                            transient_of(rep, part) if j < k else 0, summed)))
+        labels.append([o[0] for o in options])
+        times.append([o[1] for o in options])
+        persistent.append([o[2] for o in options])
+        transient.append([o[3] for o in options])
+    _, base = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None,
+                               schedule=Schedule(prefetch), grad_accumulation=grad_accumulation)
+    try:
+        result = solve_min_time(times, persistent, transient,
+                                limit_bytes=plannable_bytes(memory_limit_bytes,
+                                                            devices.memory_margin),
+                                base_bytes=base, names=names)
+    except PlanError:
+        return {}  # the strategy search reports what does not fit
+    chosen = {n: labels[i][j] for i, (n, j) in enumerate(zip(names, result.choices))}
+    return {n: k for n, k in chosen.items() if k > 1}
+
+
+def _summed_input_grad_bytes(analysis: Analysis, linear: fx.Node) -> int:
+    """What splitting ``linear`` adds in backward: its parts all read its input, whose gradient
+    is then summed out of place (a part's contribution and the sum, on top of the gradient so
+    far: ``graph_facts.activation_grad_intervals``)."""
+    facts = analysis.facts
+    inputs = [n for n in linear.all_input_nodes if n not in facts.param_of]
+    return max((2 * facts.profile[n].output_bytes for n in inputs if facts.requires_grad[n]),
+               default=0)
+
+
+def search_batch_size(
+    analysis: Analysis, batch_sizes: Sequence[int], *, devices: Devices, memory_limit_bytes: int,
+    optimizer: str, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
+) -> tuple[int, dict[str, str]]:
+    """The per-rank batch size among ``batch_sizes`` and the strategies that maximise predicted
+    samples per second (``b * N / step_time(b)``) within the memory limit."""
+    best: tuple[float, int, dict[str, str]] | None = None
+    for b in sorted(set(batch_sizes)):
+        if not isinstance(b, int) or b < 1:
+            raise InputError(f"batch_sizes must be positive ints, got {b!r}")
+        try:
+            strategies = search_strategies(analysis, devices=devices, optimizer=optimizer,
+                                           memory_limit_bytes=memory_limit_bytes, batch_size=b,
+                                           prefetch=prefetch, grad_accumulation=grad_accumulation)
+        except PlanError:
+            continue
+        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, strategies),
+                                    analysis.facts, devices=devices, optimizer=optimizer,
+                                    profiled_batch=analysis.batch_size)
+        samples_per_s = b * devices.world_size / float(step.step_time_expr.subs(BATCH, b))
+        log.info("batch %d: %.1f samples/s predicted", b, samples_per_s)
+        if best is None or samples_per_s > best[0]:
+            best = (samples_per_s, b, strategies)
+    if best is None:
+        raise PlanError(
+            f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank at any "
+            f"of the batch sizes {sorted(set(batch_sizes))}: try smaller batch sizes, more "
+            "ranks or a larger limit")
+    return best[1], best[2]
+
+
+def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
+                     batch_size: int | None, grad_accumulation: int = 1,
+                     schedule: Schedule = Schedule(),
+                     regions: Mapping[str, list[RegionCost]] | None = None) -> tuple[int, int]:
+    """(peak of the most sharded plan, every region in ``regions`` fully recomputed; the
+    search's base memory): that peak minus what the search itself accounts for (persistent and
+    largest transient bytes), i.e. activations outside the regions."""
+    lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
+              for n, p in analysis.captured.params.items()}
+    full = {r: opts[-1] for r, opts in (regions or {}).items()}
+    peak = plan_peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()},
+                       devices=devices, optimizer=optimizer, batch_size=batch_size,
+                       grad_accumulation=grad_accumulation, schedule=schedule)
+    regathered = regathered_params(analysis.facts)
+    costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
+                        devices=devices, optimizer=optimizer,
+                        grad_accumulation=grad_accumulation) for n, st in lowest.items()]
+    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
+    transient = max([c.transient_bytes for c in costs]
+                    + [int(o.recomputed_bytes * scale) for o in full.values()], default=0)
+    return peak, max(0, peak - sum(c.persistent_bytes for c in costs) - transient
+                     - sum(int(o.kept_bytes * scale) for o in full.values()))
+
+
+def search_strategies(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    batch_size: int | None = None, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
+    schedule: Schedule | None = None,
+) -> dict[str, str]:
+    """The per-group strategies with the least predicted step time whose predicted peak memory
+    (timeline, at ``batch_size``, default the profiled one; of steps of ``grad_accumulation``
+    micro-batches; under ``schedule``, default the default one with ``prefetch``) fits
+    ``memory_limit_bytes``, recomputing nothing. Raises PlanError when none does."""
+    return _search(analysis, {}, devices=devices, memory_limit_bytes=memory_limit_bytes,
+                   optimizer=optimizer, batch_size=batch_size, grad_accumulation=grad_accumulation,
+                   schedule=schedule or Schedule(prefetch))[0]
+
+
+def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | None = None,
+                **kw: Any) -> Found:
+    """(strategies, recomputed regions) with the least predicted step time that fit
+    (``kw``: those of :func:`_search`): the joint search, which also chooses per region to
+    save, recompute selectively or recompute fully (``docs/recomputation.md``), is taken when
+    it is predicted faster or when nothing fits without it. ``regions``: the regions' options
+    (``region_costs``; computed when not given)."""
+    if regions is None:
+        regions = region_costs(analysis.facts, kw["devices"])
+    try:
+        alone = _search(analysis, {}, **kw)
+    except PlanError:
+        if not regions:
+            raise
+        return _search(analysis, regions, **kw)
+    try:
+        joint = _search(analysis, regions, **kw) if regions else alone
+    except PlanError:
+        return alone
+
+    def time_s(found: Found) -> float:
+        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
+                                    analysis.facts, devices=kw["devices"],
+                                    optimizer=kw["optimizer"], profiled_batch=analysis.batch_size,
+                                    recompute=found[1], schedule=kw.get("schedule", Schedule()))
+        return float(step.step_time_expr.subs(BATCH, kw.get("batch_size") or analysis.plan_batch))
+
+    return joint if joint[1] and time_s(joint) < time_s(alone) else alone
+
+
+def _search(
+    analysis: Analysis, regions: Mapping[str, list[RegionCost]], *, devices: Devices,
+    memory_limit_bytes: int, optimizer: str, batch_size: int | None = None,
+    grad_accumulation: int = 1, schedule: Schedule = Schedule(),
+    cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None, loosen: bool = True,
+) -> Found:
+    """One exact search over the parameter groups' strategies and, as more rows of the same
+    problem, the ``regions``' policies (time: the recomputed forward; persistent: what the
+    region keeps to backward; transient: what its recomputation re-creates), under
+    ``schedule`` (its memory charged). ``cost_tables``: the groups' costs by all-reduce bucket
+    size, filled and reused across the searches of one ``search_schedules``. ``loosen``: also
+    try the exact problem at looser limits that the timeline still fits (:func:`_loosen`)."""
+    names = list(analysis.captured.params)
+    trainable = {n: analysis.captured.params[n].trainable for n in names}
+    sharding_helps = devices.world_size > 1
+    options = {n: searched_strategies(devices.num_nodes) if trainable[n] and sharding_helps
+               else [REPLICATE] for n in names}
+    regathered = regathered_params(analysis.facts)
+    cost_tables = {} if cost_tables is None else cost_tables
+    table = cost_tables.get(schedule.reduce_bucket_bytes)
+    if table is None:
+        table = cost_tables[schedule.reduce_bucket_bytes] = {
+            n: [group_cost(param_state(analysis, n, s), regathered=n in regathered,
+                           compute_s=0.0, devices=devices, optimizer=optimizer,
+                           grad_accumulation=grad_accumulation,
+                           reduce_bucket_bytes=schedule.reduce_bucket_bytes)
+                for s in options[n]]
+            for n in names
+        }
+    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
+    hidden = _hidden_shares(analysis, options, devices=devices, prefetch=schedule.prefetch,
+                            scale=scale, regathered=regathered)
+    rows = [([c.comm_s + c.optim_s - h for c, h in zip(table[n], hidden[n])],
+             [c.persistent_bytes for c in table[n]],
+             [c.transient_bytes for c in table[n]]) for n in names]
+    rows += [([o.recompute_s * scale for o in opts], [int(o.kept_bytes * scale) for o in opts],
+              [int(o.recomputed_bytes * scale) for o in opts]) for opts in regions.values()]
+    lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
+                                         batch_size=batch_size, schedule=schedule,
+                                         grad_accumulation=grad_accumulation, regions=regions)
+    target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
+    if plan_space([len(r[0]) for r in rows]) <= EXACT_COMBINATIONS:
+        found = exhaustive_search(
+            analysis, options, regions, devices=devices, optimizer=optimizer,
+            batch_size=batch_size or analysis.plan_batch, grad_accumulation=grad_accumulation,
+            schedule=schedule, target_bytes=target)
+        if found is not None:
+            return found
+        raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
+    def solve(limit: int) -> tuple[Found, int, int] | None:
+        """(plan, its timeline peak, the exact problem's own peak) at the problem's ``limit``."""
+        try:
+            result = solve_min_time([r[0] for r in rows], [r[1] for r in rows],
+                                    [r[2] for r in rows], limit_bytes=limit, base_bytes=base,
+                                    names=[*names, *regions])
+        except PlanError:  # rounding, near the most sharded plan's peak: see below
+            return None
+        strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
+        recompute = {r: opts[j].policy for (r, opts), j in
+                     zip(regions.items(), result.choices[len(names):]) if j}
+        peak = plan_peak_bytes(analysis, strategies, recompute, devices=devices, optimizer=optimizer,
+                           batch_size=batch_size, grad_accumulation=grad_accumulation,
+                           schedule=schedule)
+        return (strategies, recompute), peak, result.peak_bytes
+
+    limit, fit = target, None
+    for _ in range(_MAX_TIGHTENINGS):
+        solved = solve(limit)
+        if solved is None:
+            break
+        if solved[1] <= target:
+            fit = solved
+            break
+        limit -= solved[1] - target
+        if limit <= base:
+            break
+    if fit is not None:
+        found = fit[0] if not loosen else _loosen(fit, limit, target, solve, lambda f: plan_step_s(
+            analysis, f, devices=devices, optimizer=optimizer, batch_size=batch_size,
+            schedule=schedule))
+        counts = {s: sum(v == s for v in found[0].values()) for s in STRATEGIES}
+        log.info("search: %s, %d regions recomputed, limit %s", counts, len(found[1]),
+                 format_bytes(memory_limit_bytes))
+        return found
+    if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
+        return ({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE for n in names},
+                {r: opts[-1].policy for r, opts in regions.items()})
+    raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
+
+
+_MAX_LOOSENINGS = 4
+LOOSENED_SCHEDULES = 3
+"""``search_schedules`` loosens the searches of the schedules whose plans rank first."""
+TIGHTENED_SHARES = (0.95, 0.9)
+"""... and searches them again at these shares of the limit: the exact problem ranks plans by
+a separable step time, so the plan it picks at the limit can be slower, by the step model, than
+one that shards more (recompute.py's GPT at 0.6x the all-full_shard peak: 300.6 ms at 64.5 MiB
+against 277.7 ms at 61.5 MiB)."""
+
+
+def _loosen(fit: tuple[Found, int, int], limit: int, target: int,
+            solve: Callable[[int], tuple[Found, int, int] | None],
+            step_s: Callable[[Found], float]) -> Found:
+    """The fastest plan (``step_s``) of the exact problem solved at ``limit`` (its answer
+    ``fit``: plan, timeline peak, the problem's own peak) and at looser limits whose answers the
+    timeline still fits in ``target``.
+
+    The exact problem's memory is separable (persistent bytes per group, the largest
+    transient, activations as a constant) and can overestimate the timeline's peak of a plan
+    (on the optimality GPT by 17 MiB, 11 %, for plans sharding its largest groups with
+    shard_grad_op): its answer then leaves memory unused that a faster plan would fill. So
+    raise its limit by what it overestimates plus the timeline's slack, and bisect back where
+    the timeline does not fit; at most :data:`_MAX_LOOSENINGS` more solves."""
+    best, (_, peak, model_peak) = fit[0], fit
+    best_s, lo, hi = step_s(best), limit, None
+    for _ in range(_MAX_LOOSENINGS):
+        trial = model_peak + (target - peak) if hi is None else (lo + hi) // 2
+        if trial - lo <= target // 100:
+            break
+        solved = solve(trial)
+        if solved is None:
+            break
+        if solved[1] > target:
+            hi = trial
+            continue
+        lo, peak, model_peak = trial, solved[1], solved[2]
+        if (s := step_s(solved[0])) < best_s:
+            best, best_s = solved[0], s
+    return best
+
+
+def plan_step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
+            batch_size: int | None, schedule: Schedule) -> float:
+    """The step model's seconds for a plan at the batch the search plans for."""
+    step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
+                                analysis.facts, devices=devices, optimizer=optimizer,
+                                profiled_batch=analysis.batch_size, recompute=found[1],
+                                schedule=schedule)
+    batch = batch_size or analysis.plan_batch
+    return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s
+
+
+def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute: Mapping[str, str],
+                *, devices: Devices, optimizer: str, batch_size: int | None,
+                grad_accumulation: int, schedule: Schedule) -> int:
+    """The timeline's predicted peak of one candidate plan."""
+    return predict_peak_bytes(
+        analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
+        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+        profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
+        seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
+        recompute=recompute, scatter_copies_input=scatter_copies_input(),
+        **schedule_memory_kwargs(schedule))
+
+
+def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], *, devices: Devices,
+                   prefetch: int, scale: float, regathered: set[str]) -> dict[str, list[float]]:
+    """Per group and option, the gather seconds prefetching hides (``overlap.gather_windows``):
+    the exact problem then weighs a sharded group's collectives as the step model does, less
+    what the computation around it hides, and not at their full time."""
+    windows = gather_windows(analysis.facts, devices, prefetch=prefetch)
+    out = {}
+    for n, opts in options.items():
+        w = windows.get(n, (0.0, 0.0))
+        out[n] = [hidden_share_s(param_state(analysis, n, s), (w[0] * scale, w[1] * scale),
+                                 devices, regathered=n in regathered) for s in opts]
+    return out
+
+
+def _no_plan_message(memory_limit_bytes: int, target: int, lowest_peak: int, base: int,
+                     regions: Mapping[str, list[RegionCost]]) -> str:
+    return (
+        f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank (the "
+        f"search plans for {format_bytes(target)}, keeping {1 - target / memory_limit_bytes:.0%}"
+        f" for what the memory model does not predict): even with every parameter group "
+        f"sharded (full_shard)"
+        f"{' and every region recomputed' if regions else ''} a step needs "
+        f"{format_bytes(lowest_peak)} ({format_bytes(lowest_peak - base)} "
+        f"parameters, gradients and optimizer state, the rest activations). Raise the memory "
+        f"limit, use more ranks, or use a smaller batch"
+    )
+
+
+def search_schedules(
+    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
+    prefetch: int | None = None, grad_accumulation: int = 1, alternatives: bool = False,
+    recompute: bool = True,
+) -> list[tuple[float, Schedule, Found]]:
+    """:func:`search_plan` under each ``candidate_schedules(prefetch)`` (``alternatives``:
+    also at 90 and 80 % of the limit): plans that fit, fastest first (``rank_schedules``).
+    ``recompute`` False: no region is offered for recomputation."""
+    shares = (1.0, 0.9, 0.8) if alternatives else (1.0,)
+    options = [(sch, int(memory_limit_bytes * f)) for f in shares
+               for sch in candidate_schedules(prefetch, block_gather_bytes(analysis, devices.world_size))]
+    regions = region_costs(analysis.facts, devices) if recompute else {}
+    search = functools.partial(search_plan, analysis, regions,
+                               devices=devices, optimizer=optimizer,
+                               grad_accumulation=grad_accumulation, cost_tables={})
+
+    def score(schedule: Schedule, found: Found) -> tuple[float, Any]:
+        states = param_states(analysis, found[0])
+        step, _ = predict_step_time(analysis.captured.gm, states, analysis.facts,
+                                    devices=devices, optimizer=optimizer,
+                                    profiled_batch=analysis.batch_size, schedule=schedule,
+                                    recompute=found[1])
+        return step.step_s, (collectives_key(analysis.facts, states, schedule,
+                                             devices.world_size), tuple(sorted(found[1].items())))
+
+    # Every schedule is searched without loosening (each loosening solves the problem up to
+    # _MAX_LOOSENINGS more times); the fastest few are searched again with it.
+    ranked = rank_schedules(functools.partial(search, loosen=False), score, options)
+    loosened = []
+    for schedule in dict.fromkeys(r[1] for r in ranked[:LOOSENED_SCHEDULES]):
+        found = search(schedule=schedule, memory_limit_bytes=memory_limit_bytes)
+        loosened.append((score(schedule, found)[0], schedule, found))
+        for share in TIGHTENED_SHARES:  # the exact problem's time is separable, the step's not
+            try:
+                found = search(schedule=schedule, loosen=False,
+                               memory_limit_bytes=int(memory_limit_bytes * share))
+            except PlanError:
+                break
+            loosened.append((score(schedule, found)[0], schedule, found))
+    best = sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
+    target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
+    return refine(  # the uniform plans and changes of the largest groups, by the models
+        best, analysis=analysis, devices=devices, optimizer=optimizer,
+        schedules=list(dict.fromkeys(o[0] for o in options)),
+        step_s=lambda s, f: score(s, f)[0],
+        fits=lambda s, f: plan_peak_bytes(analysis, *f, devices=devices, optimizer=optimizer,
+                                          batch_size=None, grad_accumulation=grad_accumulation,
+                                          schedule=s) <= target)
+
+
+def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:
+    """The most bytes the parameters one recomputable region (a transformer block) reads take
+    gathered (padded shards, as buckets count them): a gather bucket of this size gathers about
+    one block per all-gather. None when the graph has no regions."""
+    gm = analysis.captured.gm
+    names = set(analysis.captured.params)
+    sizes = []
+    for ops in find_regions(gm.graph).values():
+        read = {gm.get_parameter(a.target) for op in ops for a in op.all_input_nodes
+                if a.op == "get_attr" and a.target in names}
+        sizes.append(sum(gathered_param_bytes(p.numel(), element_size=p.element_size(),
+                                              world_size=world_size) for p in read))
+    return max(sizes, default=None) or None

@@ -1,0 +1,139 @@
+"""One table of this rank's parameters: names, aliases, splits, strategies, shard layouts, and the
+conversions between full tensors and what this rank holds.
+
+Built once by ``compile_osdp`` (:class:`ParamTable`). The compiled module's state dicts
+(``full_state_dict``, ``load_full_state_dict``), meta-device materialisation
+(``materialize.py``) and checkpoints (``checkpoint.py``) all read it, instead of each rebuilding
+shard layouts from the plan and the capture.
+
+Names: a *key* is a name of ``model.state_dict()`` (a parameter, an alias of a tied one, or a
+buffer); a *group* is a parameter's canonical name (tied names map to one); a *part* is a
+parameter group of the plan: the group itself, or one of the parts it was split into
+(``passes/split_linear.py``), each with its own strategy and shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import fx, nn
+
+from ..core.layout import ShardLayout, SplitSpec, shard_layout
+from ..core.strategies import traits
+from ..plan.plan import Plan
+from .params import make_shard
+from .regather import gather_full
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+    """One parameter group of the plan, as this rank holds it."""
+
+    name: str
+    """The part's name (a canonical parameter name, or ``<weight>_part<i>``)."""
+    strategy: str
+    """Its strategy."""
+    shape: tuple[int, ...]
+    """Shape of the full part."""
+    layout: ShardLayout
+    """Which flat chunk this rank holds, over which group."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds a flat padded chunk (else the full tensor)."""
+        return traits(self.strategy).sharded
+
+
+class ParamTable:
+    """This rank's parameters of one compiled model (module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, *, state_keys: tuple[str, ...],
+                 alias_to_name: dict[str, str], splits: dict[str, SplitSpec], rank: int) -> None:
+        self.gm = gm
+        self.plan = plan
+        self.state_keys = tuple(state_keys)
+        """Keys of the original ``model.state_dict()``, in order."""
+        self.alias_to_name = dict(alias_to_name)
+        """Every parameter name (tied ones too) to its group's canonical name."""
+        self.splits = dict(splits)
+        """Split groups by canonical name."""
+        self.entries = {
+            p.name: ParamEntry(p.name, p.strategy, tuple(p.shape), shard_layout(
+                p.strategy, world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
+                rank=rank))
+            for p in plan.params
+        }
+        """Every part of the plan by name."""
+
+    # ---- names ----------------------------------------------------------------------------
+    @property
+    def groups(self) -> list[str]:
+        """Canonical parameter names, in the model's order."""
+        return list(dict.fromkeys(self.alias_to_name.values()))
+
+    @property
+    def buffer_keys(self) -> list[str]:
+        return [k for k in self.state_keys if k not in self.alias_to_name]
+
+    def parts(self, group: str) -> tuple[str, ...]:
+        """The plan's parameter groups that make up ``group``: its parts, or itself."""
+        split = self.splits.get(group)
+        return split.parts if split is not None else (group,)
+
+    def full_shape(self, group: str) -> tuple[int, ...]:
+        """Shape of a group as the model defines it (a split one before splitting)."""
+        split = self.splits.get(group)
+        if split is None:
+            return self.entries[group].shape
+        shape = list(self.entries[split.parts[0]].shape)
+        shape[split.dim] = sum(split.sizes)
+        return tuple(shape)
+
+    # ---- tensors --------------------------------------------------------------------------
+    def local(self, part: str) -> nn.Parameter:
+        """What this rank holds of ``part``: its flat shard, or the full tensor."""
+        return self.gm.get_parameter(part)
+
+    def buffer(self, key: str) -> torch.Tensor:
+        return self.gm.get_buffer(key)
+
+    def pieces(self, group: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(part, its full tensor) for a full tensor of ``group``, cut along its split."""
+        split = self.splits.get(group)
+        if split is None:
+            yield group, full
+            return
+        yield from zip(split.parts, full.split(split.sizes, split.dim))
+
+    def to_local(self, part: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a full tensor of ``part``: a new flat padded shard when the part
+        is sharded, else ``full`` itself."""
+        entry = self.entries[part]
+        if not entry.sharded:
+            return full
+        return make_shard(full, world_size=entry.layout.chunks, rank=entry.layout.index)
+
+    def full(self, group: str, *, grad: bool = False) -> torch.Tensor | None:
+        """The full tensor of ``group`` (or of its gradient: None when it has none), gathered
+        from every rank's shard where sharded. Collective for sharded groups."""
+        split = self.splits.get(group)
+        if split is not None:
+            parts = [self.full(part, grad=grad) for part in split.parts]
+            return None if any(p is None for p in parts) else torch.cat(parts, split.dim)
+        entry = self.entries[group]
+        local = self.local(group)
+        if grad:
+            local = local.grad
+            if local is None:
+                return None
+        with torch.no_grad():
+            if not entry.sharded:
+                return local.detach().clone()
+            return gather_full(local.detach(), entry.shape, entry.layout.group).clone()

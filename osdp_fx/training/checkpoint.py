@@ -1,0 +1,440 @@
+"""Distributed checkpoints of a compiled model and its optimizer, with torch.distributed.checkpoint.
+
+``save_checkpoint(path, compiled, optimizer)`` writes a DCP checkpoint directory in which every
+rank writes only what it holds; ``load_checkpoint(path, compiled, optimizer)`` reads it back into
+a model compiled under any plan at any world size.
+
+Layout (one DCP state dict; the keys are strings, nothing is nested):
+
+* ``model.<name>``: each parameter group under its canonical name (split parameters under their
+  part names ``<w>_part<i>``) as a **flat 1-D tensor** of ``numel`` elements, whatever its
+  strategy. A sharded parameter is a ``DTensor`` with placement ``Shard(0)`` on a 1-D mesh over
+  the world: rank r's local shard minus its zero padding is exactly ``torch.chunk``'s r-th chunk
+  of the flat tensor (trailing ranks may hold fewer or no elements), so DCP knows each rank's
+  offset. Under ``hierarchical`` the mesh lists the ranks in the order of the chunks they hold,
+  under ``hybrid_shard`` it is the nodes x ranks mesh with the chunks replicated across nodes
+  (``runtime.hierarchy.checkpoint_mesh``). A replicated parameter is a plain flat tensor (DCP
+  writes it once).
+* ``model.<buffer>``: buffers of ``model.state_dict()``, unchanged.
+* ``optim.<name>.<key>``: optimizer state by parameter name, not index. A state tensor shaped like
+  the parameter (AdamW ``exp_avg``, ``exp_avg_sq``; SGD ``momentum_buffer``) is laid out like the
+  parameter; any other tensor (``step``) is saved as it is.
+* ``osdp``: bytes (``torch.save``) of a dict: format and version, the world size, each
+  parameter's full shape, the splits, the plan, the optimizer's ``param_groups`` with parameter
+  names instead of indices, what each state entry is, and the caller's ``extra``.
+
+So a checkpoint does not depend on the strategy of any parameter or on the world size, and DCP
+reshards on load: each rank reads the byte ranges of its own shard. ``plan.json`` beside the DCP
+files is the saved plan (compile with it to get the same split parameters).
+
+``torch.distributed.checkpoint.state_dict.get_state_dict`` is not used: it takes the local
+tensors of plain parameters as the full ones (it only knows FSDP's and DTensor parameters), so
+every rank would present a different shard under the same key with no offsets, and DCP would
+keep one of them.
+
+Saving is atomic: DCP writes into ``<path>.saving``; only when every rank reports success does
+rank 0 move it to ``path`` (the previous checkpoint is moved aside and deleted after). A save that
+fails on any rank raises on every rank, removes the temporary directory and leaves the previous
+checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..core.strategies import traits
+from ..errors import CheckpointError, InputError, OSDPError
+from ..module import OSDPModule
+from ..runtime.collectives import WORLD, group_rank, group_size
+from ..runtime.hierarchy import checkpoint_mesh
+
+FORMAT = "osdp-fx-checkpoint"
+VERSION = 1
+_INFO_KEY = "osdp"
+_PLAN_FILE = "plan.json"
+_SAVING_SUFFIX = ".saving"
+_OLD_SUFFIX = ".old"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where one parameter group's elements live on this rank."""
+
+    local: torch.Tensor
+    """The parameter as the compiled model holds it (a padded flat shard, or the full tensor)."""
+    numel: int
+    """Elements of the full parameter."""
+    sharded: bool
+    """Whether ``local`` is this rank's flat shard (else it is the full, replicated tensor)."""
+    strategy: str = ""
+    """The parameter's strategy."""
+    index: int = 0
+    """Which flat chunk of the parameter ``local`` is (``layout.shard_layout``)."""
+    ranks_per_node: int | None = None
+    """The plan's ranks per node."""
+
+    def valid(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (laid out like the parameter) as the flat 1-D slice this rank owns."""
+        flat = local.detach().reshape(-1)
+        if not self.sharded:
+            return flat
+        n = local.numel()
+        start = min(self.index * n, self.numel)
+        return flat[:min(n, self.numel - start)]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` as the global flat tensor DCP sees: a Shard(0) DTensor, or plain."""
+        if not self.sharded:
+            return self.valid(local)
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh, placements = _mesh(local.device.type), [Shard(0)]
+        if traits(self.strategy).needs_mesh:
+            mesh, placements = checkpoint_mesh(
+                self.strategy, world_size=group_size(WORLD), ranks_per_node=self.ranks_per_node,
+                device_type=local.device.type)
+        return DTensor.from_local(self.valid(local), mesh, placements,
+                                  shape=(self.numel,), stride=(1,), run_check=False)
+
+
+_meshes: dict[tuple[int, str], Any] = {}
+
+
+def _mesh(device_type: str) -> Any:
+    """A 1-D DeviceMesh over the default process group (made once per group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (id(dist.group.WORLD), device_type)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(device_type, (group_size(WORLD),))
+    return _meshes[key]
+
+
+def _layouts(compiled: OSDPModule) -> dict[str, _Layout]:
+    table = compiled.param_table
+    return {name: _Layout(local=table.local(name), numel=e.numel, sharded=e.layout.chunks > 1,
+                          strategy=e.strategy, index=e.layout.index,
+                          ranks_per_node=compiled.plan.ranks_per_node)
+            for name, e in table.entries.items()}
+
+
+def _buffer_keys(compiled: OSDPModule) -> list[str]:
+    return compiled.param_table.buffer_keys
+
+
+def _param_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The parameter names of each of the optimizer's param groups (raises on a stranger)."""
+    names = {id(p): n for n, p in compiled.named_parameters()}
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        strangers = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if strangers:
+            raise InputError(
+                f"the optimizer's param group {i} holds {len(strangers)} tensors that are not "
+                f"parameters of the compiled model (shapes {strangers[:3]}); build the optimizer "
+                "from compiled.parameters() after compile_osdp, not from the original model"
+            )
+        groups.append([names[id(p)] for p in group["params"]])
+    return groups
+
+
+def _agree(error: str | None, what: str, *, cleanup: Any = None) -> None:
+    """Raise CheckpointError on every rank when ``error`` is set on any rank (collective).
+    Before it raises, rank 0 runs ``cleanup`` and the others wait for it."""
+    distributed = dist.is_available() and dist.is_initialized() and group_size(WORLD) > 1
+    everyone = [error]
+    if distributed:
+        everyone = [None] * group_size(WORLD)
+        dist.all_gather_object(everyone, error)
+    failed = {r: e for r, e in enumerate(everyone) if e is not None}
+    if not failed:
+        return
+    if cleanup is not None:
+        if group_rank(WORLD) == 0:
+            cleanup()
+        if distributed:
+            dist.barrier()
+    lines = "\n".join(f"  rank {r}: {e}" for r, e in failed.items())
+    raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}:\n{lines}")
+
+
+def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
+    """(fn's result, None), or (None, the error) when it raises; OSDPError messages verbatim."""
+    try:
+        return fn(*args, **kwargs), None
+    except OSDPError as exc:
+        return None, str(exc)
+    except (Exception, CheckpointException) as exc:
+        return None, _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    """One line for an error; for DCP's CheckpointException, the error of each failed rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        return "; ".join(f"rank {r}: {_first_line(e[0] if isinstance(e, tuple) else e)}"
+                         for r, e in failures.items())
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# ---- saving ---------------------------------------------------------------------------------
+
+def save_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
+                    optimizer: torch.optim.Optimizer | None = None, *, extra: Any = None) -> None:
+    """Save the model's shards and buffers (and the optimizer's state) as a DCP checkpoint.
+
+    Args:
+        path: the checkpoint directory; replaced only when every rank has written its part.
+        compiled: the module ``compile_osdp`` returned.
+        optimizer: an optimizer over ``compiled.parameters()``, or None.
+        extra: any picklable object (epoch, data loader position, RNG states), the same on
+            every rank; ``load_checkpoint`` returns it.
+
+    Collective: every rank must call it. Raises CheckpointError on every rank when any rank
+    fails; the previous checkpoint at ``path`` is then left unchanged.
+    """
+    path = os.fspath(path)
+    if not isinstance(compiled, OSDPModule):
+        raise InputError(f"save_checkpoint needs the module compile_osdp returned, got "
+                         f"{type(compiled).__name__}")
+    state, error = _attempt(_state_to_save, path, compiled, optimizer, extra)
+    _agree(error, f"save_checkpoint({path!r})")
+    saving = path.rstrip(os.sep) + _SAVING_SUFFIX
+    rank = group_rank(WORLD)
+    error = None
+    if rank == 0:
+        _, error = _attempt(_fresh_dir, saving, compiled)
+    _agree(error, f"save_checkpoint({path!r}): creating {saving}")
+    _, error = _attempt(dcp.save, state, checkpoint_id=saving, no_dist=_no_dist())
+    _agree(error, f"save_checkpoint({path!r}) (the previous checkpoint is unchanged)",
+           cleanup=lambda: shutil.rmtree(saving, ignore_errors=True))
+    error = None
+    if rank == 0:
+        _, error = _attempt(_replace_dir, saving, path)
+    _agree(error, f"save_checkpoint({path!r}): moving {saving} to {path}")
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optimizer | None,
+                   extra: Any) -> dict[str, Any]:
+    if os.path.exists(path) and not os.path.exists(os.path.join(path, ".metadata")) and (
+            not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"{path!r} exists and is not a checkpoint, so save_checkpoint "
+                              "would replace it; choose a new path or an earlier checkpoint's")
+    layouts = _layouts(compiled)
+    state: dict[str, Any] = {f"model.{n}": lay.wrap(lay.local) for n, lay in layouts.items()}
+    for key in _buffer_keys(compiled):
+        state[f"model.{key}"] = compiled.param_table.buffer(key).detach()
+    optim_info = None
+    if optimizer is not None:
+        groups = _param_names(compiled, optimizer)
+        entries: dict[str, dict[str, Any]] = {}
+        for names, group in zip(groups, optimizer.param_groups):
+            for name, p in zip(names, group["params"]):
+                lay = layouts[name]
+                entries[name] = {}
+                for key, value in optimizer.state.get(p, {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        entries[name][key] = ("value", value)
+                    elif value.shape == lay.local.shape and value.dim() > 0:
+                        entries[name][key] = ("like_param", None)
+                        state[f"optim.{name}.{key}"] = lay.wrap(value)
+                    else:
+                        entries[name][key] = ("tensor", None)
+                        state[f"optim.{name}.{key}"] = value.detach()
+        optim_info = {
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": names}
+                             for names, g in zip(groups, optimizer.param_groups)],
+            "state": entries,
+        }
+    info = {
+        "format": FORMAT, "version": VERSION, "world_size": group_size(WORLD),
+        "params": {p.name: p.shape for p in compiled.plan.params},
+        "buffers": {k: tuple(state[f"model.{k}"].shape) for k in _buffer_keys(compiled)},
+        "splits": {name: len(s.parts) for name, s in compiled.param_table.splits.items()},
+        "plan": compiled.plan.to_dict(), "optimizer": optim_info, "extra": extra,
+    }
+    blob = io.BytesIO()
+    torch.save(info, blob)
+    state[_INFO_KEY] = blob.getvalue()
+    return state
+
+
+def _fresh_dir(saving: str, compiled: OSDPModule) -> None:
+    """An empty ``saving`` directory holding the plan (removes a failed save's leftovers)."""
+    shutil.rmtree(saving, ignore_errors=True)
+    os.makedirs(saving)
+    compiled.plan.save(os.path.join(saving, _PLAN_FILE))
+
+
+def _replace_dir(saving: str, path: str) -> None:
+    """Move ``saving`` to ``path``; the previous ``path`` is moved aside first, then deleted."""
+    old = path.rstrip(os.sep) + _OLD_SUFFIX
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(saving, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def load_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
+                    optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``compiled`` (and ``optimizer``).
+
+    The model may be compiled under another plan and the world may have another size: each rank
+    reads its own shards. ``optimizer`` may be fresh (no state yet); it must have the same
+    parameters in each param group as the saved one. Returns the ``extra`` that was saved.
+
+    Collective: every rank must call it. Raises CheckpointError on every rank when the
+    checkpoint is missing or does not fit; nothing is loaded then.
+    """
+    path = os.fspath(path)
+    if not isinstance(compiled, OSDPModule):
+        raise InputError(f"load_checkpoint needs the module compile_osdp returned, got "
+                         f"{type(compiled).__name__}")
+    reading, error = _attempt(_Reading, path, compiled, optimizer)
+    _agree(error, f"load_checkpoint({path!r})")
+    _, error = _attempt(dcp.load, reading.state, checkpoint_id=path, no_dist=_no_dist())
+    _agree(error, f"load_checkpoint({path!r})")
+    with torch.no_grad():
+        for key, loaded in reading.buffers.items():
+            compiled.param_table.buffer(key).copy_(loaded)
+    if optimizer is not None:
+        optimizer.load_state_dict(reading.optimizer_state(optimizer))
+    return reading.info["extra"]
+
+
+class _Reading:
+    """A checkpoint's description, checked against the model and optimizer, and the targets
+    ``dcp.load`` fills: parameters in place (views of the shards), buffers and optimizer state in
+    new tensors."""
+
+    def __init__(self, path: str, compiled: OSDPModule,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self.compiled = compiled
+        self.info = _read_info(path)
+        _check_model(path, self.info, compiled)
+        self.layouts = _layouts(compiled)
+        self.state: dict[str, Any] = {
+            f"model.{name}": lay.wrap(lay.local) for name, lay in self.layouts.items()
+        }
+        self.buffers = {k: torch.empty_like(compiled.param_table.buffer(k))
+                        for k in _buffer_keys(compiled)}
+        self.state.update({f"model.{k}": t for k, t in self.buffers.items()})
+        self.optim: dict[tuple[str, str], torch.Tensor] = {}
+        if optimizer is not None:
+            self._optimizer_targets(path, optimizer)
+
+    def _optimizer_targets(self, path: str, optimizer: torch.optim.Optimizer) -> None:
+        saved = self.info["optimizer"]
+        if saved is None:
+            raise CheckpointError(f"the checkpoint at {path!r} has no optimizer state; load it "
+                                  "with optimizer=None and start the optimizer afresh")
+        groups = _param_names(self.compiled, optimizer)
+        saved_groups = [g["params"] for g in saved["param_groups"]]
+        if [sorted(g) for g in groups] != [sorted(g) for g in saved_groups]:
+            raise CheckpointError(
+                f"the optimizer's param groups ({[len(g) for g in groups]} parameters) are not "
+                f"the saved ones ({[len(g) for g in saved_groups]}); build the optimizer with "
+                "the same param groups as when the checkpoint was saved")
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for name, entries in saved["state"].items():
+            lay = self.layouts[name]
+            for key, (kind, _) in entries.items():
+                if kind == "value":
+                    continue
+                meta = metadata[f"optim.{name}.{key}"]
+                assert isinstance(meta, TensorStorageMetadata), (name, key)
+                if kind == "like_param":
+                    target = torch.zeros(lay.local.shape, dtype=meta.properties.dtype,
+                                         device=lay.local.device)
+                    self.state[f"optim.{name}.{key}"] = lay.wrap(target)
+                else:
+                    target = torch.zeros(meta.size, dtype=meta.properties.dtype)
+                    self.state[f"optim.{name}.{key}"] = target
+                self.optim[(name, key)] = target
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The loaded state as a ``torch.optim`` state dict with this optimizer's indices
+        (``load_state_dict`` pairs the indices of each group with its parameters in order)."""
+        saved = self.info["optimizer"]
+        groups = _param_names(self.compiled, optimizer)
+        index = {name: i for i, name in enumerate(n for g in groups for n in g)}
+        state = {
+            index[name]: {key: value if kind == "value" else self.optim[(name, key)]
+                          for key, (kind, value) in entries.items()}
+            for name, entries in saved["state"].items() if entries
+        }
+        param_groups = [{**{k: v for k, v in saved_group.items() if k != "params"},
+                         "params": [index[n] for n in names]}
+                        for saved_group, names in zip(saved["param_groups"], groups)]
+        return {"state": state, "param_groups": param_groups}
+
+
+def _read_info(path: str) -> dict[str, Any]:
+    """The checkpoint's ``osdp`` entry, read by this rank alone (no collective)."""
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        hint = (f"; {path + _OLD_SUFFIX} exists: a save was interrupted while replacing the "
+                "previous checkpoint, which is that directory"
+                if os.path.isdir(path + _OLD_SUFFIX) else "")
+        raise CheckpointError(f"no checkpoint at {path!r} (no .metadata file){hint}; pass the "
+                              "directory that save_checkpoint wrote")
+    box: dict[str, Any] = {_INFO_KEY: b""}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(box, checkpoint_id=path, no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{path!r} is not an osdp-fx checkpoint ({_first_line(exc)}); "
+                              "load it with torch.distributed.checkpoint directly") from exc
+    info = torch.load(io.BytesIO(box[_INFO_KEY]), weights_only=False)
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not an osdp-fx checkpoint; load it with "
+                              "torch.distributed.checkpoint directly")
+    return info
+
+
+def _check_model(path: str, info: dict[str, Any], compiled: OSDPModule) -> None:
+    """Raise CheckpointError unless the checkpoint holds exactly this model's tensors."""
+    mine = {p.name: p.shape for p in compiled.plan.params}
+    saved = info["params"]
+    missing = [n for n in mine if n not in saved]
+    unexpected = [n for n in saved if n not in mine]
+    splits = compiled.param_table.splits
+    if (missing or unexpected) and (info["splits"] or splits):
+        raise CheckpointError(
+            f"the checkpoint at {path!r} was saved from a model split as {info['splits'] or {}} "
+            f"and this model is split as "
+            f"{ {n: len(s.parts) for n, s in splits.items()} }: the part parameters "
+            f"differ (missing {missing[:4]}, unexpected {unexpected[:4]}). Compile with the "
+            f"saved plan, compile_osdp(model, inputs, plan={os.path.join(path, _PLAN_FILE)!r}), "
+            "or with a plan that names the same splits")
+    wrong = [f"{n}: saved {tuple(saved[n])}, model {mine[n]}" for n in mine
+             if n in saved and tuple(saved[n]) != mine[n]]
+    buffers = {k: tuple(compiled.param_table.buffer(k).shape) for k in _buffer_keys(compiled)}
+    missing += [k for k in buffers if k not in info["buffers"]]
+    unexpected += [k for k in info["buffers"] if k not in buffers]
+    wrong += [f"{k}: saved {info['buffers'][k]}, model {s}" for k, s in buffers.items()
+              if k in info["buffers"] and tuple(info["buffers"][k]) != s]
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"the checkpoint at {path!r} does not fit this model (missing: {missing[:5]}, "
+            f"unexpected: {unexpected[:5]}, other shapes: {wrong[:5]}); load it into the model "
+            "it was saved from (the same class and configuration)")

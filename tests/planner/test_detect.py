@@ -1,0 +1,159 @@
+"""Devices: JSON round trip, detection in one process and on a real 2-rank gloo world."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
+from osdp_fx.core.presets import GPU_MEMORY_MARGIN
+from osdp_fx.errors import InputError
+from osdp_fx.planner.detect import CPU_MEMORY_MARGIN, detect_devices, devices_for
+
+MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s")
+
+
+def _positive_finite(devices: Devices, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(devices, name)
+        assert value > 0 and math.isfinite(value), (name, value)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize("searched", [True, False])
+def test_default_memory_limit_is_the_devices_memory(world_size: int, searched: bool) -> None:
+    """Without a limit, what the devices say, else the memory of the device the model runs on:
+    the same at every world size and for named plans as for the search (no detection here:
+    a Devices is given, or there is no process group to detect)."""
+    cpu = devices_for(None, world_size=world_size, memory_limit_bytes=None,
+                      detect=searched and world_size == 1, device=torch.device("cpu"))
+    assert cpu.memory_bytes == DEFAULT_CPU_MEMORY_BYTES == 4 * 2**30
+    given = devices_for(Devices(memory_bytes=2**30), world_size=world_size,
+                        memory_limit_bytes=None, detect=searched, device=torch.device("cpu"))
+    assert given.memory_bytes == 2**30
+    assert devices_for(given, world_size=world_size, memory_limit_bytes=3 * 2**30,
+                       detect=searched).memory_bytes == 3 * 2**30
+    if torch.cuda.is_available():
+        gpu = devices_for(None, world_size=world_size, memory_limit_bytes=None,
+                          detect=searched and world_size == 1, device=torch.device("cuda", 0))
+        assert gpu.memory_bytes == torch.cuda.mem_get_info(0)[1]
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    devices = Devices(world_size=8, ranks_per_node=4, memory_bytes="16GiB",
+                      inter_node_latency_s=2e-5)
+    devices.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json") == devices
+
+
+def test_json_errors_name_the_problem(tmp_path: Path) -> None:
+    path = tmp_path / "devices.json"
+    path.write_text(json.dumps({"world_size": 2, "gpus": 8}))
+    with pytest.raises(InputError, match=r"unknown keys \['gpus'\]"):
+        Devices.from_json(path)
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        Devices.from_json(path)
+    with pytest.raises(InputError, match="cannot read"):
+        Devices.from_json(tmp_path / "missing.json")
+
+
+def test_memory_margin_is_a_share_of_the_limit(tmp_path: Path) -> None:
+    assert Devices().memory_margin == 0.03
+    assert Devices.preset("a100-sxm-40gb-8x").memory_margin == GPU_MEMORY_MARGIN == 0.10
+    devices = Devices(memory_margin=0.1)
+    devices.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json").memory_margin == 0.1
+    for bad in (1.0, -0.01, "3%", True):
+        with pytest.raises(InputError, match=r"memory_margin=.* is not a share of the memory"):
+            Devices(memory_margin=bad)
+
+
+def test_detect_without_process_group() -> None:
+    # one intra-op thread, as each rank of a world has (torchrun's default): with the suite's
+    # second worker busy, a pool of two threads on two cores makes every small operator wait
+    # on a thread that is not running, and the selective-checkpoint figure measured 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        devices = detect_devices(memory_limit="2GiB")
+    finally:
+        torch.set_num_threads(threads)
+    assert devices.world_size == 1 and devices.memory_bytes == 2 * 2**30
+    assert devices.memory_margin == CPU_MEMORY_MARGIN == 0.0  # no caching allocator
+    _positive_finite(devices, MEASURED)
+    # every optimizer kind is timed, per element and per tensor
+    for times in (devices.optimizer_element_time_s, devices.optimizer_tensor_time_s):
+        assert sorted(times) == sorted(OPTIMIZERS)
+        assert all(0 <= t < 1e-3 and math.isfinite(t) for t in times.values()), times
+    assert devices.optimizer_tensor_time_s["adamw"] > 0
+
+
+def test_optimizer_times_round_trip_and_are_checked(tmp_path: Path) -> None:
+    devices = Devices(optimizer_element_time_s={"adamw": 4e-9},
+                      optimizer_tensor_time_s={"adamw": 2e-5, "sgd": 2e-6})
+    devices.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json") == devices
+    with pytest.raises(InputError, match=r"optimizer_element_time_s has invalid entries "
+                                         r"\{'lamb': 1e-09\}: keys are optimizer kinds"):
+        Devices(optimizer_element_time_s={"lamb": 1e-9})
+    with pytest.raises(InputError, match="non-negative seconds"):
+        Devices(optimizer_tensor_time_s={"sgd": -1.0})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _detect_on_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        detect_devices(memory_limit="1GiB").to_json(os.path.join(out_dir, f"node.{rank}.json"))
+        # the same host treated as one node per rank: measures the inter-node figures
+        detect_devices(ranks_per_node=1).to_json(os.path.join(out_dir, f"nodes.{rank}.json"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_detect_on_two_rank_gloo_world(tmp_path: Path) -> None:
+    mp.spawn(_detect_on_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    one_node = [Devices.from_json(tmp_path / f"node.{r}.json") for r in range(2)]
+    two_nodes = [Devices.from_json(tmp_path / f"nodes.{r}.json") for r in range(2)]
+    # every rank derives the same figures, so every rank makes the same plan
+    assert one_node[0] == one_node[1] and two_nodes[0] == two_nodes[1]
+    intra = ("intra_node_bandwidth_bytes_per_s", "intra_node_latency_s")
+    inter = ("inter_node_bandwidth_bytes_per_s", "inter_node_latency_s")
+    defaults = Devices()
+
+    node = one_node[0]
+    assert (node.world_size, node.ranks_per_node, node.memory_bytes) == (2, None, 2**30)
+    _positive_finite(node, MEASURED + intra)
+    assert node.intra_node_bandwidth_bytes_per_s != defaults.intra_node_bandwidth_bytes_per_s
+    assert [getattr(node, f) for f in inter] == [getattr(defaults, f) for f in inter]
+    # each collective fitted to its own timings; the scope's figures are the all-reduce's
+    assert sorted(node.collective_links) == [
+        "intra_node.all_gather", "intra_node.all_reduce", "intra_node.reduce_scatter"]
+    assert node.collective_links["intra_node.all_reduce"] == {
+        "bandwidth_bytes_per_s": node.intra_node_bandwidth_bytes_per_s,
+        "latency_s": node.intra_node_latency_s}
+
+    nodes = two_nodes[0]
+    assert (nodes.world_size, nodes.ranks_per_node, nodes.num_nodes) == (2, 1, 2)
+    _positive_finite(nodes, MEASURED + inter)
+    assert nodes.inter_node_bandwidth_bytes_per_s != defaults.inter_node_bandwidth_bytes_per_s
+    assert [getattr(nodes, f) for f in intra] == [getattr(defaults, f) for f in intra]
+    assert all(key.startswith("inter_node.") for key in nodes.collective_links)

@@ -1,0 +1,337 @@
+"""The schedule (prefetch distance, gather and all-reduce bucket sizes): searched with the plan,
+its memory charged, its overlap credited, recorded in the plan file and honoured by the
+runtime."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from osdp_fx import Devices, compile_osdp
+from osdp_fx.core.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    SMALL_PARAM_BYTES,
+    Schedule,
+    candidate_schedules,
+)
+from osdp_fx.cost_models.graph_facts import ParamState
+from osdp_fx.cost_models.overlap import exposed_gather_s
+from osdp_fx.cost_models.step import bucket_copy_s
+from osdp_fx.errors import PlanError
+from osdp_fx.examples import GPTWithLoss, TinyGPT
+from osdp_fx.passes.capture import capture
+from osdp_fx.plan.request import build_plan
+from osdp_fx.planner.make import (
+    analyze,
+    make_plan,
+    param_specs,
+    predict,
+    search_schedules,
+)
+from osdp_fx.planner.schedule_search import rank_schedules
+from osdp_fx.planner.search import block_gather_bytes
+
+
+def test_exposed_gather_time_of_a_two_lane_replay():
+    compute = [1.0, 1.0, 1.0]
+    # at its use: the computation waits for all of each gather
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (1, 1, 0.5), (2, 2, 0.5)]) == 1.5
+    # started one step ahead: the first waits, the others hide under a step of compute
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 1, 0.5), (1, 2, 0.5)]) == 0.5
+    # a gather longer than the compute in between is hidden only in part
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 1, 2.0)]) == 0.5 + 1.0
+    # one link: two gathers started together run one after the other
+    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 2, 1.5), (0, 2, 1.5)]) == 0.5 + 1.0
+
+
+def _gpt(dim: int = 64):
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=dim, depth=2, heads=4, max_seq=32))
+    x = torch.randint(0, 256, (4, 32))
+    return analyze(capture(model, (x,)), (x,), fake=True)
+
+
+def _predicted(analysis, strategy: str, schedule: Schedule):
+    specs = param_specs(analysis.captured)
+    plan = build_plan({s.name: strategy for s in specs}, specs, world_size=4, schedule=schedule)
+    return predict(analysis, plan, devices=Devices(world_size=4), optimizer="adamw")
+
+
+def test_deeper_prefetch_costs_memory_and_saves_predicted_time():
+    analysis = _gpt(dim=128)  # the MLP weights are gathered alone, the rest in small buckets
+    by_depth = [_predicted(analysis, "full_shard", Schedule(d)) for d in (0, 1, 2)]
+    peaks = [p.peak_memory_bytes for p in by_depth]
+    steps = [p.step_time_s for p in by_depth]
+    assert peaks[0] < peaks[1] <= peaks[2], peaks
+    assert steps[0] > steps[1] >= steps[2], steps
+
+
+def test_larger_gather_buckets_share_latency_and_hold_a_larger_flat_buffer():
+    analysis = _gpt(dim=128)  # 256 KiB MLP weights, 64 KiB attention ones, 1.6 MiB in all
+    small, mib, block = (_predicted(analysis, "full_shard", Schedule(1, g))
+                         for g in (SMALL_PARAM_BYTES, 2**18, 2**20))
+    assert block.step_time_s < mib.step_time_s < small.step_time_s
+    # a whole block's parameters are gathered at the first use of the first
+    assert block.peak_memory_bytes > mib.peak_memory_bytes >= small.peak_memory_bytes
+    # buckets never span two blocks: a larger size than one block's changes nothing
+    assert _predicted(analysis, "full_shard", Schedule(1, 2**21)).prediction == block.prediction
+
+
+def test_a_bucket_pays_for_copying_its_members_through_its_flat_buffers():
+    """A parameter gathered with others is concatenated into the send buffer and split out of
+    the gathered flat buffer (again when re-gathered), and its gradient packed and its reduced
+    shard copied out: 2 (read and write) x those bytes at the copy bandwidth. A parameter
+    gathered alone is a view of its buffer and copies nothing."""
+    state = ParamState(numel=1000, element_size=4, strategy="full_shard", trainable=True)
+    devices = Devices(world_size=2, memory_bandwidth_bytes_per_s=1e9)
+    # full 4000 B, shard 2000 B: forward and re-gather 2 x 6000 each, reduction 2 x 6000
+    assert bucket_copy_s(state, devices, again=True) == pytest.approx(36_000 / 1e9)
+    assert bucket_copy_s(state, devices, again=False) == pytest.approx(24_000 / 1e9)
+    analysis = _gpt(dim=128)
+    slow, fast = (predict(analysis, build_plan(
+        {s.name: "full_shard" for s in param_specs(analysis.captured)},
+        param_specs(analysis.captured), world_size=4, schedule=Schedule(1, 2**21)),
+        devices=Devices(world_size=4, memory_bandwidth_bytes_per_s=b), optimizer="adamw")
+        for b in (1e8, 1e12))
+    # one bucket of 1.6 MiB gathered over 4 ranks, re-gathered, reduced: about 12 MiB moved
+    extra = slow.prediction.comm_s - fast.prediction.comm_s
+    assert 10 * 2**20 / 1e8 < extra < 14 * 2**20 / 1e8
+
+
+def test_smaller_all_reduce_buckets_pay_more_latency():
+    analysis = _gpt()
+    large, small = (_predicted(analysis, "replicate", Schedule(1, SMALL_PARAM_BYTES, r))
+                    for r in (DEFAULT_BUCKET_BYTES, 64 * 1024))
+    assert small.prediction.comm_s > large.prediction.comm_s
+
+
+def test_the_schedule_search_ranks_distinct_plans_that_fit():
+    analysis = _gpt()
+    limit = 2202009
+    found = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
+                             memory_limit_bytes=limit, optimizer="adamw", alternatives=True)
+    times = [t for t, _, _ in found]
+    assert times == sorted(times) and len(found) >= 3
+    plans = [predict(analysis, build_plan(st, param_specs(analysis.captured), world_size=4,
+                                          schedule=sch, recompute=rc),
+                     devices=Devices(world_size=4), optimizer="adamw")
+             for _, sch, (st, rc) in found]
+    assert all(p.peak_memory_bytes <= limit for p in plans)
+    assert len({p.hash() for p in plans}) == len(plans)
+    assert [p.step_time_s for p in plans] == pytest.approx(times)
+    only = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
+                            memory_limit_bytes=limit, optimizer="adamw", prefetch=0)
+    assert {sch.prefetch for _, sch, _ in only} == {0}
+    assert len(candidate_schedules()) == 12 and candidate_schedules()[0] == Schedule()
+    assert Schedule(2, 2**20) in candidate_schedules()
+
+
+def test_rank_schedules_keeps_the_first_of_equal_plans_and_raises_when_none_fits():
+    options = [(Schedule(d), 10) for d in (1, 0, 2)]
+    ranked = rank_schedules(lambda schedule, memory_limit_bytes: {"w": "replicate"},
+                            lambda sch, st: (1.0, "same"), options)
+    assert [sch for _, sch, _ in ranked] == [Schedule(1)]
+
+    def none_fits(schedule, memory_limit_bytes):
+        raise PlanError(f"nothing fits {schedule.prefetch}")
+    with pytest.raises(PlanError, match="nothing fits 1"):
+        rank_schedules(none_fits, lambda sch, st: (1.0, sch), options)
+
+
+def test_the_schedule_round_trips_through_the_plan_file_and_the_runtime_honours_it(tmp_path):
+    torch.manual_seed(0)  # 256 KiB weights: above the default small-parameter size
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+    inputs = (torch.randn(4, 256),)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                                "params": {}, "gather_bucket_bytes": 2**20}))
+    bucketed = compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
+    assert bucketed.plan.gather_bucket_bytes == 2**20
+    assert "gather buckets 1.0 MiB" in str(bucketed.plan)
+    gm = bucketed.graph_module
+    assert sum("all_gather_params" in str(n.target) for n in gm.graph.nodes) == 1
+    assert not any("all_gather_param " in f"{n.target} " for n in gm.graph.nodes)
+    bucketed.plan.save(tmp_path / "again.json")
+    saved = json.loads((tmp_path / "again.json").read_text())
+    assert saved["gather_bucket_bytes"] == 2**20 and "reduce_bucket_bytes" not in saved
+    again = compile_osdp(copy.deepcopy(model), inputs, plan=str(tmp_path / "again.json"))
+    assert again.plan.hash() == bucketed.plan.hash()
+    default = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard")
+    assert default.plan.schedule == Schedule() and default.plan.hash() != bucketed.plan.hash()
+    torch.testing.assert_close(bucketed(*inputs), default(*inputs), rtol=0, atol=0)
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "replicate",
+                                "params": {}, "reduce_bucket_bytes": 256 * 1024}))
+    replicated = compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
+    assert len(replicated._runtime.grad_sync.reducer.buckets) == 4  # one 256 KiB weight per bucket
+    assert len(compile_osdp(copy.deepcopy(model), inputs,
+                            plan="replicate")._runtime.grad_sync.reducer.buckets) == 1
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                                "params": {}, "scatters_in_flight": 1}))
+    one = compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
+    assert one.plan.schedule == Schedule(scatters_in_flight=1)
+    assert "gradient collectives in flight 1" in str(one.plan)
+    assert (one._runtime.grad_sync.scatters.max_in_flight,
+            one._runtime.grad_sync.reducer.max_in_flight) == (1, 1)
+    one.plan.save(tmp_path / "one.json")
+    assert json.loads((tmp_path / "one.json").read_text())["scatters_in_flight"] == 1
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                                "params": {}, "scatters_in_flight": 0}))
+    with pytest.raises(PlanError, match="scatters_in_flight=0"):
+        compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
+
+
+def test_a_limit_the_most_sharded_plan_fits_always_gets_a_plan():
+    """Near the all-full_shard peak the separable search may find nothing (rounding) or give
+    up tightening; the most sharded plan, which fits by the timeline, is returned then."""
+    from osdp_fx.planner.analysis import MEMORY_MARGIN
+    from osdp_fx.planner.search import _activation_base, search_strategies
+
+    analysis = _gpt()
+    devices = Devices(world_size=4)
+    lowest, _ = _activation_base(analysis, devices=devices, optimizer="adamw",
+                                 batch_size=None, schedule=Schedule(1))
+    for extra in range(1, 6):
+        limit = int(lowest / (1 - MEMORY_MARGIN)) + extra
+        strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
+                                       optimizer="adamw")
+        assert set(strategies.values()) <= {"full_shard", "replicate", "shard_grad_op"}
+
+
+def test_recompute_false_searches_without_recomputation():
+    """At a limit only recomputation meets, the search recomputes; with ``recompute=False``
+    (``compile_osdp(recompute=False)``, ``plan --no-recompute``) it finds nothing."""
+    from osdp_fx.core.regions import find_regions
+    from osdp_fx.cost_models.timeline import predict_peak_bytes
+    from osdp_fx.planner.analysis import param_states
+
+    analysis = _gpt()
+    every = {n: "full_shard" for n in analysis.captured.params}
+    regions = find_regions(analysis.captured.gm.graph)
+
+    def peak(recompute):
+        return predict_peak_bytes(analysis.captured.gm, param_states(analysis, every),
+                                  world_size=4, profiled_batch=analysis.batch_size,
+                                  recompute=recompute)
+
+    limit = int((peak({}) + peak({r: "full" for r in regions})) / 2 / 0.97)
+    kw = dict(devices=Devices(world_size=4, memory_bytes=limit), memory_limit_bytes=limit,
+              optimizer="adamw")
+    (_, _, (_, recompute)), *_ = search_schedules(analysis, **kw)
+    assert recompute
+    with pytest.raises(PlanError):
+        search_schedules(analysis, recompute=False, **kw)
+
+
+def test_the_search_offers_gather_buckets_of_one_transformer_block():
+    analysis = _gpt(dim=512)  # a block's matrices: 12 x 512 x 512 floats, 12 MiB
+    gm = analysis.captured.gm
+    block = block_gather_bytes(analysis, world_size=4)
+    in_block = [p.nbytes for n, p in gm.named_parameters() if "blocks.0." in n or "blocks_0_" in n]
+    assert in_block and block == sum(in_block)  # every size divides by 4: no padding
+    assert block_gather_bytes(analysis, world_size=3) > block  # shards padded to equal sizes
+    schedules = candidate_schedules(block_bytes=block)
+    assert len(schedules) == 24 and schedules[0] == Schedule()
+    assert {s.gather_bucket_bytes for s in schedules} == {SMALL_PARAM_BYTES, 2**20, block}
+    # one gradient collective in flight is offered with block buckets only
+    assert {s.gather_bucket_bytes for s in schedules if s.scatters_in_flight == 1} == {block}
+    assert candidate_schedules(block_bytes=2**19) == candidate_schedules()  # no larger than 1 MiB
+    # where most parameters must be sharded and a collective costs mostly its latency, a
+    # bucket per block is the predicted fastest
+    limit = int(_predicted(analysis, "full_shard", Schedule(1, block)).peak_memory_bytes / 0.9)
+    slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
+    found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
+                             optimizer="adamw")
+    assert found[0][1].gather_bucket_bytes == block, found[0][1]
+
+
+def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_search_uses_it():
+    """With block buckets, full_shard holds each block's flat gradient and its shard until the
+    reduce-scatter completes: two in flight hold two blocks' buffers. Under a limit only one in
+    flight fits, the search keeps block buckets with one in flight (its step time predicted
+    the same: the step model does not see the number in flight)."""
+    analysis = _gpt(dim=512)
+    block = block_gather_bytes(analysis, world_size=4)
+    two, one = (_predicted(analysis, "full_shard", Schedule(1, block, scatters_in_flight=k))
+                for k in (2, 1))
+    assert one.peak_memory_bytes < two.peak_memory_bytes
+    assert one.step_time_s == two.step_time_s
+    limit = int((one.peak_memory_bytes + two.peak_memory_bytes) / 2 / 0.97)
+    slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
+    found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
+                             optimizer="adamw")
+    # the exact search's fastest plan (uniform shard_grad_op, which the search also offers,
+    # fits here too and is predicted faster still: local_search.refine)
+    mixed = [f for f in found if len(set(f[2][0].values())) > 1]
+    assert mixed[0][1] == Schedule(1, block, scatters_in_flight=1), mixed[0][1]
+    assert set(found[0][2][0].values()) == {"shard_grad_op"}
+
+
+@pytest.mark.parametrize("dim, expected", [
+    # d 64: a block is under 1 MiB; shard_grad_op, which holds what it gathers until backward
+    # anyway, gathers it in one collective, where full_shard would hold a gathered block
+    (64, {"shard_grad_op": 2**20, "full_shard": SMALL_PARAM_BYTES}),
+    # d 512: a block (12 MiB) held whole, or its flat gradient, would raise either's peak
+    (512, {"shard_grad_op": 2**20, "full_shard": 2**20}),
+])
+def test_a_named_strategy_gathers_in_the_largest_buckets_that_keep_its_predicted_peak(
+        dim, expected):
+    """A plan named by a strategy keeps the peak of gathering small parameters only, and within
+    it gathers as much per collective as it can: tried first one block (two, then one gradient
+    collective in flight), then 1 MiB; every larger bucket it passes over is predicted to
+    hold more."""
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=dim, depth=2, heads=4, max_seq=32))
+    x = torch.randint(0, 256, (4, 32))
+    devices = Devices(world_size=4)
+    chosen = {}
+    for strategy in ("shard_grad_op", "full_shard"):
+        plan, analysis = make_plan(capture(model, (x,)), (x,), plan=strategy, devices=devices,
+                                   memory_limit_bytes=None, optimizer="adamw", fake=True)
+        default = _predicted(analysis, strategy, Schedule()).peak_memory_bytes
+        block = block_gather_bytes(analysis, world_size=4)
+        tries = ([Schedule(1, block), Schedule(1, block, scatters_in_flight=1)]
+                 if block > 2**20 else []) + [Schedule(1, 2**20)]
+        assert plan.peak_memory_bytes <= default
+        chosen[strategy] = plan.schedule
+        for schedule in tries:
+            if schedule == plan.schedule:
+                break
+            assert _predicted(analysis, strategy, schedule).peak_memory_bytes > default, schedule
+    assert {k: s.gather_bucket_bytes for k, s in chosen.items()} == expected
+
+
+def test_largest_first_shards_the_fewest_largest_groups_that_fit():
+    """"Shard the k largest groups, replicate the rest": the least k whose predicted peak fits,
+    per strategy and schedule; the search beyond the margin lists them among its plans,
+    fastest first."""
+    from osdp_fx.planner.search_margin import largest_first, search_beyond_margin
+
+    analysis = _gpt(dim=128)
+    specs = param_specs(analysis.captured)
+    by_size = sorted(specs, key=lambda s: -s.element_size * int(torch.Size(s.shape).numel()))
+    replicated = _predicted(analysis, "replicate", Schedule()).peak_memory_bytes
+    limit = (replicated + _predicted(analysis, "full_shard", Schedule()).peak_memory_bytes) // 2
+    devices = Devices(world_size=4, memory_bytes=limit)
+    found = largest_first(analysis, devices=devices, memory_limit_bytes=limit, optimizer="adamw",
+                          schedules=[Schedule()])
+    assert [f[2][0][by_size[0].name] for f in found] == ["full_shard", "shard_grad_op"]
+    for seconds, schedule, (strategies, recompute) in found:
+        k = sum(s != "replicate" for s in strategies.values())
+        assert 0 < k < len(specs) and recompute == {}
+        assert {strategies[s.name] for s in by_size[:k]} == {strategies[by_size[0].name]}
+
+        def peak(k: int) -> int:
+            plan = build_plan({s.name: strategies[by_size[0].name] if i < k else "replicate"
+                               for i, s in enumerate(by_size)}, specs, world_size=4)
+            return predict(analysis, plan, devices=devices,
+                           optimizer="adamw").peak_memory_bytes
+
+        assert peak(k) <= limit < peak(k - 1)
+    beyond = search_beyond_margin(analysis, devices=devices, memory_limit_bytes=limit,
+                                  optimizer="adamw", faster_than_s=float("inf"))
+    times = [f[0] for f in beyond]
+    assert times == sorted(times) and len(beyond) >= len(found)
