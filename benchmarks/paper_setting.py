@@ -34,7 +34,7 @@ from osdp_fx.core.precision import resolve_mixed_precision  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.passes.capture import capture  # noqa: E402
 from osdp_fx.plan.request import resolve_plan  # noqa: E402
-from osdp_fx.planner.make import make_plan, param_specs, predict  # noqa: E402
+from osdp_fx.planner.make import make_planned, param_specs, predict  # noqa: E402
 from osdp_fx.units import format_bytes  # noqa: E402
 
 GiB = 2**30
@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     model, inputs = build(args.seq, 1, args.depth)
     captured = capture(model, inputs)
-    plan, analysis = make_plan(captured, inputs, plan=None, devices=devices,
-                               memory_limit_bytes=devices.memory_bytes, optimizer="adamw",
-                               fake=True, batch_sizes=batch_sizes, precision=precision)
+    planned = make_planned(captured, inputs, plan=None, devices=devices,
+                           memory_limit_bytes=devices.memory_bytes, optimizer="adamw",
+                           fake=True, batch_sizes=batch_sizes, precision=precision)
+    plan, analysis = planned.plan, planned.analysis
     rows = [("searched (osdp-fx)", plan)]
     for name, label in (("replicate", "all replicate (DDP)"), ("full_shard", "all full_shard (FSDP)")):
         uniform = resolve_plan(name, param_specs(captured), world_size=devices.world_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import logging
@@ -27,17 +28,11 @@ from .passes.capture import Captured, as_input_tuple, capture, is_on_meta
 from .passes.manager import run_passes
 from .passes.recompute import recompute_regions_pass
 from .passes.shard import shard_parameters_pass
-from .passes.split_linear import apply_splits
-from .plan.plan import Plan, check_prefetch
-from .plan.request import PlanRequest, resolve_plan
+from .plan.plan import Plan
+from .plan.request import PlanRequest
 from .planner.autotune import autotune_plans, check_autotune
 from .planner.detect import devices_for
-from .planner.make import (
-    check_grad_accumulation,
-    check_optimizer,
-    make_plan,
-    param_specs,
-)
+from .planner.make import PlanOptions, plan_model, resolve_named
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
 from .runtime.param_table import ParamTable
@@ -144,55 +139,128 @@ def compile_osdp(
     (capture, plan: profile and search, shard, ...) log their seconds at INFO through
     ``logging``; on a terminal rank 0 shows a progress bar (``osdp_fx.core.progress.configure``).
     """
-    start = time.perf_counter()
-    times: dict[str, float] = {}
+    start, times = time.perf_counter(), {}
     io, target, inputs = bind_example(model, as_input_tuple(example_inputs), example_kwargs)
-    shape = check_max_shape(max_shape)
-    check_optimizer(optimizer)
-    check_grad_accumulation(grad_accumulation)
-    if prefetch is not None:
-        check_prefetch(prefetch)
-    precision = resolve_mixed_precision(mixed_precision)
     request = PlanRequest.parse(plan)  # read once (a plan file too); a bad one fails here
-    search = request.kind == "search"
-    check_autotune(autotune, search=search, on_meta=is_on_meta(model))
-    limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    world_size, rank = _world(devices)
-    per_node = ranks_per_node_for(devices, world_size)
+    options = PlanOptions(  # checked once, here
+        optimizer=optimizer, batch_sizes=tuple(batch_sizes) if batch_sizes else None,
+        split=split, recompute=recompute, prefetch=prefetch,
+        precision=_precision(mixed_precision, request), grad_accumulation=grad_accumulation,
+        candidates=autotune or 1, max_shape=check_max_shape(max_shape))
     on_meta = is_on_meta(model)
+    check_autotune(autotune, search=request.kind == "search", on_meta=on_meta)
     check_initializable(model, init_fn, on_meta=on_meta)
-    if on_meta:  # captured and planned on the meta device; values come after sharding
+    world = _world(devices, memory_limit)
+    with progress.stage("capture", log, times):
+        captured, inputs, device = _capture(target, inputs, on_meta=on_meta, model=model)
+    named = None if request.kind == "search" else resolve_named(  # fails before any collective
+        captured, request, world_size=world.size, ranks_per_node=world.ranks_per_node,
+        memory_limit_bytes=world.memory_limit_bytes)
+    devices = devices_for(devices, world_size=world.size,
+                          memory_limit_bytes=world.memory_limit_bytes, detect=named is None,
+                          ranks_per_node=world.ranks_per_node, device=device)
+    with progress.stage("plan (profile, search)" if named is None else "plan (profile)", log,
+                        times):
+        planned = plan_model(captured, inputs, named=named, uniform=request.kind == "uniform",
+                             devices=devices, options=options, agree=_from_rank0)
+    _prepare_graph(captured, planned.plan, inputs, times)
+    candidates = (planned.plan, *planned.alternatives)
+    _agree(captured, candidates, world, on_meta=on_meta, device=device)
+    reduce_dtype = options.precision.reduce_dtype if options.precision is not None else None
+    chosen = planned.plan
+    if autotune:
+        with progress.stage(f"autotune ({len(candidates)} plans)", log, times):
+            chosen = autotune_plans(
+                list(candidates), functools.partial(_trial_module, captured, rank=world.rank,
+                                                    reduce_dtype=reduce_dtype),
+                inputs, optimizer=optimizer, limit_bytes=devices.memory_bytes,
+                margin=devices.memory_margin)
+        _check_ranks_agree(chosen)
+    with progress.stage("shard", log, times):
+        table = _shard(captured.gm, chosen, captured, rank=world.rank, reduce_dtype=reduce_dtype)
+    if on_meta:
+        with progress.stage("materialize", log, times):
+            materialize_meta_model(model, table, device=device, init_fn=init_fn)
+    compiled = OSDPModule(table, captured_by=captured.method, reduce_dtype=reduce_dtype,
+                          io=CallCheck(io, _shape_guard(chosen, devices.memory_bytes)))
+    del captured
+    _collect_capture_cycles()
+    log.info("compile_osdp: %.2f s (%s)", time.perf_counter() - start,
+             ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+    return compiled
+
+
+# ---- the stages of compile_osdp, in the order it runs them --------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _World:
+    """The process group compile_osdp runs in, and the memory limit asked for."""
+
+    size: int
+    rank: int
+    ranks_per_node: int | None
+    """Ranks per node of the mesh (None: one node, or what ``detect_devices`` finds)."""
+    memory_limit_bytes: int | None
+    """``memory_limit`` in bytes (None: the devices' or the device's own)."""
+
+
+def _precision(mixed_precision: Any, request: PlanRequest) -> MixedPrecision | None:
+    """The mixed precision asked for, else the plan's (a plan file or Plan records one)."""
+    precision = resolve_mixed_precision(mixed_precision)
+    if precision is None and request.kind != "search" and request.precision is not None:
+        precision = MixedPrecision(*map(dtype_from_name, request.precision))
+    return precision
+
+
+def _world(devices: Devices | None, memory_limit: int | str | None) -> _World:
+    """This process's world, checked against ``devices``."""
+    initialized = dist.is_available() and dist.is_initialized()
+    size = group_size(WORLD) if initialized else 1
+    if devices is not None and devices.world_size not in (1, size):
+        if not initialized:
+            raise InputError(
+                f"Devices(world_size={devices.world_size}) needs a process group of that many "
+                "ranks: launch with torchrun and call torch.distributed.init_process_group() "
+                "before compile_osdp (to plan offline for hardware you do not have, use "
+                "`python -m osdp_fx plan`)"
+            )
+        raise InputError(
+            f"Devices(world_size={devices.world_size}) does not match the process group's "
+            f"{size} ranks; describe the world you are running in"
+        )
+    return _World(size, group_rank(WORLD) if initialized else 0,
+                  ranks_per_node_for(devices, size),
+                  parse_bytes(memory_limit) if memory_limit is not None else None)
+
+
+def _capture(target: nn.Module, inputs: tuple[Any, ...], *, on_meta: bool,
+             model: nn.Module) -> tuple[Captured, tuple[Any, ...], torch.device]:
+    """The captured graph, the inputs it was captured with, and the device the model runs on.
+    A model on the meta device is captured and planned there; its values come after
+    sharding (``training/materialize.py``)."""
+    if on_meta:
         device = materialize_device(inputs)
         inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    with progress.stage("capture", log, times):
-        captured = capture(target, inputs, device=device if on_meta else "cpu")
-    if not search:  # a plan that does not fit the model fails here, before any collective
-        apply_splits(captured, request.splits)
-        resolve_plan(request, param_specs(captured), world_size=world_size,
-                     ranks_per_node=per_node, memory_limit_bytes=limit)
-        if precision is None and request.precision is not None:
-            precision = MixedPrecision(*map(dtype_from_name, request.precision))
-    devices = devices_for(devices, world_size=world_size, memory_limit_bytes=limit,
-                          detect=search, ranks_per_node=per_node,
-                          device=device if on_meta else model_device(model, inputs))
-    with progress.stage("plan (profile, search)" if search else "plan (profile)", log,
-                        times):
-        resolved, analysis = make_plan(captured, inputs, plan=request, devices=devices,
-                                       memory_limit_bytes=limit, optimizer=optimizer,
-                                       batch_sizes=batch_sizes, split=split,
-                                       recompute=recompute, agree=_from_rank0,
-                                       prefetch=prefetch, precision=precision,
-                                       grad_accumulation=grad_accumulation,
-                                       candidates=autotune or 1, max_shape=shape)
-    candidates = [resolved, *analysis.alternatives]
-    del analysis
-    meta_device = captured.materialize_device
-    if resolved.recompute:
+        return capture(target, inputs, device=device), inputs, device
+    return capture(target, inputs, device="cpu"), inputs, model_device(model, inputs)
+
+
+def _prepare_graph(captured: Captured, plan: Plan, inputs: tuple[Any, ...],
+                   times: dict[str, float]) -> None:
+    """The graph passes the plan's candidates share before sharding: its recomputed regions,
+    then which nodes alias which parameters."""
+    if plan.recompute:
         run_passes(captured.gm, [("recompute", lambda g: recompute_regions_pass(
-            g, policies=dict(resolved.recompute)))])
+            g, policies=dict(plan.recompute)))])
     with progress.stage("aliases", log, times):
         run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
-            g, inputs, meta_device=meta_device))])
+            g, inputs, meta_device=captured.materialize_device))])
+
+
+def _agree(captured: Captured, candidates: Sequence[Plan], world: _World, *, on_meta: bool,
+           device: torch.device) -> None:
+    """Collective: every rank holds the same plans and the same values (rank 0's, or, on the
+    meta device, the same random state to initialise them), and the mesh a plan needs."""
     for candidate in candidates:
         _check_ranks_agree(candidate)
     if on_meta:
@@ -200,28 +268,7 @@ def compile_osdp(
     else:
         _broadcast_from_rank0(captured.gm)
     if any(traits(p.strategy).needs_mesh for c in candidates for p in c.params):
-        init_mesh(world_size, resolved.ranks_per_node)
-    reduce_dtype = precision.reduce_dtype if precision is not None else None
-    if autotune:
-        with progress.stage(f"autotune ({len(candidates)} plans)", log, times):
-            resolved = autotune_plans(
-                candidates, functools.partial(_trial_module, captured, rank=rank,
-                                              reduce_dtype=reduce_dtype),
-                inputs, optimizer=optimizer, limit_bytes=devices.memory_bytes,
-                margin=devices.memory_margin)
-        _check_ranks_agree(resolved)
-    with progress.stage("shard", log, times):
-        table = _shard(captured.gm, resolved, captured, rank=rank, reduce_dtype=reduce_dtype)
-    if on_meta:
-        with progress.stage("materialize", log, times):
-            materialize_meta_model(model, table, device=device, init_fn=init_fn)
-    compiled = OSDPModule(table, captured_by=captured.method, reduce_dtype=reduce_dtype,
-                          io=CallCheck(io, _shape_guard(resolved, devices.memory_bytes)))
-    del captured
-    _collect_capture_cycles()
-    log.info("compile_osdp: %.2f s (%s)", time.perf_counter() - start,
-             ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
-    return compiled
+        init_mesh(world.size, candidates[0].ranks_per_node)
 
 
 def _shape_guard(plan: Plan, limit: int | None) -> ShapeGuard | None:
@@ -276,24 +323,6 @@ def _from_rank0(choice: Any) -> Any:
     box = [choice]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _world(devices: Devices | None) -> tuple[int, int]:
-    initialized = dist.is_available() and dist.is_initialized()
-    world = group_size(WORLD) if initialized else 1
-    if devices is not None and devices.world_size not in (1, world):
-        if not initialized:
-            raise InputError(
-                f"Devices(world_size={devices.world_size}) needs a process group of that many "
-                "ranks: launch with torchrun and call torch.distributed.init_process_group() "
-                "before compile_osdp (to plan offline for hardware you do not have, use "
-                "`python -m osdp_fx plan`)"
-            )
-        raise InputError(
-            f"Devices(world_size={devices.world_size}) does not match the process group's "
-            f"{world} ranks; describe the world you are running in"
-        )
-    return world, group_rank(WORLD) if initialized else 0
 
 
 def _check_ranks_agree(plan: Plan) -> None:

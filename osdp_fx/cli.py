@@ -137,7 +137,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from .core.precision import resolve_mixed_precision
     from .passes.capture import capture
     from .plan.folded import folded_table
-    from .planner.make import make_plan
+    from .planner.make import make_planned
     from .units import format_bytes, parse_bytes
 
     start = time.perf_counter()
@@ -157,11 +157,12 @@ def plan_command(args: argparse.Namespace) -> int:
         captured = capture(model, inputs)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
     with progress.task("plan (profile, search)"):
-        plan, analysis = make_plan(captured, inputs, plan=None, devices=devices,
-                                   memory_limit_bytes=limit, optimizer=args.optimizer,
-                                   fake=fake, batch_sizes=batch_sizes,
-                                   recompute=not args.no_recompute,
-                                   precision=resolve_mixed_precision(args.mixed_precision))
+        planned = make_planned(captured, inputs, plan=None, devices=devices,
+                               memory_limit_bytes=limit, optimizer=args.optimizer,
+                               fake=fake, batch_sizes=batch_sizes,
+                               recompute=not args.no_recompute,
+                               precision=resolve_mixed_precision(args.mixed_precision))
+        plan, analysis = planned.plan, planned.analysis
     batch = plan.prediction.batch_size
     print(_describe_devices(devices, args.devices, fake or any(
         p.device.type == "meta" for p in captured.gm.parameters())))
@@ -223,8 +224,8 @@ def profile_command(args: argparse.Namespace) -> int:
         captured = capture(model, inputs)
     devices = dataclasses.replace(_devices_arg(args), world_size=1)
     with progress.task("plan (profile)"):
-        plan, analysis = make_plan(captured, inputs, plan="replicate", devices=devices,
-                                   memory_limit_bytes=None, optimizer="sgd")
+        plan = make_plan(captured, inputs, plan="replicate", devices=devices,
+                         memory_limit_bytes=None, optimizer="sgd")
     rows = []
     for node in captured.gm.graph.nodes:
         p = osdp_meta(node).profile

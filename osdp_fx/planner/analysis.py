@@ -23,7 +23,6 @@ from ..passes.capture import Captured, unchanged_state
 from ..passes.manager import run_passes
 from ..passes.profile import profile_graph_pass, slowest_rank_times_pass
 from ..passes.sequence import NodeNumels, sequence_numels
-from ..plan.plan import Plan
 from ..plan.request import ParamSpec
 from ..runtime.collectives import WORLD, group_size
 
@@ -66,8 +65,6 @@ class Analysis:
     """Per-rank batch size of the profiled inputs (first dimension of the first tensor)."""
     precision: MixedPrecision | None = None
     """Mixed precision the graph was cast for before profiling (``cast_params_pass``)."""
-    alternatives: tuple[Plan, ...] = ()
-    """``make_plan(candidates=)``: the next searched plans that fit, by predicted step time."""
     seq_len: int | None = None
     """Sequence length of the profiled inputs (dimension 1; None: no such dimension)."""
     seq_numels: NodeNumels | None = None

@@ -16,9 +16,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ..core.buckets import LARGE_GATHER_BUCKET_BYTES, Schedule
@@ -33,9 +34,8 @@ from ..passes.capture import Captured
 from ..passes.manager import run_passes
 from ..passes.precision import cast_params_pass
 from ..passes.split_linear import apply_splits
-from ..plan.plan import DEFAULT_PREFETCH, Plan, Prediction
+from ..plan.plan import DEFAULT_PREFETCH, Plan, Prediction, check_prefetch
 from ..plan.request import PlanRequest, build_plan, resolve_plan
-from ..runtime.collectives import scatter_copies_input
 from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
     Analysis,
     analyze,
@@ -45,7 +45,6 @@ from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
     param_states,
     plannable_bytes,
 )
-from .schedule_search import schedule_memory_kwargs
 from .search import (  # noqa: F401  (re-exported)
     block_gather_bytes,
     choose_splits,
@@ -58,120 +57,207 @@ from .search_margin import search_beyond_margin
 
 log = logging.getLogger(__name__)
 
-def make_plan(
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """What the planner is asked besides the plan itself, checked once when built (the meaning
+    of each is that of ``compile_osdp``'s argument of the same name)."""
+
+    optimizer: str = "adamw"
+    """The optimizer kind the memory and time predictions assume."""
+    batch_sizes: tuple[int, ...] | None = None
+    """Candidate per-rank batch sizes for the search; None: the example's."""
+    split: bool = True
+    """Whether the search may split large linears into sub-linears."""
+    recompute: bool = True
+    """Whether the search may recompute regions in backward."""
+    prefetch: int | None = None
+    """Sharded parameters gathered ahead; None: the plan's, else ``DEFAULT_PREFETCH``."""
+    precision: MixedPrecision | None = None
+    """Mixed precision the graph is cast for before it is profiled."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step (all but the last inside ``no_sync()``)."""
+    candidates: int = 1
+    """How many plans to return for autotuning: the plan in force, then the alternatives."""
+    max_shape: tuple[int, int | None] | None = None
+    """The largest per-rank (batch, sequence length) to plan for; None: the example's."""
+    fake: bool = False
+    """Profile under fake tensors (FLOPs and bytes only) instead of running the graph."""
+
+    def __post_init__(self) -> None:
+        check_optimizer(self.optimizer)
+        check_grad_accumulation(self.grad_accumulation)
+        if self.prefetch is not None:
+            check_prefetch(self.prefetch)
+
+    @property
+    def prefetch_or_default(self) -> int:
+        return DEFAULT_PREFETCH if self.prefetch is None else self.prefetch
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """What planning a model returns: the plan in force, the alternatives autotuning may
+    measure (``PlanOptions.candidates`` > 1), and the analysis they were predicted from (for
+    predicting other plans of the same model, as ``python -m osdp_fx plan`` compares)."""
+
+    plan: Plan
+    alternatives: tuple[Plan, ...]
+    analysis: Analysis
+
+
+def resolve_named(captured: Captured, request: PlanRequest, *, world_size: int,
+                  ranks_per_node: int | None, memory_limit_bytes: int | None) -> Plan:
+    """A named plan (a strategy name, a Plan, a plan file) resolved against the captured model,
+    its splits applied to the graph: a plan that does not fit the model fails here."""
+    apply_splits(captured, request.splits)
+    return resolve_plan(request, param_specs(captured), world_size=world_size,
+                        ranks_per_node=ranks_per_node, memory_limit_bytes=memory_limit_bytes)
+
+
+def make_plan(captured: Captured, example_inputs: tuple[Any, ...], **kwargs: Any) -> Plan:
+    """Profile the model and return the plan in force with its predictions (the arguments of
+    :func:`make_planned`)."""
+    return make_planned(captured, example_inputs, **kwargs).plan
+
+
+def make_planned(
     captured: Captured,
     example_inputs: tuple[Any, ...],
     *,
     plan: str | os.PathLike[str] | Plan | PlanRequest | None,
     devices: Devices,
     memory_limit_bytes: int | None,
-    optimizer: str,
-    fake: bool = False,
-    batch_sizes: Sequence[int] | None = None,
-    split: bool = True,
-    recompute: bool = True,
     agree: Callable[[Any], Any] = lambda choice: choice,
-    prefetch: int | None = None,
-    precision: MixedPrecision | None = None,
-    grad_accumulation: int = 1,
-    candidates: int = 1,
-    max_shape: tuple[int, int | None] | None = None,
-) -> tuple[Plan, Analysis]:
-    """Profile the model and return the plan in force with its predictions.
-
-    ``plan`` None runs the search under ``devices.memory_bytes``: first which linears to split
-    into how many parts (``split``), then a strategy per parameter group, jointly over the
-    per-rank ``batch_sizes`` when given. A plan that names splits is applied to the graph first.
-    ``agree`` makes every rank use the same searched choice (compile_osdp passes a broadcast
-    from rank 0). The captured graph is split in place. ``grad_accumulation`` k > 1: memory is
-    predicted and planned for steps of k micro-batches, all but the last inside ``no_sync()``.
-    The search chooses the schedule (``search_schedules``) and, unless ``recompute`` is False,
-    which regions to recompute; ``candidates`` > 1: see Analysis.
-    ``max_shape`` (batch, sequence length): plan and predict for that per-rank shape instead of
-    the example's (``io_spec.py``, [Note: input shapes]).
-    """
-    check_optimizer(optimizer)
-    check_grad_accumulation(grad_accumulation)
-    acc = grad_accumulation
+    **options: Any,
+) -> Planned:
+    """:func:`plan_model` of ``plan`` (None: search; a strategy name, a Plan, a plan file:
+    resolved by :func:`resolve_named`), the other ``options`` the fields of
+    :class:`PlanOptions`."""
     request = PlanRequest.parse(plan)
-    splits = request.splits
-    apply_splits(captured, splits)
-    search = request.kind == "search"
-    split_search = search and split and devices.world_size > 1
-    if split_search or precision is None:
-        analysis = analyze(captured, example_inputs, fake=fake, max_shape=max_shape)
+    named = None if request.kind == "search" else resolve_named(
+        captured, request, world_size=devices.world_size, ranks_per_node=devices.ranks_per_node,
+        memory_limit_bytes=memory_limit_bytes)
+    return plan_model(captured, example_inputs, named=named,
+                      uniform=request.kind == "uniform", devices=devices,
+                      options=PlanOptions(**options), agree=agree)
+
+
+def plan_model(captured: Captured, example_inputs: tuple[Any, ...], *, named: Plan | None,
+               uniform: bool = False, devices: Devices, options: PlanOptions,
+               agree: Callable[[Any], Any] = lambda choice: choice) -> Planned:
+    """Profile the model, then predict ``named`` (a plan resolved by :func:`resolve_named`;
+    ``uniform``: named by a strategy, so it takes :func:`uniform_schedule`'s schedule) or,
+    when None, search under ``devices.memory_bytes``: first which linears to split into how
+    many parts (``options.split``, world size > 1; the graph is split in place), then a
+    strategy per parameter group with the recomputed regions and the schedule
+    (``search_schedules``), jointly over ``options.batch_sizes`` when given. ``agree`` makes
+    every rank use the same searched choice (compile_osdp passes a broadcast from rank 0).
+    Memory is predicted for steps of ``options.grad_accumulation`` micro-batches and at
+    ``options.max_shape`` ([Note: input shapes])."""
+    analysis = _profile(captured, example_inputs, search=named is None, devices=devices,
+                        options=options, agree=agree)
+    found = (_search(analysis, devices=devices, options=options, agree=agree) if named is None
+             else _Searched(_named(analysis, named, uniform=uniform, devices=devices,
+                                   options=options, agree=agree)))
+    resolved = found.plan
+    if options.precision is not None:
+        resolved = dataclasses.replace(
+            resolved, param_dtype=dtype_name(options.precision.param_dtype),
+            reduce_dtype=dtype_name(options.precision.reduce_dtype))
+    how = dict(devices=devices, optimizer=options.optimizer,
+               grad_accumulation=options.grad_accumulation)
+    planned = predict(analysis, resolved, batch_size=found.batch_size, **how)
+    others = tuple(predict(analysis, with_schedule(
+        resolved, sch, recompute=tuple(rc.items()), params=tuple(
+            dataclasses.replace(p, strategy=st[p.name]) for p in resolved.params)), **how)
+        for _, sch, (st, rc) in found.alternatives)
+    return Planned(planned, others, analysis)
+
+
+def _profile(captured: Captured, example_inputs: tuple[Any, ...], *, search: bool,
+             devices: Devices, options: PlanOptions, agree: Callable[[Any], Any]) -> Analysis:
+    """The analysis of the captured graph, after the searched splits (with mixed precision
+    chosen on the full-precision profile) and the cast to the compute precision."""
+    profile = functools.partial(analyze, captured, example_inputs, fake=options.fake,
+                                max_shape=options.max_shape)
+    split_search = search and options.split and devices.world_size > 1
+    analysis = profile() if split_search or options.precision is None else None
     if split_search:
-        assert devices.memory_bytes is not None, "devices_for fills the memory limit"
-        # with mixed precision the splits are chosen on the full-precision profile
-        chosen = agree(choose_splits(analysis, devices=devices,
-                                     memory_limit_bytes=devices.memory_bytes,
-                                     optimizer=optimizer, prefetch=_prefetch(prefetch),
-                                     grad_accumulation=acc))
+        assert analysis is not None and devices.memory_bytes is not None
+        chosen = agree(choose_splits(
+            analysis, devices=devices, memory_limit_bytes=devices.memory_bytes,
+            optimizer=options.optimizer, prefetch=options.prefetch_or_default,
+            grad_accumulation=options.grad_accumulation))
         if chosen:
-            splits = chosen
-            apply_splits(captured, splits)
-            analysis = analyze(captured, example_inputs, fake=fake, max_shape=max_shape)
-    if precision is not None:
+            apply_splits(captured, chosen)
+            analysis = profile()
+    if options.precision is not None:
+        precision = options.precision
         run_passes(captured.gm, [("cast_params",
                                   lambda g: cast_params_pass(g, precision.param_dtype))])
-        analysis = analyze(captured, example_inputs, fake=fake, precision=precision,
-                           max_shape=max_shape)
-    batch, alternatives = None, []
-    if search:
-        assert devices.memory_bytes is not None, "devices_for fills the memory limit"
-        limit = devices.memory_bytes
-        specs = param_specs(captured)
-        if batch_sizes:
-            batch, strategies = agree(search_batch_size(
-                analysis, batch_sizes, devices=devices, memory_limit_bytes=limit,
-                optimizer=optimizer, prefetch=_prefetch(prefetch), grad_accumulation=acc))
-            schedule, recompute = Schedule(_prefetch(prefetch)), {}
-        else:
-            how = dict(devices=devices, optimizer=optimizer, prefetch=prefetch,
-                       grad_accumulation=acc, recompute=recompute)
-            found = agree(search_schedules(analysis, memory_limit_bytes=limit,
-                                           alternatives=candidates > 1, **how))
-            (_, schedule, (strategies, recompute)), alternatives = (found[0],
-                                                                    found[1:candidates])
-            if candidates > 1:  # autotuning measures these before it trusts them
-                alternatives += agree(search_beyond_margin(
-                    analysis, memory_limit_bytes=limit, faster_than_s=found[0][0],
-                    **how))[:candidates]
-        resolved = build_plan(strategies, specs, world_size=devices.world_size,
-                              memory_limit_bytes=limit, source="search", splits=splits,
-                              schedule=schedule, ranks_per_node=devices.ranks_per_node,
-                              recompute=recompute)
+        analysis = profile(precision=precision)
+    assert analysis is not None
+    return analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class _Searched:
+    """A plan before its predictions, the batch size it was chosen for (None: the profiled
+    one) and the search's alternatives for autotuning."""
+
+    plan: Plan
+    batch_size: int | None = None
+    alternatives: tuple[Any, ...] = ()
+
+
+def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
+            agree: Callable[[Any], Any]) -> _Searched:
+    """The searched plan, unpredicted."""
+    assert devices.memory_bytes is not None, "devices_for fills the memory limit"
+    limit, acc = devices.memory_bytes, options.grad_accumulation
+    alternatives: list[Any] = []
+    batch = None
+    if options.batch_sizes:
+        batch, strategies = agree(search_batch_size(
+            analysis, list(options.batch_sizes), devices=devices, memory_limit_bytes=limit,
+            optimizer=options.optimizer, prefetch=options.prefetch_or_default,
+            grad_accumulation=acc))
+        schedule, recompute = Schedule(options.prefetch_or_default), {}
     else:
-        resolved = resolve_plan(request, param_specs(captured), world_size=devices.world_size,
-                                ranks_per_node=devices.ranks_per_node,
-                                memory_limit_bytes=memory_limit_bytes)
-        if prefetch is not None:
-            resolved = dataclasses.replace(resolved, prefetch=prefetch)
-    if precision is not None:
-        resolved = dataclasses.replace(resolved, param_dtype=dtype_name(precision.param_dtype),
-                                       reduce_dtype=dtype_name(precision.reduce_dtype))
-    if request.kind == "uniform":
-        schedule = agree(uniform_schedule(analysis, resolved, devices=devices,
-                                          optimizer=optimizer, grad_accumulation=acc))
-        resolved = with_schedule(resolved, schedule)
-    plan_out = predict(analysis, resolved, devices=devices, optimizer=optimizer, batch_size=batch,
-                       grad_accumulation=acc)
-    analysis.alternatives = tuple(predict(
-        analysis, with_schedule(
-            resolved, sch, recompute=tuple(rc.items()), params=tuple(
-                dataclasses.replace(p, strategy=st[p.name]) for p in resolved.params)),
-        devices=devices, optimizer=optimizer, grad_accumulation=acc)
-        for _, sch, (st, rc) in alternatives)
-    return plan_out, analysis
+        how = dict(devices=devices, optimizer=options.optimizer, prefetch=options.prefetch,
+                   grad_accumulation=acc, recompute=options.recompute)
+        k = options.candidates
+        found = agree(search_schedules(analysis, memory_limit_bytes=limit,
+                                       alternatives=k > 1, **how))
+        (_, schedule, (strategies, recompute)), alternatives = found[0], found[1:k]
+        if k > 1:  # autotuning measures these before it trusts them
+            alternatives += agree(search_beyond_margin(
+                analysis, memory_limit_bytes=limit, faster_than_s=found[0][0], **how))[:k]
+    captured = analysis.captured
+    plan = build_plan(strategies, param_specs(captured), world_size=devices.world_size,
+                      memory_limit_bytes=limit, source="search",
+                      splits={n: len(s.parts) for n, s in captured.splits.items()},
+                      schedule=schedule, ranks_per_node=devices.ranks_per_node,
+                      recompute=recompute)
+    return _Searched(plan, batch, tuple(alternatives))
+
+
+def _named(analysis: Analysis, plan: Plan, *, uniform: bool, devices: Devices,
+           options: PlanOptions, agree: Callable[[Any], Any]) -> Plan:
+    """A named plan with the options' prefetch, and, for a strategy name (``uniform``), the
+    schedule of :func:`uniform_schedule`."""
+    if options.prefetch is not None:
+        plan = dataclasses.replace(plan, prefetch=options.prefetch)
+    if uniform:
+        plan = with_schedule(plan, agree(uniform_schedule(
+            analysis, plan, devices=devices, optimizer=options.optimizer,
+            grad_accumulation=options.grad_accumulation)))
+    return plan
 
 
 def with_schedule(plan: Plan, schedule: Schedule, **changes: Any) -> Plan:
     """``plan`` under ``schedule`` (and any other ``changes`` of its fields)."""
     return dataclasses.replace(plan, **dataclasses.asdict(schedule), **changes)
-
-
-def _prefetch(prefetch: int | None) -> int:
-    return DEFAULT_PREFETCH if prefetch is None else prefetch
 
 
 def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
@@ -217,12 +303,10 @@ def _memory(analysis: Analysis, states: dict[str, Any], recompute: dict[str, str
     """The predicted memory of a step under ``states`` and ``schedule`` at ``batch`` per rank
     (and sequence length ``seq``: None, the profiled one)."""
     return predict_step_memory(
-        analysis.captured.gm, states, world_size=devices.world_size,
-        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-        profiled_batch=analysis.batch_size, batch_size=batch,
+        analysis.captured.gm, states, analysis.facts, devices=devices, schedule=schedule,
+        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch,
         grad_accumulation=grad_accumulation, recompute=recompute,
-        seq_scale=analysis.seq_scale(seq), scatter_copies_input=scatter_copies_input(),
-        **schedule_memory_kwargs(schedule))
+        seq_scale=analysis.seq_scale(seq))
 
 
 def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,

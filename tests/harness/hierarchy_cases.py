@@ -86,6 +86,6 @@ def predicted_peak_bytes(model: str, plan: str, devices: Any, *, local_batch: in
     ``devices`` (AdamW), planned offline in this process."""
     net, _ = build(model)
     (batch,) = batches(model, global_batch=local_batch, steps=1)
-    resolved, _ = make_plan(capture(net, batch[:1]), batch[:1], plan=plan, devices=devices,
+    resolved = make_plan(capture(net, batch[:1]), batch[:1], plan=plan, devices=devices,
                             memory_limit_bytes=None, optimizer="adamw")
     return resolved.peak_memory_bytes

@@ -76,7 +76,7 @@ def _gpt_plan(strategies, depth=6, world_size=8):
     specs = param_specs(captured)
     plan = build_plan({s.name: strategies(s.name) for s in specs}, specs, world_size=world_size)
     devices = Devices(world_size=world_size, memory_bytes=2**30)
-    planned, _ = make_plan(captured, inputs, plan=plan, devices=devices,
+    planned = make_plan(captured, inputs, plan=plan, devices=devices,
                            memory_limit_bytes=None, optimizer="adamw", fake=True)
     return planned
 

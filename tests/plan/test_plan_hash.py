@@ -21,7 +21,7 @@ def test_searched_plan_hash_is_pinned():
     torch.manual_seed(0)
     model = GPTWithLoss(TinyGPT(vocab=256, dim=64, depth=2, heads=4, max_seq=32))
     x = torch.randint(0, 256, (4, 32))
-    plan, _ = make_plan(capture(model, (x,)), (x,), plan=None,
+    plan = make_plan(capture(model, (x,)), (x,), plan=None,
                         devices=Devices(world_size=4, memory_bytes=LIMIT),
                         memory_limit_bytes=LIMIT, optimizer="adamw", fake=True)
     # Searched jointly: strategies, recomputed regions (issue 16) and the schedule (issue 18).

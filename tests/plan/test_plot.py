@@ -21,7 +21,7 @@ def test_plot_of_a_planned_model_and_its_categories(tmp_path):
     model = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=2, heads=2, max_seq=16))
     x = torch.randint(0, 64, (2, 16))
     captured = capture(model, (x,))
-    plan, _ = make_plan(captured, (x,), plan="full_shard",
+    plan = make_plan(captured, (x,), plan="full_shard",
                         devices=Devices(world_size=4, memory_bytes=2**30),
                         memory_limit_bytes=2**30, optimizer="adamw", fake=True)
     pr = plan.prediction

@@ -20,6 +20,7 @@ from osdp_fx.plan.request import build_plan, resolve_plan
 from osdp_fx.planner.analysis import MEMORY_MARGIN, plannable_bytes
 from osdp_fx.planner.make import (
     make_plan,
+    make_planned,
     param_specs,
     predict,
     search_batch_size,
@@ -34,8 +35,9 @@ def profiled_gpt(devices, vocab=512):
     model = GPTWithLoss(TinyGPT(vocab=vocab, dim=64, depth=2, heads=4, max_seq=32))
     inputs = (torch.randint(0, vocab, (4, 32)),)
     captured = capture(model, inputs)
-    plan, analysis = make_plan(captured, inputs, plan="replicate", devices=devices,
-                               memory_limit_bytes=None, optimizer="adamw")
+    planned = make_planned(captured, inputs, plan="replicate", devices=devices,
+                           memory_limit_bytes=None, optimizer="adamw")
+    analysis = planned.analysis
     return captured, inputs, analysis, devices
 
 

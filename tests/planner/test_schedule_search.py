@@ -27,7 +27,7 @@ from osdp_fx.passes.capture import capture
 from osdp_fx.plan.request import build_plan
 from osdp_fx.planner.make import (
     analyze,
-    make_plan,
+    make_planned,
     param_specs,
     predict,
     search_schedules,
@@ -214,7 +214,7 @@ def test_recompute_false_searches_without_recomputation():
 
     def peak(recompute):
         return predict_peak_bytes(analysis.captured.gm, param_states(analysis, every),
-                                  world_size=4, profiled_batch=analysis.batch_size,
+                                  devices=Devices(world_size=4), profiled_batch=analysis.batch_size,
                                   recompute=recompute)
 
     limit = int((peak({}) + peak({r: "full" for r in regions})) / 2 / 0.97)
@@ -289,8 +289,9 @@ def test_a_named_strategy_gathers_in_the_largest_buckets_that_keep_its_predicted
     devices = Devices(world_size=4)
     chosen = {}
     for strategy in ("shard_grad_op", "full_shard"):
-        plan, analysis = make_plan(capture(model, (x,)), (x,), plan=strategy, devices=devices,
-                                   memory_limit_bytes=None, optimizer="adamw", fake=True)
+        planned = make_planned(capture(model, (x,)), (x,), plan=strategy, devices=devices,
+                               memory_limit_bytes=None, optimizer="adamw", fake=True)
+        plan, analysis = planned.plan, planned.analysis
         default = _predicted(analysis, strategy, Schedule()).peak_memory_bytes
         block = block_gather_bytes(analysis, world_size=4)
         tries = ([Schedule(1, block), Schedule(1, block, scatters_in_flight=1)]
