@@ -249,11 +249,10 @@ def _prepare_graph(captured: Captured, plan: Plan, inputs: tuple[Any, ...],
                    times: dict[str, float]) -> None:
     """The graph passes the plan's candidates share before sharding: its recomputed regions,
     then which nodes alias which parameters."""
-    if plan.recompute:
-        run_passes(captured.gm, [("recompute", lambda g: recompute_regions_pass(
-            g, policies=dict(plan.recompute)))])
+    recompute = [("recompute", lambda g: recompute_regions_pass(
+        g, policies=dict(plan.recompute)))] if plan.recompute else []
     with progress.stage("aliases", log, times):
-        run_passes(captured.gm, [("annotate_aliases", lambda g: annotate_aliases_pass(
+        run_passes(captured.gm, [*recompute, ("annotate_aliases", lambda g: annotate_aliases_pass(
             g, inputs, meta_device=captured.materialize_device))])
 
 

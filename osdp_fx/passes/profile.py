@@ -187,7 +187,7 @@ def profile_graph_pass(
             "profile_graph_pass got fake or meta tensors among the example inputs or parameters; "
             "pass fake=True to profile without running, or give real tensors to measure times"
         )
-    profiler = _NodeProfiler(gm, warmup=warmup, repeats=repeats, fake=fake,
+    profiler = NodeProfiler(gm, warmup=warmup, repeats=repeats, fake=fake,
                              meta_device=torch.device(meta_device))
     profiler.profile(list(example_inputs))
     summary = summarize_profile(gm)
@@ -257,8 +257,11 @@ def fake_of(value: torch.Tensor, fake_mode: FakeTensorMode,
     return fake.requires_grad_(value.requires_grad)
 
 
-class _NodeProfiler(fx.Interpreter):
-    """Runs the graph and profiles each node in isolation (see the module docstring)."""
+class NodeProfiler(fx.Interpreter):
+    """Runs the graph and profiles each node in isolation (see the module docstring).
+
+    The profile pass runs it; ``passes/sequence.py`` extends it (under fake tensors, measuring
+    elements at other sequence lengths without writing the graph's profile)."""
 
     def __init__(self, gm: fx.GraphModule, *, warmup: int, repeats: int, fake: bool,
                  meta_device: torch.device) -> None:

@@ -174,7 +174,7 @@ def _median_gpu_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, w
 
 def profile_compute_node(profiler: Any, n: fx.Node) -> tuple[Any, NodeProfile]:
     """Run one compute node alone on copies of its inputs and measure it (``profile.py``'s
-    docstring); ``profiler`` is the running ``_NodeProfiler``. Returns the node's value for its
+    docstring); ``profiler`` is the running ``NodeProfiler``. Returns the node's value for its
     users and its profile."""
 
     def timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:

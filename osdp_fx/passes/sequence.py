@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from ..cost_models.shapes import sequence_points
 from ..runtime.memory import LiveTensorTracker
-from .profile import _NodeProfiler
+from .profile import NodeProfiler
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class _NoFlops(contextlib.nullcontext):
         return 0
 
 
-class _Numels(_NodeProfiler):
+class _Numels(NodeProfiler):
     """The profile pass's node-by-node run under FakeTensorMode, the bytes it measures kept here
     (the graph's profile is not touched)."""
 

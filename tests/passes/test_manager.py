@@ -1,4 +1,5 @@
-"""The declared pass list: every pass runs through run_passes, which checks what it requires."""
+"""The declared pass list: every pass runs through the pass manager (``run_passes``), which
+keeps the pipeline's order and checks what each pass requires."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def test_a_pass_whose_requirements_are_missing_is_refused():
         run_passes(captured.gm, [("slowest_rank_times", lambda g: None)])  # not profiled
     with pytest.raises(AssertionError, match="not in the declared PIPELINE"):
         run_passes(captured.gm, [("made_up", lambda g: None)])
+
+
+def test_passes_out_of_the_pipelines_order_are_refused():
+    captured, x = _captured()
+    profile = ("profile", lambda g: profile_graph_pass(g, (x,), fake=True))
+    cast = ("cast_params", lambda g: cast_params_pass(g, torch.bfloat16))
+    with pytest.raises(AssertionError, match="the PIPELINE runs it before"):
+        run_passes(captured.gm, [profile, cast])
+    assert properties(captured.gm) == {"normalized", "profiled"}  # what ran before is kept
+    run_passes(captured.gm, [cast, profile])
+    assert properties(captured.gm) == {"normalized", "cast", "profiled"}
 
 
 def test_the_pipeline_is_ordered_by_what_each_pass_needs():
