@@ -37,9 +37,6 @@ from torch import nn
 from ..errors import InputError
 from ..units import format_bytes
 
-_ABSENT = object()
-
-
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     """How a call's arguments map to the graph's inputs."""

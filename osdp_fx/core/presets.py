@@ -235,11 +235,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 """Every preset by name."""
 
 
-def preset_names() -> list[str]:
-    """The names ``Devices.preset`` and ``--devices`` accept."""
-    return list(PRESETS)
-
-
 def get_preset(name: str) -> Preset:
     """The preset called ``name``; InputError listing the names otherwise."""
     try:

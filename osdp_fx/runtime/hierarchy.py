@@ -211,16 +211,6 @@ def reduce_scatter_shards_start(full: torch.Tensor, group: str, *,
     return pending
 
 
-def gather_shards(shard: torch.Tensor, group: str) -> torch.Tensor:
-    """:func:`gather_shards_start`, waited for: a new flat tensor."""
-    return gather_shards_start(shard, group).wait()
-
-
-def reduce_scatter_shards(full: torch.Tensor, group: str) -> torch.Tensor:
-    """:func:`reduce_scatter_shards_start`, waited for: a new flat tensor."""
-    return reduce_scatter_shards_start(full, group).wait()
-
-
 _checkpoint_meshes: dict[tuple[int, str, tuple[int, ...], tuple[int, ...]], Any] = {}
 
 

@@ -7,6 +7,17 @@ re-gathers the parameter when it needs it (with the other saved members of its f
 bucket, in one all-gather), starting the re-gathers it will need next as it does. So no
 gathered full_shard weight stays alive between forward and backward. The helpers here gather a
 parameter (:func:`gather_full`) or a bucket (:func:`start_params`, :func:`split_gathered`).
+
+[Note: region gathers]
+A recomputed region (``runtime/recompute.py``) saves no activation of its own, only what
+``torch.utils.checkpoint`` keeps to run it again: among that, the gathered parameters its
+operators read, each packed as a :class:`Handle`. Forward runs the region inside
+:meth:`StepContext.region`, which records the parameters packed there as one group. When
+backward recomputes the region, the first of them it unpacks starts the re-gather of every
+member of the group at once (``unpack``: ``self._groups``), so the recomputation waits for one
+round of all-gathers rather than one per parameter. Those members are also left out of the
+prefetch that unpacking starts for the parameters saved before: a region's gathers start when
+the region is recomputed, not earlier, so at most one region's parameters are gathered ahead.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from osdp_fx.plan.plan import MESH_STRATEGIES
 from osdp_fx.planner.make import make_plan
 from osdp_fx.runtime.collectives import all_gather_flat
 from osdp_fx.runtime.hierarchy import (
-    gather_shards,
+    gather_shards_start,
     init_mesh,
     mesh_shape,
-    reduce_scatter_shards,
+    reduce_scatter_shards_start,
     shard_layout,
 )
 from osdp_fx.runtime.params import make_shard
@@ -40,9 +40,9 @@ def two_level_collectives(rank: int, world: int, *, ranks_per_node: int,
         out[strategy] = {
             "layout": layout,
             "shard": shard,
-            "gathered": gather_shards(shard, layout.group),
-            "reduced": reduce_scatter_shards((rank + 1) * torch.arange(float(padded)),
-                                             layout.group),
+            "gathered": gather_shards_start(shard, layout.group).wait(),
+            "reduced": reduce_scatter_shards_start((rank + 1) * torch.arange(float(padded)),
+                                                   layout.group).wait(),
         }
         if strategy == "hierarchical":
             out[strategy]["inter_block"] = all_gather_flat(shard, f"inter/{nodes}x{per_node}")
