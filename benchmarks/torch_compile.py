@@ -177,9 +177,9 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
 def compiled_regions(module: torch.nn.Module) -> str:
     """How many of an osdp-fx module's regions run compiled after the trials: "k of n"
     ([Note: measured regions]); "-" for the others."""
-    from osdp_fx.runtime.compiled_regions import COMPILED, REGIONS
+    from osdp_fx.runtime.compiled_regions import COMPILED
 
-    regions = getattr(module, "_orig_mod", module).__dict__.get(REGIONS)
+    regions = getattr(module, "_orig_mod", module)._regions
     if regions is None:
         return "-"
     return f"{sum(r.mode == COMPILED for r in regions.regions)} of {len(regions.regions)}"

@@ -19,7 +19,7 @@ from .plan.plan import Plan
 from .runtime.accumulation import GradSync, HeldGrads
 from .runtime.collectives import WORLD, group_rank
 from .runtime.compile_support import release_graphs, run_eagerly, under_torch_compile
-from .runtime.compiled_regions import regions_for, regions_table, train_regions
+from .runtime.compiled_regions import CompiledRegions, build_regions
 from .runtime.forward import ModuleRuntime
 from .runtime.param_table import ParamTable
 from .runtime.params import GradReduceScatters
@@ -59,6 +59,7 @@ class OSDPModule(nn.Module):
         self._plan = plan
         self._table = table
         self._captured_by, self._io = captured_by, io  # io: calls -> graph inputs (io_spec)
+        self._regions: CompiledRegions | None = None  # under torch.compile: built on first call
         self._runtime = ModuleRuntime(  # reducer, reduce-scatters, no_sync state
             _grad_sync(table, reduce_dtype), prefetch=plan.prefetch,
             regather=any(traits(p.strategy).freed_after_forward for p in plan.params))
@@ -72,9 +73,15 @@ class OSDPModule(nn.Module):
         inputs = self._io(args, kwargs) if self._io else args  # io_spec.py; before any collective
         with self._runtime.forward() as scope:
             # under torch.compile, the graph's regions ([Note: measured regions])
-            scope.output = (regions_for(self, self._gm) if under_torch_compile()
+            scope.output = (self._compiled_regions() if under_torch_compile()
                             else self._gm)(*inputs)
         return scope.end()
+
+    def _compiled_regions(self) -> CompiledRegions:
+        if self._regions is None:
+            self._regions = build_regions(self._gm)
+            weakref.finalize(self, self._regions.release)
+        return self._regions
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """The backwards of forwards run inside this context run no collective: gradients
@@ -90,7 +97,8 @@ class OSDPModule(nn.Module):
 
     def train(self, mode: bool = True) -> OSDPModule:
         self._gm.training = mode
-        train_regions(self, mode)
+        if self._regions is not None:
+            self._regions.train(mode)
         return super().train(mode)
 
     # ---- inspection ---------------------------------------------------------------------
@@ -106,8 +114,11 @@ class OSDPModule(nn.Module):
 
     @property
     def compiled_regions(self) -> str:
-        """Under torch.compile: its regions and the way each runs (:func:`regions_table`)."""
-        return regions_table(self)
+        """Under torch.compile: its regions, their operators, median times compiled and eager
+        (forward plus backward) and the way each runs."""
+        if self._regions is None:
+            return "not run under torch.compile yet: no regions"
+        return self._regions.table()
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -202,5 +213,6 @@ def _wrong_shapes(table: ParamTable, state_dict: dict[str, torch.Tensor]) -> lis
 # Under torch.compile the step's set-up runs as it is, and so does all it calls but the regions
 # ([Note: torch.compile]).
 run_eagerly(OSDPModule.forward)
+run_eagerly(OSDPModule._compiled_regions)
 run_eagerly(CallCheck.__call__, recursive=True)
 run_eagerly(ModuleRuntime.forward, recursive=True)

@@ -363,7 +363,7 @@ class Plan:
     def collectives_of(self, p: ParamPlan) -> tuple[list[Stage], list[Stage]]:
         """``p.collectives`` at this plan's world size, mesh and precision."""
         def size(name: str) -> int | None:
-            return _element_size(name) if name else None
+            return element_size(name) if name else None
 
         return p.collectives(self.world_size, self.ranks_per_node,
                              gather_element_size=size(self.param_dtype),
@@ -371,8 +371,37 @@ class Plan:
 
     # ---- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The plan's JSON form (``docs/plan-format.md``)."""
-        return _to_dict(self)
+        """The plan's JSON form (``docs/plan-format.md``; read back by ``request.py``)."""
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "world_size": self.world_size,
+            **({"ranks_per_node": self.ranks_per_node} if self.ranks_per_node else {}),
+            "memory_limit_bytes": self.memory_limit_bytes,
+            **({"splits": dict(self.splits)} if self.splits else {}),
+            "prefetch": self.prefetch,
+            # written when not the defaults, so that older plans keep their hash
+            **({"gather_bucket_bytes": self.gather_bucket_bytes}
+               if self.gather_bucket_bytes != SMALL_PARAM_BYTES else {}),
+            **({"reduce_bucket_bytes": self.reduce_bucket_bytes}
+               if self.reduce_bucket_bytes != DEFAULT_BUCKET_BYTES else {}),
+            **({"scatters_in_flight": self.scatters_in_flight}
+               if self.scatters_in_flight != MAX_IN_FLIGHT else {}),
+            **({"mixed_precision": {"param_dtype": self.param_dtype,
+                                    "reduce_dtype": self.reduce_dtype}}
+               if self.param_dtype else {}),
+            **({"recompute": dict(self.recompute)} if self.recompute else {}),
+            "params": {
+                p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
+                         **({"aliases": list(p.aliases)} if p.aliases else {}),
+                         **({"note": p.note} if p.note else {}),
+                         **({"predicted_compute_s": p.compute_s, "predicted_comm_s": p.comm_s}
+                            if p.compute_s is not None else {})}
+                for p in self.params
+            },
+            **({"predicted": self.prediction.to_dict()} if self.prediction else {}),
+            **({"autotuned": [dataclasses.asdict(t) for t in self.measured]} if self.measured else {}),
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -416,46 +445,13 @@ class Plan:
         return "\n".join(lines)
 
 
-def _to_dict(self: Plan) -> dict[str, Any]:
-    return {
-        "format": PLAN_FORMAT,
-        "version": PLAN_VERSION,
-        "world_size": self.world_size,
-        **({"ranks_per_node": self.ranks_per_node} if self.ranks_per_node else {}),
-        "memory_limit_bytes": self.memory_limit_bytes,
-        **({"splits": dict(self.splits)} if self.splits else {}),
-        "prefetch": self.prefetch,
-        # written when not the defaults, so that older plans keep their hash
-        **({"gather_bucket_bytes": self.gather_bucket_bytes}
-           if self.gather_bucket_bytes != SMALL_PARAM_BYTES else {}),
-        **({"reduce_bucket_bytes": self.reduce_bucket_bytes}
-           if self.reduce_bucket_bytes != DEFAULT_BUCKET_BYTES else {}),
-        **({"scatters_in_flight": self.scatters_in_flight}
-           if self.scatters_in_flight != MAX_IN_FLIGHT else {}),
-        **({"mixed_precision": {"param_dtype": self.param_dtype,
-                                "reduce_dtype": self.reduce_dtype}}
-           if self.param_dtype else {}),
-        **({"recompute": dict(self.recompute)} if self.recompute else {}),
-        "params": {
-            p.name: {"strategy": p.strategy, "shape": list(p.shape), "dtype": p.dtype,
-                     **({"aliases": list(p.aliases)} if p.aliases else {}),
-                     **({"note": p.note} if p.note else {}),
-                     **({"predicted_compute_s": p.compute_s, "predicted_comm_s": p.comm_s}
-                        if p.compute_s is not None else {})}
-            for p in self.params
-        },
-        **({"predicted": self.prediction.to_dict()} if self.prediction else {}),
-        **({"autotuned": [dataclasses.asdict(t) for t in self.measured]} if self.measured else {}),
-    }
-
-
 def recomputed_regions(pairs: Any) -> tuple[tuple[str, str], ...]:
     """(region, policy) pairs checked, without the regions that save (recompute nothing)."""
     return tuple((r, str(check_policy(p, where=f"region {r!r}"))) for r, p in pairs
                  if p != Recompute.SAVE)
 
 
-def _element_size(dtype_name: str) -> int:
+def element_size(dtype_name: str) -> int:
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         raise PlanError(f"unknown dtype {dtype_name!r} in the plan's mixed precision; use e.g. "
@@ -463,7 +459,7 @@ def _element_size(dtype_name: str) -> int:
     return dtype.itemsize
 
 
-def _describe_mesh(world_size: int, ranks_per_node: int | None) -> str:
+def describe_mesh(world_size: int, ranks_per_node: int | None) -> str:
     if ranks_per_node is None:
         return f"{world_size} rank{'s' if world_size > 1 else ''} on one node"
     return f"{world_size // ranks_per_node} nodes x {ranks_per_node} ranks"

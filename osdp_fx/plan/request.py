@@ -23,8 +23,8 @@ from .plan import (
     PLAN_VERSION,
     ParamPlan,
     Plan,
-    _describe_mesh,
-    _element_size,
+    describe_mesh,
+    element_size,
     normalized_ranks_per_node,
 )
 
@@ -104,7 +104,7 @@ class PlanRequest:
                             '{"param_dtype": "bfloat16", "reduce_dtype": "float32"}')
         names = (mp["param_dtype"], mp.get("reduce_dtype", "float32"))
         for name in names:
-            _element_size(name)
+            element_size(name)
         return names
 
 
@@ -225,7 +225,7 @@ def resolve_plan(
     request = PlanRequest.parse(spec)
     by_any_name = {n: s.name for s in specs for n in (s.name, *s.aliases)}
     ranks_per_node = normalized_ranks_per_node(ranks_per_node, world_size)
-    mesh = _describe_mesh(world_size, ranks_per_node)
+    mesh = describe_mesh(world_size, ranks_per_node)
     if request.plan is not None:
         spec = request.plan
         requested = _requested_from_mapping(
@@ -239,7 +239,7 @@ def resolve_plan(
         uses_mesh = any(traits(p.strategy).needs_mesh for p in spec.params)
         if uses_mesh and spec.ranks_per_node != ranks_per_node:
             raise PlanError(
-                f"the Plan was made for {_describe_mesh(world_size, spec.ranks_per_node)} but "
+                f"the Plan was made for {describe_mesh(world_size, spec.ranks_per_node)} but "
                 f"this world is {mesh}, and its hybrid_shard/hierarchical groups depend on "
                 "the mesh: make a plan for this mesh, or describe the nodes you run on with "
                 "Devices(ranks_per_node=...)"

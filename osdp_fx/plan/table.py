@@ -9,20 +9,21 @@ from tabulate import tabulate
 from ..units import format_bytes
 
 
-def plan_table(self: Any) -> str:
-    """A Plan printed: its header, one row per parameter group, its predictions."""
+def plan_table(plan: Any) -> str:
+    """A Plan printed: its header, one row per parameter group, its predictions (``plan`` is
+    untyped here: ``plan.py`` prints itself with this module, which so imports nothing of it)."""
     rows = []
-    predicted = self.prediction is not None
+    predicted = plan.prediction is not None
     by_link = {"intra": 0, "inter": 0}
-    for p in self.params:
-        fwd, bwd = self.collectives_of(p)
+    for p in plan.params:
+        fwd, bwd = plan.collectives_of(p)
         for stage in fwd + bwd:
-            by_link["inter" if stage.spans_nodes(self.num_nodes) else "intra"] += stage.nbytes
+            by_link["inter" if stage.spans_nodes(plan.num_nodes) else "intra"] += stage.nbytes
         row = [
             p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else ""),
             "x".join(map(str, p.shape)) or "()",
             p.strategy + (f" ({p.note})" if p.note else ""),
-            format_bytes(p.shard_bytes(self.world_size, self.ranks_per_node)),
+            format_bytes(p.shard_bytes(plan.world_size, plan.ranks_per_node)),
             describe_collectives(fwd),
             describe_collectives(bwd),
         ]
@@ -32,32 +33,32 @@ def plan_table(self: Any) -> str:
     head = ["parameter", "shape", "strategy", "param bytes/rank", "forward", "backward"]
     if predicted:
         head += ["compute ms", "comm ms"]
-    counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
-    split = "; split: " + ", ".join(f"{n} in {k}" for n, k in self.splits) if self.splits else ""
-    if self.param_dtype:
-        split += f"; compute in {self.param_dtype}, reduce in {self.reduce_dtype}"
-    split += (f"; prefetch {self.prefetch}, gather buckets {format_bytes(self.gather_bucket_bytes)}"
-              f", all-reduce buckets {format_bytes(self.reduce_bucket_bytes)}"
-              f", gradient collectives in flight {self.scatters_in_flight}")
-    if self.recompute:
-        split += "; recompute: " + ", ".join(f"{r} {p}" for r, p in self.recompute)
-    mesh = (f" = {self.num_nodes} nodes x {self.ranks_per_node} ranks"
-            if self.num_nodes > 1 else "")
+    counts = ", ".join(f"{n} {s}" for s, n in plan.counts().items() if n)
+    split = "; split: " + ", ".join(f"{n} in {k}" for n, k in plan.splits) if plan.splits else ""
+    if plan.param_dtype:
+        split += f"; compute in {plan.param_dtype}, reduce in {plan.reduce_dtype}"
+    split += (f"; prefetch {plan.prefetch}, gather buckets {format_bytes(plan.gather_bucket_bytes)}"
+              f", all-reduce buckets {format_bytes(plan.reduce_bucket_bytes)}"
+              f", gradient collectives in flight {plan.scatters_in_flight}")
+    if plan.recompute:
+        split += "; recompute: " + ", ".join(f"{r} {p}" for r, p in plan.recompute)
+    mesh = (f" = {plan.num_nodes} nodes x {plan.ranks_per_node} ranks"
+            if plan.num_nodes > 1 else "")
     lines = [
-        f"Plan for world size {self.world_size}{mesh} ({counts}; source: "
-        f"{self.source or 'user'}; hash {self.hash()}{split})",
+        f"Plan for world size {plan.world_size}{mesh} ({counts}; source: "
+        f"{plan.source or 'user'}; hash {plan.hash()}{split})",
         tabulate(rows, headers=head, disable_numparse=True),
-        f"parameters per rank: {format_bytes(self.persistent_param_bytes())}"
-        + (f"; memory limit {format_bytes(self.memory_limit_bytes)}"
-           if self.memory_limit_bytes is not None else ""),
+        f"parameters per rank: {format_bytes(plan.persistent_param_bytes())}"
+        + (f"; memory limit {format_bytes(plan.memory_limit_bytes)}"
+           if plan.memory_limit_bytes is not None else ""),
     ]
-    if self.num_nodes > 1:
+    if plan.num_nodes > 1:
         lines.append(
             f"collective buffers per step: {format_bytes(by_link['intra'])} inside nodes, "
             f"{format_bytes(by_link['inter'])} across nodes ([intra]: a node's ranks, "
             "[inter]: one rank per node, unmarked: all ranks)")
-    if self.prediction is not None:
-        pr = self.prediction
+    if plan.prediction is not None:
+        pr = plan.prediction
         lines.append(
             f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}"
             + (f" x sequence {pr.seq_len}" if pr.seq_len else "")
@@ -73,13 +74,13 @@ def plan_table(self: Any) -> str:
             lines.append(f"peak memory by category: {pr.breakdown()}{first}")
         if pr.regions:
             lines.append(_region_table(pr.regions))
-    if self.measured:
-        kept = self.hash()
+    if plan.measured:
+        kept = plan.hash()
         lines.append("autotuned (step median, peak; predicted in brackets): " + ", ".join(
             f"{t.hash} {t.measured_step_s * 1e3:.1f} ms ({t.predicted_step_s * 1e3:.1f}), "
             f"{format_bytes(t.measured_peak_bytes)} ({format_bytes(t.predicted_peak_bytes)})"
             f"{'' if t.role == 'alternative' else ', ' + t.role}"
-            f"{', in force' if t.hash == kept else ''}" for t in self.measured)
+            f"{', in force' if t.hash == kept else ''}" for t in plan.measured)
             + "; kept: the fastest measured under the memory limit, when it beats the predicted "
             "best by more than the timing's noise")
     return "\n".join(lines)

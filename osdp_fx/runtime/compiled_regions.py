@@ -324,38 +324,12 @@ def _body(gm: fx.GraphModule, run: list[fx.Node]) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, class_name="OSDPRegion")
 
 
-REGIONS = "_osdp_regions"
-"""Where :func:`regions_for` keeps a module's :class:`CompiledRegions` (in its ``__dict__``)."""
-
-
 @torch.compiler.disable  # built once, eagerly
-def regions_for(owner: nn.Module, gm: fx.GraphModule) -> CompiledRegions:
-    """``owner``'s :class:`CompiledRegions` of ``gm``: built the first time, then kept."""
-    regions = owner.__dict__.get(REGIONS)
-    if regions is None:
-        import weakref
-
-        check_compilable()
-        regions = CompiledRegions(gm)
-        object.__setattr__(owner, REGIONS, regions)
-        weakref.finalize(owner, regions.release)
-    return regions
+def build_regions(gm: fx.GraphModule) -> CompiledRegions:
+    """The :class:`CompiledRegions` of ``gm`` (its owner keeps them, ``OSDPModule``), after
+    checking that this torch can compile them."""
+    check_compilable()
+    return CompiledRegions(gm)
 
 
 run_eagerly(CompiledRegions.__call__)
-
-
-def regions_table(owner: nn.Module) -> str:
-    """``owner``'s regions under torch.compile: operators, median times compiled and eager
-    (forward plus backward) and the way each runs."""
-    regions = owner.__dict__.get(REGIONS)
-    if regions is None:
-        return "not run under torch.compile yet: no regions"
-    return regions.table()
-
-
-def train_regions(owner: nn.Module, mode: bool) -> None:
-    """Set the training mode of ``owner``'s regions, if torch.compile has run it."""
-    regions = owner.__dict__.get(REGIONS)
-    if regions is not None:
-        regions.train(mode)

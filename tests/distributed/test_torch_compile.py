@@ -49,7 +49,7 @@ def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(
     """Under torch.compile the graph runs each run of compute between two collective calls as a
     region; run eagerly, that computes what the printed graph computes, before and after the
     regions' way is chosen."""
-    from osdp_fx import api, compile_osdp
+    from osdp_fx import compile_osdp, module
     from osdp_fx.examples import TinyGPT
     from osdp_fx.runtime import compiled_regions
     from osdp_fx.runtime.compile_support import is_collective_call
@@ -59,7 +59,7 @@ def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(
     loss_fn = models.build("gpt", 0)[1]
     batch = models.batches("gpt", global_batch=2, steps=1)[0]
     compiled = compile_osdp(net, batch[:1], Devices(world_size=1), plan="shard_grad_op")
-    regions = compiled_regions.regions_for(compiled, compiled.graph_module)
+    regions = compiled._compiled_regions()
     kinds = ["call" if is_collective_call(n) else
              "region" if n.op == "call_module" and n.target.startswith(compiled_regions.REGION)
              else n.op for n in regions.module.graph.nodes]
@@ -77,7 +77,7 @@ def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(
         return loss.item(), grads
 
     plain = step()
-    monkeypatch.setattr(api, "under_torch_compile", lambda: True)  # the regions, eagerly
+    monkeypatch.setattr(module, "under_torch_compile", lambda: True)  # the regions, eagerly
     with torch.no_grad():  # evaluation forwards are no trials
         compiled(*batch[:1])
     assert regions.forwards == 0

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from osdp_fx import compile_osdp
-from osdp_fx.runtime.compiled_regions import regions_for
 from osdp_fx.runtime.storage_tracker import StorageTracker
 
 from .models import batches, build, local
@@ -70,7 +69,7 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
         runs[mode] = {"losses": losses, "held_after_forward": held,
                       "state": compiled.full_state_dict(), "plan": compiled.plan.to_dict()}
         if mode == "compiled":
-            regions = regions_for(compiled, compiled.graph_module)
+            regions = compiled._compiled_regions()
             runs["call_sites"] = collective_call_sites(compiled.graph_module)
             runs["regions"] = len(regions.regions)
             runs["region_modes"] = [r.mode for r in regions.regions] if regions.decided else None
