@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import fx, nn
@@ -123,17 +123,23 @@ class ParamTable:
     def full(self, group: str, *, grad: bool = False) -> torch.Tensor | None:
         """The full tensor of ``group`` (or of its gradient: None when it has none), gathered
         from every rank's shard where sharded. Collective for sharded groups."""
-        split = self.splits.get(group)
-        if split is not None:
-            parts = [self.full(part, grad=grad) for part in split.parts]
-            return None if any(p is None for p in parts) else torch.cat(parts, split.dim)
-        entry = self.entries[group]
-        local = self.local(group)
-        if grad:
-            local = local.grad
-            if local is None:
+        tensors = {}
+        for part in self.parts(group):
+            local = self.local(part)
+            tensors[part] = local.grad if grad else local
+            if tensors[part] is None:
                 return None
+        return self.full_from(group, tensors)
+
+    def full_from(self, group: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The full tensor of ``group`` from a tensor per part laid out like what this rank
+        holds of it (the parameter, its gradient, an optimizer state): gathered where the part
+        is sharded (collective), the parts joined along the split. A new tensor."""
+        fulls = []
         with torch.no_grad():
-            if not entry.sharded:
-                return local.detach().clone()
-            return gather_full(local.detach(), entry.shape, entry.layout.group).clone()
+            for part in self.parts(group):
+                entry, local = self.entries[part], tensors[part].detach()
+                fulls.append(gather_full(local, entry.shape, entry.layout.group).clone()
+                             if entry.sharded else local.clone())
+        split = self.splits.get(group)
+        return fulls[0] if split is None else torch.cat(fulls, split.dim)

@@ -6,26 +6,32 @@ a model compiled under any plan at any world size.
 
 Layout (one DCP state dict; the keys are strings, nothing is nested):
 
-* ``model.<name>``: each parameter group under its canonical name (split parameters under their
-  part names ``<w>_part<i>``) as a **flat 1-D tensor** of ``numel`` elements, whatever its
-  strategy. A sharded parameter is a ``DTensor`` with placement ``Shard(0)`` on a 1-D mesh over
+* ``model.<name>``: each parameter under its name in the model, as a **flat 1-D tensor** of
+  ``numel`` elements, whatever its strategy and whatever its splits. A sharded parameter is a ``DTensor`` with placement ``Shard(0)`` on a 1-D mesh over
   the world: rank r's local shard minus its zero padding is exactly ``torch.chunk``'s r-th chunk
   of the flat tensor (trailing ranks may hold fewer or no elements), so DCP knows each rank's
   offset. Under ``hierarchical`` the mesh lists the ranks in the order of the chunks they hold,
   under ``hybrid_shard`` it is the nodes x ranks mesh with the chunks replicated across nodes
   (``runtime.hierarchy.checkpoint_mesh``). A replicated parameter is a plain flat tensor (DCP
-  writes it once).
+  writes it once). A weight split into parts (``<w>_part<i>``, ``passes/split_linear.py``) is
+  saved whole, in the layout the model defines: its parts are gathered and joined, and rank r
+  writes ``torch.chunk``'s r-th chunk of the weight's flat tensor (``Shard(0)`` on the world);
+  loading reads the chunk, gathers the weight and cuts it into this model's parts and shards.
+  So a checkpoint loads into the model compiled with any splits or none.
 * ``model.<buffer>``: buffers of ``model.state_dict()``, unchanged.
 * ``optim.<name>.<key>``: optimizer state by parameter name, not index. A state tensor shaped like
   the parameter (AdamW ``exp_avg``, ``exp_avg_sq``; SGD ``momentum_buffer``) is laid out like the
-  parameter; any other tensor (``step``) is saved as it is.
+  parameter (a split weight's whole); any other tensor (``step``) is saved as it is (a split
+  weight's first part's, which its parts share).
 * ``osdp``: bytes (``torch.save``) of a dict: format and version, the world size, each
   parameter's full shape, the splits, the plan, the optimizer's ``param_groups`` with parameter
   names instead of indices, what each state entry is, and the caller's ``extra``.
 
-So a checkpoint does not depend on the strategy of any parameter or on the world size, and DCP
-reshards on load: each rank reads the byte ranges of its own shard. ``plan.json`` beside the DCP
-files is the saved plan (compile with it to get the same split parameters).
+So a checkpoint depends on neither the strategy of any parameter, nor the splits, nor the world
+size, and DCP reshards on load: each rank reads the byte ranges of its own shard. ``plan.json``
+beside the DCP files is the saved plan. Version 1 (osdp-fx 0.1) saved split weights under their
+parts' names: such a checkpoint loads into a model with the same splits, and is refused, with
+the way to convert it, into others.
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` is not used: it takes the local
 tensors of plain parameters as the full ones (it only knows FSDP's and DTensor parameters), so
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import shutil
 import warnings
@@ -58,9 +65,11 @@ from ..errors import CheckpointError, InputError, OSDPError
 from ..module import OSDPModule
 from ..runtime.collectives import WORLD, group_rank, group_size
 from ..runtime.hierarchy import checkpoint_mesh
+from ..runtime.regather import gather_full
 
 FORMAT = "osdp-fx-checkpoint"
-VERSION = 1
+VERSION = 2
+"""2: a split weight is saved whole under its own name; 1: under its parts' names."""
 _INFO_KEY = "osdp"
 _PLAN_FILE = "plan.json"
 _SAVING_SUFFIX = ".saving"
@@ -133,6 +142,39 @@ def _buffer_keys(compiled: OSDPModule) -> list[str]:
     return compiled.param_table.buffer_keys
 
 
+def _units(compiled: OSDPModule, *, by_weight: bool) -> dict[str, tuple[str, ...]]:
+    """What a checkpoint stores, each under its key name, with the parts of the compiled model
+    that make it up: every weight of the model whole (``by_weight``, version 2), or every part
+    (version 1)."""
+    table = compiled.param_table
+    if not by_weight:
+        return {part: (part,) for part in table.entries}
+    return {group: table.parts(group) for group in table.groups}
+
+
+def _whole_layout(numel: int, like: torch.Tensor) -> _Layout:
+    """Where this rank's elements of a weight saved whole live: ``torch.chunk``'s chunk of its
+    flat tensor over the world (``local``: a zeroed padded chunk to fill)."""
+    world = group_size(WORLD)
+    chunk = -(-numel // world)
+    return _Layout(local=like.new_zeros(chunk if world > 1 else numel), numel=numel,
+                   sharded=world > 1, strategy="full_shard", index=group_rank(WORLD))
+
+
+def _to_save(compiled: OSDPModule, layouts: dict[str, _Layout], unit: str,
+             parts: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What DCP writes of ``unit`` from ``tensors`` (one per part, laid out like the part):
+    a part as it is laid out, or a split weight's flat whole (gathered, collective)."""
+    if parts == (unit,):
+        return layouts[unit].wrap(tensors[unit])
+    whole = compiled.param_table.full_from(unit, tensors).reshape(-1)
+    lay = _whole_layout(whole.numel(), whole)
+    n = lay.local.numel()
+    mine = whole[lay.index * n:(lay.index + 1) * n]
+    lay.local[:mine.numel()] = mine
+    return lay.wrap(lay.local)
+
+
 def _param_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The parameter names of each of the optimizer's param groups (raises on a stranger)."""
     names = {id(p): n for n, p in compiled.named_parameters()}
@@ -147,6 +189,24 @@ def _param_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer) -> list
             )
         groups.append([names[id(p)] for p in group["params"]])
     return groups
+
+
+def _unit_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer,
+                units: dict[str, tuple[str, ...]]) -> list[list[str]]:
+    """The units of each of the optimizer's param groups; InputError when a split weight's
+    parts are not all in one param group."""
+    of_part = {part: unit for unit, parts in units.items() for part in parts}
+    out = []
+    for i, names in enumerate(_param_names(compiled, optimizer)):
+        found = list(dict.fromkeys(of_part[n] for n in names))
+        partial = [u for u in found if not set(units[u]) <= set(names)]
+        if partial:
+            raise InputError(
+                f"the optimizer's param group {i} holds some parts of the split weight(s) "
+                f"{partial[:3]} but not all; put every part of a split weight "
+                f"({', '.join(units[partial[0]])}) in the same param group")
+        out.append(found)
+    return out
 
 
 def _agree(error: str | None, what: str, *, cleanup: Any = None) -> None:
@@ -236,27 +296,34 @@ def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optim
             not os.path.isdir(path) or os.listdir(path)):
         raise CheckpointError(f"{path!r} exists and is not a checkpoint, so save_checkpoint "
                               "would replace it; choose a new path or an earlier checkpoint's")
+    table = compiled.param_table
     layouts = _layouts(compiled)
-    state: dict[str, Any] = {f"model.{n}": lay.wrap(lay.local) for n, lay in layouts.items()}
+    units = _units(compiled, by_weight=True)
+    state: dict[str, Any] = {
+        f"model.{unit}": _to_save(compiled, layouts, unit, parts,
+                                  {part: table.local(part) for part in parts})
+        for unit, parts in units.items()}
     for key in _buffer_keys(compiled):
-        state[f"model.{key}"] = compiled.param_table.buffer(key).detach()
+        state[f"model.{key}"] = table.buffer(key).detach()
     optim_info = None
     if optimizer is not None:
-        groups = _param_names(compiled, optimizer)
+        groups = _unit_names(compiled, optimizer, units)
         entries: dict[str, dict[str, Any]] = {}
-        for names, group in zip(groups, optimizer.param_groups):
-            for name, p in zip(names, group["params"]):
-                lay = layouts[name]
-                entries[name] = {}
-                for key, value in optimizer.state.get(p, {}).items():
-                    if not isinstance(value, torch.Tensor):
-                        entries[name][key] = ("value", value)
-                    elif value.shape == lay.local.shape and value.dim() > 0:
-                        entries[name][key] = ("like_param", None)
-                        state[f"optim.{name}.{key}"] = lay.wrap(value)
-                    else:
-                        entries[name][key] = ("tensor", None)
-                        state[f"optim.{name}.{key}"] = value.detach()
+        for unit in (u for names in groups for u in names):
+            parts = units[unit]
+            states = [optimizer.state.get(table.local(part), {}) for part in parts]
+            entries[unit] = {}
+            for key, value in states[0].items():
+                if not isinstance(value, torch.Tensor):
+                    entries[unit][key] = ("value", value)
+                elif value.shape == table.local(parts[0]).shape and value.dim() > 0:
+                    entries[unit][key] = ("like_param", None)
+                    state[f"optim.{unit}.{key}"] = _to_save(
+                        compiled, layouts, unit, parts,
+                        {part: st[key] for part, st in zip(parts, states)})
+                else:
+                    entries[unit][key] = ("tensor", None)
+                    state[f"optim.{unit}.{key}"] = value.detach()
         optim_info = {
             "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": names}
                              for names, g in zip(groups, optimizer.param_groups)],
@@ -264,9 +331,9 @@ def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optim
         }
     info = {
         "format": FORMAT, "version": VERSION, "world_size": group_size(WORLD),
-        "params": {p.name: p.shape for p in compiled.plan.params},
+        "params": {unit: table.full_shape(unit) for unit in units},
         "buffers": {k: tuple(state[f"model.{k}"].shape) for k in _buffer_keys(compiled)},
-        "splits": {name: len(s.parts) for name, s in compiled.param_table.splits.items()},
+        "splits": {name: len(s.parts) for name, s in table.splits.items()},
         "plan": compiled.plan.to_dict(), "optimizer": optim_info, "extra": extra,
     }
     blob = io.BytesIO()
@@ -313,9 +380,7 @@ def load_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
     _agree(error, f"load_checkpoint({path!r})")
     _, error = _attempt(dcp.load, reading.state, checkpoint_id=path, no_dist=_no_dist())
     _agree(error, f"load_checkpoint({path!r})")
-    with torch.no_grad():
-        for key, loaded in reading.buffers.items():
-            compiled.param_table.buffer(key).copy_(loaded)
+    reading.finish()
     if optimizer is not None:
         optimizer.load_state_dict(reading.optimizer_state(optimizer))
     return reading.info["extra"]
@@ -323,22 +388,34 @@ def load_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
 
 class _Reading:
     """A checkpoint's description, checked against the model and optimizer, and the targets
-    ``dcp.load`` fills: parameters in place (views of the shards), buffers and optimizer state in
-    new tensors."""
+    ``dcp.load`` fills: parameters in place (views of the shards), a split weight's chunk,
+    buffers and optimizer state in new tensors; :meth:`finish` puts what is not in place."""
 
     def __init__(self, path: str, compiled: OSDPModule,
                  optimizer: torch.optim.Optimizer | None) -> None:
         self.compiled = compiled
         self.info = _read_info(path)
-        _check_model(path, self.info, compiled)
+        # a version 1 checkpoint without splits holds every weight whole too
+        self.units = _units(compiled, by_weight=self.info["version"] >= 2
+                            or not self.info["splits"])
+        _check_model(path, self.info, compiled, self.units)
         self.layouts = _layouts(compiled)
-        self.state: dict[str, Any] = {
-            f"model.{name}": lay.wrap(lay.local) for name, lay in self.layouts.items()
-        }
-        self.buffers = {k: torch.empty_like(compiled.param_table.buffer(k))
-                        for k in _buffer_keys(compiled)}
+        self.state: dict[str, Any] = {}
+        self.whole: dict[tuple[str, str], _Layout] = {}
+        """(unit, state key or "") -> the chunk loaded of a weight saved whole."""
+        table = compiled.param_table
+        for unit, parts in self.units.items():
+            if parts == (unit,):
+                lay = self.layouts[unit]
+                self.state[f"model.{unit}"] = lay.wrap(lay.local)
+            else:
+                self.whole[(unit, "")] = lay = _whole_layout(
+                    math.prod(table.full_shape(unit)), table.local(parts[0]).detach())
+                self.state[f"model.{unit}"] = lay.wrap(lay.local)
+        self.buffers = {k: torch.empty_like(table.buffer(k)) for k in _buffer_keys(compiled)}
         self.state.update({f"model.{k}": t for k, t in self.buffers.items()})
         self.optim: dict[tuple[str, str], torch.Tensor] = {}
+        """(part, state key) -> its loaded state tensor."""
         if optimizer is not None:
             self._optimizer_targets(path, optimizer)
 
@@ -347,7 +424,7 @@ class _Reading:
         if saved is None:
             raise CheckpointError(f"the checkpoint at {path!r} has no optimizer state; load it "
                                   "with optimizer=None and start the optimizer afresh")
-        groups = _param_names(self.compiled, optimizer)
+        groups = _unit_names(self.compiled, optimizer, self.units)
         saved_groups = [g["params"] for g in saved["param_groups"]]
         if [sorted(g) for g in groups] != [sorted(g) for g in saved_groups]:
             raise CheckpointError(
@@ -355,36 +432,70 @@ class _Reading:
                 f"the saved ones ({[len(g) for g in saved_groups]}); build the optimizer with "
                 "the same param groups as when the checkpoint was saved")
         metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        for name, entries in saved["state"].items():
-            lay = self.layouts[name]
+        for unit, entries in saved["state"].items():
+            parts = self.units[unit]
             for key, (kind, _) in entries.items():
                 if kind == "value":
                     continue
-                meta = metadata[f"optim.{name}.{key}"]
-                assert isinstance(meta, TensorStorageMetadata), (name, key)
-                if kind == "like_param":
-                    target = torch.zeros(lay.local.shape, dtype=meta.properties.dtype,
-                                         device=lay.local.device)
-                    self.state[f"optim.{name}.{key}"] = lay.wrap(target)
+                meta = metadata[f"optim.{unit}.{key}"]
+                assert isinstance(meta, TensorStorageMetadata), (unit, key)
+                dtype = meta.properties.dtype
+                if kind == "like_param" and parts == (unit,):
+                    lay = self.layouts[unit]
+                    target = torch.zeros(lay.local.shape, dtype=dtype, device=lay.local.device)
+                    self.state[f"optim.{unit}.{key}"] = lay.wrap(target)
+                    self.optim[(unit, key)] = target
+                elif kind == "like_param":
+                    self.whole[(unit, key)] = lay = _whole_layout(
+                        meta.size[0], torch.empty(0, dtype=dtype,
+                                                  device=self.layouts[parts[0]].local.device))
+                    self.state[f"optim.{unit}.{key}"] = lay.wrap(lay.local)
                 else:
-                    target = torch.zeros(meta.size, dtype=meta.properties.dtype)
-                    self.state[f"optim.{name}.{key}"] = target
-                self.optim[(name, key)] = target
+                    target = torch.zeros(meta.size, dtype=dtype)
+                    self.state[f"optim.{unit}.{key}"] = target
+                    for part in parts:  # the parts of a split weight share its step
+                        self.optim[(part, key)] = target  # each its own copy: finish()
+
+    def finish(self) -> None:
+        """After ``dcp.load``: buffers copied in; each weight loaded whole gathered from its
+        chunks (collective, in the same order on every rank) and cut into this model's parts
+        and shards, the parameters in place, their optimizer state in new tensors."""
+        table = self.compiled.param_table
+        with torch.no_grad():
+            for key, loaded in self.buffers.items():
+                table.buffer(key).copy_(loaded)
+            copied: set[int] = set()
+            for part_key, target in self.optim.items():  # a weight's state shared by its parts
+                if id(target) in copied:
+                    self.optim[part_key] = target.clone()
+                copied.add(id(target))
+            for (unit, key), lay in self.whole.items():
+                flat = (gather_full(lay.local, (lay.numel,), WORLD) if lay.sharded
+                        else lay.local)
+                full = flat.reshape(table.full_shape(unit))
+                for part, piece in table.pieces(unit, full):
+                    local = table.local(part)
+                    if key:
+                        self.optim[(part, key)] = table.to_local(
+                            part, piece.contiguous()).detach().clone()
+                    else:
+                        local.copy_(table.to_local(part, piece.contiguous().to(local.dtype)))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The loaded state as a ``torch.optim`` state dict with this optimizer's indices
         (``load_state_dict`` pairs the indices of each group with its parameters in order)."""
         saved = self.info["optimizer"]
-        groups = _param_names(self.compiled, optimizer)
-        index = {name: i for i, name in enumerate(n for g in groups for n in g)}
+        parts_of = _param_names(self.compiled, optimizer)
+        index = {name: i for i, name in enumerate(n for g in parts_of for n in g)}
         state = {
-            index[name]: {key: value if kind == "value" else self.optim[(name, key)]
+            index[part]: {key: value if kind == "value" else self.optim[(part, key)]
                           for key, (kind, value) in entries.items()}
-            for name, entries in saved["state"].items() if entries
+            for unit, entries in saved["state"].items() if entries
+            for part in self.units[unit]
         }
         param_groups = [{**{k: v for k, v in saved_group.items() if k != "params"},
                          "params": [index[n] for n in names]}
-                        for saved_group, names in zip(saved["param_groups"], groups)]
+                        for saved_group, names in zip(saved["param_groups"], parts_of)]
         return {"state": state, "param_groups": param_groups}
 
 
@@ -411,24 +522,25 @@ def _read_info(path: str) -> dict[str, Any]:
     return info
 
 
-def _check_model(path: str, info: dict[str, Any], compiled: OSDPModule) -> None:
+def _check_model(path: str, info: dict[str, Any], compiled: OSDPModule,
+                 units: dict[str, tuple[str, ...]]) -> None:
     """Raise CheckpointError unless the checkpoint holds exactly this model's tensors."""
-    mine = {p.name: p.shape for p in compiled.plan.params}
+    table = compiled.param_table
+    splits = {n: len(s.parts) for n, s in table.splits.items()}
+    if info["version"] < 2 and info["splits"] and info["splits"] != splits:
+        raise CheckpointError(
+            f"the checkpoint at {path!r} was saved by osdp-fx 0.1 from a model split as "
+            f"{info['splits']}, under the parts' names, and this model is split as {splits}. "
+            "Load it into the model compiled with the saved plan, compile_osdp(model, inputs, "
+            f"plan={os.path.join(path, _PLAN_FILE)!r}), and save it again: a checkpoint saved "
+            "now keeps split weights whole and loads under any splits")
+    mine = {unit: table.full_shape(unit) for unit in units}
     saved = info["params"]
     missing = [n for n in mine if n not in saved]
     unexpected = [n for n in saved if n not in mine]
-    splits = compiled.param_table.splits
-    if (missing or unexpected) and (info["splits"] or splits):
-        raise CheckpointError(
-            f"the checkpoint at {path!r} was saved from a model split as {info['splits'] or {}} "
-            f"and this model is split as "
-            f"{ {n: len(s.parts) for n, s in splits.items()} }: the part parameters "
-            f"differ (missing {missing[:4]}, unexpected {unexpected[:4]}). Compile with the "
-            f"saved plan, compile_osdp(model, inputs, plan={os.path.join(path, _PLAN_FILE)!r}), "
-            "or with a plan that names the same splits")
     wrong = [f"{n}: saved {tuple(saved[n])}, model {mine[n]}" for n in mine
-             if n in saved and tuple(saved[n]) != mine[n]]
-    buffers = {k: tuple(compiled.param_table.buffer(k).shape) for k in _buffer_keys(compiled)}
+             if n in saved and tuple(saved[n]) != tuple(mine[n])]
+    buffers = {k: tuple(table.buffer(k).shape) for k in _buffer_keys(compiled)}
     missing += [k for k in buffers if k not in info["buffers"]]
     unexpected += [k for k in info["buffers"] if k not in buffers]
     wrong += [f"{k}: saved {info['buffers'][k]}, model {s}" for k, s in buffers.items()
