@@ -70,7 +70,8 @@ def joint_search(analysis, world_size: int) -> dict[str, object]:
     """Seconds of the joint search at a limit that needs recomputation."""
     def peak(recompute: dict[str, str]) -> int:
         states = param_states(analysis, {n: "full_shard" for n in analysis.captured.params})
-        return predict_step_memory(analysis.captured.gm, states, world_size=world_size,
+        return predict_step_memory(analysis.captured.gm, states, analysis.facts,
+                                   devices=Devices(world_size=world_size),
                                    optimizer="adamw", profiled_batch=analysis.batch_size,
                                    recompute=recompute).peak_bytes
 
@@ -80,7 +81,7 @@ def joint_search(analysis, world_size: int) -> dict[str, object]:
     devices = Devices(world_size=world_size, memory_bytes=limit)
     kw = dict(devices=devices, memory_limit_bytes=limit, optimizer="adamw")
     start = time.perf_counter()
-    _, recompute = search_plan(analysis, **kw)
+    recompute = search_plan(analysis, **kw).recompute
     once_s = time.perf_counter() - start
     start = time.perf_counter()
     ranked = search_schedules(analysis, **kw)

@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "of each system (a barrier before each step; a step's time is the slowest rank's); "
         "systems over their limit are timed too (fits: NO).",
         f"Peak: the largest of the first {opts.peak_steps} steps (from step 1) and of the ranks, "
-        "measured by osdp_fx/storage_tracker.py; predicted: step 1's prediction for step 1, "
+        "measured by osdp_fx/runtime/storage_tracker.py; predicted: step 1's prediction for step 1, "
         "the steady one after; error: the worst step's (measured / predicted - 1).",
         f"Machine: {os.cpu_count()} cores, 1-min load average "
         f"{out['load_avg_before_after'][0]} before and {out['load_avg_before_after'][1]} after.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import _moved
+from ._version import VERSION
 from .api import compile_osdp
 from .core.devices import Devices
 from .core.precision import MixedPrecision
@@ -23,6 +24,6 @@ from .training.clip import clip_grad_norm_
 __all__ = ["compile_osdp", "clip_grad_norm_", "detect_devices", "Devices", "MixedPrecision", "OSDPModule", "Plan",
            "load_checkpoint", "save_checkpoint", "OSDPError", "CaptureError", "CheckpointError",
            "InputError", "PlanError", "PlanMismatchError"]
-__version__ = "0.2.0.dev0"
+__version__ = VERSION
 
 _moved.install()

@@ -31,6 +31,7 @@ from .passes.shard import shard_parameters_pass
 from .plan.plan import Plan
 from .plan.request import PlanRequest
 from .planner.autotune import autotune_plans, check_autotune
+from .planner.cache import CachedPlan, PlanCache, cache_dir, plan_key
 from .planner.detect import devices_for
 from .planner.make import PlanOptions, plan_model, resolve_named
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
@@ -66,6 +67,7 @@ def compile_osdp(
     example_kwargs: dict[str, Any] | None = None,
     max_shape: Sequence[int] | None = None,
     autotune: int | None = None,
+    plan_cache: bool | str | os.PathLike[str] = True,
 ) -> OSDPModule:
     """Compile ``model`` for data-parallel training with a per-parameter sharding plan.
 
@@ -74,7 +76,7 @@ def compile_osdp(
             overwritten with rank 0's values (as DDP does). Drop your reference to it to free
             its full-size parameters. A model built under ``torch.device("meta")`` is planned
             without values and then initialised one module at a time, keeping only this
-            rank's shards (``osdp_fx/materialize.py``; seed every rank the same); its meta
+            rank's shards (``osdp_fx/training/materialize.py``; seed every rank the same); its meta
             tensors are then replaced: replicated parameters and buffers by the values the
             compiled module uses, sharded parameters by new meta tensors.
         example_inputs: this rank's inputs for one step, a tuple of the forward's positional
@@ -135,6 +137,13 @@ def compile_osdp(
             about ``20 * autotune`` steps; logged as the "autotune" stage. Default None: the
             predicted best, nothing timed.
 
+        plan_cache: with the search (plan=None), where searched plans are kept, so that
+            compiling the same model with the same inputs, devices, world and options again (a
+            restart) takes the saved plan instead of searching: the same plan hash, the same
+            splits. True: ``$OSDP_FX_PLAN_CACHE``, else ``~/.cache/osdp_fx/plans``
+            (``planner/cache.py``); a directory; False: no cache. Rank 0 decides for all ranks;
+            the log says which entry was used.
+
     Collective: every rank of the world must call it with the same model and plan. Its stages
     (capture, plan: profile and search, shard, ...) log their seconds at INFO through
     ``logging``; on a terminal rank 0 shows a progress bar (``osdp_fx.core.progress.configure``).
@@ -153,6 +162,11 @@ def compile_osdp(
     world = _world(devices, memory_limit)
     with progress.stage("capture", log, times):
         captured, inputs, device = _capture(target, inputs, on_meta=on_meta, model=model)
+    cache, key, cached = _cached_plan(plan_cache, request, captured, inputs, devices, world,
+                                      device, options)
+    if cached is not None:  # planned before: the saved plan, named
+        request, devices = PlanRequest("file", path=str(cached.path), data=cached.plan), \
+            cached.devices
     named = None if request.kind == "search" else resolve_named(  # fails before any collective
         captured, request, world_size=world.size, ranks_per_node=world.ranks_per_node,
         memory_limit_bytes=world.memory_limit_bytes)
@@ -168,7 +182,7 @@ def compile_osdp(
     _agree(captured, candidates, world, on_meta=on_meta, device=device)
     reduce_dtype = options.precision.reduce_dtype if options.precision is not None else None
     chosen = planned.plan
-    if autotune:
+    if autotune and cached is None:
         with progress.stage(f"autotune ({len(candidates)} plans)", log, times):
             chosen = autotune_plans(
                 list(candidates), functools.partial(_trial_module, captured, rank=world.rank,
@@ -176,6 +190,8 @@ def compile_osdp(
                 inputs, optimizer=optimizer, limit_bytes=devices.memory_bytes,
                 margin=devices.memory_margin)
         _check_ranks_agree(chosen)
+    if cache is not None and cached is None and world.rank == 0:
+        log.info("plan cache: saved the plan as %s", cache.put(key, chosen, devices))
     with progress.stage("shard", log, times):
         table = _shard(captured.gm, chosen, captured, rank=world.rank, reduce_dtype=reduce_dtype)
     if on_meta:
@@ -243,6 +259,25 @@ def _capture(target: nn.Module, inputs: tuple[Any, ...], *, on_meta: bool,
         inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
         return capture(target, inputs, device=device), inputs, device
     return capture(target, inputs, device="cpu"), inputs, model_device(model, inputs)
+
+
+def _cached_plan(plan_cache: Any, request: PlanRequest, captured: Captured,
+                 inputs: tuple[Any, ...], devices: Devices | None, world: _World,
+                 device: torch.device, options: PlanOptions
+                 ) -> tuple[PlanCache | None, str, CachedPlan | None]:
+    """The plan cache of a search, the search's key, and rank 0's entry for it (collective),
+    or (None, "", None) when there is no search or no cache."""
+    directory = cache_dir(plan_cache)
+    if request.kind != "search" or directory is None:
+        return None, "", None
+    cache = PlanCache(directory)
+    key = plan_key(captured, inputs, devices=devices, world_size=world.size,
+                   ranks_per_node=world.ranks_per_node,
+                   memory_limit_bytes=world.memory_limit_bytes, device=device, options=options)
+    cached = _from_rank0(cache.get(key) if world.rank == 0 else None)
+    log.info("plan cache: %s", f"using {cached.path}" if cached is not None
+             else f"no plan in {directory} for this model, inputs, devices and options")
+    return cache, key, cached
 
 
 def _prepare_graph(captured: Captured, plan: Plan, inputs: tuple[Any, ...],

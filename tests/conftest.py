@@ -8,6 +8,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Searched plans are not cached across test cases (each case searches, as it asserts on the
+# search); tests of the plan cache pass plan_cache= a directory of their own.
+os.environ["OSDP_FX_PLAN_CACHE"] = "off"
 
 from harness.world import World, freeze_imported_objects  # noqa: E402
 

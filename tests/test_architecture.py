@@ -9,6 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "osdp_fx"
 
 LAYERS: list[tuple[str, ...]] = [
+    ("_version",),
     ("errors",),
     ("units",),
     ("core",),

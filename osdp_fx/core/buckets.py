@@ -63,6 +63,10 @@ class Schedule:
     time where a gather bucket is a whole block, as FSDP2 does."""
 
 
+DEFAULT_SCHEDULE = Schedule()
+"""The schedule of a plan that names none (the cost models' default argument)."""
+
+
 def candidate_schedules(prefetch: int | None = None,
                         block_bytes: int | None = None) -> list[Schedule]:
     """The schedules the search tries (the default first): prefetch 0, 1 or 2 (or only

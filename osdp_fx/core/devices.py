@@ -77,6 +77,12 @@ class Devices:
     memory_margin: float = 0.03
     """Share of ``memory_bytes`` kept free for what a GPU's caching allocator adds to the peak:
     presets and GPU ``detect`` set ``presets.GPU_MEMORY_MARGIN``, CPU ``detect`` 0."""
+    reduce_scatter_copies_input: bool = False
+    """Whether a reduce-scatter copies the gradient it is handed at its launch, so that both
+    are alive then: true of gloo with more than one rank ([Note: gloo reduce-scatter] in
+    ``runtime/collectives.py``), false of NCCL and of one rank. ``detect`` and ``devices_for``
+    set it from the running process group's backend; False (as without a process group)
+    unless stated, e.g. to plan offline for a gloo world."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -117,7 +123,7 @@ class Devices:
                memory_limit: int | str | None = None) -> Devices:
         """``world_size`` ranks (default: one node) of a known cluster kind, e.g. ``Devices.
         preset("h100-sxm-8x", world_size=64)``: datasheet figures times stated efficiencies,
-        sources in ``osdp_fx/presets.py`` (``python -m osdp_fx devices`` lists the names);
+        sources in ``osdp_fx/core/presets.py`` (``python -m osdp_fx devices`` lists the names);
         ``memory_limit`` defaults to the GPU's memory."""
         from .presets import preset_figures
 

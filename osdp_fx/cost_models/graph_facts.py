@@ -106,7 +106,10 @@ def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts
             savers[root[by_name[name]]].append(j)
         if p.saved_output_bytes:
             savers[root[j]].append(j)
-    return GraphFacts(nodes, pos, prof, root, members, savers, requires_grad, param_of)
+    # plain dicts: the facts are shared by every prediction of an analysis, which must not
+    # add keys to them
+    return GraphFacts(nodes, pos, prof, root, dict(members), dict(savers), requires_grad,
+                      param_of)
 
 
 def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
@@ -257,14 +260,14 @@ def activation_grad_intervals(facts: GraphFacts,
         if (not facts.requires_grad[n] or n in facts.param_of or prof[n].output_is_view
                 or n.op == "output"):
             continue
-        grad_users = [u for m in facts.members[n] for u in m.users
+        grad_users = [u for m in facts.members.get(n, []) for u in m.users
                       if u.op != "output" and facts.requires_grad[u] and facts.root[u] is not n]
         if not grad_users:
             continue
         nbytes = prof[n].output_bytes
         last = max(grad_users, key=pos.__getitem__)
         spans[n] = (bwd(pos[last]), bwd(pos[n]), nbytes)
-        if any(m.name in prof[last].grad_passthrough for m in facts.members[n]):
+        if any(m.name in prof[last].grad_passthrough for m in facts.members.get(n, [])):
             links.append((n, facts.root[last]))
         direct = sorted({pos[u] for u in n.users if u.op != "output" and facts.requires_grad[u]})
         for p in direct[:-1]:  # the last reader's backward runs first and makes the buffer

@@ -13,8 +13,8 @@ nothing is hidden.
 
 Only a share :data:`OVERLAP_EFFICIENCY` of that ideal is credited: on CPU gloo's threads run on
 the cores the computation uses. Reduce-scatters and all-reduces, also asynchronous in the
-runtime, are not credited (measured on 2 CPU cores: their asynchrony gains about 3 % of a step,
-``docs/benchmarks.md``).
+runtime, are not credited: their asynchrony gains little of a step (``docs/benchmarks.md``
+records the measurements).
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from .compute import CALL_OPS, node_compute_time_s
 from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets
 
 OVERLAP_EFFICIENCY = 0.5
-"""Share of the ideally hidden all-gather time that prefetching hides in practice. On this
-project's 2-core CPU machine, prefetching one ahead took a full_shard step of the compare.py
-GPT from 0.677 to 0.652 s and of an MLP from 91 to 69 ms (``docs/benchmarks.md``,
-``docs/cost-models.md``): about half of what an ideal overlap of those gathers would give."""
+"""Share of the ideally hidden all-gather time that prefetching hides in practice: about half,
+by the full_shard steps with and without prefetching measured in ``docs/benchmarks.md`` and
+``docs/cost-models.md`` (gloo's threads share the cores the computation runs on)."""
 
 
 def exposed_gather_s(compute_s: Sequence[float],

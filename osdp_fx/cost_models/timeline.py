@@ -43,14 +43,14 @@ elements padded; for hybrid_shard read R for N throughout):
   the full gradient P until the backward of the first use in graph order, then the asynchronous
   reduce-scatter holds it (or its padded copy Pp when Pp != numel; on gloo a copy it makes at
   the launch, when the gradient is alive too) until it completes: when the
-  reduce-scatter ``reduce_scatters_in_flight`` later starts (those starting at one time point
+  reduce-scatter ``schedule.scatters_in_flight`` later starts (those starting at one time point
   in the order autograd runs their all-gathers' backward: the one issued last first; a
   recomputed region's all-gathers, issued before it, after the region's backward unless read
   through ``grad_ready``), or at the end of backward; the Pp/N
   shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
   intra-node stage also holds a Pp / R block until the reduce-scatter completes);
 * gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
-  from when its last gradient is ready until the bucket ``reduce_scatters_in_flight`` later
+  from when its last gradient is ready until the bucket ``schedule.scatters_in_flight`` later
   starts or backward ends;
 * optimizer step: Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter,
   and the previous parameter's division result, which torch's single-tensor loop still holds
@@ -71,18 +71,15 @@ of lines in ``b``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
 from torch import fx
 
-from ..core.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_PREFETCH,
-    MAX_IN_FLIGHT,
-    SMALL_PARAM_BYTES,
-)
+from ..core.buckets import DEFAULT_SCHEDULE, Schedule
+from ..core.devices import Devices
 from ..core.layout import shard_count
 from ..core.node_meta import NodeRole, osdp_meta
 from ..core.strategies import traits
@@ -91,7 +88,9 @@ from .envelope import envelope as _envelope
 from .graph_facts import (
     PREFETCH_BEFORE,
     SPLIT_BEFORE,
+    GraphFacts,
     ParamState,
+    Regather,
     activation_grad_intervals,
     graph_facts,
     prefetched_regathers,
@@ -115,6 +114,7 @@ from .memory import (
     shard_numel,
 )
 from .recompute import (
+    RegionSpan,
     internal_interval,
     recompute_workspace,
     region_spans,
@@ -139,47 +139,138 @@ def constant_bytes(gm: fx.GraphModule) -> int:
     return sum(storages.values())
 
 
-def _step_timeline(
-    gm: fx.GraphModule,
-    params: Mapping[str, ParamState],
-    *,
-    world_size: int,
-    ranks_per_node: int | None,
-    optimizer: str,
-    bucket_bytes: int,
-    prefetch: int,
-    reduce_scatters_in_flight: int,
-    grad_accumulation: int,
-    recompute: Mapping[str, str] | None,
-    gather_bucket_bytes: int,
-    seq_scale: Mapping[str, tuple[float, ...]] | None,
-    scatter_copies_input: bool = False,
-) -> tuple[Timeline, dict[Category, int], tuple[tuple[float, str], ...], list[fx.Node], int]:
-    """The allocations of one step (:func:`predict_step_memory`'s arguments): the timeline, the
-    bytes held throughout by category, the micro-batches as (time shift, which), the nodes and
-    the optimizer step's time point."""
-    facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
-    if seq_scale:  # every reader of the profile (recompute.py too) sees the scaled bytes
-        facts.profile = rescaled(facts.profile, seq_scale)
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What every part of one step's timeline reads: the graph's facts (profile rescaled to
+    the sequence length), the plan, the devices and the step's time points."""
+
+    facts: GraphFacts
+    """Storage roots, savers and gradient flow of the graph."""
+    params: Mapping[str, ParamState]
+    """Each parameter group's size and strategy."""
+    devices: Devices
+    """World size, ranks per node, whether a reduce-scatter copies its input."""
+    schedule: Schedule
+    """Prefetch distance, bucket sizes, gradient collectives in flight."""
+    optimizer: str
+    """The optimizer kind (its state and temporaries)."""
+    grad_accumulation: int
+    """Micro-batches per optimizer step."""
+    spans: dict[fx.Node, RegionSpan]
+    """The recomputed region each operator is in (``recompute.region_spans``)."""
+
+    @property
+    def accumulating(self) -> bool:
+        return self.grad_accumulation > 1
+
+    @property
+    def grad_sync(self) -> int:
+        """The end of backward: the gradient all-reduce."""
+        return 2 * len(self.facts.nodes)
+
+    @property
+    def optim_t(self) -> int:
+        """The optimizer step."""
+        return 2 * len(self.facts.nodes) + 1
+
+    def bwd(self, i: int) -> int:
+        """The time point of the backward of the node at position ``i``."""
+        return 2 * len(self.facts.nodes) - 1 - i
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gathers:
+    """When the sharded parameters' forward all-gathers and backward re-gathers run."""
+
+    uses_of: dict[fx.Node, list[fx.Node]]
+    """The operators reading each parameter node (``GraphFacts.param_uses``)."""
+    at: dict[fx.Node, tuple[int, int]]
+    """Per operator, the positions it reads its parameters from and until: a recomputed
+    region's operators from before its first to after its last operator."""
+    buckets: list[list[fx.Node]]
+    """The forward all-gathers in issue order (``graph_facts.sharded_gather_buckets``)."""
+    bucket_of: dict[fx.Node, int]
+    """The bucket of each sharded parameter node."""
+    by: list[int]
+    """Per bucket, the bucket whose first use starts its all-gather (itself without prefetch)."""
+    split_at: list[float]
+    """Per bucket, when it is waited for and split into its members' copies."""
+    bucket_alloc: list[float]
+    """Per bucket, when its all-gather starts (allocating its flat buffer)."""
+    gather_at: dict[fx.Node, float]
+    """Per sharded parameter node, when its gathered copy is allocated."""
+    regather_at: dict[tuple[fx.Node, fx.Node], Regather]
+    """Backward's re-gathers of the full_shard parameters, by (parameter, saver)
+    (``graph_facts.prefetched_regathers``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamSizes:
+    """The bytes one parameter group takes on a rank under its strategy."""
+
+    full: int
+    """The whole parameter in its own dtype."""
+    chunks: int
+    """Ranks it is sharded over (``layout.shard_count``)."""
+    padded: int
+    """The padded whole in its own dtype (a multiple of ``chunks`` elements)."""
+    gathered: int
+    """The padded whole in the compute dtype: a gathered copy."""
+    local_numel: int
+    """Elements of this rank's shard (or the whole, replicated)."""
+    local: int
+    """Bytes this rank holds throughout."""
+    staged: bool
+    """Whether it is gathered in two stages (``hierarchical`` across nodes)."""
+    block: int
+    """``hierarchical`` across nodes: the first stage's block of a gathered copy; else 0."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradPiece:
+    """One sharded gradient of a gather bucket, as its reduce-scatter sees it."""
+
+    start: float
+    """When backward allocates the gradient."""
+    done: float
+    """When the gradient is complete (the backward of its last use)."""
+    grad_bytes: int
+    """The gradient in the compute dtype."""
+    held_bytes: int
+    """What the reduce-scatter holds of it: the padded gradient in the reduce dtype."""
+    shard_bytes: int
+    """The shard gradient the reduce-scatter leaves on this rank."""
+    block_bytes: int
+    """``hierarchical``: the intra-node stage's block held until the reduce-scatter completes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scatter:
+    """One reduce-scatter (of a gather bucket's gradients) on the timeline."""
+
+    launch: float
+    """When it starts."""
+    since: float
+    """When the gradient it is handed was allocated (``launch`` for a bucket's flat copy)."""
+    held_bytes: int
+    """What it holds from its launch until it completes."""
+    block_bytes: int
+    """``hierarchical``: the staged block it holds as well."""
+    bucket: int
+    """The gather bucket it reduces (those launched at one time point start in reverse)."""
+
+
+def _add_activations(tl: Timeline, step: _Step) -> None:
+    """Activations and what nodes save for backward (recomputed regions:
+    ``cost_models/recompute.py``), operator temporaries, gradients of activations (summed out
+    of place where several operators read a storage) and the step's inputs, which the caller
+    holds for the whole step."""
+    facts, spans, bwd = step.facts, step.spans, step.bwd
     nodes, pos, prof = facts.nodes, facts.pos, facts.profile
-    n_nodes = len(nodes)
-    requires_grad, members, savers = facts.requires_grad, facts.members, facts.savers
-    param_of = facts.param_of
-    users_of_root = {r: [u for m in ms for u in m.users] for r, ms in members.items()}
-
-    def bwd(i: int) -> int:
-        return 2 * n_nodes - 1 - i
-
-    grad_sync, optim_t = 2 * n_nodes, 2 * n_nodes + 1
-    acc = grad_accumulation > 1
-
-    tl = Timeline()
-
-    # Activations and what nodes save for backward; recomputed regions: cost_models/recompute.py
-    spans = region_spans(facts, recompute or {})
+    users_of_root = {r: [u for m in ms for u in m.users] for r, ms in facts.members.items()}
     intervals = [iv for r in users_of_root if r.op not in ("placeholder", "get_attr")
                  and not prof[r].output_is_view
-                 for iv in root_intervals(r, facts, spans, bwd, optim_t)]
+                 for iv in root_intervals(r, facts, spans, bwd, step.optim_t)]
     intervals += [internal_interval(j, facts, spans, bwd) for j in nodes]
     for start, end, nbytes, again in intervals + recompute_workspace(spans, facts, bwd):
         tl.alive(start, end, nbytes, Category.RECOMPUTED if again else Category.ACTIVATIONS,
@@ -188,32 +279,32 @@ def _step_timeline(
         p = prof[j]
         tl.alive(pos[j], pos[j], p.fwd_transient_bytes, Category.TEMPORARIES, scaled=True)
         tl.alive(bwd(pos[j]), bwd(pos[j]), p.bwd_transient_bytes, Category.TEMPORARIES, scaled=True)
-
-    # Gradients of activations, summed out of place where several operators read a storage
     for start, end, nbytes in activation_grad_intervals(facts, bwd):
         tl.alive(start, end, nbytes, Category.ACTIVATION_GRADIENTS, scaled=True)
-
-    # The step's inputs: held by the caller for the whole step.
     for n in nodes:
         if n.op == "placeholder":
-            tl.alive(0, optim_t, prof[n].output_bytes, Category.INPUTS, scaled=True)
+            tl.alive(0, step.optim_t, prof[n].output_bytes, Category.INPUTS, scaled=True)
 
-    # Parameters: gathered copies and gradients.
-    base = {Category.PARAMETERS: constant_bytes(gm), Category.OPTIMIZER_STATE: 0}
-    local_bytes: list[int] = []
-    replicated_ready: dict[str, float] = {}  # when each replicated gradient is complete
+
+def _gathers(step: _Step) -> _Gathers:
+    """When each sharded parameter is gathered in forward and re-gathered in backward.
+
+    A bucket's all-gather is waited for (a bucket of several parameters is gathered into one
+    flat buffer and split into copies, both alive until the flat is freed) before the
+    prefetches it starts, which start before its first user runs: with prefetching a bucket
+    allocates at the first use of the bucket ``prefetch`` before it."""
+    facts, params, spans = step.facts, step.params, step.spans
+    world_size, prefetch = step.devices.world_size, step.schedule.prefetch
+    gather_bucket_bytes = step.schedule.gather_bucket_bytes
+    pos, param_of = facts.pos, facts.param_of
     uses_of = {node: facts.param_uses(node) for node in param_of}
     sharded = [node for node in param_of if traits(params[param_of[node]].strategy).sharded
                and uses_of[node]]
     buckets = sharded_gather_buckets(facts, params, world_size, gather_bucket_bytes,
                                      {u: span.first for u, span in spans.items()})
-    # a recomputed region reads its parameters from before its first to after its last operator
-    at = {u: (spans[u].first, spans[u].last) if u in spans else (pos[u], pos[u]) for u in nodes}
+    at = {u: (spans[u].first, spans[u].last) if u in spans else (pos[u], pos[u])
+          for u in facts.nodes}
     first_use = {n: min(at[u][0] for u in uses_of[n]) for n in sharded}
-    # A bucket's all-gather is waited for (a bucket of several parameters is gathered into one
-    # flat buffer and split into copies, both alive until the flat is freed) before the
-    # prefetches it starts, which start before its first user runs: with prefetching a bucket
-    # allocates at the first use of the bucket ``prefetch`` before it.
     by = [max(0, i - prefetch) for i in range(len(buckets))]
     split_at = [first_use[bucket[0]] - SPLIT_BEFORE for bucket in buckets]
     bucket_alloc = [split_at[i] if by[i] == i else first_use[buckets[by[i]][0]] - PREFETCH_BEFORE
@@ -221,224 +312,321 @@ def _step_timeline(
     bucket_of = {n: i for i, bucket in enumerate(buckets) for n in bucket}
     gather_at = {n: bucket_alloc[bucket_of[n]] if len(buckets[bucket_of[n]]) == 1
                  else split_at[bucket_of[n]] for n in sharded}
-    # per bucket: (gradient from, done, its bytes, bytes reduced, shard bytes, staged block)
-    bucket_grads: dict[int, list[tuple[float, float, int, int, int, int]]] = defaultdict(list)
     # saved by operators outside recomputed regions (a region's parameters are re-gathered
     # when it is recomputed, and prefetching passes them by)
-    saved_outside = {node: [j for j in savers.get(node, []) if j not in spans] for node in sharded}
+    saved_outside = {node: [j for j in facts.savers.get(node, []) if j not in spans]
+                     for node in sharded}
     regather_at = prefetched_regathers(
         [node for node in sharded if traits(params[param_of[node]].strategy).freed_after_forward
-         and saved_outside[node]], saved_outside, pos, bwd, prefetch,
+         and saved_outside[node]], saved_outside, pos, step.bwd, prefetch,
         regathered_together(facts, params, buckets, world_size, gather_bucket_bytes),
         {n: gathered_param_bytes(params[param_of[n]].numel, world_size=world_size,
                                  element_size=params[param_of[n]].compute_size) for n in sharded})
-    def scattered_when_ready(node: fx.Node) -> bool:
-        """Whether a sharded parameter's reduce-scatter starts when its gradient is complete.
-        Not when a recomputed region reads it through an all-gather that runs before the region
-        (a bucket's, or read outside the region too): then after the region's backward
-        ([Note: reduce-scatter in recomputed regions] in ``passes/recompute.py``)."""
-        regions = {spans[u].name if u in spans else None for u in uses_of[node]}
-        if regions == {None}:
-            return True
-        outside = [m for m in members[node] if m not in spans]
-        casts = [m for m in outside if osdp_meta(m).role == NodeRole.CAST]
-        return (len(regions) == 1 and None not in regions and len(buckets[bucket_of[node]]) == 1
-                and set(outside) <= {node, *casts}
-                and all(set(m.users) <= spans.keys() for m in casts)
-                and set(node.users) <= (set(casts) if casts else spans.keys()))
+    return _Gathers(uses_of, at, buckets, bucket_of, by, split_at, bucket_alloc, gather_at,
+                    regather_at)
 
-    # (launch time, since, bytes held from then until it completes, staged block from launch)
-    scatters: list[tuple[float, float, int, int]] = []
-    scatter_bucket: list[int] = []  # the gather bucket of each
+
+def _scattered_when_ready(node: fx.Node, step: _Step, gathers: _Gathers) -> bool:
+    """Whether a sharded parameter's reduce-scatter starts when its gradient is complete.
+    Not when a recomputed region reads it through an all-gather that runs before the region
+    (a bucket's, or read outside the region too): then after the region's backward
+    ([Note: reduce-scatter in recomputed regions] in ``passes/recompute.py``)."""
+    spans = step.spans
+    regions = {spans[u].name if u in spans else None for u in gathers.uses_of[node]}
+    if regions == {None}:
+        return True
+    outside = [m for m in step.facts.members[node] if m not in spans]
+    casts = [m for m in outside if osdp_meta(m).role == NodeRole.CAST]
+    return (len(regions) == 1 and None not in regions
+            and len(gathers.buckets[gathers.bucket_of[node]]) == 1
+            and set(outside) <= {node, *casts}
+            and all(set(m.users) <= spans.keys() for m in casts)
+            and set(node.users) <= (set(casts) if casts else spans.keys()))
+
+
+def _param_sizes(state: ParamState, devices: Devices) -> _ParamSizes:
+    """What one parameter group takes on a rank under its strategy."""
+    world_size, ranks_per_node = devices.world_size, devices.ranks_per_node
+    full = state.numel * state.element_size
+    chunks = shard_count(state.strategy, world_size, ranks_per_node)
+    padded = gathered_param_bytes(state.numel, element_size=state.element_size,
+                                  world_size=chunks)
+    gathered = padded // state.element_size * state.compute_size
+    t = traits(state.strategy)
+    # hierarchical: the block of the first stage (1/R of the buffer) while the second runs
     nodes_in_mesh = world_size // (ranks_per_node or world_size)
-    for node, name in param_of.items():
-        state = params[name]
-        full = state.numel * state.element_size
-        chunks = shard_count(state.strategy, world_size, ranks_per_node)
-        padded = gathered_param_bytes(state.numel, element_size=state.element_size,
-                                      world_size=chunks)
-        gathered = padded // state.element_size * state.compute_size
-        local_numel = shard_numel(state.numel, chunks)
-        t = traits(state.strategy)
-        local = padded // chunks if t.sharded else full
-        # hierarchical: the block of the first stage (1/R of the buffer) while the second runs
-        staged = (len(t.gather_stages) > 1 and ranks_per_node is not None
-                  and 1 < ranks_per_node and nodes_in_mesh > 1)
-        block = gathered // ranks_per_node if staged and ranks_per_node else 0
-        base[Category.PARAMETERS] += local
-        if state.trainable:
-            base[Category.OPTIMIZER_STATE] += optimizer_state_bytes(local_numel, optimizer=optimizer)
-            local_bytes.append(local)
-        uses = uses_of[node]
-        if not uses:
-            continue
-        last = max(at[u][1] for u in uses)
-        redo = {spans[u].name: spans[u] for u in uses if u in spans}
-        saved_by = [j for j in savers.get(node, []) if j not in spans]
-        kept_until = max([bwd(pos[j]) for j in saved_by] + [bwd(r.first) for r in redo.values()]
-                         + [last])
-        if t.freed_after_forward:
-            for r in redo.values():  # re-gathered once to recompute, until its first backward
-                done = [bwd(pos[j]) for j in savers.get(node, []) if spans.get(j) is r]
-                tl.alive(r.recompute_at(bwd), max(done, default=r.recompute_at(bwd)), gathered,
-                         Category.GATHERED, scaled=False)
-            # A two-stage gather's second stage runs (allocating the buffer) a quarter step
-            # before the use, when it is waited for; its first stage's block is alive from its
-            # start.
-            wait = min(pos[u] for u in uses) - 0.25 if block else gather_at[node]
-            tl.alive(min(gather_at[node], wait), wait, block, Category.COMMUNICATION, scaled=False)
-            tl.alive(wait, last, gathered, Category.GATHERED, scaled=False)
-            for j in saved_by:  # re-gathered alone, or with its bucket (split at its first unpack)
-                r = regather_at.get((node, j))
-                start, split = (r.start, r.split) if r else (bwd(pos[j]), bwd(pos[j]))
-                wait = bwd(pos[j]) - 0.25 if block else split
-                tl.alive(min(start, wait), wait, block, Category.COMMUNICATION, scaled=False)
-                tl.alive(wait, bwd(pos[j]), gathered, Category.GATHERED, scaled=False)
-                if r and r.flat_bytes:
-                    tl.alive(start, split, r.flat_bytes, Category.COMMUNICATION, scaled=False)
-                    if start < split:  # prefetched: its send buffer until it is waited for
-                        tl.alive(start, split, r.flat_bytes // chunks, Category.COMMUNICATION,
-                                 scaled=False)
-        elif t.keeps_gathered:
-            tl.alive(gather_at[node], kept_until, gathered, Category.GATHERED, scaled=False)
-        elif state.compute_size != state.element_size:  # replicate: the cast copy
-            tl.alive(min(pos[u] for u in uses), kept_until, state.numel * state.compute_size,
+    staged = (len(t.gather_stages) > 1 and ranks_per_node is not None
+              and 1 < ranks_per_node and nodes_in_mesh > 1)
+    return _ParamSizes(
+        full=full, chunks=chunks, padded=padded, gathered=gathered,
+        local_numel=shard_numel(state.numel, chunks),
+        local=padded // chunks if t.sharded else full, staged=staged,
+        block=gathered // ranks_per_node if staged and ranks_per_node else 0)
+
+
+def _add_gathered(tl: Timeline, step: _Step, gathers: _Gathers, node: fx.Node,
+                  state: ParamState, size: _ParamSizes) -> None:
+    """The gathered (or cast) copies of one parameter node: ``full_shard`` (and the mesh
+    strategies) from its gather to its last forward use and again for the backward of each
+    saver (re-gathered once to recompute a region), ``shard_grad_op`` until the backward of
+    its earliest saver, a mixed-precision replicated parameter its cast copy."""
+    facts, spans, bwd = step.facts, step.spans, step.bwd
+    pos, at = facts.pos, gathers.at
+    uses = gathers.uses_of[node]
+    t = traits(state.strategy)
+    gathered, block = size.gathered, size.block
+    last = max(at[u][1] for u in uses)
+    redo = {spans[u].name: spans[u] for u in uses if u in spans}
+    saved_by = [j for j in facts.savers.get(node, []) if j not in spans]
+    kept_until = max([bwd(pos[j]) for j in saved_by] + [bwd(r.first) for r in redo.values()]
+                     + [last])
+    if t.freed_after_forward:
+        for r in redo.values():  # re-gathered once to recompute, until its first backward
+            done = [bwd(pos[j]) for j in facts.savers.get(node, []) if spans.get(j) is r]
+            tl.alive(r.recompute_at(bwd), max(done, default=r.recompute_at(bwd)), gathered,
                      Category.GATHERED, scaled=False)
+        # A two-stage gather's second stage runs (allocating the buffer) a quarter step
+        # before the use, when it is waited for; its first stage's block is alive from its
+        # start.
+        gather_at = gathers.gather_at[node]
+        wait = min(pos[u] for u in uses) - 0.25 if block else gather_at
+        tl.alive(min(gather_at, wait), wait, block, Category.COMMUNICATION, scaled=False)
+        tl.alive(wait, last, gathered, Category.GATHERED, scaled=False)
+        for j in saved_by:  # re-gathered alone, or with its bucket (split at its first unpack)
+            r = gathers.regather_at.get((node, j))
+            start, split = (r.start, r.split) if r else (bwd(pos[j]), bwd(pos[j]))
+            wait = bwd(pos[j]) - 0.25 if block else split
+            tl.alive(min(start, wait), wait, block, Category.COMMUNICATION, scaled=False)
+            tl.alive(wait, bwd(pos[j]), gathered, Category.GATHERED, scaled=False)
+            if r and r.flat_bytes:
+                tl.alive(start, split, r.flat_bytes, Category.COMMUNICATION, scaled=False)
+                if start < split:  # prefetched: its send buffer until it is waited for
+                    tl.alive(start, split, r.flat_bytes // size.chunks, Category.COMMUNICATION,
+                             scaled=False)
+    elif t.keeps_gathered:
+        tl.alive(gathers.gather_at[node], kept_until, gathered, Category.GATHERED, scaled=False)
+    elif state.compute_size != state.element_size:  # replicate: the cast copy
+        tl.alive(min(pos[u] for u in uses), kept_until, state.numel * state.compute_size,
+                 Category.GATHERED, scaled=False)
+
+
+def _add_param_gradient(tl: Timeline, step: _Step, gathers: _Gathers, node: fx.Node,
+                        state: ParamState, size: _ParamSizes) -> tuple[float, _GradPiece | None]:
+    """The gradient of one trainable parameter node until its collective: a replicated one's
+    in ``.grad`` (from the start of a micro-batch where earlier ones accumulated it), summed
+    out of place where several operators read the parameter. Returns when it is complete
+    (-1: it gets none) and, when sharded, what its reduce-scatter holds of it (the caller
+    charges those per gather bucket)."""
+    facts, bwd, pos, at = step.facts, step.bwd, step.facts.pos, gathers.at
+    t = traits(state.strategy)
+    grad_uses = [u for u in gathers.uses_of[node] if facts.requires_grad[u]]
+    if not grad_uses:
+        return -1, None
+    grad_start, grad_done = bwd(max(pos[u] for u in grad_uses)), bwd(min(pos[u] for u in grad_uses))
+    if t.sharded and not _scattered_when_ready(node, step, gathers):  # after its regions' backward
+        grad_done = bwd(min(at[u][0] for u in grad_uses))
+    # A parameter read by several operators (tied weights) gets its gradient summed out of
+    # place (autograd's input buffer): the backward of every use but the first to run
+    # allocates its contribution and the sum while the gradient so far is alive.
+    grad_bytes = state.numel * state.compute_size if t.sharded else size.full
+    for u in grad_uses:
+        if bwd(pos[u]) != grad_start:
+            tl.alive(bwd(pos[u]), bwd(pos[u]), 2 * grad_bytes, Category.GRADIENTS,
+                     scaled=False)
+    if t.sharded:
+        held = size.padded // state.element_size * state.reduce_size
+        ranks_per_node = step.devices.ranks_per_node
+        return grad_done, _GradPiece(grad_start, grad_done, state.numel * state.compute_size,
+                                     held, size.padded // size.chunks,
+                                     held // ranks_per_node if size.staged and ranks_per_node
+                                     else 0)
+    # accumulated by earlier micro-batches: alive from the start, and this backward's
+    # gradient is a new tensor until autograd adds it to ``.grad``
+    for micro, since in ((SYNC, 0 if step.accumulating else grad_start),
+                         (LOCAL, 0 if step.grad_accumulation > 2 else grad_start)):
+        tl.alive(since, step.optim_t, size.full, Category.GRADIENTS, scaled=False, only=micro)
+        if since == 0:
+            tl.alive(grad_start, grad_done, size.full, Category.GRADIENTS, scaled=False,
+                     only=micro)
+    return grad_done, None
+
+
+def _add_params(tl: Timeline, step: _Step, gathers: _Gathers, base: dict[Category, int],
+                ) -> tuple[list[int], dict[str, float], dict[int, list[_GradPiece]]]:
+    """Every parameter node's local bytes and optimizer state (added to ``base``), gathered
+    copies and gradients. Returns the trainable groups' local bytes, when each replicated
+    gradient is ready for its all-reduce, and the sharded gradients by gather bucket."""
+    local_bytes: list[int] = []
+    replicated_ready: dict[str, float] = {}
+    bucket_grads: dict[int, list[_GradPiece]] = defaultdict(list)
+    for node, name in step.facts.param_of.items():
+        state = step.params[name]
+        size = _param_sizes(state, step.devices)
+        base[Category.PARAMETERS] += size.local
+        if state.trainable:
+            base[Category.OPTIMIZER_STATE] += optimizer_state_bytes(size.local_numel,
+                                                                    optimizer=step.optimizer)
+            local_bytes.append(size.local)
+        if not gathers.uses_of[node]:
+            continue
+        _add_gathered(tl, step, gathers, node, state, size)
         if not state.trainable:
             continue
-        grad_uses = [u for u in uses if requires_grad[u]]
-        if not grad_uses:
-            continue
-        grad_start, grad_done = bwd(max(pos[u] for u in grad_uses)), bwd(min(pos[u] for u in grad_uses))
-        if t.sharded and not scattered_when_ready(node):  # after its regions' backward
-            grad_done = bwd(min(at[u][0] for u in grad_uses))
-        # A parameter read by several operators (tied weights) gets its gradient summed out of
-        # place (autograd's input buffer): the backward of every use but the first to run
-        # allocates its contribution and the sum while the gradient so far is alive.
-        grad_bytes = state.numel * state.compute_size if t.sharded else full
-        for u in grad_uses:
-            if bwd(pos[u]) != grad_start:
-                tl.alive(bwd(pos[u]), bwd(pos[u]), 2 * grad_bytes, Category.GRADIENTS,
-                         scaled=False)
-        if not t.sharded:  # accumulated by earlier micro-batches: alive from the start, and
-            # this backward's gradient is a new tensor until autograd adds it to ``.grad``
-            for micro, since in ((SYNC, 0 if acc else grad_start),
-                                 (LOCAL, 0 if grad_accumulation > 2 else grad_start)):
-                tl.alive(since, optim_t, full, Category.GRADIENTS, scaled=False, only=micro)
-                if since == 0:
-                    tl.alive(grad_start, grad_done, full, Category.GRADIENTS, scaled=False,
-                             only=micro)
-            replicated_ready[name] = grad_done + 0.5
-        else:
-            held = padded // state.element_size * state.reduce_size
-            bucket_grads[bucket_of[node]].append((
-                grad_start, grad_done, state.numel * state.compute_size, held,
-                padded // chunks, held // ranks_per_node if staged and ranks_per_node else 0))
-    for i, bucket in enumerate(buckets):
+        done, piece = _add_param_gradient(tl, step, gathers, node, state, size)
+        if piece is not None:
+            bucket_grads[gathers.bucket_of[node]].append(piece)
+        elif done >= 0:
+            replicated_ready[name] = done + 0.5
+    return local_bytes, replicated_ready, bucket_grads
+
+
+def _add_buckets(tl: Timeline, step: _Step, gathers: _Gathers,
+                 bucket_grads: Mapping[int, list[_GradPiece]]) -> list[_Scatter]:
+    """Per gather bucket: the flat buffer of a bucket of several parameters until it is split,
+    its gradients until their reduce-scatter, the shard gradients it leaves, and, accumulating,
+    the buffer the micro-batches add their gradients into. Returns the reduce-scatters, in
+    bucket order."""
+    params, world_size = step.params, step.devices.world_size
+    param_of, optim_t = step.facts.param_of, step.optim_t
+    scatters: list[_Scatter] = []
+    for i, bucket in enumerate(gathers.buckets):
         if len(bucket) > 1:  # the flat buffer of the gather, until it is split
             state = params[param_of[bucket[0]]]
-            chunks = shard_count(state.strategy, world_size, ranks_per_node)
+            chunks = shard_count(state.strategy, world_size, step.devices.ranks_per_node)
             flat = sum(gathered_param_bytes(params[param_of[n]].numel,
                                             element_size=params[param_of[n]].compute_size,
                                             world_size=chunks) for n in bucket)
-            tl.alive(bucket_alloc[i], split_at[i], flat, Category.COMMUNICATION, scaled=False)
-            if by[i] != i:  # prefetched: its send buffer until it is waited for
-                tl.alive(bucket_alloc[i], split_at[i], flat // chunks, Category.COMMUNICATION,
-                         scaled=False)
+            alloc, split = gathers.bucket_alloc[i], gathers.split_at[i]
+            tl.alive(alloc, split, flat, Category.COMMUNICATION, scaled=False)
+            if gathers.by[i] != i:  # prefetched: its send buffer until it is waited for
+                tl.alive(alloc, split, flat // chunks, Category.COMMUNICATION, scaled=False)
         grads = bucket_grads.get(i)
         if not grads:
             continue
         # The reduce-scatter starts after the backward of the bucket's last gradient has
         # released what it unpacked (half a step later) and holds the gradient (its padded copy
         # in the reduce dtype; a bucket's flat concatenation) until it completes.
-        scatter = max(g[1] for g in grads) + 0.5
-        held, held_block = sum(g[3] for g in grads), sum(g[5] for g in grads)
-        if len(grads) == 1 and len(bucket) == 1 and held == grads[0][2]:
-            scatters.append((scatter, grads[0][0], held, held_block))
-            scatter_bucket.append(i)
+        launch = max(g.done for g in grads) + 0.5
+        held = sum(g.held_bytes for g in grads)
+        held_block = sum(g.block_bytes for g in grads)
+        if len(grads) == 1 and len(bucket) == 1 and held == grads[0].grad_bytes:
+            scatters.append(_Scatter(launch, grads[0].start, held, held_block, i))
         else:
-            for start, _, grad, *_ in grads:
-                tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=SYNC)
-            scatters.append((scatter, scatter, held, held_block))
-            scatter_bucket.append(i)
-        for *_, shard, _ in grads:
-            tl.alive(scatter, optim_t, shard, Category.GRADIENTS, scaled=False, only=SYNC)
+            for g in grads:
+                tl.alive(g.start, launch, g.grad_bytes, Category.GRADIENTS, scaled=False,
+                         only=SYNC)
+            scatters.append(_Scatter(launch, launch, held, held_block, i))
+        for g in grads:
+            tl.alive(launch, optim_t, g.shard_bytes, Category.GRADIENTS, scaled=False, only=SYNC)
         # Accumulating: the synchronised backward adds into the held buffer and reduce-scatters
         # it; a no_sync backward adds its gradients into it (the first allocates it).
-        if acc:
-            tl.alive(0, scatter - 0.125, held, Category.GRADIENTS, scaled=False, only=SYNC)
-            tl.alive(0 if grad_accumulation > 2 else scatter, grad_sync, held,
+        if step.accumulating:
+            tl.alive(0, launch - 0.125, held, Category.GRADIENTS, scaled=False, only=SYNC)
+            tl.alive(0 if step.grad_accumulation > 2 else launch, step.grad_sync, held,
                      Category.GRADIENTS, scaled=False, only=LOCAL)
-            for start, _, grad, *_ in grads:
-                tl.alive(start, scatter, grad, Category.GRADIENTS, scaled=False, only=LOCAL)
-    # At most ``reduce_scatters_in_flight`` run at once: starting one more completes the oldest;
-    # the rest complete at the end of backward.
-    # Those launched at one time point start in the order autograd runs their all-gathers'
-    # backward: the all-gather issued last first.
-    scatters = [scatters[k] for k in sorted(range(len(scatters)),
-                                            key=lambda k: (scatters[k][0], -scatter_bucket[k]))]
-    for i, (launch, since, held, held_block) in enumerate(scatters):
-        later = i + reduce_scatters_in_flight
+            for g in grads:
+                tl.alive(g.start, launch, g.grad_bytes, Category.GRADIENTS, scaled=False,
+                         only=LOCAL)
+    return scatters
+
+
+def _add_scatters(tl: Timeline, step: _Step, scatters: list[_Scatter]) -> None:
+    """The reduce-scatters in flight. At most ``schedule.scatters_in_flight`` run at once:
+    starting one more completes the oldest; the rest complete at the end of backward. Those
+    launched at one time point start in the order autograd runs their all-gathers' backward:
+    the all-gather issued last first."""
+    in_flight = step.schedule.scatters_in_flight
+    ordered = sorted(scatters, key=lambda s: (s.launch, -s.bucket))
+    for i, s in enumerate(ordered):
+        later = i + in_flight
         # completed (and its buffer freed) before the later one starts
-        done = scatters[later][0] - 0.0625 if later < len(scatters) else grad_sync
-        if since < launch:  # the gradient itself, handed to the reduce-scatter at its launch
-            # (gloo: copied then, so both are alive at the launch)
-            tl.alive(since, launch - (0 if scatter_copies_input else 0.125), held,
+        done = ordered[later].launch - 0.0625 if later < len(ordered) else step.grad_sync
+        if s.since < s.launch:  # the gradient itself, handed to the reduce-scatter at its
+            # launch (gloo: copied then, so both are alive at the launch)
+            copies = step.devices.reduce_scatter_copies_input
+            tl.alive(s.since, s.launch - (0 if copies else 0.125), s.held_bytes,
                      Category.GRADIENTS, scaled=False, only=SYNC)
-        tl.alive(launch, done, held, Category.COMMUNICATION, scaled=False, only=SYNC)
-        tl.alive(launch, done, held_block, Category.COMMUNICATION, scaled=False, only=SYNC)
+        tl.alive(s.launch, done, s.held_bytes, Category.COMMUNICATION, scaled=False, only=SYNC)
+        tl.alive(s.launch, done, s.block_bytes, Category.COMMUNICATION, scaled=False, only=SYNC)
 
-    if world_size > 1:
-        replicated_buckets(tl, params, replicated_ready, bucket_bytes=bucket_bytes,
-                            in_flight=reduce_scatters_in_flight, end=grad_sync)
-    if OPTIMIZER_STATES[optimizer] == 2 and local_bytes:
+
+def _add_optimizer_step(tl: Timeline, step: _Step, local_bytes: list[int]) -> None:
+    """Adam/AdamW's ``sqrt`` and division temporaries, 2x the largest local parameter, and
+    the previous parameter's division result (at most the second largest)."""
+    if OPTIMIZER_STATES[step.optimizer] == 2 and local_bytes:
         largest, second = ([*sorted(local_bytes, reverse=True), 0])[:2]
-        tl.alive(optim_t, optim_t, 2 * largest + second, Category.OPTIMIZER_TEMPORARIES,
-                 scaled=False, only=SYNC)
+        tl.alive(step.optim_t, step.optim_t, 2 * largest + second,
+                 Category.OPTIMIZER_TEMPORARIES, scaled=False, only=SYNC)
 
+
+def _step_timeline(
+    gm: fx.GraphModule,
+    params: Mapping[str, ParamState],
+    facts: GraphFacts | None,
+    *,
+    devices: Devices,
+    schedule: Schedule,
+    optimizer: str,
+    grad_accumulation: int,
+    recompute: Mapping[str, str] | None,
+    seq_scale: Mapping[str, tuple[float, ...]] | None,
+) -> tuple[Timeline, dict[Category, int], tuple[tuple[float, str], ...], list[fx.Node], int]:
+    """The allocations of one step (:func:`predict_step_memory`'s arguments): the timeline, the
+    bytes held throughout by category, the micro-batches as (time shift, which), the nodes and
+    the optimizer step's time point."""
+    if facts is None:
+        facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
+    if seq_scale:  # every reader of the profile (recompute.py too) sees the scaled bytes
+        facts = dataclasses.replace(facts, profile=rescaled(facts.profile, seq_scale))
+    step = _Step(facts, params, devices, schedule, optimizer, grad_accumulation,
+                 region_spans(facts, recompute or {}))
+    tl = Timeline()
+    _add_activations(tl, step)
+    base = {Category.PARAMETERS: constant_bytes(gm), Category.OPTIMIZER_STATE: 0}
+    gathers = _gathers(step)
+    local_bytes, replicated_ready, bucket_grads = _add_params(tl, step, gathers, base)
+    _add_scatters(tl, step, _add_buckets(tl, step, gathers, bucket_grads))
+    if devices.world_size > 1:
+        replicated_buckets(tl, params, replicated_ready, bucket_bytes=schedule.reduce_bucket_bytes,
+                           in_flight=schedule.scatters_in_flight, end=step.grad_sync)
+    _add_optimizer_step(tl, step, local_bytes)
     # Accumulating, a no_sync micro-batch comes first on the timeline (shifted before t = 0).
-    micros = ((-(optim_t + 1), LOCAL), (0, SYNC)) if acc else ((0, SYNC),)
-    return tl, base, micros, nodes, optim_t
+    micros = ((-(step.optim_t + 1), LOCAL), (0, SYNC)) if step.accumulating else ((0, SYNC),)
+    return tl, base, micros, facts.nodes, step.optim_t
 
 
 def predict_step_memory(
     gm: fx.GraphModule,
     params: Mapping[str, ParamState],
+    facts: GraphFacts | None = None,
     *,
-    world_size: int,
-    ranks_per_node: int | None = None,
+    devices: Devices,
+    schedule: Schedule = DEFAULT_SCHEDULE,
     optimizer: str = "adamw",
     profiled_batch: int = 1,
     batch_size: int | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    prefetch: int = DEFAULT_PREFETCH,
-    reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
     grad_accumulation: int = 1,
     recompute: Mapping[str, str] | None = None,
-    gather_bucket_bytes: int = SMALL_PARAM_BYTES,
     seq_scale: Mapping[str, tuple[float, ...]] | None = None,
-    scatter_copies_input: bool = False,
 ) -> MemoryPrediction:
     """Predict the peak memory of one training step of ``gm`` under the given strategies.
 
     ``gm`` is the normalised graph (parameters as ``get_attr`` nodes whose ``osdp_meta.param``
     names the group), profiled by ``profile_graph_pass`` at ``profiled_batch``; ``params`` maps
-    each parameter group to its size and strategy; ``batch_size`` scales activations;
-    ``ranks_per_node`` (None: one node) sizes hybrid_shard's shards and hierarchical's stages.
-    ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
+    each parameter group to its size and strategy; ``facts``: ``graph_facts`` of ``gm`` (an
+    ``Analysis`` holds them; None: derived here, once per call); ``batch_size`` scales
+    activations. ``devices``: the world size, the ranks per node (None: one node; they size
+    hybrid_shard's shards and hierarchical's stages) and whether a reduce-scatter copies a
+    gradient it is handed at its launch (``Devices.reduce_scatter_copies_input``);
+    ``schedule``: the prefetch distance, the two bucket sizes and the gradient collectives in
+    flight. ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
     ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
     the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
-    ``seq_scale``: activations at another sequence length (``shapes.py``);
-    ``scatter_copies_input``: a reduce-scatter copies a gradient it is handed at its launch
-    (gloo, :func:`~osdp_fx.runtime.collectives.scatter_copies_input`).
+    ``seq_scale``: activations at another sequence length (``shapes.py``).
     """
     tl, base, micros, nodes, optim_t = _step_timeline(
-        gm, params, world_size=world_size, ranks_per_node=ranks_per_node, optimizer=optimizer,
-        bucket_bytes=bucket_bytes, prefetch=prefetch,
-        reduce_scatters_in_flight=reduce_scatters_in_flight,
-        grad_accumulation=grad_accumulation, recompute=recompute,
-        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale,
-        scatter_copies_input=scatter_copies_input)
+        gm, params, facts, devices=devices, schedule=schedule, optimizer=optimizer,
+        grad_accumulation=grad_accumulation, recompute=recompute, seq_scale=seq_scale)
     batch = batch_size or profiled_batch
     steady = [(t + shift, by) for shift, micro in micros for t, by in tl.sweep(base, micro)]
     # The first step: the optimizer allocates its state in its first step() (torch.optim's
@@ -477,24 +665,16 @@ def predict_step_memory(
     )
 
 
-def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState], *,
-                       world_size: int, ranks_per_node: int | None = None,
-                       optimizer: str = "adamw", profiled_batch: int = 1,
-                       batch_size: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       prefetch: int = DEFAULT_PREFETCH,
-                       reduce_scatters_in_flight: int = MAX_IN_FLIGHT,
+def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState],
+                       facts: GraphFacts | None = None, *, devices: Devices,
+                       schedule: Schedule = DEFAULT_SCHEDULE, optimizer: str = "adamw",
+                       profiled_batch: int = 1, batch_size: int | None = None,
                        grad_accumulation: int = 1, recompute: Mapping[str, str] | None = None,
-                       gather_bucket_bytes: int = SMALL_PARAM_BYTES,
-                       seq_scale: Mapping[str, tuple[float, ...]] | None = None,
-                       scatter_copies_input: bool = False) -> int:
+                       seq_scale: Mapping[str, tuple[float, ...]] | None = None) -> int:
     """``predict_step_memory(...).peak_bytes`` (the same arguments) without the rest of the
     prediction: what the searches check a candidate plan with."""
     tl, base, micros, _, _ = _step_timeline(
-        gm, params, world_size=world_size, ranks_per_node=ranks_per_node, optimizer=optimizer,
-        bucket_bytes=bucket_bytes, prefetch=prefetch,
-        reduce_scatters_in_flight=reduce_scatters_in_flight,
-        grad_accumulation=grad_accumulation, recompute=recompute,
-        gather_bucket_bytes=gather_bucket_bytes, seq_scale=seq_scale,
-        scatter_copies_input=scatter_copies_input)
+        gm, params, facts, devices=devices, schedule=schedule, optimizer=optimizer,
+        grad_accumulation=grad_accumulation, recompute=recompute, seq_scale=seq_scale)
     batch = batch_size or profiled_batch
     return max(tl.peak(base, micro, batch, profiled_batch) for _, micro in micros)

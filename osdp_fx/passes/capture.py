@@ -280,7 +280,7 @@ def dynamic_shapes(example_inputs: tuple[Any, ...],
     """torch.export's ``dynamic_shapes`` for positional inputs: the batch (dimension 0) and
     sequence (dimension 1) of every tensor are ``Dim.AUTO``, so one graph takes any batch size
     and sequence length; a dimension the model fixes (a size of 1 in the example, a feature
-    dimension a weight fixes) stays static ([Note: input shapes] in ``io_spec.py``). Where
+    dimension a weight fixes) stays static ([Note: input shapes] in ``core/io_spec.py``). Where
     ``forward`` takes ``*args`` (a peft ``PeftModel``'s does), the inputs it collects are one
     tuple of specs, as torch.export matches them to the signature."""
     auto = torch.export.Dim.AUTO
@@ -359,7 +359,7 @@ def _normalize(model: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
         "captured %s with %s: %d nodes, %d parameter groups (%d tied)", type(model).__name__,
         method, len(gm.graph.nodes), len(params), sum(bool(p.aliases) for p in params.values()),
     )
-    properties(gm).add("normalized")  # what the passes of passes/runner.py require
+    properties(gm).add("normalized")  # what the passes of passes/manager.py require
     return Captured(
         gm=gm, method=method, params=params, state_keys=tuple(model.state_dict().keys()),
         alias_to_name=alias_to_name,

@@ -65,7 +65,7 @@ PIPELINE: tuple[PassSpec, ...] = (
     _spec("annotate_aliases", {"normalized"}, {"aliases"}),
     _spec("shard", {"aliases"}, {"sharded"}),
 )
-"""Every graph pass, in order (capture and normalisation come first, ``capture.py``; the search
+"""Every graph pass, in order (capture and normalisation come first, ``passes/capture.py``; the search
 runs between ``slowest_rank_times`` and ``recompute``). Where each lives: ``passes/<module>.py``
 of its function, ``<name>_pass`` or the like (``docs/architecture.md``, the pass list)."""
 

@@ -11,7 +11,7 @@ saves that are neither and its forward and backward temporaries, at each;
 Only the nodes whose profile shows such bytes are profiled (a tenth of a GPT's nodes; the
 factors of the others would multiply zero bytes), the others only run.
 The sequence dimension is dimension 1 of every input that has the example's sequence length
-there ([Note: input shapes] in ``io_spec.py``).
+there ([Note: input shapes] in ``core/io_spec.py``).
 
 Before and after (a node of a traced GPT, the example 4 x 16 tokens, points 16, 12, 8)::
 

@@ -247,7 +247,7 @@ class Prediction:
 
 @dataclasses.dataclass(frozen=True)
 class TimedPlan:
-    """One plan autotuning measured (``autotune.py``)."""
+    """One plan autotuning measured (``planner/autotune.py``)."""
 
     hash: str
     predicted_step_s: float

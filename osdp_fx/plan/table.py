@@ -11,7 +11,7 @@ from ..units import format_bytes
 
 def plan_table(plan: Any) -> str:
     """A Plan printed: its header, one row per parameter group, its predictions (``plan`` is
-    untyped here: ``plan.py`` prints itself with this module, which so imports nothing of it)."""
+    untyped here: ``plan/plan.py`` prints itself with this module, which so imports nothing of it)."""
     rows = []
     predicted = plan.prediction is not None
     by_link = {"intra": 0, "inter": 0}

@@ -45,8 +45,9 @@ from .analysis import MEMORY_MARGIN, plannable_bytes
 log = logging.getLogger(__name__)
 
 TIMED_STEPS = 8
-"""Steps timed per plan (after one warm-up step); the median is kept. A step on a loaded
-2-core machine varies by ±15 %: the median of 3 could not tell plans 5 % apart."""
+"""Steps timed per plan (after one warm-up step); the median is kept. Steps on a loaded machine
+vary from one to the next by more than the plans compared differ, so a few steps are not
+enough to tell them apart."""
 
 NOISE_SIGMAS = 2.0
 """A measured plan replaces the predicted best only when faster by this many standard errors."""
@@ -92,7 +93,7 @@ def step_peak_bytes(module: nn.Module, inputs: tuple[Any, ...],
     a step already, so that the optimizer's state exists): what the step adds to what the
     process held before it, plus the module's parameters, buffers and optimizer state and the
     inputs, each storage once. On the CPU the independent storage tracker measures it
-    (``storage_tracker.py``); on a GPU, ``torch.cuda.max_memory_allocated``. Collective."""
+    (``runtime/storage_tracker.py``); on a GPU, ``torch.cuda.max_memory_allocated``. Collective."""
     own = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (
         *module.parameters(), *module.buffers(),
         *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),

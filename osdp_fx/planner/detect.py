@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _COLLECTIVE_SIZES_BYTES = tuple(2**k for k in range(12, 25, 2))
 """Message sizes of the collective benchmarks, 4 KiB to 16 MiB by factors of 4: small ones give
 latency, large ones bandwidth, and together they span the parameters plans move (a fit to
-4 KiB-4 MiB in four sizes was off by up to 2x at the sizes in between on CPU gloo)."""
+fewer, wider-spaced sizes missed the times of the sizes in between on CPU gloo)."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
 _COLLECTIVE_REPEATS = 9
@@ -72,7 +72,7 @@ def detect_devices(
     import torch
     import torch.distributed as dist
 
-    from ..runtime.collectives import collective_device
+    from ..runtime.collectives import collective_device, process_group_copies_input
 
     distributed = dist.is_available() and dist.is_initialized()
     if group is not None and not distributed:
@@ -121,6 +121,7 @@ def detect_devices(
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
         source="detected", **figures,
         memory_margin=CPU_MEMORY_MARGIN if device.type == "cpu" else GPU_MEMORY_MARGIN,
+        reduce_scatter_copies_input=distributed and process_group_copies_input(group),
     )
     log.info("detected %s", devices)
     return devices
@@ -425,7 +426,7 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
 
 
 _FILLER_MATMUL_SIZE = 256
-"""Side of the square matmul run before each timed collective on CPU (about 0.5 ms here)."""
+"""Side of the square matmul run before each timed collective on CPU (a short computation)."""
 
 
 def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
@@ -434,13 +435,19 @@ def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes:
     the defaults; its world size set to ``world_size``, its memory limit filled in (the limit
     given, else the devices', else the memory of ``device``, where the model runs: the same at
     every world size and under every plan), and its ranks per node set to ``ranks_per_node``
-    when given."""
+    when given. In a process group, whether a reduce-scatter copies its input is the group's
+    own (the runtime's collectives do as its backend does, whatever the devices say)."""
+    from ..runtime.collectives import WORLD, group_size, scatter_copies_input
+
     if devices is None:
         devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
                    else Devices())
     memory = memory_limit_bytes or devices.memory_bytes or device_memory_bytes(device)
+    copies = (scatter_copies_input() if group_size(WORLD) > 1
+              else devices.reduce_scatter_copies_input)
     return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
-                               ranks_per_node=ranks_per_node or devices.ranks_per_node)
+                               ranks_per_node=ranks_per_node or devices.ranks_per_node,
+                               reduce_scatter_copies_input=copies)
 
 
 _detected_devices: dict[tuple[int, int, int | None], Devices] = {}

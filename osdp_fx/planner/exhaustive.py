@@ -1,6 +1,6 @@
 r"""The exact search on small plan spaces: every combination, scored by the cost models themselves.
 
-The solver of ``solver.py`` is exact for its separable model (a time, a persistent and a
+The solver of ``planner/solver.py`` is exact for its separable model (a time, a persistent and a
 transient memory per option), but a plan's predicted step time and peak are not separable: the
 timeline's peak is a maximum over time of sums, a replicated gradient shares its all-reduce
 bucket's latency with its neighbours, small sharded parameters share collectives, and
@@ -52,16 +52,11 @@ from ..cost_models.step import (
     regathered_params,
 )
 from ..cost_models.timeline import predict_peak_bytes
-from ..runtime.collectives import scatter_copies_input
 from .analysis import Analysis, param_state, param_states
-from .schedule_search import schedule_memory_kwargs
+from .results import Found
 
 EXACT_COMBINATIONS = 1024
 """Largest plan space (product of the rows' option counts) searched exactly."""
-
-Found = tuple[dict[str, str], dict[str, str]]
-"""A searched plan: (strategy per parameter group, policy per recomputed region)."""
-
 
 def plan_space(option_counts: Sequence[int]) -> int:
     """Number of combinations of one option per row."""
@@ -219,7 +214,6 @@ def exhaustive_search(
     order = order[floors[order] <= target_bytes]
     shape = [len(o) for o in options.values()] + [len(o) for o in regions.values()]
     best: tuple[float, Found] | None = None
-    copies = scatter_copies_input()  # the backend: once, not per candidate
     for flat in order:
         if best is not None and bounds[flat] > best[0]:
             break  # every remaining combination's bound is above the best fitting time
@@ -239,12 +233,10 @@ def exhaustive_search(
         if best is not None and seconds >= best[0]:
             continue
         peak = predict_peak_bytes(
-            analysis.captured.gm, states, world_size=devices.world_size,
-            ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
-            profiled_batch=analysis.batch_size, batch_size=batch_size,
+            analysis.captured.gm, states, analysis.facts, devices=devices, schedule=schedule,
+            optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size,
             seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-            recompute=recompute, scatter_copies_input=copies,
-            **schedule_memory_kwargs(schedule))
+            recompute=recompute)
         if peak <= target_bytes:
-            best = (seconds, (strategies, recompute))
+            best = (seconds, Found(strategies, recompute))
     return None if best is None else best[1]

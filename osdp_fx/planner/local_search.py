@@ -5,27 +5,27 @@ The exact problem (``solver``) weighs a plan by a separable step time and a sepa
 are not separable (collectives share buckets, prefetching hides a gather behind whatever
 computation precedes it, the peak is reached at one moment). So near the memory limit the
 exact problem's answer can leave a faster plan unfound, one that differs from it in a group or
-two: at the Llama of ``benchmarks/optimality.py`` at 70 MiB, the search's "full_shard on 8
-groups" (153.7 ms predicted, 66.8 MiB) against "full_shard on 6" (146.3 ms, 67.6 MiB), both
-under the 67.9 MiB it plans for. :func:`improve` climbs from the searched plan: each round it
-tries every other strategy for each of the largest groups, judged by the two models themselves,
-and takes the fastest change that fits, until none is faster. Before it, :func:`refine` adds
+two and still fits (``benchmarks/optimality.py`` compares the search with such plans).
+:func:`improve` climbs from the searched plan: each round it tries every other strategy for
+each of the largest groups, judged by the two models themselves, and takes the fastest change
+that fits, until none is faster. Before it, :func:`refine` adds
 the uniform plans a user would write by hand (every group shard_grad_op, or full_shard) under
 each schedule: the exact problem weighs a sharded group by its own collectives and does not
 see that a bucket's members share one collective's latency, so it can return a plan slower than
-all full_shard in 1 MiB buckets, which fits (the 2-block GPT of ``tests/test_local_search.py``).
+a uniform one that fits, such as all full_shard in 1 MiB buckets
+(``tests/planner/test_local_search.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
+from ..core.buckets import Schedule
 from ..core.devices import Devices
 from ..core.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP, searched_strategies
 from ..cost_models.memory import persistent_bytes
 from .analysis import Analysis, param_state, param_states
-from .exhaustive import Found
+from .results import Found, Ranked
 from .schedule_search import collectives_key
 
 UNIFORM = (SHARD_GRAD_OP, FULL_SHARD)
@@ -71,11 +71,11 @@ def improve(
 
 
 def refine(
-    ranked: Sequence[tuple[float, Any, Found]], *, analysis: Analysis, devices: Devices,
-    optimizer: str, schedules: Sequence[Any], fits: Callable[[Any, Found], bool],
-    step_s: Callable[[Any, Found], float],
-) -> list[tuple[float, Any, Found]]:
-    """``ranked`` (seconds, schedule, plan; fastest first, from the exact search) with, before
+    ranked: Sequence[Ranked], *, analysis: Analysis, devices: Devices,
+    optimizer: str, schedules: Sequence[Schedule], fits: Callable[[Schedule, Found], bool],
+    step_s: Callable[[Schedule, Found], float],
+) -> list[Ranked]:
+    """``ranked`` (fastest first, from the exact search) with, before
     it, where predicted faster than its fastest: the :data:`UNIFORM` plans that fit under any of
     ``schedules`` (each distinct plan of collectives judged once), fastest first, and the fastest
     plan of all as :func:`improve` leaves it. ``fits``, ``step_s``: the timeline's peak against
@@ -84,9 +84,9 @@ def refine(
         return list(ranked)
     uniform, seen = [], set()
     for strategy in UNIFORM:
-        plan = ({n: strategy if p.trainable else REPLICATE
-                 for n, p in analysis.captured.params.items()}, {})
-        states = param_states(analysis, plan[0])
+        plan = Found({n: strategy if p.trainable else REPLICATE
+                      for n, p in analysis.captured.params.items()}, {})
+        states = param_states(analysis, plan.strategies)
         for schedule in schedules:
             key = (collectives_key(analysis.facts, states, schedule, devices.world_size),
                    schedule.scatters_in_flight)
@@ -94,9 +94,11 @@ def refine(
                 continue
             seen.add(key)
             if fits(schedule, plan):
-                uniform.append((step_s(schedule, plan), schedule, plan))
-    ranked = sorted([u for u in uniform if u[0] < ranked[0][0]], key=lambda u: u[0]) + list(ranked)
-    fastest_s, schedule, (plan, recompute) = ranked[0]
+                uniform.append(Ranked(step_s(schedule, plan), schedule, plan))
+    ranked = sorted([u for u in uniform if u.step_s < ranked[0].step_s],
+                    key=lambda u: u.step_s) + list(ranked)
+    fastest_s, schedule = ranked[0].step_s, ranked[0].schedule
+    plan, recompute = ranked[0].found.strategies, ranked[0].found.recompute
     sizes = {n: param_state(analysis, n, REPLICATE) for n in largest_groups(analysis)}
     options = {n: {s: persistent_bytes(st.numel, element_size=st.element_size, strategy=s,
                                        world_size=devices.world_size, optimizer=optimizer,
@@ -104,13 +106,13 @@ def refine(
                    for s in searched_strategies(devices.num_nodes)} for n, st in sizes.items()}
 
     def seconds(trial: Mapping[str, str]) -> float | None:
-        found = (dict(trial), recompute)
+        found = Found(dict(trial), recompute)
         return step_s(schedule, found) if fits(schedule, found) else None
 
     s, better = improve(plan, options=options, step_s=seconds)
     if s is None or better == plan or s >= fastest_s:
         return ranked
-    return [(s, schedule, (better, recompute)), *ranked]
+    return [Ranked(s, schedule, Found(better, recompute)), *ranked]
 
 
 def largest_groups(analysis: Analysis, count: int | None = IMPROVED_GROUPS) -> list[str]:

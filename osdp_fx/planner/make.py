@@ -6,11 +6,11 @@
    under ``fake=True`` without running it) and derives its storage and gradient facts;
 2. :func:`predict` attaches to a Plan the step time and the peak memory per rank that the cost
    models predict (``cost_models.step``, ``cost_models.timeline``);
-3. the searches of ``search.py`` choose the splits, the batch size, and per parameter group a
+3. the searches of ``planner/search.py`` choose the splits, the batch size, and per parameter group a
    strategy (with the recomputed regions and the schedule) that minimises the predicted step
    time under a memory limit.
 
-``analysis.py`` holds :class:`Analysis` and :func:`analyze`; this module composes them.
+``planner/analysis.py`` holds :class:`Analysis` and :func:`analyze`; this module composes them.
 """
 
 from __future__ import annotations
@@ -168,9 +168,10 @@ def plan_model(captured: Captured, example_inputs: tuple[Any, ...], *, named: Pl
                grad_accumulation=options.grad_accumulation)
     planned = predict(analysis, resolved, batch_size=found.batch_size, **how)
     others = tuple(predict(analysis, with_schedule(
-        resolved, sch, recompute=tuple(rc.items()), params=tuple(
-            dataclasses.replace(p, strategy=st[p.name]) for p in resolved.params)), **how)
-        for _, sch, (st, rc) in found.alternatives)
+        resolved, alt.schedule, recompute=tuple(alt.found.recompute.items()), params=tuple(
+            dataclasses.replace(p, strategy=alt.found.strategies[p.name])
+            for p in resolved.params)), **how)
+        for alt in found.alternatives)
     return Planned(planned, others, analysis)
 
 
@@ -218,10 +219,11 @@ def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
     alternatives: list[Any] = []
     batch = None
     if options.batch_sizes:
-        batch, strategies = agree(search_batch_size(
+        chosen = agree(search_batch_size(
             analysis, list(options.batch_sizes), devices=devices, memory_limit_bytes=limit,
             optimizer=options.optimizer, prefetch=options.prefetch_or_default,
             grad_accumulation=acc))
+        batch, strategies = chosen.batch_size, chosen.strategies
         schedule, recompute = Schedule(options.prefetch_or_default), {}
     else:
         how = dict(devices=devices, optimizer=options.optimizer, prefetch=options.prefetch,
@@ -229,10 +231,11 @@ def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
         k = options.candidates
         found = agree(search_schedules(analysis, memory_limit_bytes=limit,
                                        alternatives=k > 1, **how))
-        (_, schedule, (strategies, recompute)), alternatives = found[0], found[1:k]
+        schedule, alternatives = found[0].schedule, found[1:k]
+        strategies, recompute = found[0].found.strategies, found[0].found.recompute
         if k > 1:  # autotuning measures these before it trusts them
             alternatives += agree(search_beyond_margin(
-                analysis, memory_limit_bytes=limit, faster_than_s=found[0][0], **how))[:k]
+                analysis, memory_limit_bytes=limit, faster_than_s=found[0].step_s, **how))[:k]
     captured = analysis.captured
     plan = build_plan(strategies, param_specs(captured), world_size=devices.world_size,
                       memory_limit_bytes=limit, source="search",

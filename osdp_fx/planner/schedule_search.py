@@ -24,15 +24,9 @@ from ..cost_models.graph_facts import (
     sharded_gather_buckets,
 )
 from ..errors import PlanError
+from .results import Found, Ranked
 
 log = logging.getLogger(__name__)
-
-
-def schedule_memory_kwargs(schedule: Schedule) -> dict[str, int]:
-    """``cost_models.timeline.predict_step_memory``'s keyword arguments for ``schedule``."""
-    return {"prefetch": schedule.prefetch, "bucket_bytes": schedule.reduce_bucket_bytes,
-            "gather_bucket_bytes": schedule.gather_bucket_bytes,
-            "reduce_scatters_in_flight": schedule.scatters_in_flight}
 
 
 def collectives_key(facts: GraphFacts, states: Mapping[str, ParamState], schedule: Schedule,
@@ -55,28 +49,29 @@ def collectives_key(facts: GraphFacts, states: Mapping[str, ParamState], schedul
 
 
 def rank_schedules(
-    search: Callable[..., dict[str, str]],
-    score: Callable[[Schedule, dict[str, str]], tuple[float, Hashable]],
+    search: Callable[..., Found],
+    score: Callable[[Schedule, Found], tuple[float, Hashable]],
     options: Sequence[tuple[Schedule, int]],
-) -> list[tuple[float, Schedule, dict[str, str]]]:
-    """Run ``search(schedule=, memory_limit_bytes=)`` (strategies that fit, or PlanError) for every (schedule, limit) of ``options`` and ``score`` each result (predicted
-    step seconds, :func:`collectives_key`): the plans found as (seconds, schedule, strategies),
-    fastest first, ties in the order of ``options``; plans with the same key appear once (the
-    first). Raises the first PlanError when none fits."""
-    found: dict[Hashable, tuple[float, int, Schedule, dict[str, str]]] = {}
+) -> list[Ranked]:
+    """Run ``search(schedule=, memory_limit_bytes=)`` (a plan that fits, or PlanError) for
+    every (schedule, limit) of ``options`` and ``score`` each result (predicted step seconds,
+    :func:`collectives_key`): the plans found, fastest first, ties in the order of ``options``;
+    plans with the same key appear once (the first). Raises the first PlanError when none
+    fits."""
+    found: dict[Hashable, tuple[float, int, Schedule, Found]] = {}
     error: PlanError | None = None
     for i, (schedule, limit) in enumerate(options):
         try:
-            strategies = search(schedule=schedule, memory_limit_bytes=limit)
+            plan = search(schedule=schedule, memory_limit_bytes=limit)
         except PlanError as e:
             error = error or e
             continue
-        seconds, key = score(schedule, strategies)
-        found.setdefault(key, (seconds, i, schedule, strategies))
+        seconds, key = score(schedule, plan)
+        found.setdefault(key, (seconds, i, schedule, plan))
     if not found:
         assert error is not None, "no schedules to search"
         raise error
     ranked = sorted(found.values(), key=lambda f: f[:2])
     log.info("schedule search: %d distinct plans fit; chosen %s, predicted %.2f ms",
              len(ranked), ranked[0][2], ranked[0][0] * 1e3)
-    return [(seconds, schedule, strategies) for seconds, _, schedule, strategies in ranked]
+    return [Ranked(seconds, schedule, plan) for seconds, _, schedule, plan in ranked]

@@ -18,7 +18,12 @@ from typing import Any
 
 from torch import fx
 
-from ..core.buckets import DEFAULT_BUCKET_BYTES, Schedule, candidate_schedules
+from ..core.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_SCHEDULE,
+    Schedule,
+    candidate_schedules,
+)
 from ..core.devices import Devices
 from ..core.regions import find_regions
 from ..core.strategies import (
@@ -42,7 +47,6 @@ from ..cost_models.timeline import BATCH, predict_peak_bytes
 from ..errors import InputError, PlanError
 from ..passes.split_linear import SPLIT_FACTORS, linear_sites
 from ..plan.plan import DEFAULT_PREFETCH
-from ..runtime.collectives import scatter_copies_input
 from ..units import format_bytes
 from .analysis import (
     Analysis,
@@ -50,14 +54,27 @@ from .analysis import (
     param_states,
     plannable_bytes,
 )
-from .exhaustive import EXACT_COMBINATIONS, Found, exhaustive_search, plan_space
+from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
 from .local_search import refine
-from .schedule_search import collectives_key, rank_schedules, schedule_memory_kwargs
+from .results import BatchChoice, Found, Ranked
+from .schedule_search import collectives_key, rank_schedules
 from .solver import solve_min_time
 
 log = logging.getLogger(__name__)
 
 _MAX_TIGHTENINGS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Solved:
+    """The exact problem's answer at one limit (:func:`_search`), checked by the timeline."""
+
+    found: Found
+    """The plan it chose."""
+    peak_bytes: int
+    """The timeline's predicted peak of the plan."""
+    model_peak_bytes: int
+    """The exact problem's own (separable) peak of the plan."""
 
 
 def choose_splits(
@@ -79,7 +96,7 @@ def choose_splits(
     # What the timeline's peak holds besides: gloo copies a gradient it reduce-scatters at the
     # launch while the one before may still be in flight (a gradient more), and a replicated
     # gradient is copied into its all-reduce bucket.
-    copies = scatter_copies_input()
+    copies = devices.reduce_scatter_copies_input
 
     def transient_of(c: GroupCost, state: ParamState) -> int:
         grad = state.numel * state.reduce_size if state.trainable else 0
@@ -145,10 +162,10 @@ def _summed_input_grad_bytes(analysis: Analysis, linear: fx.Node) -> int:
 def search_batch_size(
     analysis: Analysis, batch_sizes: Sequence[int], *, devices: Devices, memory_limit_bytes: int,
     optimizer: str, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
-) -> tuple[int, dict[str, str]]:
+) -> BatchChoice:
     """The per-rank batch size among ``batch_sizes`` and the strategies that maximise predicted
     samples per second (``b * N / step_time(b)``) within the memory limit."""
-    best: tuple[float, int, dict[str, str]] | None = None
+    best: tuple[float, BatchChoice] | None = None
     for b in sorted(set(batch_sizes)):
         if not isinstance(b, int) or b < 1:
             raise InputError(f"batch_sizes must be positive ints, got {b!r}")
@@ -164,18 +181,18 @@ def search_batch_size(
         samples_per_s = b * devices.world_size / float(step.step_time_expr.subs(BATCH, b))
         log.info("batch %d: %.1f samples/s predicted", b, samples_per_s)
         if best is None or samples_per_s > best[0]:
-            best = (samples_per_s, b, strategies)
+            best = (samples_per_s, BatchChoice(b, strategies))
     if best is None:
         raise PlanError(
             f"no plan fits the memory limit of {format_bytes(memory_limit_bytes)} per rank at any "
             f"of the batch sizes {sorted(set(batch_sizes))}: try smaller batch sizes, more "
             "ranks or a larger limit")
-    return best[1], best[2]
+    return best[1]
 
 
 def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
                      batch_size: int | None, grad_accumulation: int = 1,
-                     schedule: Schedule = Schedule(),
+                     schedule: Schedule = DEFAULT_SCHEDULE,
                      regions: Mapping[str, list[RegionCost]] | None = None) -> tuple[int, int]:
     """(peak of the most sharded plan, every region in ``regions`` fully recomputed; the
     search's base memory): that peak minus what the search itself accounts for (persistent and
@@ -208,12 +225,12 @@ def search_strategies(
     ``memory_limit_bytes``, recomputing nothing. Raises PlanError when none does."""
     return _search(analysis, {}, devices=devices, memory_limit_bytes=memory_limit_bytes,
                    optimizer=optimizer, batch_size=batch_size, grad_accumulation=grad_accumulation,
-                   schedule=schedule or Schedule(prefetch))[0]
+                   schedule=schedule or Schedule(prefetch)).strategies
 
 
 def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | None = None,
                 **kw: Any) -> Found:
-    """(strategies, recomputed regions) with the least predicted step time that fit
+    """The plan (strategies, recomputed regions) with the least predicted step time that fits
     (``kw``: those of :func:`_search`): the joint search, which also chooses per region to
     save, recompute selectively or recompute fully (``docs/recomputation.md``), is taken when
     it is predicted faster or when nothing fits without it. ``regions``: the regions' options
@@ -232,19 +249,80 @@ def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | No
         return alone
 
     def time_s(found: Found) -> float:
-        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
-                                    analysis.facts, devices=kw["devices"],
-                                    optimizer=kw["optimizer"], profiled_batch=analysis.batch_size,
-                                    recompute=found[1], schedule=kw.get("schedule", Schedule()))
+        step, _ = predict_step_time(analysis.captured.gm,
+                                    param_states(analysis, found.strategies), analysis.facts,
+                                    devices=kw["devices"], optimizer=kw["optimizer"],
+                                    profiled_batch=analysis.batch_size, recompute=found.recompute,
+                                    schedule=kw.get("schedule", Schedule()))
         return float(step.step_time_expr.subs(BATCH, kw.get("batch_size") or analysis.plan_batch))
 
-    return joint if joint[1] and time_s(joint) < time_s(alone) else alone
+    return joint if joint.recompute and time_s(joint) < time_s(alone) else alone
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One row of the exact problem (a parameter group or a region): per option, its time,
+    persistent and transient bytes (``solver.solve_min_time``)."""
+
+    time_s: list[float]
+    persistent_bytes: list[int]
+    transient_bytes: list[int]
+
+
+def _problem_rows(
+    analysis: Analysis, options: Mapping[str, list[str]],
+    regions: Mapping[str, list[RegionCost]], *, devices: Devices, optimizer: str,
+    batch_size: int | None, grad_accumulation: int, schedule: Schedule,
+    cost_tables: dict[int, dict[str, list[GroupCost]]],
+) -> list[_Row]:
+    """The exact problem's rows: each group's ``options`` (communication and optimizer time
+    less what prefetching hides, costs computed once per all-reduce bucket size in
+    ``cost_tables``), then each region's policies at the planned batch."""
+    regathered = regathered_params(analysis.facts)
+    table = cost_tables.get(schedule.reduce_bucket_bytes)
+    if table is None:
+        table = cost_tables[schedule.reduce_bucket_bytes] = {
+            n: [group_cost(param_state(analysis, n, s), regathered=n in regathered,
+                           compute_s=0.0, devices=devices, optimizer=optimizer,
+                           grad_accumulation=grad_accumulation,
+                           reduce_bucket_bytes=schedule.reduce_bucket_bytes)
+                for s in strategies]
+            for n, strategies in options.items()
+        }
+    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
+    hidden = _hidden_shares(analysis, options, devices=devices, prefetch=schedule.prefetch,
+                            scale=scale, regathered=regathered)
+    rows = [_Row([c.comm_s + c.optim_s - h for c, h in zip(table[n], hidden[n])],
+                 [c.persistent_bytes for c in table[n]],
+                 [c.transient_bytes for c in table[n]]) for n in options]
+    rows += [_Row([o.recompute_s * scale for o in opts], [int(o.kept_bytes * scale) for o in opts],
+                  [int(o.recomputed_bytes * scale) for o in opts]) for opts in regions.values()]
+    return rows
+
+
+def _tighten(solve: Callable[[int], _Solved | None], target: int,
+             base: int) -> tuple[_Solved | None, int]:
+    """Solve the exact problem at ``target`` and, while the timeline's peak of its answer
+    exceeds ``target``, again at a limit lowered by the excess (at most
+    :data:`_MAX_TIGHTENINGS` times, and not down to the ``base`` bytes): the first answer that
+    fits, or None, and the limit it was solved at."""
+    limit = target
+    for _ in range(_MAX_TIGHTENINGS):
+        solved = solve(limit)
+        if solved is None:
+            break
+        if solved.peak_bytes <= target:
+            return solved, limit
+        limit -= solved.peak_bytes - target
+        if limit <= base:
+            break
+    return None, limit
 
 
 def _search(
     analysis: Analysis, regions: Mapping[str, list[RegionCost]], *, devices: Devices,
     memory_limit_bytes: int, optimizer: str, batch_size: int | None = None,
-    grad_accumulation: int = 1, schedule: Schedule = Schedule(),
+    grad_accumulation: int = 1, schedule: Schedule = DEFAULT_SCHEDULE,
     cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None, loosen: bool = True,
 ) -> Found:
     """One exact search over the parameter groups' strategies and, as more rows of the same
@@ -258,31 +336,14 @@ def _search(
     sharding_helps = devices.world_size > 1
     options = {n: searched_strategies(devices.num_nodes) if trainable[n] and sharding_helps
                else [REPLICATE] for n in names}
-    regathered = regathered_params(analysis.facts)
-    cost_tables = {} if cost_tables is None else cost_tables
-    table = cost_tables.get(schedule.reduce_bucket_bytes)
-    if table is None:
-        table = cost_tables[schedule.reduce_bucket_bytes] = {
-            n: [group_cost(param_state(analysis, n, s), regathered=n in regathered,
-                           compute_s=0.0, devices=devices, optimizer=optimizer,
-                           grad_accumulation=grad_accumulation,
-                           reduce_bucket_bytes=schedule.reduce_bucket_bytes)
-                for s in options[n]]
-            for n in names
-        }
-    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
-    hidden = _hidden_shares(analysis, options, devices=devices, prefetch=schedule.prefetch,
-                            scale=scale, regathered=regathered)
-    rows = [([c.comm_s + c.optim_s - h for c, h in zip(table[n], hidden[n])],
-             [c.persistent_bytes for c in table[n]],
-             [c.transient_bytes for c in table[n]]) for n in names]
-    rows += [([o.recompute_s * scale for o in opts], [int(o.kept_bytes * scale) for o in opts],
-              [int(o.recomputed_bytes * scale) for o in opts]) for opts in regions.values()]
+    rows = _problem_rows(analysis, options, regions, devices=devices, optimizer=optimizer,
+                         batch_size=batch_size, grad_accumulation=grad_accumulation,
+                         schedule=schedule, cost_tables={} if cost_tables is None else cost_tables)
     lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
                                          batch_size=batch_size, schedule=schedule,
                                          grad_accumulation=grad_accumulation, regions=regions)
     target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
-    if plan_space([len(r[0]) for r in rows]) <= EXACT_COMBINATIONS:
+    if plan_space([len(r.time_s) for r in rows]) <= EXACT_COMBINATIONS:
         found = exhaustive_search(
             analysis, options, regions, devices=devices, optimizer=optimizer,
             batch_size=batch_size or analysis.plan_batch, grad_accumulation=grad_accumulation,
@@ -290,44 +351,35 @@ def _search(
         if found is not None:
             return found
         raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
-    def solve(limit: int) -> tuple[Found, int, int] | None:
-        """(plan, its timeline peak, the exact problem's own peak) at the problem's ``limit``."""
+
+    def solve(limit: int) -> _Solved | None:
+        """The exact problem's answer at its ``limit``, with its timeline peak."""
         try:
-            result = solve_min_time([r[0] for r in rows], [r[1] for r in rows],
-                                    [r[2] for r in rows], limit_bytes=limit, base_bytes=base,
-                                    names=[*names, *regions])
+            result = solve_min_time([r.time_s for r in rows], [r.persistent_bytes for r in rows],
+                                    [r.transient_bytes for r in rows], limit_bytes=limit,
+                                    base_bytes=base, names=[*names, *regions])
         except PlanError:  # rounding, near the most sharded plan's peak: see below
             return None
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         recompute = {r: opts[j].policy for (r, opts), j in
                      zip(regions.items(), result.choices[len(names):]) if j}
-        peak = plan_peak_bytes(analysis, strategies, recompute, devices=devices, optimizer=optimizer,
-                           batch_size=batch_size, grad_accumulation=grad_accumulation,
-                           schedule=schedule)
-        return (strategies, recompute), peak, result.peak_bytes
+        peak = plan_peak_bytes(analysis, strategies, recompute, devices=devices,
+                               optimizer=optimizer, batch_size=batch_size,
+                               grad_accumulation=grad_accumulation, schedule=schedule)
+        return _Solved(Found(strategies, recompute), peak, result.peak_bytes)
 
-    limit, fit = target, None
-    for _ in range(_MAX_TIGHTENINGS):
-        solved = solve(limit)
-        if solved is None:
-            break
-        if solved[1] <= target:
-            fit = solved
-            break
-        limit -= solved[1] - target
-        if limit <= base:
-            break
+    fit, limit = _tighten(solve, target, base)
     if fit is not None:
-        found = fit[0] if not loosen else _loosen(fit, limit, target, solve, lambda f: plan_step_s(
+        found = fit.found if not loosen else _loosen(fit, limit, target, solve, lambda f: plan_step_s(
             analysis, f, devices=devices, optimizer=optimizer, batch_size=batch_size,
             schedule=schedule))
-        counts = {s: sum(v == s for v in found[0].values()) for s in STRATEGIES}
-        log.info("search: %s, %d regions recomputed, limit %s", counts, len(found[1]),
+        counts = {s: sum(v == s for v in found.strategies.values()) for s in STRATEGIES}
+        log.info("search: %s, %d regions recomputed, limit %s", counts, len(found.recompute),
                  format_bytes(memory_limit_bytes))
         return found
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
-        return ({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE for n in names},
-                {r: opts[-1].policy for r, opts in regions.items()})
+        return Found({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE
+                      for n in names}, {r: opts[-1].policy for r, opts in regions.items()})
     raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
 
 
@@ -337,24 +389,22 @@ LOOSENED_SCHEDULES = 3
 TIGHTENED_SHARES = (0.95, 0.9)
 """... and searches them again at these shares of the limit: the exact problem ranks plans by
 a separable step time, so the plan it picks at the limit can be slower, by the step model, than
-one that shards more (recompute.py's GPT at 0.6x the all-full_shard peak: 300.6 ms at 64.5 MiB
-against 277.7 ms at 61.5 MiB)."""
+one it picks under a tighter limit, which shards more (``benchmarks/recompute.py`` shows such a
+GPT)."""
 
 
-def _loosen(fit: tuple[Found, int, int], limit: int, target: int,
-            solve: Callable[[int], tuple[Found, int, int] | None],
+def _loosen(fit: _Solved, limit: int, target: int, solve: Callable[[int], _Solved | None],
             step_s: Callable[[Found], float]) -> Found:
     """The fastest plan (``step_s``) of the exact problem solved at ``limit`` (its answer
-    ``fit``: plan, timeline peak, the problem's own peak) and at looser limits whose answers the
-    timeline still fits in ``target``.
+    ``fit``) and at looser limits whose answers the timeline still fits in ``target``.
 
     The exact problem's memory is separable (persistent bytes per group, the largest
     transient, activations as a constant) and can overestimate the timeline's peak of a plan
-    (on the optimality GPT by 17 MiB, 11 %, for plans sharding its largest groups with
-    shard_grad_op): its answer then leaves memory unused that a faster plan would fill. So
+    (the most for plans that shard the largest groups with shard_grad_op): its answer then
+    leaves memory unused that a faster plan would fill. So
     raise its limit by what it overestimates plus the timeline's slack, and bisect back where
     the timeline does not fit; at most :data:`_MAX_LOOSENINGS` more solves."""
-    best, (_, peak, model_peak) = fit[0], fit
+    best, peak, model_peak = fit.found, fit.peak_bytes, fit.model_peak_bytes
     best_s, lo, hi = step_s(best), limit, None
     for _ in range(_MAX_LOOSENINGS):
         trial = model_peak + (target - peak) if hi is None else (lo + hi) // 2
@@ -363,21 +413,21 @@ def _loosen(fit: tuple[Found, int, int], limit: int, target: int,
         solved = solve(trial)
         if solved is None:
             break
-        if solved[1] > target:
+        if solved.peak_bytes > target:
             hi = trial
             continue
-        lo, peak, model_peak = trial, solved[1], solved[2]
-        if (s := step_s(solved[0])) < best_s:
-            best, best_s = solved[0], s
+        lo, peak, model_peak = trial, solved.peak_bytes, solved.model_peak_bytes
+        if (s := step_s(solved.found)) < best_s:
+            best, best_s = solved.found, s
     return best
 
 
 def plan_step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
             batch_size: int | None, schedule: Schedule) -> float:
     """The step model's seconds for a plan at the batch the search plans for."""
-    step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found[0]),
+    step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found.strategies),
                                 analysis.facts, devices=devices, optimizer=optimizer,
-                                profiled_batch=analysis.batch_size, recompute=found[1],
+                                profiled_batch=analysis.batch_size, recompute=found.recompute,
                                 schedule=schedule)
     batch = batch_size or analysis.plan_batch
     return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s
@@ -388,12 +438,11 @@ def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute
                 grad_accumulation: int, schedule: Schedule) -> int:
     """The timeline's predicted peak of one candidate plan."""
     return predict_peak_bytes(
-        analysis.captured.gm, param_states(analysis, strategies), world_size=devices.world_size,
-        ranks_per_node=devices.ranks_per_node, optimizer=optimizer,
+        analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
+        devices=devices, schedule=schedule, optimizer=optimizer,
         profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
         seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-        recompute=recompute, scatter_copies_input=scatter_copies_input(),
-        **schedule_memory_kwargs(schedule))
+        recompute=recompute)
 
 
 def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], *, devices: Devices,
@@ -428,7 +477,7 @@ def search_schedules(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
     prefetch: int | None = None, grad_accumulation: int = 1, alternatives: bool = False,
     recompute: bool = True,
-) -> list[tuple[float, Schedule, Found]]:
+) -> list[Ranked]:
     """:func:`search_plan` under each ``candidate_schedules(prefetch)`` (``alternatives``:
     also at 90 and 80 % of the limit): plans that fit, fastest first (``rank_schedules``).
     ``recompute`` False: no region is offered for recomputation."""
@@ -441,36 +490,38 @@ def search_schedules(
                                grad_accumulation=grad_accumulation, cost_tables={})
 
     def score(schedule: Schedule, found: Found) -> tuple[float, Any]:
-        states = param_states(analysis, found[0])
+        states = param_states(analysis, found.strategies)
         step, _ = predict_step_time(analysis.captured.gm, states, analysis.facts,
                                     devices=devices, optimizer=optimizer,
                                     profiled_batch=analysis.batch_size, schedule=schedule,
-                                    recompute=found[1])
-        return step.step_s, (collectives_key(analysis.facts, states, schedule,
-                                             devices.world_size), tuple(sorted(found[1].items())))
+                                    recompute=found.recompute)
+        return step.step_s, (collectives_key(analysis.facts, states, schedule, devices.world_size),
+                             tuple(sorted(found.recompute.items())))
 
     # Every schedule is searched without loosening (each loosening solves the problem up to
     # _MAX_LOOSENINGS more times); the fastest few are searched again with it.
     ranked = rank_schedules(functools.partial(search, loosen=False), score, options)
     loosened = []
-    for schedule in dict.fromkeys(r[1] for r in ranked[:LOOSENED_SCHEDULES]):
+    for schedule in dict.fromkeys(r.schedule for r in ranked[:LOOSENED_SCHEDULES]):
         found = search(schedule=schedule, memory_limit_bytes=memory_limit_bytes)
-        loosened.append((score(schedule, found)[0], schedule, found))
+        loosened.append(Ranked(score(schedule, found)[0], schedule, found))
         for share in TIGHTENED_SHARES:  # the exact problem's time is separable, the step's not
             try:
                 found = search(schedule=schedule, loosen=False,
                                memory_limit_bytes=int(memory_limit_bytes * share))
             except PlanError:
                 break
-            loosened.append((score(schedule, found)[0], schedule, found))
-    best = sorted([r for r in loosened if r[0] < ranked[0][0]], key=lambda r: r[0]) + ranked
+            loosened.append(Ranked(score(schedule, found)[0], schedule, found))
+    best = sorted([r for r in loosened if r.step_s < ranked[0].step_s],
+                  key=lambda r: r.step_s) + ranked
     target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
     return refine(  # the uniform plans and changes of the largest groups, by the models
         best, analysis=analysis, devices=devices, optimizer=optimizer,
         schedules=list(dict.fromkeys(o[0] for o in options)),
         step_s=lambda s, f: score(s, f)[0],
-        fits=lambda s, f: plan_peak_bytes(analysis, *f, devices=devices, optimizer=optimizer,
-                                          batch_size=None, grad_accumulation=grad_accumulation,
+        fits=lambda s, f: plan_peak_bytes(analysis, f.strategies, f.recompute, devices=devices,
+                                          optimizer=optimizer, batch_size=None,
+                                          grad_accumulation=grad_accumulation,
                                           schedule=s) <= target)
 
 

@@ -4,7 +4,7 @@
 memory limit rather than its plannable share (``Devices.memory_margin``), and adds the plans a
 user writes by hand (:func:`largest_first`); ``compile_osdp(autotune=K)`` times the fastest K
 of those predicted faster than the searched plan, and keeps one only when it measured under
-the limit and faster (``autotune.py``).
+the limit and faster (``planner/autotune.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from ..core.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
 from ..errors import PlanError
 from .analysis import Analysis, unmargined_limit
 from .local_search import largest_groups
+from .results import Found, Ranked
 from .search import (
     LOOSENED_SCHEDULES,
-    Found,
     plan_peak_bytes,
     plan_step_s,
     search_schedules,
@@ -31,11 +31,11 @@ def search_beyond_margin(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
     faster_than_s: float, prefetch: int | None = None, grad_accumulation: int = 1,
     recompute: bool = True,
-) -> list[tuple[float, Schedule, Found]]:
+) -> list[Ranked]:
     """Plans the models predict to fit ``memory_limit_bytes`` itself, not only its plannable
     share (``Devices.memory_margin``), and to step in less than ``faster_than_s`` (the best plan
     under the margin), fastest first: none when none does. The prediction alone does not
-    promise that they fit; autotuning measures them first (``autotune.py``)."""
+    promise that they fit; autotuning measures them first (``planner/autotune.py``)."""
     try:
         found = search_schedules(analysis, devices=devices,
                                  memory_limit_bytes=unmargined_limit(memory_limit_bytes,
@@ -44,15 +44,15 @@ def search_beyond_margin(
                                  grad_accumulation=grad_accumulation, recompute=recompute)
     except PlanError:
         return []
-    schedules = list(dict.fromkeys(f[1] for f in found[:LOOSENED_SCHEDULES]))
+    schedules = list(dict.fromkeys(f.schedule for f in found[:LOOSENED_SCHEDULES]))
     found += largest_first(analysis, devices=devices, memory_limit_bytes=memory_limit_bytes,
                            optimizer=optimizer, schedules=schedules,
                            grad_accumulation=grad_accumulation)
-    distinct: dict[tuple[Any, ...], tuple[float, Schedule, Found]] = {}
-    for f in sorted(found, key=lambda f: f[0]):  # fastest first; a plan found twice, once
-        strategies, recompute = f[2]
-        distinct.setdefault((f[1], *sorted(strategies.items()), *sorted(recompute.items())), f)
-    return [f for f in distinct.values() if f[0] < faster_than_s]
+    distinct: dict[tuple[Any, ...], Ranked] = {}
+    for f in sorted(found, key=lambda f: f.step_s):  # fastest first; a plan found twice, once
+        distinct.setdefault((f.schedule, *sorted(f.found.strategies.items()),
+                             *sorted(f.found.recompute.items())), f)
+    return [f for f in distinct.values() if f.step_s < faster_than_s]
 
 
 LARGEST_FIRST = (FULL_SHARD, SHARD_GRAD_OP)
@@ -62,29 +62,29 @@ LARGEST_FIRST = (FULL_SHARD, SHARD_GRAD_OP)
 def largest_first(
     analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
     schedules: Sequence[Schedule], grad_accumulation: int = 1,
-) -> list[tuple[float, Schedule, Found]]:
+) -> list[Ranked]:
     """The plans a user writes by hand, "shard the k largest parameter groups, replicate the
     rest", with each strategy of :data:`LARGEST_FIRST` under each of ``schedules``: for each,
     the least k whose predicted peak is at most ``memory_limit_bytes`` (found by bisection, the
     peak falling as k grows), with its predicted step seconds; none where even every trainable
     group sharded does not fit. The exact problem's step time is separable and the step
     model's is not, so near the limit the solver can miss such a plan that the step model
-    predicts faster (``docs/benchmarks.md``, optimality run N): the search beyond the margin
+    predicts faster (``docs/benchmarks.md``): the search beyond the margin
     offers them to autotuning too."""
     if devices.world_size < 2:
         return []
     names = list(analysis.captured.params)
     largest = largest_groups(analysis, None)
     how = dict(devices=devices, optimizer=optimizer, batch_size=None)
-    out: list[tuple[float, Schedule, Found]] = []
+    out: list[Ranked] = []
     for schedule in schedules:
         for strategy in LARGEST_FIRST:
             def plan(k: int) -> Found:
                 top = set(largest[:k])
-                return {n: strategy if n in top else REPLICATE for n in names}, {}
+                return Found({n: strategy if n in top else REPLICATE for n in names}, {})
 
             def fits(k: int) -> bool:
-                return plan_peak_bytes(analysis, plan(k)[0], {}, schedule=schedule,
+                return plan_peak_bytes(analysis, plan(k).strategies, {}, schedule=schedule,
                                        grad_accumulation=grad_accumulation,
                                        **how) <= memory_limit_bytes
 
@@ -95,5 +95,6 @@ def largest_first(
                 mid = (low + high) // 2
                 low, high = (low, mid) if fits(mid) else (mid + 1, high)
             found = plan(low)
-            out.append((plan_step_s(analysis, found, schedule=schedule, **how), schedule, found))
+            out.append(Ranked(plan_step_s(analysis, found, schedule=schedule, **how), schedule,
+                              found))
     return out

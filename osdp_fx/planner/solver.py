@@ -74,9 +74,9 @@ from ..units import format_bytes, parse_bytes
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_CELLS = 16384
-"""Cells the default granularity divides ``limit - base`` into (500 operators x 5 options x
-16384 cells is one dynamic programme of well under 0.1 s on a 2-core x86 machine). Rounding to
-cells costs at most ``n / 16384`` of the room left after the base memory."""
+"""Cells the default granularity divides ``limit - base`` into: the dynamic programme's work is
+operators x options x cells, small for graphs of hundreds of operators. Rounding to cells costs
+at most ``n / 16384`` of the room left after the base memory."""
 
 MAX_CELLS = 1 << 24
 """Largest memory axis the dynamic programme accepts; a smaller granularity is an input error."""

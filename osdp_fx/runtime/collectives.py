@@ -103,11 +103,17 @@ def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:
 
 def scatter_copies_input(group: str = WORLD) -> bool:
     """Whether a reduce-scatter over ``group`` copies a gradient it is handed at its launch:
-    on gloo ([Note: gloo reduce-scatter]); not on NCCL, nor without a process group."""
+    on gloo ([Note: gloo reduce-scatter]); not on NCCL, nor without a process group. Planning
+    reads it as ``Devices.reduce_scatter_copies_input`` (set by ``planner/detect.py``)."""
     if group_size(group) == 1:
         return False
-    backend = str(dist.get_backend(resolve_group(group)))
-    return backend == "gloo"
+    return process_group_copies_input(resolve_group(group))
+
+
+def process_group_copies_input(pg: Any = None) -> bool:
+    """:func:`scatter_copies_input` of a ProcessGroup object (None: the default group), which
+    must be initialised."""
+    return dist.get_world_size(pg) > 1 and str(dist.get_backend(pg)) == "gloo"
 
 
 def reduce_scatter_flat_start(full: torch.Tensor, group: str, *,

@@ -12,7 +12,7 @@ created once per world and mesh shape by :func:`init_mesh` (collective: every ra
 subgroups in the same order) and registered in :mod:`.collectives` under names, because graph
 nodes carry group names, not ProcessGroup objects.
 
-Which flat chunk of a parameter a rank holds is shard arithmetic (``osdp_fx/layout.py``). The
+Which flat chunk of a parameter a rank holds is shard arithmetic (``osdp_fx/core/layout.py``). The
 hierarchical order makes the two-stage all-gather reassemble the flat order: the inter
 all-gather of local index ``l`` concatenates chunks ``l*n .. l*n + n-1`` (a contiguous block
 that each node receives once), and the intra all-gather then concatenates the blocks of local

@@ -3,7 +3,7 @@ conversions between full tensors and what this rank holds.
 
 Built once by ``compile_osdp`` (:class:`ParamTable`). The compiled module's state dicts
 (``full_state_dict``, ``load_full_state_dict``), meta-device materialisation
-(``materialize.py``) and checkpoints (``checkpoint.py``) all read it, instead of each rebuilding
+(``training/materialize.py``) and checkpoints (``training/checkpoint.py``) all read it, instead of each rebuilding
 shard layouts from the plan and the capture.
 
 Names: a *key* is a name of ``model.state_dict()`` (a parameter, an alias of a tied one, or a

@@ -2,7 +2,7 @@
 
 It imports only torch, nothing of osdp-fx, so that it measures what a user measures, not what
 the project's runtime reports about itself: the tests and benchmarks judge the memory promise
-with it, and autotuning (``autotune.py``) admits a plan predicted above the memory margin only
+with it, and autotuning (``planner/autotune.py``) admits a plan predicted above the memory margin only
 when it measures the plan's peak under the limit. Users may measure their own steps with it.
 
 - On entry it finds every tensor the process already holds, through ``gc.get_objects()``

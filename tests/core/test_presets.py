@@ -1,4 +1,4 @@
-"""Hardware presets (osdp_fx/presets.py, Devices.preset, `python -m osdp_fx devices`): figures
+"""Hardware presets (osdp_fx/core/presets.py, Devices.preset, `python -m osdp_fx devices`): figures
 are datasheet peaks times stated efficiencies, the roofline takes the throughput of the dtype a
 node computes in, and planning GPT-2 XL for 1024 H100s predicts compute near the roofline."""
 

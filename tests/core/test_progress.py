@@ -1,4 +1,4 @@
-"""Progress of long work (osdp_fx/progress.py): the command line shows a bar on a terminal and
+"""Progress of long work (osdp_fx/core/progress.py): the command line shows a bar on a terminal and
 plain log lines otherwise, --quiet silences both; compile_osdp logs its stages' seconds through
 logging and draws nothing when stderr is not a terminal."""
 

@@ -1,4 +1,4 @@
-"""Capture and normalisation (osdp_fx/capture.py): one get_attr node per parameter group.
+"""Capture and normalisation (osdp_fx/passes/capture.py): one get_attr node per parameter group.
 
 For an MLP and TinyGPT (torch.fx.symbolic_trace) and a tiny Hugging Face GPT-2 (torch.export):
 every parameter group is read by exactly one get_attr node, targeting its canonical name, whose

@@ -82,6 +82,17 @@ def loss_of(out: Any, inputs: tuple[Any, ...]) -> torch.Tensor:
     return out.square().mean()
 
 
+_before: dict[str, Any] = {}
+
+
+def _captured_before(name: str, model: Any, inputs: tuple[Any, ...]) -> Any:
+    """The graph of ``name``'s model before sharding, captured once per model (the tests only
+    read it; every strategy's fixture builds the same model from the same seed)."""
+    if name not in _before:
+        _before[name] = capture(copy.deepcopy(model), inputs).gm
+    return _before[name]
+
+
 @pytest.fixture(scope="module", params=[(m, s) for m in sorted(pc.PASS_MODELS)
                                         for s in STRATEGIES], ids=lambda p: "-".join(p))
 def run(request) -> dict[str, Any]:
@@ -89,7 +100,7 @@ def run(request) -> dict[str, Any]:
     name, strategy = request.param
     model, inputs = pc.PASS_MODELS[name][0]()
     reference = copy.deepcopy(model)  # compiled replicated parameters are the model's tensors
-    before = capture(copy.deepcopy(model), inputs).gm
+    before = _captured_before(name, model, inputs)
     compiled = compile_osdp(model, inputs, plan=strategy)
     out = compiled(*inputs)
     loss_of(out, inputs).backward()

@@ -1,4 +1,4 @@
-"""The folded plan view (osdp_fx/plan_view.py): repeated blocks become one line per distinct
+"""The folded plan view (osdp_fx/plan/folded.py): repeated blocks become one line per distinct
 pattern, blocks that differ are never folded together, lines stay under 120 columns, and the
 full per-group table stays what str(plan) prints."""
 

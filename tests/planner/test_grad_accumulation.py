@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_planner import MIB, profiled_gpt
+from test_make import MIB, profiled_gpt
 
 from osdp_fx import compile_osdp
 from osdp_fx.core.devices import Devices

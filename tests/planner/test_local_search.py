@@ -3,13 +3,14 @@ that judge it (the timeline's peak, the step model's time), not only of the exac
 
 from __future__ import annotations
 
-from test_schedule import _gpt, _predicted
+from test_schedule_search import _gpt, _predicted
 
 from osdp_fx import Devices
 from osdp_fx.core.buckets import Schedule, candidate_schedules
 from osdp_fx.core.strategies import searched_strategies
 from osdp_fx.planner.local_search import IMPROVED_GROUPS, improve, largest_groups
 from osdp_fx.planner.make import analyze, search_schedules
+from osdp_fx.planner.results import Found
 from osdp_fx.planner.search import plan_peak_bytes, plan_step_s
 
 
@@ -51,9 +52,11 @@ def test_the_searched_plan_has_no_faster_single_change_of_a_large_group_that_fit
     limit = sharded + (replicated - sharded) // 5
     devices = Devices(world_size=4, memory_bytes=limit)
     how = dict(devices=devices, optimizer="adamw", batch_size=None)
-    seconds, schedule, (plan, recompute) = search_schedules(
-        analysis, memory_limit_bytes=limit, devices=devices, optimizer="adamw")[0]
-    assert plan_step_s(analysis, (plan, recompute), schedule=schedule, **how) == seconds
+    best = search_schedules(analysis, memory_limit_bytes=limit, devices=devices,
+                            optimizer="adamw")[0]
+    seconds, schedule = best.step_s, best.schedule
+    plan, recompute = best.found.strategies, best.found.recompute
+    assert plan_step_s(analysis, Found(plan, recompute), schedule=schedule, **how) == seconds
     order = ["replicate", "shard_grad_op", "full_shard"]  # most bytes held first
     groups = largest_groups(analysis)
     assert len(groups) == IMPROVED_GROUPS
@@ -64,7 +67,7 @@ def test_the_searched_plan_has_no_faster_single_change_of_a_large_group_that_fit
             trial = {**plan, name: strategy}
             if plan_peak_bytes(analysis, trial, recompute, schedule=schedule,
                                grad_accumulation=1, **how) <= 0.97 * limit:
-                assert plan_step_s(analysis, (trial, recompute), schedule=schedule,
+                assert plan_step_s(analysis, Found(trial, recompute), schedule=schedule,
                                    **how) >= seconds, (name, strategy)
 
 
@@ -81,12 +84,12 @@ def test_the_searched_plan_is_predicted_no_slower_than_a_uniform_plan_that_fits(
     devices = Devices(world_size=4, memory_bytes=limit)
     how = dict(devices=devices, optimizer="adamw", batch_size=None)
     seconds = search_schedules(analysis, memory_limit_bytes=limit, devices=devices,
-                               optimizer="adamw")[0][0]
+                               optimizer="adamw")[0].step_s
     fitting = []
     for strategy in ("replicate", "shard_grad_op", "full_shard"):
         plan = {n: strategy for n in analysis.captured.params}
         for schedule in candidate_schedules():
             if plan_peak_bytes(analysis, plan, {}, schedule=schedule, grad_accumulation=1,
                                **how) <= 0.97 * limit:
-                fitting.append(plan_step_s(analysis, (plan, {}), schedule=schedule, **how))
+                fitting.append(plan_step_s(analysis, Found(plan, {}), schedule=schedule, **how))
     assert fitting and seconds <= min(fitting)

@@ -76,8 +76,9 @@ def test_batch_size_search_picks_the_fastest_batch_that_fits(planned):
     limit = uniform(analysis, captured, devices, "full_shard", batch=16).peak_memory_bytes
     candidates = [1, 2, 4, 8, 16, 32, 64]
     limited = Devices(world_size=8, memory_bytes=limit)
-    chosen, strategies = search_batch_size(analysis, candidates, devices=limited,
-                                           memory_limit_bytes=limit, optimizer="adamw")
+    found = search_batch_size(analysis, candidates, devices=limited,
+                              memory_limit_bytes=limit, optimizer="adamw")
+    chosen, strategies = found.batch_size, found.strategies
     plan = predict(analysis, build_plan(strategies, param_specs(captured), world_size=8),
                    devices=limited, optimizer="adamw", batch_size=chosen)
     assert plan.peak_memory_bytes <= limit

@@ -114,18 +114,19 @@ def test_the_schedule_search_ranks_distinct_plans_that_fit():
     limit = 2202009
     found = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
                              memory_limit_bytes=limit, optimizer="adamw", alternatives=True)
-    times = [t for t, _, _ in found]
+    times = [f.step_s for f in found]
     assert times == sorted(times) and len(found) >= 3
-    plans = [predict(analysis, build_plan(st, param_specs(analysis.captured), world_size=4,
-                                          schedule=sch, recompute=rc),
+    plans = [predict(analysis, build_plan(f.found.strategies, param_specs(analysis.captured),
+                                          world_size=4, schedule=f.schedule,
+                                          recompute=f.found.recompute),
                      devices=Devices(world_size=4), optimizer="adamw")
-             for _, sch, (st, rc) in found]
+             for f in found]
     assert all(p.peak_memory_bytes <= limit for p in plans)
     assert len({p.hash() for p in plans}) == len(plans)
     assert [p.step_time_s for p in plans] == pytest.approx(times)
     only = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
                             memory_limit_bytes=limit, optimizer="adamw", prefetch=0)
-    assert {sch.prefetch for _, sch, _ in only} == {0}
+    assert {f.schedule.prefetch for f in only} == {0}
     assert len(candidate_schedules()) == 12 and candidate_schedules()[0] == Schedule()
     assert Schedule(2, 2**20) in candidate_schedules()
 
@@ -134,7 +135,7 @@ def test_rank_schedules_keeps_the_first_of_equal_plans_and_raises_when_none_fits
     options = [(Schedule(d), 10) for d in (1, 0, 2)]
     ranked = rank_schedules(lambda schedule, memory_limit_bytes: {"w": "replicate"},
                             lambda sch, st: (1.0, "same"), options)
-    assert [sch for _, sch, _ in ranked] == [Schedule(1)]
+    assert [f.schedule for f in ranked] == [Schedule(1)]
 
     def none_fits(schedule, memory_limit_bytes):
         raise PlanError(f"nothing fits {schedule.prefetch}")
@@ -220,7 +221,7 @@ def test_recompute_false_searches_without_recomputation():
     limit = int((peak({}) + peak({r: "full" for r in regions})) / 2 / 0.97)
     kw = dict(devices=Devices(world_size=4, memory_bytes=limit), memory_limit_bytes=limit,
               optimizer="adamw")
-    (_, _, (_, recompute)), *_ = search_schedules(analysis, **kw)
+    recompute = search_schedules(analysis, **kw)[0].found.recompute
     assert recompute
     with pytest.raises(PlanError):
         search_schedules(analysis, recompute=False, **kw)
@@ -245,7 +246,7 @@ def test_the_search_offers_gather_buckets_of_one_transformer_block():
     slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
     found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
                              optimizer="adamw")
-    assert found[0][1].gather_bucket_bytes == block, found[0][1]
+    assert found[0].schedule.gather_bucket_bytes == block, found[0].schedule
 
 
 def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_search_uses_it():
@@ -265,9 +266,9 @@ def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_sear
                              optimizer="adamw")
     # the exact search's fastest plan (uniform shard_grad_op, which the search also offers,
     # fits here too and is predicted faster still: local_search.refine)
-    mixed = [f for f in found if len(set(f[2][0].values())) > 1]
-    assert mixed[0][1] == Schedule(1, block, scatters_in_flight=1), mixed[0][1]
-    assert set(found[0][2][0].values()) == {"shard_grad_op"}
+    mixed = [f for f in found if len(set(f.found.strategies.values())) > 1]
+    assert mixed[0].schedule == Schedule(1, block, scatters_in_flight=1), mixed[0].schedule
+    assert set(found[0].found.strategies.values()) == {"shard_grad_op"}
 
 
 @pytest.mark.parametrize("dim, expected", [
@@ -319,8 +320,10 @@ def test_largest_first_shards_the_fewest_largest_groups_that_fit():
     devices = Devices(world_size=4, memory_bytes=limit)
     found = largest_first(analysis, devices=devices, memory_limit_bytes=limit, optimizer="adamw",
                           schedules=[Schedule()])
-    assert [f[2][0][by_size[0].name] for f in found] == ["full_shard", "shard_grad_op"]
-    for seconds, schedule, (strategies, recompute) in found:
+    assert [f.found.strategies[by_size[0].name] for f in found] == ["full_shard",
+                                                                    "shard_grad_op"]
+    for f in found:
+        strategies, recompute = f.found.strategies, f.found.recompute
         k = sum(s != "replicate" for s in strategies.values())
         assert 0 < k < len(specs) and recompute == {}
         assert {strategies[s.name] for s in by_size[:k]} == {strategies[by_size[0].name]}
@@ -334,5 +337,5 @@ def test_largest_first_shards_the_fewest_largest_groups_that_fit():
         assert peak(k) <= limit < peak(k - 1)
     beyond = search_beyond_margin(analysis, devices=devices, memory_limit_bytes=limit,
                                   optimizer="adamw", faster_than_s=float("inf"))
-    times = [f[0] for f in beyond]
+    times = [f.step_s for f in beyond]
     assert times == sorted(times) and len(beyond) >= len(found)

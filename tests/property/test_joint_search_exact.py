@@ -14,7 +14,7 @@ per region, at most 3^3 x 3^3) with the models the search answers to: the timeli
 * the searched plan fits the plannable share of the limit (``analysis.plannable_bytes``), and
   the search raises only when no combination fits;
 * no fitting combination is predicted faster than the searched plan: the search is exact on
-  these instances (``exhaustive.py``: spaces of at most ``EXACT_COMBINATIONS`` combinations).
+  these instances (``planner/exhaustive.py``: spaces of at most ``EXACT_COMBINATIONS`` combinations).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
 from osdp_fx.planner.analysis import analyze, param_states, plannable_bytes
 from osdp_fx.planner.exhaustive import peak_floor_bytes, step_time_bounds
-from osdp_fx.planner.schedule_search import schedule_memory_kwargs
 from osdp_fx.planner.search import search_plan
 
 OPTIMIZER = "adamw"
@@ -78,9 +77,9 @@ def _scores(analysis):
         for policies in itertools.product([str(p) for p in POLICIES], repeat=len(regions)):
             recompute = {r: p for r, p in zip(regions, policies) if p != "save"}
             peak = predict_step_memory(
-                analysis.captured.gm, states, world_size=DEVICES.world_size, optimizer=OPTIMIZER,
+                analysis.captured.gm, states, devices=DEVICES, optimizer=OPTIMIZER,
                 profiled_batch=analysis.batch_size, recompute=recompute,
-                **schedule_memory_kwargs(SCHEDULE)).peak_bytes
+                schedule=SCHEDULE).peak_bytes
             step, _ = predict_step_time(analysis.captured.gm, states, analysis.facts,
                                         devices=DEVICES, optimizer=OPTIMIZER,
                                         profiled_batch=analysis.batch_size, recompute=recompute,
@@ -101,8 +100,9 @@ def test_joint_search_equals_brute_force(case, share):
     limit = int((low + share * (high - low)) / (1 - 0.03)) + 1
     fitting = [s for s in scores if s[0] <= plannable_bytes(limit)]
     try:
-        strategies, recompute = search_plan(analysis, devices=DEVICES, memory_limit_bytes=limit,
-                                            optimizer=OPTIMIZER, schedule=SCHEDULE)
+        found = search_plan(analysis, devices=DEVICES, memory_limit_bytes=limit,
+                            optimizer=OPTIMIZER, schedule=SCHEDULE)
+        strategies, recompute = found.strategies, found.recompute
     except PlanError:
         assert not fitting, (min(fitting, key=lambda s: s[1])[:2], limit)
         return

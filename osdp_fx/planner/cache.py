@@ -1,0 +1,133 @@
+"""A cache of searched plans: a restarted job plans at once, and plans the same.
+
+A search measures (node times, the devices' links) and so may choose differently from run to
+run; a restart after a failure would pay the search again and might not choose the plan its
+checkpoint was trained under. ``compile_osdp`` therefore keeps each searched plan in a cache
+directory under a key of everything the search depends on that does not change between runs:
+
+* the captured graph (its code), its parameters' names, shapes, dtypes and trainability;
+* the example inputs' shapes and dtypes (and the largest shape planned for);
+* the world (size, ranks per node), the memory limit asked for, the model's device;
+* the ``Devices`` given (every figure), or, when they are measured, only that they are;
+* the planner's options (``PlanOptions``: optimizer, batch sizes, splits, recomputation,
+  prefetch, mixed precision, gradient accumulation, autotuning, the largest shape);
+* the versions of osdp-fx and torch.
+
+An entry holds the plan's JSON (``docs/plan-format.md``) and the ``Devices`` it was planned for
+(measured ones included), so that a hit predicts with the same figures. Rank 0 looks the key up
+and every rank takes its answer; rank 0 writes an entry, atomically, once the plan is final.
+
+Where: ``compile_osdp(plan_cache=...)`` (a directory; False: off), else the environment
+variable ``OSDP_FX_PLAN_CACHE`` (a directory; ``off`` or ``0``: off), else
+``$XDG_CACHE_HOME/osdp_fx/plans`` (``~/.cache/osdp_fx/plans``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._version import VERSION
+from ..core.devices import Devices
+from ..errors import InputError
+from ..passes.capture import Captured
+from ..plan.plan import Plan
+from .make import PlanOptions
+
+CACHE_ENV = "OSDP_FX_PLAN_CACHE"
+"""The environment variable naming the cache directory (``off`` or ``0``: no cache)."""
+_OFF = ("off", "0", "false", "no")
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/osdp_fx/plans``, or ``~/.cache/osdp_fx/plans``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "osdp_fx" / "plans"
+
+
+def cache_dir(plan_cache: bool | str | os.PathLike[str] | None) -> Path | None:
+    """The cache directory ``plan_cache`` asks for (None: no cache)."""
+    if plan_cache is False:
+        return None
+    if isinstance(plan_cache, (str, os.PathLike)) and not isinstance(plan_cache, bool):
+        return Path(plan_cache)
+    if plan_cache not in (True, None):
+        raise InputError(f"plan_cache={plan_cache!r} is not a cache: pass True (the default "
+                         "directory), False (no cache) or the path of a directory")
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in _OFF else Path(env)
+    return default_cache_dir()
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPlan:
+    """One cache entry."""
+
+    path: Path
+    """The entry's file."""
+    plan: dict[str, Any]
+    """The plan's JSON form."""
+    devices: Devices
+    """The devices it was planned for (measured ones included)."""
+
+
+def plan_key(captured: Captured, inputs: tuple[Any, ...], *, devices: Devices | None,
+             world_size: int, ranks_per_node: int | None, memory_limit_bytes: int | None,
+             device: torch.device, options: PlanOptions) -> str:
+    """The key of a search: a digest of what it depends on (module docstring)."""
+    gm = captured.gm
+    facts = {
+        "versions": [VERSION, torch.__version__],
+        "graph": gm.code,
+        "params": [[n, list(p.shape), str(p.dtype), p.requires_grad]
+                   for n, p in gm.named_parameters(remove_duplicate=False)],
+        "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
+                   for x in inputs],
+        "world": [world_size, ranks_per_node, memory_limit_bytes],
+        "device": [device.type, torch.cuda.get_device_name(device)
+                   if device.type == "cuda" else ""],
+        "devices": dataclasses.asdict(devices) if devices is not None else "measured",
+        "options": repr(options),
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class PlanCache:
+    """The plans cached in one directory, by key."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key[:32]}.json"
+
+    def get(self, key: str) -> CachedPlan | None:
+        """The entry of ``key``, or None (absent, or unreadable: then the search runs)."""
+        path = self.path(key)
+        try:
+            entry = json.loads(path.read_text())
+            if entry.get("key") != key:
+                return None
+            return CachedPlan(path, entry["plan"], Devices(**entry["devices"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put(self, key: str, plan: Plan, devices: Devices) -> Path | None:
+        """Write the entry of ``key`` (atomically); None when the directory is not writable."""
+        path = self.path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "plan": plan.to_dict(),
+                                       "devices": dataclasses.asdict(devices)}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            return None
+        return path
