@@ -1,0 +1,107 @@
+"""The scripts in examples/ run as a user runs them: as subprocesses, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import osdp_fx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+ENV = {**os.environ,
+       "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(osdp_fx.__file__)),
+                                      os.environ.get("PYTHONPATH", "")])}
+
+
+def run(cmd: list[str], cwd, timeout: float = 240) -> str:
+    """Run ``cmd`` in ``cwd`` (searched plans cached there, not in ~/.cache); its stdout and
+    stderr, after asserting that it succeeded."""
+    env = {**ENV, "OSDP_FX_PLAN_CACHE": os.path.join(cwd, "plan-cache")}
+    proc = subprocess.run(cmd, check=False, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-6000:]}"
+    return proc.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, *args: str, cwd) -> str:
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                os.path.join(EXAMPLES, script), *args], cwd)
+
+
+def losses(log: str) -> dict[int, str]:
+    """step -> the loss printed for it (as printed: equal strings mean equal to 6 decimals)."""
+    found = re.findall(r"^step (\d+) .*?loss (\S+)", log, re.MULTILINE)
+    return {int(step): loss for step, loss in found}
+
+
+@pytest.mark.slow
+def test_train_gpt_resumes_where_it_stopped(tmp_path):
+    # 48 sequences, 2 ranks, 8 per batch: 3 steps per epoch, so the run resumes at step 4 in
+    # the middle of epoch 1 and must skip that epoch's first batch. Every run searches its plan
+    # (the default); the later runs find the first one's in the plan cache.
+    common = ["--num-sequences", "48", "--batch-size", "8", "--log-every", "1"]
+    whole = torchrun("train_gpt.py", *common, "--steps", "8", "--ckpt-every", "4",
+                     "--ckpt-dir", str(tmp_path / "whole"), cwd=tmp_path)
+    first = torchrun("train_gpt.py", *common, "--steps", "4",
+                     "--ckpt-dir", str(tmp_path / "ckpt"), cwd=tmp_path)
+    assert "saved checkpoint" in first and os.path.isdir(tmp_path / "ckpt")
+    resumed = torchrun("train_gpt.py", *common, "--steps", "8", "--resume",
+                       "--ckpt-dir", str(tmp_path / "ckpt"), cwd=tmp_path)
+
+    assert "at step 4 (epoch 1)" in resumed, resumed[-3000:]
+    expected = losses(whole)
+    assert sorted(expected) == list(range(8))
+    assert sorted(losses(first)) == [0, 1, 2, 3]
+    assert sorted(losses(resumed)) == [4, 5, 6, 7]
+    # Bitwise equal under the same plan; 1e-5 leaves room for a search that chose another plan
+    # (another order of the gradient sums).
+    for step, loss in {**losses(first), **losses(resumed)}.items():
+        assert math.isfinite(float(loss))
+        assert float(loss) == pytest.approx(float(expected[step]), abs=1e-5), (step, loss)
+    assert float(expected[7]) < float(expected[0])  # it learns
+
+
+@pytest.mark.slow
+def test_finetune_lora_trains_only_the_adapters(tmp_path):
+    log = run([sys.executable, os.path.join(EXAMPLES, "finetune_lora.py"), "--steps", "4"],
+              tmp_path)
+    assert sorted(losses(log)) == [0, 1, 2, 3]
+    assert all(math.isfinite(float(v)) for v in losses(log).values())
+    changed = re.search(r"changed (\d+) of (\d+) tensors; all LoRA adapters: (\w+)", log)
+    assert changed, log[-3000:]
+    # q_proj and v_proj of 2 layers, lora_A and lora_B each: 8 tensors, nothing else
+    assert (int(changed[1]), changed[3]) == (8, "True"), changed[0]
+
+
+@pytest.mark.slow
+def test_plan_cluster_saves_a_plan_for_64_gpus(tmp_path):
+    run(["bash", os.path.join(EXAMPLES, "plan_cluster.sh"), str(tmp_path / "plan.json")],
+        tmp_path)
+    with open(tmp_path / "plan.json") as f:
+        plan = json.load(f)
+    assert plan["format"] == "osdp-fx-plan"
+    assert (plan["world_size"], plan["ranks_per_node"]) == (64, 8)
+    assert plan["mixed_precision"]["param_dtype"] == "bfloat16"
+    sys.path.insert(0, EXAMPLES)
+    try:
+        from gpt_meta import gpt_300m
+    finally:
+        sys.path.remove(EXAMPLES)
+    model, _ = gpt_300m()
+    names = {n for n, _ in model.named_parameters()}  # tied head.weight: one name, tok.weight
+    assert set(plan["params"]) == names
