@@ -179,7 +179,7 @@ def compiled_regions(module: torch.nn.Module) -> str:
     ([Note: measured regions]); "-" for the others."""
     from osdp_fx.runtime.compiled_regions import COMPILED
 
-    regions = getattr(module, "_orig_mod", module)._regions
+    regions = getattr(getattr(module, "_orig_mod", module), "_regions", None)
     if regions is None:
         return "-"
     return f"{sum(r.mode == COMPILED for r in regions.regions)} of {len(regions.regions)}"

@@ -12,9 +12,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 # search); tests of the plan cache pass plan_cache= a directory of their own.
 os.environ["OSDP_FX_PLAN_CACHE"] = "off"
 
+from harness.tiers import is_slow  # noqa: E402
 from harness.world import World, freeze_imported_objects  # noqa: E402
 
 freeze_imported_objects()
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tier (``harness/tiers.py``): ``pytest -m "not slow"`` leaves it out."""
+    for item in items:
+        module = os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/")
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        name = getattr(item, "originalname", None) or item.name
+        if is_slow(module, name, params):
+            item.add_marker(pytest.mark.slow)
+
 
 _worlds: dict[int, World] = {}
 

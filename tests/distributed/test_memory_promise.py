@@ -1,6 +1,6 @@
 """The memory promise: what a user measures is what the plan predicted, from the first step.
 
-Measured with ``osdp_fx/storage_tracker.py``, a tracker written apart from the runtime (it imports only torch): every
+Measured with ``osdp_fx/runtime/storage_tracker.py``, a tracker written apart from the runtime (it imports only torch): every
 storage the process holds (found through the garbage collector's object list on entry, and
 every operator's inputs and outputs after), counted at its current size, over the whole step
 (forward, backward, ``optimizer.step()``, ``zero_grad()``), from the very first step, without

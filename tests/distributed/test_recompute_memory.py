@@ -1,5 +1,5 @@
 """The memory promise holds for plans that recompute: the independent storage tracker
-(``osdp_fx/storage_tracker.py``) measures within 5 % of the predicted peak for a plan searched
+(``osdp_fx/runtime/storage_tracker.py``) measures within 5 % of the predicted peak for a plan searched
 under a limit below the all-full_shard peak, which measures under its limit, and at most 0.5 %
 under the prediction (never over it) for hand-written plans (selective and full, under
 replicate and full_shard)."""

@@ -32,7 +32,7 @@ def train_both(rank: int, world: int, *, model: str, plan: Any, backend: str,
     ``accumulate``: each step first runs ``accumulate - 1`` forwards and backwards of its batch
     inside ``compiled.no_sync()``. ``held_after_forward``: the bytes of the storages the
     process holds after the last step's forward beyond those it held before it (the
-    independent tracker of ``osdp_fx/storage_tracker.py``; 0 without ``measure_held``: the
+    independent tracker of ``osdp_fx/runtime/storage_tracker.py``; 0 without ``measure_held``: the
     tracker reads the tensors autograd saved, which selective checkpointing allows only once)."""
     data = [local(b, rank, world) for b in batches(model, global_batch=local_batch * world,
                                                     steps=steps)]

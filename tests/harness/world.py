@@ -1,8 +1,9 @@
 """A persistent world of gloo ranks that runs test cases on demand.
 
-Starting a world costs seconds, so one world serves many cases: each rank is a spawned process
-that waits for tasks (an importable function and its arguments), runs them, and writes the
-result to a file. A task that does not finish in time kills the world (the next use starts a
+Starting a world costs seconds, so one world serves many cases: each rank is a process (forked
+from a server that has imported the libraries once, ``forkserver_context``) that waits for
+tasks (an importable function and its arguments), runs them, and writes the result to a file.
+A task that does not finish in time kills the world (the next use starts a
 fresh one) and fails the test instead of hanging it.
 """
 
@@ -48,6 +49,25 @@ def freeze_imported_objects() -> None:
     gc.freeze()
 
 
+RANK_PRELOAD = ("harness.rank_preload",)
+"""What the forkserver imports before it forks ranks (``forkserver_context``)."""
+
+
+def forkserver_context() -> Any:
+    """The ``forkserver`` multiprocessing context, its server preloading ``RANK_PRELOAD``.
+
+    A spawned rank imports torch, torch._dynamo, transformers and osdp_fx itself: about 8 s of
+    CPU, 20-100 s of wall time per world on a busy 2-core machine. With a forkserver, one
+    process per test process imports them once (``harness.rank_preload``) and every rank is a
+    fork of it. The server only imports (no torch op, no thread pool, no process group), so
+    forking it is safe; each rank then joins its own gloo world as before. The server is one
+    per process: ``fault_cases`` forks its ranks from it too, with whichever preload started it.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, tasks: Any, done: Any, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_world(rank, world_size, port, backend="gloo", timeout_s=60.0)
@@ -71,7 +91,7 @@ class World:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._ctx = mp.get_context("spawn")
+        self._ctx = forkserver_context()
         self._dir = tempfile.mkdtemp(prefix=f"osdp-world{size}-")
         self._tasks = [self._ctx.SimpleQueue() for _ in range(size)]
         self._done = self._ctx.Queue()

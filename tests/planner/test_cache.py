@@ -68,6 +68,7 @@ def test_named_plans_are_not_cached(tmp_path, caplog):
     assert not list(tmp_path.glob("*.json"))
 
 
+@pytest.mark.slow  # a search at world 2, with the devices measured
 def test_rank_0_decides_for_every_rank(worlds, tmp_path):
     results = worlds(2).run(cache_cases.compile_twice, cache=str(tmp_path))
     assert len(list(tmp_path.glob("*.json"))) == 1  # written once, by rank 0
