@@ -20,9 +20,9 @@ changed.
 Why regions rather than dynamo tracing the whole graph and breaking it at each collective call:
 each break costs a resume function whose guards cover every live value of the graph; and the
 frames that run as they are (this module's forward, the graph around the regions) are skipped by
-dynamo from C (:func:`run_eagerly`), not through a call back into Python each time. On the
-compare.py GPT at world 1 (19 regions), dynamo without a compiler (``backend="eager"``) added
-3.4-4.8 ms to a 40-44 ms forward with graph breaks, and 2 ms with regions.
+dynamo from C (:func:`run_eagerly`), not through a call back into Python each time. So
+dynamo's own overhead per forward (``backend="eager"``, no compiler) is smaller with regions
+than with graph breaks (``benchmarks/torch_compile.py`` measures both).
 
 A ``free_param`` call inside a region cannot run in the middle of compiled code: traced, it
 appends the tensor to a list (dynamo replays that when the region has run) and the next

@@ -6,7 +6,7 @@ Under ``torch.compile``, a compiled module runs its rewritten graph through
 graph module of its own (``body``) whose frame dynamo compiles whole, with the user's backend
 and options ([Note: torch.compile] in ``compile_support.py``). A compiled region costs a fixed
 time per call besides its kernels (dynamo's guards, AOT autograd's wrapper in forward and
-backward), about 0.1-0.3 ms on a 2-core CPU; where inductor fuses little (a projection and a
+backward); where inductor fuses little (a projection and a
 layer norm eager already runs as one kernel) that is more than it gains, and a plan that
 gathers each parameter on its own has a region per parameter. So each region runs compiled or
 eagerly, whichever measured faster on this machine:
