@@ -1,6 +1,6 @@
 """docs/api.md covers the public surface: every name of ``osdp_fx.__all__`` has a section, every
 parameter of a public function, class or method is mentioned in its section, and every option of
-the command line is in its command's section.
+the command line is in its command's section. The README's example runs as written.
 
 A section is a heading that names the object in backticks (`` `compile_osdp(` ``,
 `` `Devices.preset(` ``, `` `OSDPModule` ``) and what follows it up to the next heading of the
@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,8 @@ import osdp_fx
 from osdp_fx.cli import build_parser
 from osdp_fx.plan.plan import Prediction
 
-API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+ROOT = Path(__file__).resolve().parents[1]
+API_DOC = ROOT / "docs" / "api.md"
 CLASSES_WITH_METHODS = (osdp_fx.OSDPModule, osdp_fx.Plan, osdp_fx.Devices, Prediction)
 """Classes whose public methods and properties need a mention too (Prediction is what
 ``compiled.plan.prediction`` returns)."""
@@ -181,3 +186,32 @@ def test_section_and_mention_rules():
     assert not mentioned(section_of(text, "f"), "y")  # only in the heading's whole signature
     assert not mentioned("`max_norm`", "max")  # a prefix of another name is not a mention
     assert section_of(text, "h") is None
+
+
+def readme_example() -> str:
+    """The README's Python example, as a user copies it."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 1, "the README should hold one Python example"
+    return blocks[0]
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_and_resumes_as_written(tmp_path):
+    """``torchrun --nproc_per_node 2 train.py`` twice: the first run trains 100 steps and saves a
+    checkpoint, the second resumes from it (its plan from the plan cache) and trains 100 more."""
+    (tmp_path / "train.py").write_text(readme_example())
+    env = {**os.environ, "OSDP_FX_PLAN_CACHE": str(tmp_path / "plan-cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for steps in (100, 200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_addr", "127.0.0.1", "--master_port", str(port), "train.py"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=300, check=False)
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        assert f"after step {steps}: loss" in proc.stdout, proc.stdout[-3000:]
+        assert "Plan for world size 2" in proc.stdout
