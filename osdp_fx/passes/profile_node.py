@@ -276,3 +276,92 @@ def synchronize() -> None:
     """Wait for queued device work (CUDA runs asynchronously; CPU needs nothing)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+# [Note: same work, one profile]
+#
+# Under fake tensors a node's profile (FLOPs, bytes, what it saves) is a function of its
+# operator and of its inputs' metadata alone, and a transformer repeats the same block: the
+# 48 decoder layers of GPT-2 XL are 48 copies of each of their nodes. The profiler profiles
+# the first of a kind and gives the others its profile, renamed to their own inputs
+# (``saved_inputs``, ``saved_params``, ``grad_passthrough`` name input nodes). The key holds
+# everything ``profile_compute_node`` reads: the operator, the structure of the arguments, each
+# tensor's shape, strides, offset, storage size, dtype, device, requires_grad, whether it is a
+# parameter's storage, which arguments share a storage or are the same tensor, which input
+# node each comes from, and which outputs a user reads. Measured profiles (real tensors) are
+# not shared: each node is timed.
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format, type(...))
+
+
+def same_work_key(profiler: Any, n: fx.Node, args: Any, kwargs: Any) -> tuple[Any, ...] | None:
+    """What the profile of compute node ``n`` on ``args``/``kwargs`` depends on ([Note: same
+    work, one profile]); None when an argument is of a kind the key cannot hold."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    source: dict[int, int] = {}
+    for i, inp in enumerate(n.all_input_nodes):
+        for t in tensors(profiler.env.get(inp)):
+            source.setdefault(id(t), i)
+    storages: dict[int, int] = {}
+    same: dict[int, int] = {}
+    parts: list[Any] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key = storage_key(x)
+            parts.append((tuple(x.shape), x.stride(), x.storage_offset(),
+                          x.untyped_storage().nbytes(), x.dtype, x.device.type, x.requires_grad,
+                          key in profiler.param_storages, storages.setdefault(key, len(storages)),
+                          same.setdefault(id(x), len(same)), source.get(id(x))))
+        elif isinstance(x, slice):
+            parts.append(("slice", x.start, x.stop, x.step))
+        elif isinstance(x, _PLAIN):
+            parts.append((type(x), x))
+        else:
+            return None
+    users = list(n.users)
+    read = (tuple(sorted({repr(u.args[1]) for u in users})) if users and all(
+        u.op == "call_function" and u.target is operator.getitem for u in users) else None)
+    key = (n.op, n.target, str(spec), tuple(parts), read)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def renamed(profile: NodeProfile, first: fx.Node, n: fx.Node) -> NodeProfile:
+    """The profile of node ``first`` for node ``n``, which does the same work on its own inputs
+    (positionally alike)."""
+    names = dict(zip((a.name for a in first.all_input_nodes),
+                     (a.name for a in n.all_input_nodes)))
+
+    def rename(found: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(sorted(names[x] for x in found))
+
+    return dataclasses.replace(profile, saved_inputs=rename(profile.saved_inputs),
+                               saved_params=rename(profile.saved_params),
+                               grad_passthrough=rename(profile.grad_passthrough))
+
+
+def run_compute_node(profiler: Any, n: fx.Node) -> Any:
+    """Node ``n``'s value for its users, as :func:`profile_compute_node` computes it, without
+    measuring anything: on its inputs themselves unless the operator writes into them (then
+    on copies, as profiling does)."""
+    args, kwargs = profiler.fetch_args_kwargs_from_env(n)
+    if writes_inputs(n):
+        prepared = prepare_inputs(profiler, n, args, kwargs)
+        args, kwargs = prepared.args, prepared.kwargs
+    with torch.enable_grad():
+        result = getattr(profiler, n.op)(n.target, args, kwargs)
+    return detached(result) if tensors(result) else result
+
+
+def writes_inputs(n: fx.Node) -> bool:
+    """Whether node ``n``'s operator may write into an argument (an in-place or out= operator,
+    or one whose kind is not known)."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._schema.is_mutable
+    if n.op == "call_method":
+        return n.target.endswith("_")
+    return n.target is not operator.getitem and getattr(n.target, "__name__", "_").endswith("_")
