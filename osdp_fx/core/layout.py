@@ -181,3 +181,6 @@ class SplitSpec:
     """Names of the part parameters, in order."""
     sizes: tuple[int, ...]
     """Size of each part along ``dim``."""
+    bias_of: str | None = None
+    """For a linear's bias: the weight whose split it follows (a plan's ``splits`` names the
+    weight alone)."""

@@ -128,7 +128,8 @@ def split_specs(gm: fx.GraphModule, splits: Mapping[str, int]) -> list[SplitSpec
                                tuple(f"{weight}_part{i}" for i in range(k)), sizes))
         if site.bias is not None:
             specs.append(SplitSpec(site.bias, 0,
-                                   tuple(f"{site.bias}_part{i}" for i in range(k)), sizes))
+                                   tuple(f"{site.bias}_part{i}" for i in range(k)), sizes,
+                                   bias_of=weight))
     return specs
 
 
@@ -193,8 +194,10 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
 
 def apply_splits(captured: Captured, splits: Mapping[str, int]) -> list[SplitSpec]:
     """Split ``captured``'s graph and record the parts as its parameter groups (weights
-    already split are left as they are)."""
-    splits = {n: k for n, k in splits.items() if n not in captured.splits}
+    already split are left as they are). A bias named beside its weight (as plans saved by
+    osdp-fx 0.2.0.dev0 before this was fixed name them) follows its weight."""
+    biases = {site.bias for w, site in linear_sites(captured.gm).items() if w in splits}
+    splits = {n: k for n, k in splits.items() if n not in captured.splits and n not in biases}
     specs = split_specs(captured.gm, splits)
     if not specs:
         return []
@@ -213,6 +216,12 @@ def apply_splits(captured: Captured, splits: Mapping[str, int]) -> list[SplitSpe
     captured.params = params
     captured.splits.update(by_name)
     return specs
+
+
+def weight_splits(captured: Captured) -> dict[str, int]:
+    """The splits of ``captured`` as a plan records them: each split weight and its number of
+    parts (a split bias follows its weight)."""
+    return {n: len(s.parts) for n, s in captured.splits.items() if s.bias_of is None}
 
 
 def _delete_param(gm: fx.GraphModule, name: str) -> None:

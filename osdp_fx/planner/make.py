@@ -33,7 +33,7 @@ from ..cost_models.timeline import MemoryPrediction, predict_step_memory
 from ..passes.capture import Captured
 from ..passes.manager import run_passes
 from ..passes.precision import cast_params_pass
-from ..passes.split_linear import apply_splits
+from ..passes.split_linear import apply_splits, weight_splits
 from ..plan.plan import DEFAULT_PREFETCH, Plan, Prediction, check_prefetch
 from ..plan.request import PlanRequest, build_plan, resolve_plan
 from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
@@ -110,8 +110,9 @@ def resolve_named(captured: Captured, request: PlanRequest, *, world_size: int,
     """A named plan (a strategy name, a Plan, a plan file) resolved against the captured model,
     its splits applied to the graph: a plan that does not fit the model fails here."""
     apply_splits(captured, request.splits)
-    return resolve_plan(request, param_specs(captured), world_size=world_size,
+    plan = resolve_plan(request, param_specs(captured), world_size=world_size,
                         ranks_per_node=ranks_per_node, memory_limit_bytes=memory_limit_bytes)
+    return dataclasses.replace(plan, splits=tuple(sorted(weight_splits(captured).items())))
 
 
 def make_plan(captured: Captured, example_inputs: tuple[Any, ...], **kwargs: Any) -> Plan:
@@ -239,7 +240,7 @@ def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
     captured = analysis.captured
     plan = build_plan(strategies, param_specs(captured), world_size=devices.world_size,
                       memory_limit_bytes=limit, source="search",
-                      splits={n: len(s.parts) for n, s in captured.splits.items()},
+                      splits=weight_splits(captured),
                       schedule=schedule, ranks_per_node=devices.ranks_per_node,
                       recompute=recompute)
     return _Searched(plan, batch, tuple(alternatives))

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from torch import nn
 
-from osdp_fx import compile_osdp
+from osdp_fx import Devices, compile_osdp
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import MLP, TinyGPT
 from osdp_fx.passes.capture import capture
 from osdp_fx.passes.split_linear import apply_splits, linear_sites
+from osdp_fx.planner.make import make_plan
 
 
 def count(gm, name):
@@ -98,3 +100,22 @@ def test_checkpoints_keep_the_original_names(tmp_path):
     for key, value in compiled.full_state_dict().items():
         torch.testing.assert_close(value, changed[key], rtol=0, atol=0)
     assert "layers_0_weight_part2" in compiled.code
+
+
+def test_a_searched_plan_that_splits_a_biased_linear_loads_back(tmp_path):
+    """The plan names the weight alone (its bias follows); a file that also names the bias, as
+    plans saved before this was fixed do, loads the same."""
+    torch.manual_seed(0)
+    model, x = MLP((64, 1024, 1024, 64)), torch.randn(8, 64)  # every linear has a bias
+    devices = Devices(world_size=2, memory_bytes=12 * 2**20)
+    searched = make_plan(capture(copy.deepcopy(model), (x,)), (x,), plan=None, devices=devices,
+                         memory_limit_bytes=devices.memory_bytes, fake=True)
+    assert dict(searched.splits) == {"layers.1.weight": 4}  # the search split it
+    saved, old = tmp_path / "plan.json", tmp_path / "old.json"
+    searched.save(saved)
+    data = json.loads(saved.read_text())
+    old.write_text(json.dumps({**data, "splits": {**data["splits"], "layers.1.bias": 4}}))
+    for path in (saved, old):
+        loaded = make_plan(capture(copy.deepcopy(model), (x,)), (x,), plan=str(path),
+                           devices=devices, memory_limit_bytes=devices.memory_bytes, fake=True)
+        assert loaded.hash() == searched.hash(), path.name
