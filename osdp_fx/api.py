@@ -8,6 +8,7 @@ import functools
 import gc
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from .core.devices import Devices
 from .core.io_spec import CallCheck, ShapeGuard, bind_example, check_max_shape
 from .core.precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
 from .core.strategies import traits
-from .errors import InputError, PlanMismatchError
+from .errors import InputError, OSDPError, PlanMismatchError
 from .module import OSDPModule
 from .passes.aliases import annotate_aliases_pass
 from .passes.capture import Captured, as_input_tuple, capture, is_on_meta
@@ -176,7 +177,7 @@ def compile_osdp(
     with progress.stage("plan (profile, search)" if named is None else "plan (profile)", log,
                         times):
         planned = plan_model(captured, inputs, named=named, uniform=request.kind == "uniform",
-                             devices=devices, options=options, agree=_from_rank0)
+                             devices=devices, options=options, decide=_decided_on_rank0)
     _prepare_graph(captured, planned.plan, inputs, times)
     candidates = (planned.plan, *planned.alternatives)
     _agree(captured, candidates, world, on_meta=on_meta, device=device)
@@ -348,6 +349,38 @@ def _collect_capture_cycles() -> None:
     freed = gc.collect()
     log.debug("freed %d objects left in reference cycles by capture in %.3f s", freed,
               time.perf_counter() - start)
+
+
+def _decided_on_rank0(choose: Callable[[], Any]) -> Any:
+    """Rank 0 runs ``choose`` (a search) and every rank gets its result, or raises its error:
+    the other ranks search nothing (measured costs differ slightly between ranks, and one
+    decision is what they must share)."""
+    if group_size(WORLD) == 1:
+        return choose()
+    box: list[Any] = [None]
+    mine: Exception | None = None
+    if group_rank(WORLD) == 0:
+        try:
+            box[0] = (True, choose())
+        except Exception as error:  # every rank raises it
+            mine = error
+            box[0] = (False, error if _picklable(error) else OSDPError(
+                f"rank 0: {type(error).__name__}: {error}"))
+    dist.broadcast_object_list(box, src=0)
+    if mine is not None:
+        raise mine
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def _from_rank0(choice: Any) -> Any:

@@ -128,7 +128,7 @@ def make_planned(
     plan: str | os.PathLike[str] | Plan | PlanRequest | None,
     devices: Devices,
     memory_limit_bytes: int | None,
-    agree: Callable[[Any], Any] = lambda choice: choice,
+    decide: Callable[[Callable[[], Any]], Any] = lambda choose: choose(),
     **options: Any,
 ) -> Planned:
     """:func:`plan_model` of ``plan`` (None: search; a strategy name, a Plan, a plan file:
@@ -140,26 +140,27 @@ def make_planned(
         memory_limit_bytes=memory_limit_bytes)
     return plan_model(captured, example_inputs, named=named,
                       uniform=request.kind == "uniform", devices=devices,
-                      options=PlanOptions(**options), agree=agree)
+                      options=PlanOptions(**options), decide=decide)
 
 
 def plan_model(captured: Captured, example_inputs: tuple[Any, ...], *, named: Plan | None,
                uniform: bool = False, devices: Devices, options: PlanOptions,
-               agree: Callable[[Any], Any] = lambda choice: choice) -> Planned:
+               decide: Callable[[Callable[[], Any]], Any] = lambda choose: choose()) -> Planned:
     """Profile the model, then predict ``named`` (a plan resolved by :func:`resolve_named`;
     ``uniform``: named by a strategy, so it takes :func:`uniform_schedule`'s schedule) or,
     when None, search under ``devices.memory_bytes``: first which linears to split into how
     many parts (``options.split``, world size > 1; the graph is split in place), then a
     strategy per parameter group with the recomputed regions and the schedule
-    (``search_schedules``), jointly over ``options.batch_sizes`` when given. ``agree`` makes
-    every rank use the same searched choice (compile_osdp passes a broadcast from rank 0).
+    (``search_schedules``), jointly over ``options.batch_sizes`` when given. ``decide`` runs
+    each searched choice and gives it to every rank (compile_osdp's runs it on rank 0 alone and
+    broadcasts the result, or its error).
     Memory is predicted for steps of ``options.grad_accumulation`` micro-batches and at
     ``options.max_shape`` ([Note: input shapes])."""
     analysis = _profile(captured, example_inputs, search=named is None, devices=devices,
-                        options=options, agree=agree)
-    found = (_search(analysis, devices=devices, options=options, agree=agree) if named is None
+                        options=options, decide=decide)
+    found = (_search(analysis, devices=devices, options=options, decide=decide) if named is None
              else _Searched(_named(analysis, named, uniform=uniform, devices=devices,
-                                   options=options, agree=agree)))
+                                   options=options, decide=decide)))
     resolved = found.plan
     if options.precision is not None:
         resolved = dataclasses.replace(
@@ -177,7 +178,7 @@ def plan_model(captured: Captured, example_inputs: tuple[Any, ...], *, named: Pl
 
 
 def _profile(captured: Captured, example_inputs: tuple[Any, ...], *, search: bool,
-             devices: Devices, options: PlanOptions, agree: Callable[[Any], Any]) -> Analysis:
+             devices: Devices, options: PlanOptions, decide: Callable[[Callable[[], Any]], Any]) -> Analysis:
     """The analysis of the captured graph, after the searched splits (with mixed precision
     chosen on the full-precision profile) and the cast to the compute precision."""
     profile = functools.partial(analyze, captured, example_inputs, fake=options.fake,
@@ -186,7 +187,7 @@ def _profile(captured: Captured, example_inputs: tuple[Any, ...], *, search: boo
     analysis = profile() if split_search or options.precision is None else None
     if split_search:
         assert analysis is not None and devices.memory_bytes is not None
-        chosen = agree(choose_splits(
+        chosen = decide(lambda: choose_splits(
             analysis, devices=devices, memory_limit_bytes=devices.memory_bytes,
             optimizer=options.optimizer, prefetch=options.prefetch_or_default,
             grad_accumulation=options.grad_accumulation))
@@ -213,14 +214,14 @@ class _Searched:
 
 
 def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
-            agree: Callable[[Any], Any]) -> _Searched:
+            decide: Callable[[Callable[[], Any]], Any]) -> _Searched:
     """The searched plan, unpredicted."""
     assert devices.memory_bytes is not None, "devices_for fills the memory limit"
     limit, acc = devices.memory_bytes, options.grad_accumulation
     alternatives: list[Any] = []
     batch = None
     if options.batch_sizes:
-        chosen = agree(search_batch_size(
+        chosen = decide(lambda: search_batch_size(
             analysis, list(options.batch_sizes), devices=devices, memory_limit_bytes=limit,
             optimizer=options.optimizer, prefetch=options.prefetch_or_default,
             grad_accumulation=acc))
@@ -230,12 +231,12 @@ def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
         how = dict(devices=devices, optimizer=options.optimizer, prefetch=options.prefetch,
                    grad_accumulation=acc, recompute=options.recompute)
         k = options.candidates
-        found = agree(search_schedules(analysis, memory_limit_bytes=limit,
+        found = decide(lambda: search_schedules(analysis, memory_limit_bytes=limit,
                                        alternatives=k > 1, **how))
         schedule, alternatives = found[0].schedule, found[1:k]
         strategies, recompute = found[0].found.strategies, found[0].found.recompute
         if k > 1:  # autotuning measures these before it trusts them
-            alternatives += agree(search_beyond_margin(
+            alternatives += decide(lambda: search_beyond_margin(
                 analysis, memory_limit_bytes=limit, faster_than_s=found[0].step_s, **how))[:k]
     captured = analysis.captured
     plan = build_plan(strategies, param_specs(captured), world_size=devices.world_size,
@@ -247,13 +248,13 @@ def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
 
 
 def _named(analysis: Analysis, plan: Plan, *, uniform: bool, devices: Devices,
-           options: PlanOptions, agree: Callable[[Any], Any]) -> Plan:
+           options: PlanOptions, decide: Callable[[Callable[[], Any]], Any]) -> Plan:
     """A named plan with the options' prefetch, and, for a strategy name (``uniform``), the
     schedule of :func:`uniform_schedule`."""
     if options.prefetch is not None:
         plan = dataclasses.replace(plan, prefetch=options.prefetch)
     if uniform:
-        plan = with_schedule(plan, agree(uniform_schedule(
+        plan = with_schedule(plan, decide(lambda: uniform_schedule(
             analysis, plan, devices=devices, optimizer=options.optimizer,
             grad_accumulation=options.grad_accumulation)))
     return plan
