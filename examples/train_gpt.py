@@ -9,7 +9,8 @@ What it shows:
   (``--plan full_shard``, ``--plan replicate``, ``--plan plan.json``);
 - AdamW over ``compiled.parameters()`` (each rank holds the optimizer state of its shards);
 - gradient clipping over the whole model with ``osdp_fx.clip_grad_norm_``;
-- ``save_checkpoint`` every ``--ckpt-every`` steps and ``--resume`` from the last one, continuing
+- ``save_checkpoint`` every ``--ckpt-every`` steps into ``<ckpt-dir>/step-<N>``, and
+  ``--resume`` from the newest of them (or ``--resume-from <ckpt-dir>/step-<N>``), continuing
   with the same batches an uninterrupted run would have seen.
 
 On the CPU (2 processes, a few seconds):
@@ -55,7 +56,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None)
     p.add_argument("--ckpt-dir", default="gpt-ckpt")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --ckpt-dir")
+    p.add_argument("--resume-from", default=None,
+                   help="continue from this checkpoint (a step-<N> directory)")
     p.add_argument("--log-every", type=int, default=5)
     # the model and the synthetic data
     p.add_argument("--vocab", type=int, default=256)
@@ -149,6 +153,13 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
+def newest_checkpoint(ckpt_dir: str) -> str | None:
+    """The ``step-<N>`` directory of ``ckpt_dir`` with the largest N (None: there is none)."""
+    steps = [int(d.removeprefix("step-")) for d in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir)
+             else []) if d.startswith("step-") and d.removeprefix("step-").isdigit()]
+    return os.path.join(ckpt_dir, f"step-{max(steps)}") if steps else None
+
+
 def main() -> None:
     args = parse_args()
     device = init_distributed()
@@ -181,11 +192,12 @@ def main() -> None:
     opt = torch.optim.AdamW(compiled.parameters(), lr=args.lr)
 
     start_step = 0
-    if args.resume:
-        extra = load_checkpoint(args.ckpt_dir, compiled, opt)   # collective
+    resume_from = args.resume_from or (newest_checkpoint(args.ckpt_dir) if args.resume else None)
+    if resume_from is not None:
+        extra = load_checkpoint(resume_from, compiled, opt)   # collective
         start_step = extra["step"]
         if rank == 0:
-            print(f"resumed from {args.ckpt_dir} at step {start_step} "
+            print(f"resumed from {resume_from} at step {start_step} "
                   f"(epoch {extra['epoch']})", flush=True)
 
     for step, epoch, batch in batches_from(loader, sampler, start_step):
@@ -210,10 +222,10 @@ def main() -> None:
         if done % args.ckpt_every == 0 or done == args.steps:
             # Collective: every rank writes its own shards into one directory. "step" is the
             # number of steps done, where a resumed run starts, in epoch "epoch".
-            save_checkpoint(args.ckpt_dir, compiled, opt,
-                            extra={"step": done, "epoch": done // len(loader)})
+            path = os.path.join(args.ckpt_dir, f"step-{done}")
+            save_checkpoint(path, compiled, opt, extra={"step": done, "epoch": done // len(loader)})
             if rank == 0:
-                print(f"saved checkpoint {args.ckpt_dir} at step {done}", flush=True)
+                print(f"saved checkpoint {path} at step {done}", flush=True)
 
     dist.destroy_process_group()
 
