@@ -6,9 +6,9 @@ What it shows:
   ``attention_mask``, ``labels``) given to ``compile_osdp`` through ``example_kwargs``, and the
   model's own output (``out.loss``) returned by the compiled module (Hugging Face models are
   captured by ``torch.export``);
-- peft's ``get_peft_model`` freezing the base weights: frozen parameters stay replicated and
-  get no gradient, so only the adapters are reduced, sharded (when the plan says so) and
-  updated; the script checks at the end that only adapter weights changed;
+- peft's ``get_peft_model`` freezing the base weights: frozen parameters are sharded or
+  replicated as the plan says, like the adapters, and get no gradient, so only the adapters
+  are reduced and updated; the script checks at the end that only adapter weights changed;
 - batches of different lengths, left-padded, with the padding masked and not predicted;
 - the same script in one process (no torchrun needed) or on several.
 

@@ -140,8 +140,8 @@ def collective_stages(
       across nodes.
 
     Stages over a single rank are left out, so on one node hybrid_shard and hierarchical have
-    full_shard's collectives; nothing is communicated at world size 1 or when not ``trainable``
-    (a frozen replicated parameter).
+    full_shard's collectives; nothing is communicated at world size 1. A frozen group (not
+    ``trainable``) has no gradient: no all-reduce or reduce-scatter, only its gathers.
     """
     per_node = ranks_per_node or world_size
     nodes = world_size // per_node
@@ -163,7 +163,7 @@ def collective_stages(
     gather = [Stage("all_gather", size(padded, part), ranks[scope], scope)
               for scope, part in t.gather_stages]
     scatter = [Stage(collective, size(grad, part), ranks[scope], scope)
-               for collective, scope, part in t.reduce_stages]
+               for collective, scope, part in t.reduce_stages] if trainable else []
     again = gather if t.freed_after_forward and regathered else []
     return ([s for s in gather if s.ranks > 1],
             [s for s in again + scatter if s.ranks > 1])

@@ -132,7 +132,9 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     def key(n: fx.Node) -> tuple[str, int]:
         state = params[facts.param_of[n]]
         flat = not traits(state.strategy).needs_mesh
-        return (state.strategy if flat else f"mesh {n}",
+        # a frozen group's gradient-free gathers never share a trainable one's bucket
+        kind = state.strategy if state.trainable else f"{state.strategy}, frozen"
+        return (kind if flat else f"mesh {n}",
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size))
 
@@ -165,7 +167,8 @@ def small_gather_key(state: ParamState, world_size: int,
         return None
     nbytes = gathered_param_bytes(state.numel, element_size=state.element_size,
                                   world_size=world_size)
-    return str(state.strategy) if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
+    kind = state.strategy if state.trainable else f"{state.strategy}, frozen"
+    return str(kind) if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
 
 
 SPLIT_BEFORE = 1 / 16

@@ -71,7 +71,14 @@ class ParamInfo:
 
     @property
     def trainable(self) -> bool:
+        """It gets a gradient: it requires grad and is of a float dtype."""
         return self.requires_grad and self.dtype.is_floating_point
+
+    @property
+    def shardable(self) -> bool:
+        """It may take any strategy: a float parameter, trainable or frozen (a frozen one is
+        gathered like the others and never reduced)."""
+        return self.dtype.is_floating_point
 
 
 @dataclasses.dataclass

@@ -170,9 +170,12 @@ class ParamSpec:
     aliases: tuple[str, ...]
     """Tied names."""
     trainable: bool
-    """False for frozen or non-float parameters, which always stay replicated."""
+    """False for frozen or non-float parameters: no gradient, no optimizer state."""
     frozen: bool
     """requires_grad is False."""
+    shardable: bool = True
+    """False for non-float parameters, which always stay replicated (a frozen float parameter
+    takes any strategy)."""
 
 
 def build_plan(
@@ -190,14 +193,17 @@ def build_plan(
     """A Plan giving each parameter group its requested strategy (keyed by canonical name),
     recomputing the regions ``recompute`` names.
 
-    Frozen and non-float parameters stay replicated whatever was asked; the plan notes why.
+    Non-float parameters stay replicated whatever was asked, and the plan notes why; frozen
+    ones take the strategy asked (gathered, never reduced), noted "frozen".
     """
     entries = []
     for s in specs:
         strategy = requested[s.name]
         note = ""
-        if not s.trainable:
-            strategy, note = REPLICATE, "frozen" if s.frozen else f"{s.dtype}, not float"
+        if not s.shardable:
+            strategy, note = REPLICATE, f"{s.dtype}, not float"
+        elif s.frozen:
+            note = "frozen"
         entries.append(ParamPlan(
             name=s.name, strategy=strategy, shape=s.shape, dtype=s.dtype,
             element_size=s.element_size, aliases=s.aliases, note=note, trainable=s.trainable,

@@ -117,7 +117,7 @@ def param_specs(captured: Captured) -> list[ParamSpec]:
     return [
         ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
                   element_size=p.dtype.itemsize, aliases=p.aliases, trainable=p.trainable,
-                  frozen=not p.requires_grad)
+                  frozen=not p.requires_grad, shardable=p.shardable)
         for p in captured.params.values()
     ]
 

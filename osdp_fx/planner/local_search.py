@@ -84,7 +84,7 @@ def refine(
         return list(ranked)
     uniform, seen = [], set()
     for strategy in UNIFORM:
-        plan = Found({n: strategy if p.trainable else REPLICATE
+        plan = Found({n: strategy if p.shardable else REPLICATE
                       for n, p in analysis.captured.params.items()}, {})
         states = param_states(analysis, plan.strategies)
         for schedule in schedules:
@@ -116,7 +116,8 @@ def refine(
 
 
 def largest_groups(analysis: Analysis, count: int | None = IMPROVED_GROUPS) -> list[str]:
-    """The ``count`` largest trainable parameter groups (None: all), largest first, by bytes."""
+    """The ``count`` largest parameter groups that may be sharded (None: all), largest first,
+    by bytes."""
     states = {n: param_state(analysis, n, REPLICATE) for n, p in analysis.captured.params.items()
-              if p.trainable}
+              if p.shardable}
     return sorted(states, key=lambda n: -states[n].numel * states[n].element_size)[:count]

@@ -108,7 +108,7 @@ def choose_splits(
     times, persistent, transient, labels = [], [], [], []
     for n in names:
         info = analysis.captured.params[n]
-        strategies = searched_strategies(devices.num_nodes) if info.trainable else [REPLICATE]
+        strategies = searched_strategies(devices.num_nodes) if info.shardable else [REPLICATE]
         costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                             devices=devices, optimizer=optimizer,
                             grad_accumulation=grad_accumulation) for st in strategies]
@@ -193,12 +193,13 @@ def search_batch_size(
 def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
                      batch_size: int | None, grad_accumulation: int = 1,
                      schedule: Schedule = DEFAULT_SCHEDULE,
-                     regions: Mapping[str, list[RegionCost]] | None = None) -> tuple[int, int]:
+                     regions: Mapping[str, list[RegionCost]] | None = None,
+                     fixed: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(peak of the most sharded plan, every region in ``regions`` fully recomputed; the
     search's base memory): that peak minus what the search itself accounts for (persistent and
     largest transient bytes), i.e. activations outside the regions."""
-    lowest = {n: FULL_SHARD if p.trainable and devices.world_size > 1 else REPLICATE
-              for n, p in analysis.captured.params.items()}
+    lowest = {n: FULL_SHARD if p.shardable and devices.world_size > 1 else REPLICATE
+              for n, p in analysis.captured.params.items()} | dict(fixed or {})
     full = {r: opts[-1] for r, opts in (regions or {}).items()}
     peak = plan_peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()},
                        devices=devices, optimizer=optimizer, batch_size=batch_size,
@@ -324,24 +325,27 @@ def _search(
     memory_limit_bytes: int, optimizer: str, batch_size: int | None = None,
     grad_accumulation: int = 1, schedule: Schedule = DEFAULT_SCHEDULE,
     cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None, loosen: bool = True,
+    fixed: Mapping[str, str] | None = None,
 ) -> Found:
-    """One exact search over the parameter groups' strategies and, as more rows of the same
+    """One exact search over the parameter groups' strategies (but those ``fixed`` names, which
+    keep the strategy it gives) and, as more rows of the same
     problem, the ``regions``' policies (time: the recomputed forward; persistent: what the
     region keeps to backward; transient: what its recomputation re-creates), under
     ``schedule`` (its memory charged). ``cost_tables``: the groups' costs by all-reduce bucket
     size, filled and reused across the searches of one ``search_schedules``. ``loosen``: also
     try the exact problem at looser limits that the timeline still fits (:func:`_loosen`)."""
     names = list(analysis.captured.params)
-    trainable = {n: analysis.captured.params[n].trainable for n in names}
+    shardable = {n: analysis.captured.params[n].shardable for n in names}
     sharding_helps = devices.world_size > 1
-    options = {n: searched_strategies(devices.num_nodes) if trainable[n] and sharding_helps
-               else [REPLICATE] for n in names}
+    options = {n: searched_strategies(devices.num_nodes) if shardable[n] and sharding_helps
+               else [REPLICATE] for n in names} | {n: [s] for n, s in (fixed or {}).items()}
     rows = _problem_rows(analysis, options, regions, devices=devices, optimizer=optimizer,
                          batch_size=batch_size, grad_accumulation=grad_accumulation,
                          schedule=schedule, cost_tables={} if cost_tables is None else cost_tables)
     lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
                                          batch_size=batch_size, schedule=schedule,
-                                         grad_accumulation=grad_accumulation, regions=regions)
+                                         grad_accumulation=grad_accumulation, regions=regions,
+                                         fixed=fixed)
     target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
     if plan_space([len(r.time_s) for r in rows]) <= EXACT_COMBINATIONS:
         found = exhaustive_search(
@@ -373,13 +377,15 @@ def _search(
         found = fit.found if not loosen else _loosen(fit, limit, target, solve, lambda f: plan_step_s(
             analysis, f, devices=devices, optimizer=optimizer, batch_size=batch_size,
             schedule=schedule))
-        counts = {s: sum(v == s for v in found.strategies.values()) for s in STRATEGIES}
+        counts = ", ".join(f"{n} {s}" for s in STRATEGIES
+                           if (n := sum(v == s for v in found.strategies.values())))
         log.info("search: %s, %d regions recomputed, limit %s", counts, len(found.recompute),
                  format_bytes(memory_limit_bytes))
         return found
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
-        return Found({n: FULL_SHARD if trainable[n] and sharding_helps else REPLICATE
-                      for n in names}, {r: opts[-1].policy for r, opts in regions.items()})
+        return Found({n: FULL_SHARD if shardable[n] and sharding_helps else REPLICATE
+                      for n in names} | dict(fixed or {}),
+                     {r: opts[-1].policy for r, opts in regions.items()})
     raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
 
 

@@ -2,7 +2,8 @@
 brute force on small instances.
 
 Draws a tiny TinyGPT (1-3 blocks, so 1-3 regions) with 1-3 trainable weight matrices (the
-other parameters frozen, so they have one option, replicate), and a memory limit between the
+other parameters frozen and fixed replicated, ``search_plan(fixed=...)``, so they have one
+option), and a memory limit between the
 least and the largest predicted peak of any plan; profiles it fake (``analyze(fake=True)``: no
 operator runs). Brute force scores every combination (a strategy per trainable group x a policy
 per region, at most 3^3 x 3^3) with the models the search answers to: the timeline's peak
@@ -101,7 +102,9 @@ def test_joint_search_equals_brute_force(case, share):
     fitting = [s for s in scores if s[0] <= plannable_bytes(limit)]
     try:
         found = search_plan(analysis, devices=DEVICES, memory_limit_bytes=limit,
-                            optimizer=OPTIMIZER, schedule=SCHEDULE)
+                            optimizer=OPTIMIZER, schedule=SCHEDULE, fixed={
+                                n: REPLICATE for n, p in analysis.captured.params.items()
+                                if not p.trainable})
         strategies, recompute = found.strategies, found.recompute
     except PlanError:
         assert not fitting, (min(fitting, key=lambda s: s[1])[:2], limit)

@@ -1,0 +1,79 @@
+"""Frozen weights take every strategy (issue 39): a LoRA-style model whose frozen base is
+sharded trains like one process, holds its share of the base, runs no gradient collective for a
+frozen group and re-gathers a frozen weight in backward only where backward reads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import frozen_cases
+
+PLANS = ("full_shard", "shard_grad_op", "frozen_sharded", "searched")
+
+
+@pytest.fixture(scope="module")
+def trained(worlds):
+    return worlds(2).run(frozen_cases.train, timeout_s=600)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_sharded_frozen_base_trains_like_one_process(trained, plan):
+    ref = trained[0]["reference"]
+    mean = torch.tensor([r[plan]["losses"] for r in trained]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+    for r in trained:
+        for key, expected in ref["state"].items():
+            torch.testing.assert_close(r[plan]["state"][key], expected, atol=1e-5, rtol=0,
+                                       msg=f"{plan}: {key}")
+        for key, expected in ref["frozen_state"].items():  # unchanged, bitwise
+            assert torch.equal(r[plan]["frozen_state"][key], expected), (plan, key)
+
+
+def test_named_plans_shard_frozen_groups_and_say_so(trained):
+    for plan in ("full_shard", "shard_grad_op"):
+        result = trained[0][plan]
+        assert set(result["strategies"].values()) == {plan}
+        assert {n for n, note in result["notes"].items() if note == "frozen"} == \
+            frozen_cases.FROZEN
+        for name in frozen_cases.FROZEN:  # the plan's own collectives: no gradient ones
+            assert all(st.collective == "all_gather"
+                       for st in result["backward_collectives"][name]), (plan, name)
+
+
+def test_full_shard_holds_a_share_of_the_base(trained):
+    ref = trained[0]["reference"]
+    world = len(trained)
+    padding = sum(trained[0]["full_shard"]["padded"].values()) * 4 // world  # at most
+    for r in trained:
+        held = r["full_shard"]["local_bytes"]
+        assert held <= ref["model_bytes"] / world + ref["adapter_bytes"] + padding, held
+        assert held < 0.6 * ref["model_bytes"]
+
+
+def test_frozen_groups_run_no_gradient_collective_and_regather_only_what_backward_reads(
+        trained):
+    for r in trained:
+        result = r["frozen_sharded"]
+        counts = result["backward"]
+        assert counts.get("reduce_scatter", 0) == 0, counts  # only frozen groups are sharded
+        assert counts.get("all_reduce", 0) >= 1, counts  # the adapters' gradients
+        assert result["regathered"] == sorted(frozen_cases.REGATHERED)
+        # backward gathered exactly the frozen weights it reads, nothing of emb or up.base
+        assert counts["gathered_numel"] == sum(result["padded"][n]
+                                               for n in frozen_cases.REGATHERED), counts
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_the_memory_promise_holds_with_frozen_groups_sharded(trained, plan):
+    for r in trained:
+        predicted = r[plan]["predicted"]
+        for step, measured in enumerate(r[plan]["peaks"]):
+            assert 0.90 * predicted <= measured <= 1.05 * predicted, (plan, step, measured,
+                                                                      predicted)
+
+
+def test_the_search_shards_frozen_groups_to_fit(trained):
+    for r in trained:
+        searched = r["searched"]
+        assert all(peak <= searched["limit"] for peak in searched["peaks"])
+        assert any(searched["strategies"][n] != "replicate" for n in frozen_cases.FROZEN)

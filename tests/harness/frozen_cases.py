@@ -1,0 +1,185 @@
+"""A LoRA-style model with a frozen base (embedding, linears, head) and trainable low-rank
+adapters, trained under plans that shard the frozen weights; the collectives counted on the
+real calls."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from osdp_fx import compile_osdp
+from osdp_fx.core.strategies import traits
+from osdp_fx.runtime import collectives
+from osdp_fx.runtime.storage_tracker import StorageTracker
+
+from .memory_cases import earlier_storages
+
+VOCAB, DIM, HIDDEN, RANK = 64, 128, 512, 4
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update ``b @ a``."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out, bias=False).requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(RANK, d_in) * 0.1)
+        self.b = nn.Parameter(torch.randn(d_out, RANK) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.a), self.b)
+
+
+class FrozenBaseLM(nn.Module):
+    """Embedding and head frozen, two LoRA linears between. Backward needs the frozen weights
+    of ``up`` only where their input requires grad: ``down.base`` and ``head``, not ``emb`` (an
+    embedding's backward reads no weight) nor ``up.base`` (its input, the frozen embedding's
+    output, needs no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM).requires_grad_(False)
+        self.up = LoraLinear(DIM, HIDDEN)
+        self.down = LoraLinear(HIDDEN, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False).requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(F.gelu(self.up(self.emb(idx)))))
+
+
+REGATHERED = {"down.base.weight", "head.weight"}
+FROZEN = {"emb.weight", "up.base.weight", "down.base.weight", "head.weight"}
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return FrozenBaseLM()
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (4, 8), generator=g)
+
+
+def loss_of(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Counter]:
+    """Count the runtime's all-gathers (and the elements they gather), reduce-scatters and
+    all-reduces meanwhile; the wrapped functions still run."""
+    counts: Counter = Counter()
+    gather, scatter, reduce = (collectives._all_gather_flat_impl,
+                               collectives._reduce_scatter_flat_impl, dist.all_reduce)
+
+    def gathered(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counts["all_gather"] += 1
+        counts["gathered_numel"] += out.numel()
+        return gather(out, *args, **kwargs)
+
+    def scattered(*args: Any, **kwargs: Any) -> Any:
+        counts["reduce_scatter"] += 1
+        return scatter(*args, **kwargs)
+
+    def reduced(*args: Any, **kwargs: Any) -> Any:
+        counts["all_reduce"] += 1
+        return reduce(*args, **kwargs)
+
+    collectives._all_gather_flat_impl = gathered
+    collectives._reduce_scatter_flat_impl = scattered
+    dist.all_reduce = reduced
+    try:
+        yield counts
+    finally:
+        collectives._all_gather_flat_impl = gather
+        collectives._reduce_scatter_flat_impl = scatter
+        dist.all_reduce = reduce
+
+
+def _plan_file(name: str, body: dict[str, Any]) -> str:
+    path = os.path.join(tempfile.gettempdir(), f"osdp-frozen-{os.getpid()}-{name}.json")
+    with open(path, "w") as f:
+        json.dump({"format": "osdp-fx-plan", "version": 1, **body}, f)
+    return path
+
+
+def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str, Any]:
+    """Each plan's losses, trainable state, local parameter bytes, each step's peak as a storage
+    tracker counts it (whole step, from the first) and, in the last step's backward, the
+    collectives; rank 0 also trains one process on every rank's batches."""
+    frozen_sharded = _plan_file("frozen-sharded", {
+        "default": "replicate", "params": {n: "full_shard" for n in FROZEN}})
+    plans: dict[str, Any] = {"full_shard": "full_shard", "shard_grad_op": "shard_grad_op",
+                             "frozen_sharded": frozen_sharded, "searched": None}
+    out: dict[str, Any] = {}
+    limit = None  # the search's: 4 % above full_shard's predicted peak
+    for label, plan in plans.items():
+        gc.collect()  # what earlier cases left, so that it is not counted here
+        held_before = earlier_storages([])
+        compiled = compile_osdp(build(), (batch(0, rank),), plan=plan, optimizer="sgd",
+                                memory_limit=limit if plan is None else None)
+        if plan == "full_shard":
+            limit = int(1.04 * compiled.plan.prediction.peak_memory_bytes)
+        opt = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=lr)
+        losses, peaks, backward = [], [], Counter()
+        for step in range(steps):
+            idx = batch(step, rank)
+            with StorageTracker() as tracker:
+                loss = loss_of(compiled(idx), idx)
+                with counting() as counts:
+                    loss.backward()
+                backward = counts
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                del loss
+            earlier = (ref() for ref in held_before)
+            peaks.append(tracker.peak_bytes - sum(s.nbytes() for s in earlier if s is not None))
+        state = compiled.full_state_dict()
+        out[label] = {
+            "losses": losses, "backward": dict(backward), "peaks": peaks, "limit": limit,
+            "predicted": compiled.plan.prediction.peak_bytes_at(*batch(0, rank).shape),
+            "state": {k: v for k, v in state.items() if "base" not in k and k not in FROZEN},
+            "frozen_state": {k: v for k, v in state.items() if k in FROZEN or "base" in k},
+            "local_bytes": sum(p.numel() * p.element_size() for p in compiled.parameters()),
+            "strategies": {p.name: p.strategy for p in compiled.plan.params},
+            "notes": {p.name: p.note for p in compiled.plan.params},
+            "regathered": sorted(p.name for p in compiled.plan.params
+                                 if traits(p.strategy).freed_after_forward and p.regathered),
+            "padded": {p.name: -(-p.numel // world) * world for p in compiled.plan.params},
+            "backward_collectives": {p.name: compiled.plan.collectives_of(p)[1]
+                                     for p in compiled.plan.params},
+        }
+        del compiled, opt
+    if rank == 0:
+        net = build()
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
+        losses = []
+        for step in range(steps):
+            loss = sum(loss_of(net(batch(step, r)), batch(step, r)) for r in range(world)) / world
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        out["reference"] = {
+            "losses": losses, "state": {k: v for k, v in net.state_dict().items()
+                                        if "base" not in k and k not in FROZEN},
+            "frozen_state": {k: v for k, v in net.state_dict().items()
+                             if k in FROZEN or "base" in k},
+            "model_bytes": sum(p.numel() * p.element_size() for p in net.parameters()),
+            "adapter_bytes": sum(p.numel() * p.element_size() for p in net.parameters()
+                                 if p.requires_grad),
+        }
+    return out
