@@ -29,6 +29,11 @@ def register_group(name: str, group: Any) -> None:
     _named_groups[name] = group
 
 
+def forget_named_groups() -> None:
+    """Drop every registered group (see ``hierarchy._forget_groups``)."""
+    _named_groups.clear()
+
+
 def resolve_group(name: str) -> Any:
     """The ProcessGroup named ``name`` (None, meaning the default group, for ``"world"``)."""
     if name == WORLD:

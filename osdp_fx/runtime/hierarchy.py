@@ -29,6 +29,7 @@ the second when the result is waited for (:class:`StagedPending`).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import logging
@@ -54,6 +55,7 @@ from .collectives import (
     all_gather_flat,
     all_gather_flat_start,
     all_reduce_sum_,
+    forget_named_groups,
     group_size,
     reduce_scatter_flat,
     reduce_scatter_flat_start,
@@ -249,3 +251,15 @@ def averaging_ranks(group: str) -> int:
     """Ranks a gradient reduced over ``group`` is summed over (and so divided by)."""
     two = _two_level.get(group)
     return group_size(group) if two is None else two.ranks
+
+
+@atexit.register
+def _forget_groups() -> None:
+    """Drop the groups and meshes this module keeps, at exit while the interpreter still runs: a
+    process group kept alive past ``destroy_process_group`` would otherwise be destroyed during
+    the interpreter's shutdown, where gloo's worker threads can no longer take the GIL (the
+    process aborts)."""
+    _two_level.clear()
+    _meshes.clear()
+    _checkpoint_meshes.clear()
+    forget_named_groups()

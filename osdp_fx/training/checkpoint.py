@@ -117,17 +117,14 @@ class _Layout:
                                   shape=(self.numel,), stride=(1,), run_check=False)
 
 
-_meshes: dict[tuple[int, str], Any] = {}
-
-
 def _mesh(device_type: str) -> Any:
-    """A 1-D DeviceMesh over the default process group (made once per group)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """A 1-D DeviceMesh over the default process group. Made for each call (it wraps the group,
+    with no collective): a mesh kept in a module-level cache would keep the group alive after
+    ``destroy_process_group``, to be destroyed during the interpreter's shutdown, where gloo's
+    worker threads can no longer take the GIL."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    key = (id(dist.group.WORLD), device_type)
-    if key not in _meshes:
-        _meshes[key] = init_device_mesh(device_type, (group_size(WORLD),))
-    return _meshes[key]
+    return DeviceMesh.from_group(dist.group.WORLD, device_type)
 
 
 def _layouts(compiled: OSDPModule) -> dict[str, _Layout]:
