@@ -87,8 +87,9 @@ def compile_osdp(
             torch.distributed is not initialised). Its ``ranks_per_node`` sets the mesh of
             nodes x ranks per node that hybrid_shard and hierarchical use; without it, torchrun's
             ``LOCAL_WORLD_SIZE``, else one node (``docs/multi-node.md``).
-        plan: ``"replicate"``, ``"full_shard"`` or ``"shard_grad_op"`` for every parameter, a
-            :class:`Plan`, or the path of a JSON plan file. None: the search chooses, per
+        plan: a strategy for every parameter (``"replicate"``, ``"shard_grad_op"``,
+            ``"full_shard"``, ``"hybrid_shard"``, ``"hierarchical"``), a :class:`Plan`, or the
+            path of a JSON plan file. None: the search chooses, per
             parameter group, the strategies with the least predicted step time whose predicted
             peak memory fits the memory limit.
         memory_limit: per-rank memory limit, bytes or a string such as ``"8GiB"``; default:
@@ -118,8 +119,8 @@ def compile_osdp(
         grad_accumulation: how many micro-batches each optimizer step accumulates gradients
             over, all but the last inside ``compiled.no_sync()``: the predicted peak memory
             (and the search's memory limit) then includes the full gradient every sharded
-            parameter holds between micro-batches (``docs/training.md``). It changes no
-            collective, so not the plan either. Default 1: no accumulation.
+            parameter holds between micro-batches (``docs/training.md``), so the search may
+            choose another plan for it. Default 1: no accumulation.
         example_kwargs: keyword arguments of the example step (``input_ids=``,
             ``attention_mask=``, ``labels=``); the compiled module is then called with the same
             keywords and returns what the model returns (a ``ModelOutput``, a dict, a tuple).

@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="local gloo ranks to start (default 2)")
     p_demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p_demo.add_argument("--plan", default=None,
-                        help="replicate, full_shard, shard_grad_op or a plan JSON file "
+                        help="replicate, shard_grad_op, full_shard, hybrid_shard, hierarchical or a plan JSON file "
                              "(default: searched under --memory)")
     p_demo.add_argument("--memory", default="12MiB",
                         help="memory limit per rank for the searched plan (default 12MiB)")

@@ -59,7 +59,7 @@ EXPECTED: dict[str, tuple[type[OSDPError], list[str]]] = {
     "plan_shape_mismatch": (PlanError, ["'layers.0.weight'", "shape (4, 5) in the plan",
                                         "(5, 4) in the model", "re-plan"]),
     "plan_for_another_mesh": (PlanError, ["mesh.json", "made for 3 ranks per node",
-                                          "on one node", "Devices(ranks_per_node=3)",
+                                          "on one node", "Devices(world_size=..., ranks_per_node=3)",
                                           "torchrun --nproc-per-node 3",
                                           'remove "ranks_per_node"']),
     "memory_limit_words": (InputError, ["'8 gigs' is not a byte quantity", "'8GiB'"]),

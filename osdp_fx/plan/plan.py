@@ -180,7 +180,7 @@ class Prediction:
     compute_s: float
     """Forward and backward of every operator."""
     comm_s: float
-    """Collectives (not overlapped)."""
+    """Collectives, less the all-gather time prefetching is predicted to hide."""
     optim_s: float
     """Optimizer step."""
     peak_memory_bytes: int

@@ -248,7 +248,7 @@ def resolve_plan(
                 f"the Plan was made for {describe_mesh(world_size, spec.ranks_per_node)} but "
                 f"this world is {mesh}, and its hybrid_shard/hierarchical groups depend on "
                 "the mesh: make a plan for this mesh, or describe the nodes you run on with "
-                "Devices(ranks_per_node=...)"
+                "Devices(world_size=..., ranks_per_node=...)"
             )
         return build_plan(requested, specs, world_size=world_size,
                           memory_limit_bytes=memory_limit_bytes, source=spec.source or "user",
@@ -281,8 +281,8 @@ def resolve_plan(
             and file_per_node not in (ranks_per_node, ranks_per_node or world_size)):
         raise PlanError(
             f"plan file {path!r} was made for {file_per_node} ranks per node but this world "
-            f"is {mesh}; describe the nodes you run on with Devices(ranks_per_node="
-            f"{file_per_node}) (or launch with torchrun --nproc-per-node {file_per_node}), "
+            f"is {mesh}; describe the nodes you run on with Devices(world_size=..., "
+            f"ranks_per_node={file_per_node}) (or launch with torchrun --nproc-per-node {file_per_node}), "
             "or remove \"ranks_per_node\" from the file to use the plan on any mesh"
         )
     requested = _requested_from_mapping(

@@ -90,7 +90,7 @@ def ranks_per_node_for(devices: Any, world_size: int) -> int | None:
         raise InputError(
             f"{LOCAL_WORLD_SIZE}={env!r} does not divide the world size {world_size}: osdp-fx "
             "needs the same number of ranks on every node; launch every node with the same "
-            "torchrun --nproc-per-node, or pass Devices(ranks_per_node=...) to compile_osdp"
+            "torchrun --nproc-per-node, or pass Devices(world_size=..., ranks_per_node=...) to compile_osdp"
         )
     return per_node
 

@@ -114,5 +114,5 @@ def test_local_world_size_that_does_not_divide_the_world(worlds):
     for report in errors.values():
         assert report["type"] == "InputError"
         assert "LOCAL_WORLD_SIZE='3' does not divide the world size 4" in report["error"]
-        assert "Devices(ranks_per_node=...)" in report["error"]
+        assert "Devices(world_size=..., ranks_per_node=...)" in report["error"]
     worlds(4).run(cases.train, model="mlp", plan="hybrid_shard", devices=MESH, steps=1)
