@@ -149,6 +149,13 @@ def _units(compiled: OSDPModule, *, by_weight: bool) -> dict[str, tuple[str, ...
     return {group: table.parts(group) for group in table.groups}
 
 
+def _trainable(compiled: OSDPModule,
+               units: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """The ``units`` that require grad (a LoRA model's adapters)."""
+    table = compiled.param_table
+    return {u: parts for u, parts in units.items() if table.local(parts[0]).requires_grad}
+
+
 def _whole_layout(numel: int, like: torch.Tensor) -> _Layout:
     """Where this rank's elements of a weight saved whole live: ``torch.chunk``'s chunk of its
     flat tensor over the world (``local``: a zeroed padded chunk to fill)."""
@@ -195,7 +202,9 @@ def _unit_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer,
     of_part = {part: unit for unit, parts in units.items() for part in parts}
     out = []
     for i, names in enumerate(_param_names(compiled, optimizer)):
-        found = list(dict.fromkeys(of_part[n] for n in names))
+        # (a trainable_only checkpoint's units leave out the frozen parameters, which an
+        # optimizer may hold but never updates)
+        found = list(dict.fromkeys(of_part[n] for n in names if n in of_part))
         partial = [u for u in found if not set(units[u]) <= set(names)]
         if partial:
             raise InputError(
@@ -249,7 +258,8 @@ def _first_line(exc: BaseException) -> str:
 # ---- saving ---------------------------------------------------------------------------------
 
 def save_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
-                    optimizer: torch.optim.Optimizer | None = None, *, extra: Any = None) -> None:
+                    optimizer: torch.optim.Optimizer | None = None, *, extra: Any = None,
+                    trainable_only: bool = False) -> None:
     """Save the model's shards and buffers (and the optimizer's state) as a DCP checkpoint.
 
     Args:
@@ -258,6 +268,9 @@ def save_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
         optimizer: an optimizer over ``compiled.parameters()``, or None.
         extra: any picklable object (epoch, data loader position, RNG states), the same on
             every rank; ``load_checkpoint`` returns it.
+        trainable_only: save the parameters that require grad alone (a LoRA model's adapters,
+            as peft's ``save_pretrained`` does) and their optimizer state, no buffers;
+            ``load_checkpoint`` then loads them and leaves the others as they are.
 
     Collective: every rank must call it. Raises CheckpointError on every rank when any rank
     fails; the previous checkpoint at ``path`` is then left unchanged.
@@ -266,7 +279,7 @@ def save_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
     if not isinstance(compiled, OSDPModule):
         raise InputError(f"save_checkpoint needs the module compile_osdp returned, got "
                          f"{type(compiled).__name__}")
-    state, error = _attempt(_state_to_save, path, compiled, optimizer, extra)
+    state, error = _attempt(_state_to_save, path, compiled, optimizer, extra, trainable_only)
     _agree(error, f"save_checkpoint({path!r})")
     saving = path.rstrip(os.sep) + _SAVING_SUFFIX
     rank = group_rank(WORLD)
@@ -288,7 +301,7 @@ def _no_dist() -> bool:
 
 
 def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optimizer | None,
-                   extra: Any) -> dict[str, Any]:
+                   extra: Any, trainable_only: bool) -> dict[str, Any]:
     if os.path.exists(path) and not os.path.exists(os.path.join(path, ".metadata")) and (
             not os.path.isdir(path) or os.listdir(path)):
         raise CheckpointError(f"{path!r} exists and is not a checkpoint, so save_checkpoint "
@@ -296,11 +309,14 @@ def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optim
     table = compiled.param_table
     layouts = _layouts(compiled)
     units = _units(compiled, by_weight=True)
+    if trainable_only:
+        units = _trainable(compiled, units)
     state: dict[str, Any] = {
         f"model.{unit}": _to_save(compiled, layouts, unit, parts,
                                   {part: table.local(part) for part in parts})
         for unit, parts in units.items()}
-    for key in _buffer_keys(compiled):
+    buffer_keys = [] if trainable_only else _buffer_keys(compiled)
+    for key in buffer_keys:
         state[f"model.{key}"] = table.buffer(key).detach()
     optim_info = None
     if optimizer is not None:
@@ -329,7 +345,8 @@ def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optim
     info = {
         "format": FORMAT, "version": VERSION, "world_size": group_size(WORLD),
         "params": {unit: table.full_shape(unit) for unit in units},
-        "buffers": {k: tuple(state[f"model.{k}"].shape) for k in _buffer_keys(compiled)},
+        "buffers": {k: tuple(state[f"model.{k}"].shape) for k in buffer_keys},
+        "trainable_only": trainable_only,
         "splits": {name: len(s.parts) for name, s in table.splits.items()},
         "plan": compiled.plan.to_dict(), "optimizer": optim_info, "extra": extra,
     }
@@ -395,7 +412,10 @@ class _Reading:
         # a version 1 checkpoint without splits holds every weight whole too
         self.units = _units(compiled, by_weight=self.info["version"] >= 2
                             or not self.info["splits"])
-        _check_model(path, self.info, compiled, self.units)
+        self.trainable_only = bool(self.info.get("trainable_only"))
+        if self.trainable_only:  # the others are left as they are
+            self.units = _trainable(compiled, self.units)
+        _check_model(path, self.info, compiled, self.units, buffers=not self.trainable_only)
         self.layouts = _layouts(compiled)
         self.state: dict[str, Any] = {}
         self.whole: dict[tuple[str, str], _Layout] = {}
@@ -409,7 +429,8 @@ class _Reading:
                 self.whole[(unit, "")] = lay = _whole_layout(
                     math.prod(table.full_shape(unit)), table.local(parts[0]).detach())
                 self.state[f"model.{unit}"] = lay.wrap(lay.local)
-        self.buffers = {k: torch.empty_like(table.buffer(k)) for k in _buffer_keys(compiled)}
+        self.buffers = ({} if self.trainable_only else
+                        {k: torch.empty_like(table.buffer(k)) for k in _buffer_keys(compiled)})
         self.state.update({f"model.{k}": t for k, t in self.buffers.items()})
         self.optim: dict[tuple[str, str], torch.Tensor] = {}
         """(part, state key) -> its loaded state tensor."""
@@ -520,8 +541,9 @@ def _read_info(path: str) -> dict[str, Any]:
 
 
 def _check_model(path: str, info: dict[str, Any], compiled: OSDPModule,
-                 units: dict[str, tuple[str, ...]]) -> None:
-    """Raise CheckpointError unless the checkpoint holds exactly this model's tensors."""
+                 units: dict[str, tuple[str, ...]], *, buffers: bool = True) -> None:
+    """Raise CheckpointError unless the checkpoint holds exactly this model's tensors (those of
+    ``units``, and the buffers when ``buffers``)."""
     table = compiled.param_table
     splits = {n: len(s.parts) for n, s in table.splits.items()}
     if info["version"] < 2 and info["splits"] and info["splits"] != splits:
@@ -537,10 +559,10 @@ def _check_model(path: str, info: dict[str, Any], compiled: OSDPModule,
     unexpected = [n for n in saved if n not in mine]
     wrong = [f"{n}: saved {tuple(saved[n])}, model {mine[n]}" for n in mine
              if n in saved and tuple(saved[n]) != tuple(mine[n])]
-    buffers = {k: tuple(table.buffer(k).shape) for k in _buffer_keys(compiled)}
-    missing += [k for k in buffers if k not in info["buffers"]]
-    unexpected += [k for k in info["buffers"] if k not in buffers]
-    wrong += [f"{k}: saved {info['buffers'][k]}, model {s}" for k, s in buffers.items()
+    held = {k: tuple(table.buffer(k).shape) for k in _buffer_keys(compiled)} if buffers else {}
+    missing += [k for k in held if k not in info["buffers"]]
+    unexpected += [k for k in info["buffers"] if k not in held]
+    wrong += [f"{k}: saved {info['buffers'][k]}, model {s}" for k, s in held.items()
               if k in info["buffers"] and tuple(info["buffers"][k]) != s]
     if missing or unexpected or wrong:
         raise CheckpointError(

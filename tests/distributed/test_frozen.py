@@ -77,3 +77,17 @@ def test_the_search_shards_frozen_groups_to_fit(trained):
         searched = r["searched"]
         assert all(peak <= searched["limit"] for peak in searched["peaks"])
         assert any(searched["strategies"][n] != "replicate" for n in frozen_cases.FROZEN)
+
+
+def test_the_adapters_alone_save_and_load_under_another_plan(worlds, tmp_path):
+    results = worlds(2).run(frozen_cases.adapters_reload, path=str(tmp_path / "adapters"))
+    saved = results[0]["saved"]
+    assert {k for k in saved if k.startswith("model.")} == {
+        f"model.{n}" for n in ("up.a", "up.b", "down.a", "down.b")}  # no frozen weight
+    assert any(k.startswith("optim.up.a.") for k in saved)  # the momentum too
+    for r in results:
+        assert r["extra"] == {"step": 2}
+        # full_shard trained on from its own state, replicate from the checkpoint: the same step
+        assert r["losses"][0] == pytest.approx(r["losses"][1], abs=1e-6)
+        for key, value in r["states"][0].items():
+            torch.testing.assert_close(r["states"][1][key], value, atol=1e-6, rtol=0, msg=key)

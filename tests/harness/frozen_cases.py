@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from osdp_fx import compile_osdp
+from osdp_fx import compile_osdp, load_checkpoint, save_checkpoint
 from osdp_fx.core.strategies import traits
 from osdp_fx.runtime import collectives
 from osdp_fx.runtime.storage_tracker import StorageTracker
@@ -113,6 +113,36 @@ def _plan_file(name: str, body: dict[str, Any]) -> str:
     with open(path, "w") as f:
         json.dump({"format": "osdp-fx-plan", "version": 1, **body}, f)
     return path
+
+
+def adapters_reload(rank: int, world: int, *, path: str, lr: float = 0.1) -> dict[str, Any]:
+    """Train under full_shard, save the adapters alone (``trainable_only``) with the optimizer
+    state, load them into the model compiled under replicate, train one more step in each."""
+    compiled = compile_osdp(build(), (batch(0, rank),), plan="full_shard", optimizer="sgd")
+    opt = torch.optim.SGD(compiled.parameters(), lr=lr, momentum=0.9)
+    for step in range(2):
+        loss_of(compiled(batch(step, rank)), batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    save_checkpoint(path, compiled, opt, extra={"step": 2}, trainable_only=True)
+    other = compile_osdp(build(), (batch(0, rank),), plan="replicate", optimizer="sgd")
+    other_opt = torch.optim.SGD(other.parameters(), lr=lr, momentum=0.9)
+    extra = load_checkpoint(path, other, other_opt)
+    losses = []
+    for module, optimizer in ((compiled, opt), (other, other_opt)):
+        loss = loss_of(module(batch(2, rank)), batch(2, rank))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    saved = dcp_keys(path)
+    return {"extra": extra, "losses": losses, "saved": saved,
+            "states": [m.full_state_dict() for m in (compiled, other)]}
+
+
+def dcp_keys(path: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str, Any]:
