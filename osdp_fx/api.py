@@ -276,7 +276,7 @@ def _cached_plan(plan_cache: Any, request: PlanRequest, captured: Captured,
     key = plan_key(captured, inputs, devices=devices, world_size=world.size,
                    ranks_per_node=world.ranks_per_node,
                    memory_limit_bytes=world.memory_limit_bytes, device=device, options=options)
-    cached = _from_rank0(cache.get(key) if world.rank == 0 else None)
+    cached = _decided_on_rank0(lambda: cache.get(key))
     log.info("plan cache: %s", f"using {cached.path}" if cached is not None
              else f"no plan in {directory} for this model, inputs, devices and options")
     return cache, key, cached
@@ -310,7 +310,7 @@ def _agree(captured: Captured, candidates: Sequence[Plan], world: _World, *, on_
 def _shape_guard(plan: Plan, limit: int | None) -> ShapeGuard | None:
     """What checks a call's shape against the memory limit (None: no prediction)."""
     # rank 0's predictions on every rank, so that every rank decides alike (collective)
-    pr = _from_rank0(plan.prediction)
+    pr = _decided_on_rank0(lambda: plan.prediction)
     if pr is None or limit is None:
         return None
     return ShapeGuard(pr.batch_size, pr.seq_len, limit, pr.peak_bytes_at)
@@ -382,15 +382,6 @@ def _picklable(value: Any) -> bool:
     except Exception:
         return False
     return True
-
-
-def _from_rank0(choice: Any) -> Any:
-    """Rank 0's search result on every rank (measured costs differ slightly between ranks)."""
-    if group_size(WORLD) == 1:
-        return choice
-    box = [choice]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _check_ranks_agree(plan: Plan) -> None:
