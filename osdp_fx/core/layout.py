@@ -4,7 +4,9 @@ runtime all read it.
 
 Ranks are placed node by node, as torchrun numbers them: rank ``r`` runs on node ``r // R`` at
 local index ``r % R`` (``R`` ranks per node, ``n`` nodes). A sharded parameter is flattened,
-padded to a multiple of its chunk count and cut into equal chunks; which chunk a rank holds
+padded to a multiple of its chunk count of rows (:func:`row_numel`) and cut into equal chunks
+of whole rows, so that what a rank holds, less its padding, is ``torch.chunk``'s chunk of dim 0
+(a ``DTensor`` sharded on dim 0, as FSDP2's); which chunk a rank holds
 depends on the strategy (``strategies.StrategyTraits.chunk_order``)::
 
     full_shard, shard_grad_op:  N chunks, rank r holds chunk r
@@ -18,6 +20,7 @@ reassemble the flat order (``runtime/hierarchy.py``).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..units import format_bytes
 from .strategies import traits
@@ -26,9 +29,17 @@ WORLD = "world"
 """Name of the default process group (graph nodes carry group names, not group objects)."""
 
 
-def shard_numel(numel: int, chunks: int) -> int:
-    """Elements of each chunk of a ``numel``-element tensor cut into ``chunks`` (padded up)."""
-    return -(-numel // chunks)
+def row_numel(shape: tuple[int, ...] | list[int]) -> int:
+    """Elements of one row (one index of dim 0) of a tensor of ``shape``: shards are cut
+    between rows (1 for a 1-D or 0-D tensor)."""
+    return max(math.prod(shape[1:]), 1) if len(shape) > 1 else 1
+
+
+def shard_numel(numel: int, chunks: int, row: int = 1) -> int:
+    """Elements of each chunk of a ``numel``-element tensor of rows of ``row`` elements cut into
+    ``chunks`` of whole rows, ``ceil(rows / chunks)`` rows each (the last ones padded up)."""
+    rows = -(-numel // row)
+    return -(-rows // chunks) * row
 
 
 def shard_count(strategy: str, world_size: int, ranks_per_node: int | None = None) -> int:
@@ -120,10 +131,12 @@ def collective_stages(
     trainable: bool = True,
     gather_element_size: int | None = None,
     reduce_element_size: int | None = None,
+    row: int = 1,
 ) -> tuple[list[Stage], list[Stage]]:
     """(forward, backward) collectives of one step of a group of ``numel`` elements of
     ``element_size`` bytes (gathered at ``gather_element_size`` and reduced at
-    ``reduce_element_size`` bytes per element, when mixed precision makes them differ).
+    ``reduce_element_size`` bytes per element, when mixed precision makes them differ), in rows of
+``row`` elements.
 
     With ``N = world_size`` ranks as ``n`` nodes of ``R = ranks_per_node`` and ``Pp`` the bytes
     of the parameter padded to its :func:`shard_count`:
@@ -153,7 +166,7 @@ def collective_stages(
         return [], ([Stage("all_reduce", numel * reduced, world_size, "world")]
                     if trainable else [])
     chunks = shard_count(strategy, world_size, ranks_per_node)
-    padded_numel = -(-numel // chunks) * chunks
+    padded_numel = shard_numel(numel, chunks, row) * chunks
     padded, grad = padded_numel * (gather_element_size or element_size), padded_numel * reduced
     ranks = {"world": world_size, "intra": per_node, "inter": nodes}
 

@@ -34,6 +34,8 @@ class ParamState:
     """Mixed precision: bytes per element of the gathered / cast parameter (None: its own)."""
     reduce_element_size: int | None = None
     """Mixed precision: bytes per element of the reduced gradient (None: its own)."""
+    row: int = 1
+    """Elements of one row (dim 0 index): shards are whole rows (``core.layout.row_numel``)."""
 
     @property
     def compute_size(self) -> int:
@@ -136,7 +138,7 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
         kind = state.strategy if state.trainable else f"{state.strategy}, frozen"
         return (kind if flat else f"mesh {n}",
                 gathered_param_bytes(state.numel, element_size=state.element_size,
-                                     world_size=world_size))
+                                     world_size=world_size, row=state.row))
 
     blocks = [block_of(facts.param_of[n]) for n in order]
     return [[order[i] for i in b]
@@ -152,7 +154,7 @@ def regathered_together(facts: GraphFacts, params: Mapping[str, ParamState],
     def nbytes(n: fx.Node) -> int:
         state = params[facts.param_of[n]]
         return gathered_param_bytes(state.numel, element_size=state.element_size,
-                                    world_size=world_size)
+                                    world_size=world_size, row=state.row)
 
     return [b for b in buckets if len(b) > 1 and sum(map(nbytes, b)) <= bucket_bytes]
 
@@ -166,7 +168,7 @@ def small_gather_key(state: ParamState, world_size: int,
     if traits(state.strategy).needs_mesh:
         return None
     nbytes = gathered_param_bytes(state.numel, element_size=state.element_size,
-                                  world_size=world_size)
+                                  world_size=world_size, row=state.row)
     kind = state.strategy if state.trainable else f"{state.strategy}, frozen"
     return str(kind) if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
 

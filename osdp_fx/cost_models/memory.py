@@ -14,8 +14,8 @@ strategy            persistent per rank      notes
 ``hierarchical``    ``(P + G + O) / N``      full_shard with two-stage collectives
 ==================  =======================  ================================================
 
-where ``X / N`` is one shard: ``ceil(numel / N)`` elements (a flat shard padded so every rank
-holds the same size; :func:`~osdp_fx.plan.plan.shard_count` gives the number of shards). A sharded group also needs, for a while, the gathered (padded) parameter:
+where ``X / N`` is one shard: ``ceil(rows / N)`` rows of the parameter (a flat shard of whole
+rows, padded so every rank holds the same size; ``core/layout.py``; :func:`~osdp_fx.plan.plan.shard_count` gives the number of shards). A sharded group also needs, for a while, the gathered (padded) parameter:
 :func:`gathered_param_bytes`; and its full gradient before the reduce-scatter:
 :func:`unsharded_grad_bytes`. Where these transients fall on the step's memory timeline is the
 search's business; this module only prices them.
@@ -61,10 +61,11 @@ def _check_sizes(numel: int, world_size: int) -> None:
         raise InputError(f"world_size must be at least 1, got {world_size}")
 
 
-def shard_numel(numel: int, world_size: int) -> int:
-    """Elements of one rank's shard: ``ceil(numel / world_size)`` (the last shard is padded)."""
+def shard_numel(numel: int, world_size: int, row: int = 1) -> int:
+    """Elements of one rank's shard: ``ceil(rows / world_size)`` rows of ``row`` elements (the
+    last shards are padded)."""
     _check_sizes(numel, world_size)
-    return layout_shard_numel(numel, world_size)
+    return layout_shard_numel(numel, world_size, row)
 
 
 def optimizer_state_bytes(numel: int, *, optimizer: str) -> int:
@@ -105,14 +106,16 @@ def param_memory(
     world_size: int,
     optimizer: str = "adamw",
     ranks_per_node: int | None = None,
+    row: int = 1,
 ) -> ParamMemory:
-    """Memory per rank of a group of ``numel`` elements under ``strategy`` (see module table),
-    on ``world_size`` ranks of which ``ranks_per_node`` (None: all) share a node."""
+    """Memory per rank of a group of ``numel`` elements in rows of ``row`` under ``strategy``
+    (see module table), on ``world_size`` ranks of which ``ranks_per_node`` (None: all) share a
+    node."""
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     _check_sizes(numel, world_size)
     chunks = shard_count(strategy, world_size, ranks_per_node)
-    shard = shard_numel(numel, chunks)
+    shard = shard_numel(numel, chunks, row)
     full_bytes = numel * element_size
     shard_bytes = shard * element_size
     full_state = optimizer_state_bytes(numel, optimizer=optimizer)
@@ -120,7 +123,8 @@ def param_memory(
     t = traits(strategy)
     if not t.sharded:
         return ParamMemory(full_bytes, full_bytes, full_state, 0)
-    gathered = gathered_param_bytes(numel, element_size=element_size, world_size=chunks)
+    gathered = gathered_param_bytes(numel, element_size=element_size, world_size=chunks,
+                                    row=row)
     if t.keeps_gathered:
         return ParamMemory(full_bytes, shard_bytes, shard_state, gathered)
     return ParamMemory(shard_bytes, shard_bytes, shard_state, gathered)
@@ -134,20 +138,23 @@ def persistent_bytes(
     world_size: int,
     optimizer: str = "adamw",
     ranks_per_node: int | None = None,
+    row: int = 1,
 ) -> int:
     """Persistent bytes per rank (parameter + gradient + optimizer state) under ``strategy``."""
     return param_memory(
         numel, element_size=element_size, strategy=strategy, world_size=world_size,
-        optimizer=optimizer, ranks_per_node=ranks_per_node,
+        optimizer=optimizer, ranks_per_node=ranks_per_node, row=row,
     ).persistent_bytes
 
 
-def gathered_param_bytes(numel: int, *, element_size: int = 4, world_size: int) -> int:
-    """Bytes of a gathered parameter: ``world_size`` padded shards (for hybrid_shard pass its
-    shard count, the ranks per node)."""
-    return world_size * shard_numel(numel, world_size) * element_size
+def gathered_param_bytes(numel: int, *, element_size: int = 4, world_size: int,
+                         row: int = 1) -> int:
+    """Bytes of a gathered parameter: ``world_size`` padded shards of rows of ``row`` elements
+    (for hybrid_shard pass its shard count, the ranks per node)."""
+    return world_size * shard_numel(numel, world_size, row) * element_size
 
 
-def unsharded_grad_bytes(numel: int, *, element_size: int = 4, world_size: int) -> int:
+def unsharded_grad_bytes(numel: int, *, element_size: int = 4, world_size: int,
+                         row: int = 1) -> int:
     """Bytes of a sharded group's full gradient before it is reduce-scattered (padded)."""
-    return gathered_param_bytes(numel, element_size=element_size, world_size=world_size)
+    return gathered_param_bytes(numel, element_size=element_size, world_size=world_size, row=row)

@@ -64,7 +64,8 @@ def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> tuple[
     fwd, bwd = collective_stages(
         state.strategy, state.numel, state.element_size, world_size=devices.world_size,
         ranks_per_node=devices.ranks_per_node, regathered=regathered, trainable=state.trainable,
-        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size)
+        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size,
+        row=state.row)
     return tuple(  # type: ignore[return-value]
         sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
                               spans_nodes=st.spans_nodes(devices.num_nodes))

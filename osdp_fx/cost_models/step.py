@@ -128,14 +128,16 @@ def group_cost(
     world = devices.world_size
     full = state.numel * state.reduce_size  # the gradient, as reduced
     chunks = shard_count(state.strategy, world, devices.ranks_per_node)
-    padded_numel = gathered_param_bytes(state.numel, element_size=1, world_size=chunks)
+    padded_numel = gathered_param_bytes(state.numel, element_size=1, world_size=chunks,
+                                        row=state.row)
     padded = padded_numel * state.compute_size  # the gathered parameter
-    local_numel = shard_numel(state.numel, chunks)
+    local_numel = shard_numel(state.numel, chunks, state.row)
     local = local_numel * state.element_size
     forward, backward = collective_stages(
         state.strategy, state.numel, state.element_size, world_size=world,
         ranks_per_node=devices.ranks_per_node, regathered=regathered, trainable=state.trainable,
-        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size)
+        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size,
+        row=state.row)
     stages = forward + backward
     comm_s = sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
                                    spans_nodes=st.spans_nodes(devices.num_nodes))
@@ -197,7 +199,7 @@ def bucket_copy_s(state: ParamState, devices: Devices, *, again: bool) -> float:
     world = devices.world_size
     chunks = shard_count(state.strategy, world, devices.ranks_per_node)
     gathered = gathered_param_bytes(state.numel, element_size=state.compute_size,
-                                    world_size=chunks)
+                                    world_size=chunks, row=state.row)
     moved = 2 * (gathered + gathered // chunks) * (2 if again else 1)
     if state.trainable:
         reduced = gathered // state.compute_size * state.reduce_size

@@ -12,8 +12,8 @@ Time points: forward of node ``i`` is ``t = i``; backward of node ``i`` is ``t =
 two-stage (hierarchical) gather before a forward or backward at ``t`` is ``t - 0.25``; the
 end-of-backward gradient all-reduce is ``t = 2N``; the optimizer step is ``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
 
-What is alive, per rank (N ranks, R per node, P bytes of a parameter, Pp = N * ceil(numel / N)
-elements padded; for hybrid_shard read R for N throughout):
+What is alive, per rank (N ranks, R per node, P bytes of a parameter, Pp = N * ceil(rows / N)
+rows padded; for hybrid_shard read R for N throughout):
 
 * always: local parameters (shard Pp/N or full P), the module's buffers and tensor constants
   (:func:`constant_bytes`, counted with the parameters) and optimizer state (by optimizer
@@ -97,7 +97,7 @@ from .graph_facts import (
     regathered_together,
     sharded_gather_buckets,
 )
-from .live_bytes import (  # noqa: F401
+from .live_bytes import (
     LOCAL,
     SYNC,
     Category,
@@ -321,7 +321,8 @@ def _gathers(step: _Step) -> _Gathers:
          and saved_outside[node]], saved_outside, pos, step.bwd, prefetch,
         regathered_together(facts, params, buckets, world_size, gather_bucket_bytes),
         {n: gathered_param_bytes(params[param_of[n]].numel, world_size=world_size,
-                                 element_size=params[param_of[n]].compute_size) for n in sharded})
+                                 element_size=params[param_of[n]].compute_size,
+                                 row=params[param_of[n]].row) for n in sharded})
     return _Gathers(uses_of, at, buckets, bucket_of, by, split_at, bucket_alloc, gather_at,
                     regather_at)
 
@@ -350,7 +351,7 @@ def _param_sizes(state: ParamState, devices: Devices) -> _ParamSizes:
     full = state.numel * state.element_size
     chunks = shard_count(state.strategy, world_size, ranks_per_node)
     padded = gathered_param_bytes(state.numel, element_size=state.element_size,
-                                  world_size=chunks)
+                                  world_size=chunks, row=state.row)
     gathered = padded // state.element_size * state.compute_size
     t = traits(state.strategy)
     # hierarchical: the block of the first stage (1/R of the buffer) while the second runs
@@ -359,7 +360,7 @@ def _param_sizes(state: ParamState, devices: Devices) -> _ParamSizes:
               and 1 < ranks_per_node and nodes_in_mesh > 1)
     return _ParamSizes(
         full=full, chunks=chunks, padded=padded, gathered=gathered,
-        local_numel=shard_numel(state.numel, chunks),
+        local_numel=shard_numel(state.numel, chunks, state.row),
         local=padded // chunks if t.sharded else full, staged=staged,
         block=gathered // ranks_per_node if staged and ranks_per_node else 0)
 
@@ -495,7 +496,8 @@ def _add_buckets(tl: Timeline, step: _Step, gathers: _Gathers,
             chunks = shard_count(state.strategy, world_size, step.devices.ranks_per_node)
             flat = sum(gathered_param_bytes(params[param_of[n]].numel,
                                             element_size=params[param_of[n]].compute_size,
-                                            world_size=chunks) for n in bucket)
+                                            world_size=chunks, row=params[param_of[n]].row)
+                       for n in bucket)
             alloc, split = gathers.bucket_alloc[i], gathers.split_at[i]
             tl.alive(alloc, split, flat, Category.COMMUNICATION, scaled=False)
             if gathers.by[i] != i:  # prefetched: its send buffer until it is waited for

@@ -33,7 +33,7 @@ Before::
 
 After (full_shard, prefetch 1; ``out`` is the next layer)::
 
-    fc_weight = self.fc.weight                      # flat shard, shape (ceil(numel/N),)
+    fc_weight = self.fc.weight                      # flat shard, shape (ceil(64/N) * 32,)
     all_gather_param = osdp_fx_runtime_params_all_gather_param(fc_weight, (64, 32), 'full_shard', 'world')
     out_weight = self.out.weight
     prefetch_param = osdp_fx_runtime_params_prefetch_param(out_weight, 'world')

@@ -48,7 +48,13 @@ from ..core.buckets import (
     SMALL_PARAM_BYTES,
     Schedule,
 )
-from ..core.layout import Stage, collective_stages, shard_count  # noqa: F401  (re-exported)
+from ..core.layout import (  # noqa: F401  (Stage, shard_count re-exported)
+    Stage,
+    collective_stages,
+    row_numel,
+    shard_count,
+    shard_numel,
+)
 from ..core.regions import Recompute, check_policy
 from ..core.strategies import (  # noqa: F401  (re-exported: the plan's vocabulary)
     FREED_AFTER_FORWARD,
@@ -132,9 +138,9 @@ class ParamPlan:
 
     def shard_bytes(self, world_size: int, ranks_per_node: int | None = None) -> int:
         """Bytes of the parameter one rank holds: the full tensor (replicate) or one flat
-        padded shard (:func:`shard_count` shards)."""
+        padded shard of whole rows (:func:`shard_count` shards)."""
         chunks = shard_count(self.strategy, world_size, ranks_per_node)
-        return -(-self.numel // chunks) * self.element_size
+        return shard_numel(self.numel, chunks, row_numel(self.shape)) * self.element_size
 
     def collectives(
         self, world_size: int, ranks_per_node: int | None = None, *,
@@ -148,6 +154,7 @@ class ParamPlan:
             ranks_per_node=ranks_per_node, regathered=self.regathered,
             trainable=self.trainable,
             gather_element_size=gather_element_size, reduce_element_size=reduce_element_size,
+            row=row_numel(self.shape),
         )
 
 

@@ -14,6 +14,7 @@ from torch import fx
 
 from ..core.devices import OPTIMIZERS, Devices
 from ..core.io_spec import input_shape
+from ..core.layout import row_numel
 from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..core.precision import MixedPrecision
 from ..cost_models.graph_facts import GraphFacts, ParamState, graph_facts
@@ -229,7 +230,7 @@ def param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
     p = analysis.captured.params[name]
     mp = analysis.precision if p.dtype.is_floating_point else None
     return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,
-                      trainable=p.trainable,
+                      trainable=p.trainable, row=row_numel(p.shape),
                       compute_element_size=mp.param_dtype.itemsize if mp else None,
                       reduce_element_size=mp.reduce_dtype.itemsize if mp else None)
 

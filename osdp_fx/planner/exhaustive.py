@@ -181,7 +181,8 @@ def peak_floor_bytes(analysis: Analysis, options: Mapping[str, list[str]],
         for strategy in strategies:
             state = param_state(analysis, name, strategy)
             local_numel = shard_numel(state.numel, shard_count(strategy, devices.world_size,
-                                                              devices.ranks_per_node))
+                                                              devices.ranks_per_node),
+                                      state.row)
             local = local_numel * state.element_size
             state_bytes = optimizer_state_bytes(local_numel, optimizer=optimizer)
             step_row.append(local + (local + state_bytes if state.trainable else 0))

@@ -102,7 +102,7 @@ def refine(
     sizes = {n: param_state(analysis, n, REPLICATE) for n in largest_groups(analysis)}
     options = {n: {s: persistent_bytes(st.numel, element_size=st.element_size, strategy=s,
                                        world_size=devices.world_size, optimizer=optimizer,
-                                       ranks_per_node=devices.ranks_per_node)
+                                       ranks_per_node=devices.ranks_per_node, row=st.row)
                    for s in searched_strategies(devices.num_nodes)} for n, st in sizes.items()}
 
     def seconds(trial: Mapping[str, str]) -> float | None:

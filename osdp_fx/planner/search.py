@@ -25,6 +25,7 @@ from ..core.buckets import (
     candidate_schedules,
 )
 from ..core.devices import Devices
+from ..core.layout import row_numel
 from ..core.regions import find_regions
 from ..core.strategies import (
     FULL_SHARD,
@@ -542,5 +543,6 @@ def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:
         read = {gm.get_parameter(a.target) for op in ops for a in op.all_input_nodes
                 if a.op == "get_attr" and a.target in names}
         sizes.append(sum(gathered_param_bytes(p.numel(), element_size=p.element_size(),
-                                              world_size=world_size) for p in read))
+                                              world_size=world_size, row=row_numel(p.shape))
+                         for p in read))
     return max(sizes, default=None) or None

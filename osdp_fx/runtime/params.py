@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..core.buckets import MAX_IN_FLIGHT
-from ..core.layout import shard_layout, shard_numel
+from ..core.layout import row_numel, shard_layout, shard_numel
 from ..core.strategies import traits
 from .accumulation import HeldGrads, LocalScatters
 from .collectives import Pending, pad_flat
@@ -397,8 +397,8 @@ def _free(full: torch.Tensor) -> None:
 
 
 def make_shard(full: torch.Tensor, *, world_size: int, rank: int) -> nn.Parameter:
-    """This rank's flat zero-padded shard of ``full`` as a new leaf parameter."""
-    n = shard_numel(full.numel(), world_size)
+    """This rank's flat zero-padded shard of ``full`` (whole rows) as a new leaf parameter."""
+    n = shard_numel(full.numel(), world_size, row_numel(full.shape))
     flat = pad_flat(full.detach(), n * world_size)
     return nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=full.requires_grad)
 

@@ -6,16 +6,17 @@ a model compiled under any plan at any world size.
 
 Layout (one DCP state dict; the keys are strings, nothing is nested):
 
-* ``model.<name>``: each parameter under its name in the model, as a **flat 1-D tensor** of
-  ``numel`` elements, whatever its strategy and whatever its splits. A sharded parameter is a ``DTensor`` with placement ``Shard(0)`` on a 1-D mesh over
-  the world: rank r's local shard minus its zero padding is exactly ``torch.chunk``'s r-th chunk
-  of the flat tensor (trailing ranks may hold fewer or no elements), so DCP knows each rank's
-  offset. Under ``hierarchical`` the mesh lists the ranks in the order of the chunks they hold,
+* ``model.<name>``: each parameter under its name in the model, at its shape in the model,
+  whatever its strategy and whatever its splits (as FSDP2's sharded state dicts). A sharded
+  parameter is a ``DTensor`` with placement ``Shard(0)`` on a 1-D mesh over the world: rank r's
+  local shard minus its zero padding is exactly ``torch.chunk``'s r-th chunk of dim 0 (shards
+  are whole rows, ``core/layout.py``; trailing ranks may hold fewer or no rows), so DCP knows
+  each rank's offset. Under ``hierarchical`` the mesh lists the ranks in the order of the chunks they hold,
   under ``hybrid_shard`` it is the nodes x ranks mesh with the chunks replicated across nodes
-  (``runtime.hierarchy.checkpoint_mesh``). A replicated parameter is a plain flat tensor (DCP
+  (``runtime.hierarchy.checkpoint_mesh``). A replicated parameter is a plain tensor (DCP
   writes it once). A weight split into parts (``<w>_part<i>``, ``passes/split_linear.py``) is
   saved whole, in the layout the model defines: its parts are gathered and joined, and rank r
-  writes ``torch.chunk``'s r-th chunk of the weight's flat tensor (``Shard(0)`` on the world);
+  writes ``torch.chunk``'s r-th chunk of the weight's rows (``Shard(0)`` on the world);
   loading reads the chunk, gathers the weight and cuts it into this model's parts and shards.
   So a checkpoint loads into the model compiled with any splits or none.
 * ``model.<buffer>``: buffers of ``model.state_dict()``, unchanged.
@@ -29,9 +30,10 @@ Layout (one DCP state dict; the keys are strings, nothing is nested):
 
 So a checkpoint depends on neither the strategy of any parameter, nor the splits, nor the world
 size, and DCP reshards on load: each rank reads the byte ranges of its own shard. ``plan.json``
-beside the DCP files is the saved plan. Version 1 (osdp-fx 0.1) saved split weights under their
-parts' names: such a checkpoint loads into a model with the same splits, and is refused, with
-the way to convert it, into others.
+beside the DCP files is the saved plan. Versions 1 and 2 saved every tensor flat (1-D):
+they load as well (each weight read whole, gathered and cut, as a split one). Version 1
+(osdp-fx 0.1) saved split weights under their parts' names: such a checkpoint loads into a
+model with the same splits, and is refused, with the way to convert it, into others.
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` is not used: it takes the local
 tensors of plain parameters as the full ones (it only knows FSDP's and DTensor parameters), so
@@ -60,6 +62,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..core.layout import row_numel, shard_numel
 from ..core.strategies import traits
 from ..errors import CheckpointError, InputError, OSDPError
 from ..module import OSDPModule
@@ -68,8 +71,9 @@ from ..runtime.hierarchy import checkpoint_mesh
 from ..runtime.regather import gather_full
 
 FORMAT = "osdp-fx-checkpoint"
-VERSION = 2
-"""2: a split weight is saved whole under its own name; 1: under its parts' names."""
+VERSION = 3
+"""3: tensors at their shapes in the model; 2: flat, a split weight saved whole under its own
+name; 1: flat, a split weight under its parts' names."""
 _INFO_KEY = "osdp"
 _PLAN_FILE = "plan.json"
 _SAVING_SUFFIX = ".saving"
@@ -82,8 +86,8 @@ class _Layout:
 
     local: torch.Tensor
     """The parameter as the compiled model holds it (a padded flat shard, or the full tensor)."""
-    numel: int
-    """Elements of the full parameter."""
+    shape: tuple[int, ...]
+    """Shape of the full parameter as saved (flat ``(numel,)`` in versions 1 and 2)."""
     sharded: bool
     """Whether ``local`` is this rank's flat shard (else it is the full, replicated tensor)."""
     strategy: str = ""
@@ -93,17 +97,21 @@ class _Layout:
     ranks_per_node: int | None = None
     """The plan's ranks per node."""
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
     def valid(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (laid out like the parameter) as the flat 1-D slice this rank owns."""
-        flat = local.detach().reshape(-1)
+        """``local`` (laid out like the parameter) as the rows this rank owns, a view."""
         if not self.sharded:
-            return flat
-        n = local.numel()
+            return local.detach().reshape(self.shape)
+        flat, n = local.detach().reshape(-1), local.numel()
         start = min(self.index * n, self.numel)
-        return flat[:min(n, self.numel - start)]
+        count = min(n, self.numel - start)
+        return flat[:count].view(count // row_numel(self.shape), *self.shape[1:])
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` as the global flat tensor DCP sees: a Shard(0) DTensor, or plain."""
+        """``local`` as the global tensor DCP sees: a Shard(0) DTensor, or plain."""
         if not self.sharded:
             return self.valid(local)
         from torch.distributed.tensor import DTensor, Shard
@@ -113,8 +121,12 @@ class _Layout:
             mesh, placements = checkpoint_mesh(
                 self.strategy, world_size=group_size(WORLD), ranks_per_node=self.ranks_per_node,
                 device_type=local.device.type)
-        return DTensor.from_local(self.valid(local), mesh, placements,
-                                  shape=(self.numel,), stride=(1,), run_check=False)
+        return DTensor.from_local(self.valid(local), mesh, placements, shape=self.shape,
+                                  stride=_contiguous_strides(self.shape), run_check=False)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def _mesh(device_type: str) -> Any:
@@ -129,7 +141,8 @@ def _mesh(device_type: str) -> Any:
 
 def _layouts(compiled: OSDPModule) -> dict[str, _Layout]:
     table = compiled.param_table
-    return {name: _Layout(local=table.local(name), numel=e.numel, sharded=e.layout.chunks > 1,
+    return {name: _Layout(local=table.local(name), shape=_saved_shape(e.shape),
+                          sharded=e.layout.chunks > 1,
                           strategy=e.strategy, index=e.layout.index,
                           ranks_per_node=compiled.plan.ranks_per_node)
             for name, e in table.entries.items()}
@@ -156,12 +169,18 @@ def _trainable(compiled: OSDPModule,
     return {u: parts for u, parts in units.items() if table.local(parts[0]).requires_grad}
 
 
-def _whole_layout(numel: int, like: torch.Tensor) -> _Layout:
-    """Where this rank's elements of a weight saved whole live: ``torch.chunk``'s chunk of its
-    flat tensor over the world (``local``: a zeroed padded chunk to fill)."""
-    world = group_size(WORLD)
-    chunk = -(-numel // world)
-    return _Layout(local=like.new_zeros(chunk if world > 1 else numel), numel=numel,
+def _saved_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a tensor of ``shape`` is saved at: its own (a 0-d one as ``(1,)``, to be
+    sharded on dim 0)."""
+    return tuple(shape) or (1,)
+
+
+def _whole_layout(shape: tuple[int, ...], like: torch.Tensor) -> _Layout:
+    """Where this rank's elements of a weight saved whole at ``shape`` live: ``torch.chunk``'s
+    chunk of its rows over the world (``local``: a zeroed padded chunk to fill)."""
+    world, numel = group_size(WORLD), math.prod(shape)
+    chunk = shard_numel(numel, world, row_numel(shape))
+    return _Layout(local=like.new_zeros(chunk if world > 1 else numel), shape=tuple(shape),
                    sharded=world > 1, strategy="full_shard", index=group_rank(WORLD))
 
 
@@ -171,9 +190,9 @@ def _to_save(compiled: OSDPModule, layouts: dict[str, _Layout], unit: str,
     a part as it is laid out, or a split weight's flat whole (gathered, collective)."""
     if parts == (unit,):
         return layouts[unit].wrap(tensors[unit])
-    whole = compiled.param_table.full_from(unit, tensors).reshape(-1)
-    lay = _whole_layout(whole.numel(), whole)
-    n = lay.local.numel()
+    whole = compiled.param_table.full_from(unit, tensors)
+    lay = _whole_layout(_saved_shape(whole.shape), whole)
+    n, whole = lay.local.numel(), whole.reshape(-1)
     mine = whole[lay.index * n:(lay.index + 1) * n]
     lay.local[:mine.numel()] = mine
     return lay.wrap(lay.local)
@@ -417,17 +436,19 @@ class _Reading:
             self.units = _trainable(compiled, self.units)
         _check_model(path, self.info, compiled, self.units, buffers=not self.trainable_only)
         self.layouts = _layouts(compiled)
+        self.flat = self.info["version"] < 3
+        """Versions 1 and 2 saved every tensor flat: each is read whole (``self.whole``)."""
         self.state: dict[str, Any] = {}
         self.whole: dict[tuple[str, str], _Layout] = {}
         """(unit, state key or "") -> the chunk loaded of a weight saved whole."""
         table = compiled.param_table
         for unit, parts in self.units.items():
-            if parts == (unit,):
+            if parts == (unit,) and not self.flat:
                 lay = self.layouts[unit]
                 self.state[f"model.{unit}"] = lay.wrap(lay.local)
             else:
                 self.whole[(unit, "")] = lay = _whole_layout(
-                    math.prod(table.full_shape(unit)), table.local(parts[0]).detach())
+                    self._shape(table.full_shape(unit)), table.local(parts[0]).detach())
                 self.state[f"model.{unit}"] = lay.wrap(lay.local)
         self.buffers = ({} if self.trainable_only else
                         {k: torch.empty_like(table.buffer(k)) for k in _buffer_keys(compiled)})
@@ -436,6 +457,10 @@ class _Reading:
         """(part, state key) -> its loaded state tensor."""
         if optimizer is not None:
             self._optimizer_targets(path, optimizer)
+
+    def _shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape a tensor of ``shape`` was saved at in this checkpoint."""
+        return (math.prod(shape),) if self.flat else _saved_shape(shape)
 
     def _optimizer_targets(self, path: str, optimizer: torch.optim.Optimizer) -> None:
         saved = self.info["optimizer"]
@@ -458,14 +483,14 @@ class _Reading:
                 meta = metadata[f"optim.{unit}.{key}"]
                 assert isinstance(meta, TensorStorageMetadata), (unit, key)
                 dtype = meta.properties.dtype
-                if kind == "like_param" and parts == (unit,):
+                if kind == "like_param" and parts == (unit,) and not self.flat:
                     lay = self.layouts[unit]
                     target = torch.zeros(lay.local.shape, dtype=dtype, device=lay.local.device)
                     self.state[f"optim.{unit}.{key}"] = lay.wrap(target)
                     self.optim[(unit, key)] = target
                 elif kind == "like_param":
                     self.whole[(unit, key)] = lay = _whole_layout(
-                        meta.size[0], torch.empty(0, dtype=dtype,
+                        tuple(meta.size), torch.empty(0, dtype=dtype,
                                                   device=self.layouts[parts[0]].local.device))
                     self.state[f"optim.{unit}.{key}"] = lay.wrap(lay.local)
                 else:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from osdp_fx import compile_osdp, load_checkpoint, save_checkpoint
+from osdp_fx.core.layout import row_numel, shard_numel
 from osdp_fx.core.strategies import traits
 from osdp_fx.runtime import collectives
 from osdp_fx.runtime.storage_tracker import StorageTracker
@@ -188,7 +189,8 @@ def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str
             "notes": {p.name: p.note for p in compiled.plan.params},
             "regathered": sorted(p.name for p in compiled.plan.params
                                  if traits(p.strategy).freed_after_forward and p.regathered),
-            "padded": {p.name: -(-p.numel // world) * world for p in compiled.plan.params},
+            "padded": {p.name: shard_numel(p.numel, world, row_numel(p.shape)) * world
+                       for p in compiled.plan.params},
             "backward_collectives": {p.name: compiled.plan.collectives_of(p)[1]
                                      for p in compiled.plan.params},
         }

@@ -321,7 +321,8 @@ def test_pass_result_and_shards_of_rank_1_of_3(strategy):
         if strategy == "replicate":
             assert local is model.get_parameter(name)
             continue
-        n = -(-value.numel() // 3)
+        row = value[0].numel() if value.dim() > 1 else 1
+        n = -(-value.shape[0] // 3) * row  # whole rows
         padded = torch.cat([value.reshape(-1), value.new_zeros(3 * n - value.numel())])
         assert local.is_leaf and local.requires_grad
         torch.testing.assert_close(local.detach(), padded[n:2 * n], atol=0, rtol=0, msg=name)
@@ -336,6 +337,19 @@ def test_make_shard_pads_and_slices(numel, world):
     flat = torch.cat([s.detach() for s in shards])
     torch.testing.assert_close(flat[:numel], full, atol=0, rtol=0)
     assert not flat[numel:].any()
+
+
+@pytest.mark.parametrize("rows,world", [(5, 2), (2, 4), (8, 4)])
+def test_shards_are_whole_rows(rows, world):
+    """Each rank's shard, less its padding, is torch.chunk's chunk of dim 0 (as FSDP2's)."""
+    full = torch.arange(1.0, rows * 3 + 1).view(rows, 3)
+    chunks = full.chunk(world)
+    for r in range(world):
+        shard = make_shard(full, world_size=world, rank=r).detach()
+        assert shard.numel() == -(-rows // world) * 3
+        mine = chunks[r].reshape(-1) if r < len(chunks) else full.new_zeros(0)
+        torch.testing.assert_close(shard[:mine.numel()], mine, atol=0, rtol=0)
+        assert not shard[mine.numel():].any()
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

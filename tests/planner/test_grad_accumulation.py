@@ -10,6 +10,7 @@ from test_make import MIB, profiled_gpt
 
 from osdp_fx import compile_osdp
 from osdp_fx.core.devices import Devices
+from osdp_fx.core.layout import row_numel, shard_numel
 from osdp_fx.errors import InputError
 from osdp_fx.plan.request import build_plan, resolve_plan
 from osdp_fx.planner.analysis import MEMORY_MARGIN
@@ -33,7 +34,8 @@ def test_sharded_plans_hold_full_gradients_between_micro_batches(planned, strate
     captured = planned[0]
     plan = resolve_plan(strategy, param_specs(captured), world_size=WORLD)
     one, two, three = (_predict(planned, plan, k) for k in (1, 2, 3))
-    full_grads = sum(WORLD * -(-p.numel // WORLD) * 4 for p in plan.params)  # padded, fp32
+    full_grads = sum(WORLD * shard_numel(p.numel, WORLD, row_numel(p.shape)) * 4  # padded, fp32
+                     for p in plan.params)
     # this GPT peaks at the start of backward, where no gradient exists without accumulation
     assert three.peak_memory_bytes - one.peak_memory_bytes == full_grads
     assert one.peak_memory_bytes < two.peak_memory_bytes <= three.peak_memory_bytes
