@@ -42,14 +42,17 @@ def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
 class OSDPModule(nn.Module):
     """A compiled model: called like the original, parameters are this rank's shards.
 
-    Parameter and buffer names are the model's own. ``parameters()`` yields the flat shard of a
-    sharded parameter and the full tensor of a replicated one; after ``backward()`` every
-    ``.grad`` holds the gradient averaged over ranks (``no_sync()`` accumulates without it).
+    Parameter and buffer names are the model's own (a split weight's parts are
+    ``<weight>_part<i>``). ``parameters()`` yields a sharded parameter as a ``DTensor`` of its
+    shape sharded on dim 0 (as FSDP2 does; ``runtime/sharded.py``) and a replicated one as the
+    full tensor; after ``backward()`` every ``.grad`` holds the gradient averaged over ranks,
+    laid out like its parameter (``no_sync()`` accumulates without it).
     """
 
     def __init__(self, table: ParamTable, *, captured_by: str,
                  reduce_dtype: torch.dtype | None = None, io: CallCheck | None = None) -> None:
         super().__init__()
+        table.present()  # sharded parameters as DTensors of their shapes
         gm, plan = table.gm, table.plan
         object.__setattr__(self, "_gm", gm)
         # Share the graph module's attributes so names are the model's own.
@@ -194,8 +197,7 @@ class OSDPModule(nn.Module):
                     table.buffer(key).copy_(state_dict[key])
                 elif key == canon:
                     for part, full in table.pieces(canon, state_dict[key]):
-                        local = table.local(part)
-                        local.copy_(table.to_local(part, full.to(local.dtype)))
+                        table.load(part, full)
 
 
 def _wrong_shapes(table: ParamTable, state_dict: dict[str, torch.Tensor]) -> list[str]:

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from ..errors import InputError
 from ..plan.plan import Plan, TimedPlan
 from ..runtime.collectives import WORLD, group_size
-from ..runtime.storage_tracker import StorageTracker
+from ..runtime.storage_tracker import StorageTracker, dense_tensors
 from .analysis import MEMORY_MARGIN, plannable_bytes
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,10 @@ def step_peak_bytes(module: nn.Module, inputs: tuple[Any, ...],
     process held before it, plus the module's parameters, buffers and optimizer state and the
     inputs, each storage once. On the CPU the independent storage tracker measures it
     (``runtime/storage_tracker.py``); on a GPU, ``torch.cuda.max_memory_allocated``. Collective."""
-    own = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (
+    own = {d.untyped_storage()._cdata: d.untyped_storage().nbytes() for t in (
         *module.parameters(), *module.buffers(),
         *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
-        *(x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)))}
+        *(x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor))) for d in dense_tensors(t)}
     device = next(module.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -21,6 +21,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .storage_tracker import dense_tensors
+
 _active_trackers: list[LiveTensorTracker] = []
 
 
@@ -51,16 +53,18 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         inputs = {
-            t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            d.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) for d in dense_tensors(t)
         }
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            # meta and fake tensors (profiling a meta model) have no memory
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and not is_fake(t):
-                storage = t.untyped_storage()
-                if storage._cdata not in inputs:  # views and in-place results are not new
-                    self._count(storage)
+            # meta and fake tensors (profiling a meta model) have no memory; a DTensor's is
+            # its local tensor's
+            if isinstance(t, torch.Tensor) and not is_fake(t):
+                for d in dense_tensors(t):
+                    storage = d.untyped_storage()
+                    if storage._cdata not in inputs:  # views and in-place results are not new
+                        self._count(storage)
         return out
 
     def _count(self, storage: torch.UntypedStorage) -> None:
@@ -117,8 +121,9 @@ def measure_step_peak_bytes(
     existing: dict[int, int] = {}
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     for t in (*params, *state):
-        storage = t.untyped_storage()
-        existing[storage._cdata] = storage.nbytes()
+        for d in dense_tensors(t):
+            storage = d.untyped_storage()
+            existing[storage._cdata] = storage.nbytes()
     tracker = LiveTensorTracker()
     with tracker:
         step()

@@ -26,6 +26,7 @@ from ..core.strategies import traits
 from ..plan.plan import Plan
 from .params import make_shard
 from .regather import gather_full
+from .sharded import as_dtensor, flat_shard, is_dtensor, like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class ParamEntry:
 
     @property
     def sharded(self) -> bool:
-        """Whether this rank holds a flat padded chunk (else the full tensor)."""
+        """Whether this rank holds a padded chunk of rows (else the full tensor)."""
         return traits(self.strategy).sharded
 
 
@@ -64,6 +65,7 @@ class ParamTable:
         """Every parameter name (tied ones too) to its group's canonical name."""
         self.splits = dict(splits)
         """Split groups by canonical name."""
+        self.rank = rank
         self.entries = {
             p.name: ParamEntry(p.name, p.strategy, tuple(p.shape), shard_layout(
                 p.strategy, world_size=plan.world_size, ranks_per_node=plan.ranks_per_node,
@@ -97,8 +99,21 @@ class ParamTable:
         return tuple(shape)
 
     # ---- tensors --------------------------------------------------------------------------
+    def present(self) -> None:
+        """Make each sharded part's parameter a DTensor of the part's shape over its padded
+        flat shard (``runtime/sharded.py``), as ``compile_osdp`` hands it to the user: the
+        sharding pass and meta-device materialisation leave plain flat shards."""
+        for part, entry in self.entries.items():
+            param = self.local(part)
+            if entry.sharded and entry.shape and not is_dtensor(param):
+                owner, _, leaf = part.rpartition(".")
+                self.gm.get_submodule(owner)._parameters[leaf] = as_dtensor(
+                    param, entry.shape, entry.strategy, world_size=self.plan.world_size,
+                    ranks_per_node=self.plan.ranks_per_node, rank=self.rank)
+
     def local(self, part: str) -> nn.Parameter:
-        """What this rank holds of ``part``: its flat shard, or the full tensor."""
+        """What this rank holds of ``part``: a DTensor over its padded flat shard (a flat shard
+        before :meth:`present`), or the full tensor."""
         return self.gm.get_parameter(part)
 
     def buffer(self, key: str) -> torch.Tensor:
@@ -112,13 +127,28 @@ class ParamTable:
             return
         yield from zip(split.parts, full.split(split.sizes, split.dim))
 
-    def to_local(self, part: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a full tensor of ``part``: a new flat padded shard when the part
-        is sharded, else ``full`` itself."""
+    def flat_share(self, part: str, full: torch.Tensor) -> nn.Parameter:
+        """This rank's padded flat shard of a full tensor of the sharded ``part``: a new leaf
+        parameter."""
         entry = self.entries[part]
-        if not entry.sharded:
-            return full
         return make_shard(full, world_size=entry.layout.chunks, rank=entry.layout.index)
+
+    def to_local(self, part: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a full tensor of ``part``, laid out as the part's parameter is
+        (a DTensor over a new padded flat shard, or a flat shard) when the part is sharded, else
+        ``full`` itself."""
+        if not self.entries[part].sharded:
+            return full
+        return like(self.local(part), self.flat_share(part, full).detach())
+
+    def load(self, part: str, full: torch.Tensor) -> None:
+        """Copy a full tensor of ``part`` into this rank's parameter, in place."""
+        local = self.local(part)
+        with torch.no_grad():
+            if self.entries[part].sharded:
+                flat_shard(local).copy_(self.flat_share(part, full.to(local.dtype)).reshape(-1))
+            else:
+                local.copy_(full)
 
     def full(self, group: str, *, grad: bool = False) -> torch.Tensor | None:
         """The full tensor of ``group`` (or of its gradient: None when it has none), gathered

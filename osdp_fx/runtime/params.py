@@ -50,6 +50,7 @@ from .regather import (
     split_gathered,
     start_params,
 )
+from .sharded import accumulate_grad, flat_shard, local_of, padded_numel
 
 _local = threading.local()
 
@@ -174,14 +175,12 @@ class GradReduceScatters:
             storage = owned.untyped_storage()
             storage.resize_(0)
             note_resized(storage)
-        for shard, grad in zip(shards, chunk.split([s.numel() for s in shards])):
+        for shard, grad in zip(shards, chunk.split([padded_numel(s) for s in shards])):
             grad = grad.to(shard.dtype) if len(shards) == 1 else grad.to(shard.dtype, copy=True)
-            if shard.grad is None:
-                shard.grad = grad
-            else:
-                shard.grad.add_(grad)
+            accumulate_grad(shard, grad)
         storage = chunk.untyped_storage()
-        if all(s.grad.untyped_storage().data_ptr() != storage.data_ptr() for s in shards):
+        if all(local_of(s.grad).untyped_storage().data_ptr() != storage.data_ptr()
+               for s in shards):
             # copied out; gloo's worker may still hold the output for a few milliseconds
             storage.resize_(0)
             note_resized(storage)
@@ -204,7 +203,7 @@ class _AllGatherParam(torch.autograd.Function):
                 pending: Pending | None, dtype: torch.dtype | None,
                 reduce_dtype: torch.dtype | None) -> torch.Tensor:
         ctx.group, ctx.reduce_dtype = group, reduce_dtype
-        ctx.padded_numel = shard.numel() * shard_chunks(group)
+        ctx.padded_numel = padded_numel(shard) * shard_chunks(group)
         ctx.shard = shard  # the leaf itself: saved_tensors would give a new tensor object
         ctx.scatters = _scatters()
         ctx.set_materialize_grads(False)  # None: grad_ready started the reduce-scatter
@@ -276,7 +275,7 @@ def prefetch_param(shard: torch.Tensor, group: str, *,
                    dtype: torch.dtype | None = None) -> Prefetched:
     """Start gathering ``shard`` (cast to ``dtype``) asynchronously; :func:`all_gather_param`
     waits for it."""
-    return Prefetched(gather_shards_start(cast(shard.detach(), dtype), group))
+    return Prefetched(gather_shards_start(cast(flat_shard(shard.detach()), dtype), group))
 
 
 @eager(_free_deferred)
@@ -327,13 +326,13 @@ class _AllGatherParams(torch.autograd.Function):
         world = shard_chunks(ctx.group)
         present = [g for g in grads if g is not None]
         dtype = ctx.reduce_dtype or (present[0].dtype if present else ctx.shards[0].dtype)
-        total = sum(s.numel() for s in ctx.shards)
+        total = sum(padded_numel(s) for s in ctx.shards)
         # zero, or what no_sync backwards accumulated ([Note: no_sync]): gradients are added
         flat = ctx.scatters.buffer(list(ctx.shards), world * total, dtype,
                                    ctx.shards[0].device).view(world, total)
         offset = 0
         for shard, grad in zip(ctx.shards, grads):
-            c = shard.numel()
+            c = padded_numel(shard)
             if grad is not None:
                 g, rows = grad.reshape(-1), grad.numel() // c
                 flat[:rows, offset:offset + c].add_(g[:rows * c].view(rows, c))

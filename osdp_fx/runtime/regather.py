@@ -34,6 +34,7 @@ import torch
 from .collectives import Pending
 from .hierarchy import gather_shards_start, shard_chunks
 from .memory import note_resized
+from .sharded import flat_shard, padded_numel
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -57,7 +58,7 @@ class Regather:
     def __init__(self, unit: list[Gathered]) -> None:
         self.unit = unit
         g = unit[0]
-        self.pending = (gather_shards_start(cast(g.shard.detach(), g.dtype), g.group)
+        self.pending = (gather_shards_start(cast(flat_shard(g.shard.detach()), g.dtype), g.group)
                         if len(unit) == 1 else
                         start_params(tuple(m.shard for m in unit), g.group, g.dtype))
 
@@ -207,7 +208,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 def gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str,
                  pending: Pending | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    flat = (pending or gather_shards_start(cast(shard, dtype), group)).wait()
+    flat = (pending or gather_shards_start(cast(flat_shard(shard), dtype), group)).wait()
     return flat[:math.prod(shape)].view(shape)
 
 
@@ -219,8 +220,9 @@ def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, .
     table = flat.view(world, -1)
     fulls, offset = [], 0
     for shard, shape in zip(shards, shapes):
-        block = table[:, offset:offset + shard.numel()].reshape(-1)
-        offset += shard.numel()
+        n = padded_numel(shard)
+        block = table[:, offset:offset + n].reshape(-1)
+        offset += n
         if block.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
             block = block.clone()  # a contiguous block (world 1) is a view: make it its own
         fulls.append(block[:math.prod(shape)].view(shape))
@@ -234,5 +236,6 @@ def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, .
 
 def start_params(shards: tuple[torch.Tensor, ...], group: str,
                   dtype: torch.dtype | None) -> Pending:
-    return gather_shards_start(torch.cat([cast(s.detach(), dtype) for s in shards]), group,
+    return gather_shards_start(torch.cat([cast(flat_shard(s.detach()), dtype) for s in shards]),
+                               group,
                                consume=True)

@@ -69,6 +69,7 @@ from ..module import OSDPModule
 from ..runtime.collectives import WORLD, group_rank, group_size
 from ..runtime.hierarchy import checkpoint_mesh
 from ..runtime.regather import gather_full
+from ..runtime.sharded import is_dtensor, local_of
 
 FORMAT = "osdp-fx-checkpoint"
 VERSION = 3
@@ -101,8 +102,14 @@ class _Layout:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor of ``dtype`` laid out like ``local`` (a DTensor like the parameter)."""
+        return torch.zeros_like(self.local, dtype=dtype).detach()
+
     def valid(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (laid out like the parameter) as the rows this rank owns, a view."""
+        if is_dtensor(local):
+            return local_of(local).detach()
         if not self.sharded:
             return local.detach().reshape(self.shape)
         flat, n = local.detach().reshape(-1), local.numel()
@@ -112,6 +119,8 @@ class _Layout:
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the global tensor DCP sees: a Shard(0) DTensor, or plain."""
+        if is_dtensor(local):  # a parameter, or a gradient or state laid out like one
+            return local.detach()
         if not self.sharded:
             return self.valid(local)
         from torch.distributed.tensor import DTensor, Shard
@@ -180,7 +189,8 @@ def _whole_layout(shape: tuple[int, ...], like: torch.Tensor) -> _Layout:
     chunk of its rows over the world (``local``: a zeroed padded chunk to fill)."""
     world, numel = group_size(WORLD), math.prod(shape)
     chunk = shard_numel(numel, world, row_numel(shape))
-    return _Layout(local=like.new_zeros(chunk if world > 1 else numel), shape=tuple(shape),
+    return _Layout(local=local_of(like).new_zeros(chunk if world > 1 else numel),
+                   shape=tuple(shape),
                    sharded=world > 1, strategy="full_shard", index=group_rank(WORLD))
 
 
@@ -485,7 +495,7 @@ class _Reading:
                 dtype = meta.properties.dtype
                 if kind == "like_param" and parts == (unit,) and not self.flat:
                     lay = self.layouts[unit]
-                    target = torch.zeros(lay.local.shape, dtype=dtype, device=lay.local.device)
+                    target = lay.zeros(dtype)
                     self.state[f"optim.{unit}.{key}"] = lay.wrap(target)
                     self.optim[(unit, key)] = target
                 elif kind == "like_param":
@@ -517,12 +527,11 @@ class _Reading:
                         else lay.local)
                 full = flat.reshape(table.full_shape(unit))
                 for part, piece in table.pieces(unit, full):
-                    local = table.local(part)
                     if key:
                         self.optim[(part, key)] = table.to_local(
                             part, piece.contiguous()).detach().clone()
                     else:
-                        local.copy_(table.to_local(part, piece.contiguous().to(local.dtype)))
+                        table.load(part, piece.contiguous())
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The loaded state as a ``torch.optim`` state dict with this optimizer's indices

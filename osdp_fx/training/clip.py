@@ -4,10 +4,10 @@
 :class:`~osdp_fx.module.OSDPModule`: the norm is taken over the whole model's gradients, as if they
 were the full (unsharded) gradients of one process, and every rank gets the same norm.
 
-* A sharded parameter's ``.grad`` is this rank's flat shard of the averaged gradient; every
-  element of the full gradient lives on exactly one rank, except under hybrid_shard, where it
-  lives on one rank of every node. Each rank adds up the p-th powers of its shard's elements
-  (only the real ones: the zero padding of the last chunks is skipped), divided by the number of
+* A sharded parameter's ``.grad`` is a DTensor like the parameter: this rank's rows of the
+  averaged gradient; every element of the full gradient lives on exactly one rank, except under
+  hybrid_shard, where it lives on one rank of every node. Each rank adds up the p-th powers of
+  its local elements (the padding is not among them), divided by the number of
   ranks holding the same chunk, and one all-reduce (SUM; MAX for the inf norm, which copies do
   not change) over the world combines them.
 * A replicated parameter's ``.grad`` is already averaged and identical on every rank, so it is
@@ -34,6 +34,7 @@ from ..runtime.collectives import (
     group_size,
     resolve_group,
 )
+from ..runtime.sharded import local_of
 
 __all__ = ["clip_grad_norm_"]
 
@@ -80,7 +81,7 @@ def clip_grad_norm_(
             "use 2.0 (Euclidean) or float('inf') (largest absolute element)"
         )
 
-    sharded: list[tuple[torch.nn.Parameter, int, int]] = []  # (shard, real elements, copies)
+    sharded: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, copies of each element)
     replicated: list[torch.nn.Parameter] = []
     table = compiled.param_table
     for entry in table.entries.values():  # one entry per group: tied parameters counted once
@@ -90,20 +91,19 @@ def clip_grad_norm_(
         if not entry.sharded:
             replicated.append(param)
         else:
-            per_rank = param.numel()
-            real = max(0, min(per_rank, entry.numel - entry.layout.index * per_rank))
-            sharded.append((param, real, entry.layout.copies))
+            sharded.append((param, entry.layout.copies))
 
-    trainable = [q for q, _, _ in sharded] + replicated
+    trainable = [q for q, _ in sharded] + replicated
     if not trainable:
         return torch.tensor(0.0)
     # Chosen from the parameters (the same on every rank), not from which grads exist.
     acc = torch.float64 if any(q.dtype == torch.float64 for q in trainable) else torch.float32
     device = trainable[0].device
 
-    local = {copies: [q.grad.reshape(-1)[:real] for q, real, c in sharded
+    # a sharded gradient's local tensor holds this rank's rows, without the padding
+    local = {copies: [local_of(q.grad).reshape(-1) for q, c in sharded
                       if c == copies and q.grad is not None]
-             for copies in sorted({c for _, _, c in sharded})}
+             for copies in sorted({c for _, c in sharded})}
     rep = [q.grad for q in replicated if q.grad is not None]
     if math.isinf(p):
         total = _max_abs([g for grads in local.values() for g in grads], acc, device)
@@ -130,7 +130,8 @@ def clip_grad_norm_(
     with torch.no_grad():
         for q in trainable:
             if q.grad is not None:
-                q.grad.mul_(coef.to(device=q.grad.device, dtype=q.grad.dtype))
+                grad = local_of(q.grad)
+                grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
     return total
 
 

@@ -14,7 +14,7 @@ directly:
    an error naming it: buffers computed in ``__init__`` are not recomputed by
    ``reset_parameters``, see below),
 4. hands each parameter to the compiled graph module: a sharded one as this rank's flat shard
-   (``ParamTable.to_local``), after which the full tensor is dropped; a replicated one as
+   (``ParamTable.flat_share``), after which the full tensor is dropped; a replicated one as
    it is (the model and the compiled module then share it, as for a model built on the CPU);
    buffers are shared the same way.
 
@@ -211,8 +211,7 @@ def _hand_over(name: str, value: torch.Tensor, table: ParamTable) -> torch.Tenso
     shared = False
     for part, full in table.pieces(canon, value.detach()):
         if table.entries[part].sharded:
-            shard = table.to_local(part, full)
-            assert isinstance(shard, nn.Parameter), part
+            shard = table.flat_share(part, full)
             shard.requires_grad_(value.requires_grad)
             _replace(gm, part, shard)
         elif whole:

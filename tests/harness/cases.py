@@ -9,6 +9,7 @@ import torch
 
 from osdp_fx import compile_osdp
 
+from .held import held_numel
 from .models import batches, build, cast_forward, local
 
 
@@ -35,7 +36,7 @@ def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: f
         "losses": sgd_losses(compiled, loss_fn, data, lr),
         "state": compiled.full_state_dict(),
         "plan": compiled.plan.to_dict(),
-        "local_numel": {n: p.numel() for n, p in compiled.named_parameters()},
+        "local_numel": {n: held_numel(p) for n, p in compiled.named_parameters()},
     }
 
 

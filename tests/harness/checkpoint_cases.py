@@ -22,6 +22,7 @@ from osdp_fx import compile_osdp, load_checkpoint, save_checkpoint
 from osdp_fx.errors import OSDPError
 from osdp_fx.examples import MLP, TinyGPT, lm_loss
 
+from .held import held_numel
 from .models import local
 
 Batch = tuple[torch.Tensor, ...]
@@ -120,7 +121,7 @@ def train_segment(rank: int, world: int, *, model: str, plan: Any, start: int, s
     if save is not None:
         save_checkpoint(save, compiled, opt)
     return {"losses": losses, "at_start": at_start, "end": compiled.full_state_dict(),
-            "local_numel": {n: p.numel() for n, p in compiled.named_parameters()},
+            "local_numel": {n: held_numel(p) for n, p in compiled.named_parameters()},
             "strategies": {p.name: p.strategy for p in compiled.plan.params}}
 
 

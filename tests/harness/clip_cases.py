@@ -17,6 +17,7 @@ from torch import nn
 from osdp_fx import clip_grad_norm_, compile_osdp
 from osdp_fx.examples import MLP, TinyGPT, lm_loss
 
+from .held import local_tensor
 from .models import local
 
 Batch = tuple[torch.Tensor, ...]
@@ -129,7 +130,7 @@ def nonfinite(rank: int, world: int, *, plan: str, norm_type: float) -> dict[str
         # layers.0.weight has 351 elements: real elements on every rank at world 2 and 4.
         grad = compiled.get_parameter("layers.0.weight").grad
         if plan == "replicate" or rank == world - 1:  # replicated grads are equal on all ranks
-            grad.view(-1)[0] = float("nan")
+            local_tensor(grad).view(-1)[0] = float("nan")  # a DTensor when sharded
         try:
             out["norm" if not raise_ else "unexpected"] = clip_grad_norm_(
                 compiled, 1.0, norm_type, error_if_nonfinite=raise_)

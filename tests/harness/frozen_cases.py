@@ -24,6 +24,7 @@ from osdp_fx.core.strategies import traits
 from osdp_fx.runtime import collectives
 from osdp_fx.runtime.storage_tracker import StorageTracker
 
+from .held import held_bytes
 from .memory_cases import earlier_storages
 
 VOCAB, DIM, HIDDEN, RANK = 64, 128, 512, 4
@@ -184,7 +185,7 @@ def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str
             "predicted": compiled.plan.prediction.peak_bytes_at(*batch(0, rank).shape),
             "state": {k: v for k, v in state.items() if "base" not in k and k not in FROZEN},
             "frozen_state": {k: v for k, v in state.items() if k in FROZEN or "base" in k},
-            "local_bytes": sum(p.numel() * p.element_size() for p in compiled.parameters()),
+            "local_bytes": sum(held_bytes(p) for p in compiled.parameters()),
             "strategies": {p.name: p.strategy for p in compiled.plan.params},
             "notes": {p.name: p.note for p in compiled.plan.params},
             "regathered": sorted(p.name for p in compiled.plan.params

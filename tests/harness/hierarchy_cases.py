@@ -21,6 +21,7 @@ from osdp_fx.runtime.hierarchy import (
 )
 from osdp_fx.runtime.params import make_shard
 
+from .held import held_numel
 from .models import batches, build, local
 
 
@@ -76,7 +77,7 @@ def load_and_export(rank: int, world: int, *, model: str, plan: Any,
         out, expected = compiled(*batch[:1]), other(*batch[:1])
     return {"state": compiled.full_state_dict(), "expected_state": other.state_dict(),
             "out": out, "expected_out": expected,
-            "local_numel": {n: p.numel() for n, p in compiled.named_parameters()},
+            "local_numel": {n: held_numel(p) for n, p in compiled.named_parameters()},
             "table": str(compiled.plan)}
 
 

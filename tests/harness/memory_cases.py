@@ -67,8 +67,9 @@ def _stray_tensors(compiled: nn.Module, inputs: tuple[torch.Tensor, ...],
                    before: set[int]) -> list[str]:
     """Tensors the process holds that it did not hold ``before`` compiling and that are none of
     the compiled module's parameters and buffers and the user's inputs."""
-    own = before | {t.untyped_storage()._cdata for t in (*compiled.parameters(),
-                                                         *compiled.buffers(), *inputs)}
+    own = before | {d.untyped_storage()._cdata for t in (*compiled.parameters(),
+                                                         *compiled.buffers(), *inputs)
+                    for d in dense_tensors(t)}
     return sorted({f"{tuple(d.shape)} {d.dtype} {d.untyped_storage().nbytes()} B"
                    for t in held_tensors() for d in dense_tensors(t)
                    if d.untyped_storage().nbytes() and d.untyped_storage()._cdata not in own})

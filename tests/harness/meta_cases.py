@@ -20,6 +20,7 @@ from osdp_fx.examples import MLP
 from osdp_fx.runtime.memory import LiveTensorTracker
 
 from .checkpoint_cases import train_steps
+from .held import held_bytes
 from .models import local
 
 
@@ -137,7 +138,7 @@ def materialize_peak(rank: int, world: int, *, width: int = 1024, depth: int = 8
         after = tracker.settle()
     del net
     return {"peak": tracker.peak_bytes, "after": after,
-            "shards": sum(p.numel() * p.element_size() for p in compiled.parameters()),
+            "shards": sum(held_bytes(p) for p in compiled.parameters()),
             "layer": width * width * 4, "full": depth * width * width * 4}
 
 

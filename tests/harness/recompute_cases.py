@@ -15,6 +15,7 @@ from osdp_fx import compile_osdp
 from osdp_fx.runtime import params as runtime_params
 from osdp_fx.runtime import regather as runtime_regather
 
+from .held import storage_ptr
 from .models import batches, build, local
 
 STRATEGY_CYCLE = ["full_shard", "replicate", "shard_grad_op"]
@@ -48,13 +49,13 @@ def counting_gathers() -> Iterator[collections.Counter[int]]:
 
     def counted(shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not in_bucket[0]:
-            count[shard.untyped_storage().data_ptr()] += 1
+            count[storage_ptr(shard)] += 1
             count[COLLECTIVES] += 1
         return real(shard, *args, **kwargs)
 
     def counted_bucket(shards: tuple[torch.Tensor, ...], *args: Any, **kwargs: Any) -> Any:
-        for shard in shards:
-            count[shard.untyped_storage().data_ptr()] += 1
+        for shard in shards:  # parameters (DTensors): the storage of their shards
+            count[storage_ptr(shard)] += 1
         count[COLLECTIVES] += 1
         in_bucket[0] = True
         try:
@@ -82,7 +83,7 @@ def train(rank: int, world: int, *, model: str, plan: str, steps: int = 5, lr: f
                                                     steps=steps)]
     compiled = compile_osdp(net, data[0][:1], plan=plan)
     opt = torch.optim.SGD(compiled.parameters(), lr=lr)
-    names = {p.untyped_storage().data_ptr(): n for n, p in compiled.named_parameters()}
+    names = {storage_ptr(p): n for n, p in compiled.named_parameters()}
     losses, gathers = [], []
     for i, batch in enumerate(data):
         if train_mode_seed is not None:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from harness import property_cases as pc
+from harness.held import held_numel
 from torch import fx, nn
 
 from osdp_fx import compile_osdp
@@ -172,10 +173,9 @@ def test_local_parameters_are_shards(run):
     compiled, strategy = run["compiled"], run["strategy"]
     for name, ref in run["reference"].named_parameters():
         local = compiled.get_parameter(name)
-        if strategy == "replicate":
-            assert local.shape == ref.shape, name
-        else:  # world size 1: the whole parameter, flat
-            assert local.shape == (ref.numel(),), name
+        assert local.shape == ref.shape, name  # sharded ones too: a parameter keeps its shape
+        if strategy != "replicate":  # world size 1, no process group: the one shard, whole
+            assert held_numel(local) == ref.numel(), name
     assert len(list(compiled.parameters())) == len(list(run["reference"].parameters()))
 
 
@@ -293,7 +293,8 @@ def test_unused_parameter_is_sharded_as_planned():
     assert compiled.plan["spare.weight"].strategy == "full_shard"
     state = compiled.full_state_dict()
     compiled.load_full_state_dict(state)
-    assert compiled.get_parameter("spare.weight").shape == (9,)
+    spare = compiled.get_parameter("spare.weight")
+    assert spare.shape == (3, 3) and held_numel(spare) == 9
 
 
 # ---- the pass on its own, for a world it does not run in ---------------------------------------
