@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from .core.io_spec import CallCheck
 from .core.strategies import traits
@@ -24,6 +25,7 @@ from .runtime.forward import ModuleRuntime
 from .runtime.param_table import ParamTable
 from .runtime.params import GradReduceScatters
 from .runtime.reducer import GradReducer
+from .runtime.sharded import is_dtensor, local_of
 
 
 def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
@@ -142,6 +144,73 @@ class OSDPModule(nn.Module):
         return self._gm.print_readable(print_output=print_output)
 
     # ---- state --------------------------------------------------------------------------
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Any:
+        """The sharded state dict, as FSDP2's: the keys of the original ``model.state_dict()``
+        (a tied weight under each of its names), a sharded parameter as its ``DTensor`` (global
+        shape and placement: ``torch.distributed.checkpoint`` saves and loads it, each rank its
+        rows), a replicated one and the buffers as they are. A weight the plan splits is
+        gathered and given as a new DTensor of its whole shape (collective then: every rank
+        calls it). ``full_state_dict()`` gives full tensors instead."""
+        if args:
+            raise InputError("OSDPModule.state_dict takes keyword arguments only "
+                             "(destination=, prefix=, keep_vars=)")
+        table = self._table
+        out: Any = OrderedDict() if destination is None else destination
+        wholes: dict[str, torch.Tensor] = {}
+        for key in table.state_keys:
+            canon = table.alias_to_name.get(key)
+            if canon is None:
+                value = table.buffer(key)
+            else:
+                if canon not in wholes:
+                    wholes[canon] = table.whole(canon)
+                value = wholes[canon]
+            out[prefix + key] = value if keep_vars else value.detach()
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict keyed like the original model's: the sharded one ``state_dict()``
+        returns (DTensors, loaded shard by shard, or gathered first where the placement
+        differs, collective then) or full tensors (``full_state_dict()``, the plain model's).
+        A tied weight needs one of its names. ``strict``: missing or unexpected keys raise
+        InputError; otherwise they are returned, as ``nn.Module.load_state_dict`` does."""
+        if assign:
+            raise InputError("OSDPModule.load_state_dict(assign=True) is not supported: the "
+                             "parameters are this rank's shards; load with assign=False")
+        table = self._table
+        canon_of = table.alias_to_name
+        have = {canon_of.get(k, k) for k in state_dict}
+        missing = [k for k in table.state_keys if canon_of.get(k, k) not in have]
+        unexpected = [k for k in state_dict if k not in table.state_keys]
+        if strict and (missing or unexpected):
+            raise InputError(
+                f"load_state_dict: the state dict does not match the model (missing: "
+                f"{missing[:5]}, unexpected: {unexpected[:5]}); pass compiled.state_dict(), "
+                "compiled.full_state_dict() or the original model's state_dict()")
+        done: set[str] = set()
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                canon = canon_of.get(key)
+                if key in unexpected or canon in done:
+                    continue
+                if canon is None:
+                    table.buffer(key).copy_(value)
+                    continue
+                done.add(canon)
+                shape = table.full_shape(canon)
+                if tuple(value.shape) != tuple(shape):
+                    raise InputError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, "
+                                     f"the model expects {shape}")
+                param = table.local(canon) if canon not in table.splits else None
+                if param is not None and _same_layout(param, value):
+                    local_of(param).copy_(local_of(value))
+                    continue
+                full = value.full_tensor() if is_dtensor(value) else value
+                for part, piece in table.pieces(canon, full):
+                    table.load(part, piece)
+        return _IncompatibleKeys(missing, unexpected)
+
     def full_state_dict(self, *, rank0_only: bool = False,
                         cpu_offload: bool = False) -> OrderedDict[str, torch.Tensor]:
         """Full tensors under exactly the keys of the original ``model.state_dict()``, loadable
@@ -198,6 +267,17 @@ class OSDPModule(nn.Module):
                 elif key == canon:
                     for part, full in table.pieces(canon, state_dict[key]):
                         table.load(part, full)
+
+
+def _same_layout(param: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``value`` holds on this rank exactly what ``param`` does (the same placement over
+    the same mesh, or both plain)."""
+    if is_dtensor(param) != is_dtensor(value):
+        return False
+    if not is_dtensor(param):
+        return True
+    return (tuple(value.placements) == tuple(param.placements)  # type: ignore[attr-defined]
+            and value.device_mesh == param.device_mesh)  # type: ignore[attr-defined]
 
 
 def _wrong_shapes(table: ParamTable, state_dict: dict[str, torch.Tensor]) -> list[str]:

@@ -26,7 +26,7 @@ from ..core.strategies import traits
 from ..plan.plan import Plan
 from .params import make_shard
 from .regather import gather_full
-from .sharded import as_dtensor, flat_shard, is_dtensor, like
+from .sharded import as_dtensor, flat_shard, is_dtensor, like, whole_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +160,21 @@ class ParamTable:
             if tensors[part] is None:
                 return None
         return self.full_from(group, tensors)
+
+    def whole(self, group: str) -> torch.Tensor:
+        """``group`` as a sharded state dict holds it: the parameter itself (a DTensor when
+        sharded, else the full tensor); a split weight, whose parts are separate parameters,
+        as a new tensor of the weight's shape: gathered (collective), then a DTensor of this
+        rank's ``torch.chunk`` rows over the world when any part is sharded."""
+        split = self.splits.get(group)
+        if split is None:
+            return self.local(group)
+        full = self.full(group)
+        assert full is not None, group
+        sharded = [self.local(p) for p in split.parts if is_dtensor(self.local(p))]
+        if not sharded:
+            return full
+        return whole_rows(full, world_size=self.plan.world_size, rank=self.rank)
 
     def full_from(self, group: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The full tensor of ``group`` from a tensor per part laid out like what this rank

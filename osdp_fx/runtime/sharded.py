@@ -128,3 +128,17 @@ def accumulate_grad(param: torch.Tensor, chunk: torch.Tensor) -> None:
     else:
         flat = local_of(param.grad).reshape(-1)
         flat.add_(chunk[:flat.numel()])
+
+
+def whole_rows(full: torch.Tensor, *, world_size: int, rank: int) -> torch.Tensor:
+    """A DTensor of ``full``'s shape sharded on dim 0 over the world (in rank order), this
+    rank's ``torch.chunk`` rows of ``full`` copied as its local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    rows = full.shape[0] if full.dim() else 1
+    per_rank = -(-rows // world_size)
+    mine = full.reshape(rows, *full.shape[1:])[rank * per_rank:(rank + 1) * per_rank].clone()
+    mesh, placements = checkpoint_mesh("full_shard", world_size=world_size, ranks_per_node=None,
+                                       device_type=full.device.type)
+    return DTensor.from_local(mine, mesh, placements, shape=full.shape, stride=full.stride(),
+                              run_check=False)

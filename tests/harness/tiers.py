@@ -35,6 +35,7 @@ SLOW_MODULES = frozenset({
     "distributed/test_shapes.py",
     "distributed/test_strategy_memory.py",
     "distributed/test_split.py",
+    "distributed/test_param_identity.py",
     # hypothesis over the search space
     "property/test_joint_search_exact.py",
 })
