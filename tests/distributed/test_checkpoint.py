@@ -4,6 +4,7 @@ world sizes and plans, errors, and a failed save that leaves the previous checkp
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -174,3 +175,22 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(worlds, tmp_path):
         assert "meta tensor" in unsaveable, unsaveable
         assert r["leftovers"] == ["ckpt"], "the temporary directory was not removed"
         assert r["extra"] == "first" and r["state_equal"]
+
+
+DATA = pathlib.Path(__file__).parent.parent / "data" / "checkpoint_v2"
+
+
+@pytest.mark.parametrize("world,plan", [(2, "full_shard"), (1, "replicate")])
+def test_a_version_2_checkpoint_loads_and_resumes(worlds, world, plan):
+    """Version 2 (before shards were whole rows) saved every tensor flat, here from a model
+    split and sharded at world 2: it loads without the splits, at world 1 and 2, and training
+    resumes as it did after the save."""
+    expected = torch.load(DATA / "expected.pt")
+    results = worlds(world).run(cc.load_version_2, path=str(DATA), plan=plan)
+    for r in results:
+        assert r["extra"] == {"step": 2}
+        for key, value in expected["full"].items():
+            assert torch.equal(r["full"][key], value), key
+    mean = torch.tensor([r["after"] for r in results]).mean(0)
+    saved = torch.tensor(expected["after"]).mean(0)  # the two ranks' losses after the save
+    torch.testing.assert_close(mean, saved, atol=1e-6, rtol=0)

@@ -205,3 +205,14 @@ def failed_saves(rank: int, world: int, *, path: str) -> dict[str, Any]:
     loaded = fresh.full_state_dict()
     return {"errors": errors, "leftovers": leftovers, "extra": extra,
             "state_equal": all(torch.equal(saved[k], loaded[k]) for k in saved)}
+
+
+def load_version_2(rank: int, world: int, *, path: str, plan: Any) -> dict[str, Any]:
+    """Load the version-2 checkpoint of ``tests/data/checkpoint_v2`` (written by osdp-fx
+    before shards were whole rows: every tensor flat, a split plan) into the MLP compiled under
+    ``plan`` at this world size, and train the two steps that followed the save."""
+    compiled, opt, loss_fn = _compile("mlp", plan, rank, world, seed=5)
+    extra = load_checkpoint(os.path.join(path, "checkpoint"), compiled, opt)
+    full = compiled.full_state_dict()
+    after = train_steps(compiled, opt, loss_fn, batches("mlp", steps=4)[2:], rank, world)
+    return {"extra": extra, "full": full, "after": after}
