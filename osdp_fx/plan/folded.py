@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from tabulate import tabulate
 
 from ..units import format_bytes
+from .table import params_line
 
 if TYPE_CHECKING:
     from .plan import ParamPlan, Plan
@@ -237,9 +238,7 @@ def _header(plan: Plan, width: int) -> list[str]:
 
 
 def _footer(plan: Plan) -> list[str]:
-    lines = [f"parameters per rank: {format_bytes(plan.persistent_param_bytes())}"
-             + (f"; memory limit {format_bytes(plan.memory_limit_bytes)}"
-                if plan.memory_limit_bytes is not None else "")]
+    lines = [params_line(plan)]
     if plan.num_nodes > 1:
         by_link = {"inside nodes": 0, "across nodes": 0}
         for p in plan.params:

@@ -365,9 +365,11 @@ class Plan:
         """Predicted time of one training step (None without a profile)."""
         return self.prediction.step_time_s if self.prediction else None
 
-    def persistent_param_bytes(self) -> int:
-        """Bytes of parameters (shards or full tensors) each rank holds."""
-        return sum(p.shard_bytes(self.world_size, self.ranks_per_node) for p in self.params)
+    def persistent_param_bytes(self, *, frozen_only: bool = False) -> int:
+        """Bytes of parameters (shards or full tensors) each rank holds (``frozen_only``: of
+        the groups that get no gradient)."""
+        return sum(p.shard_bytes(self.world_size, self.ranks_per_node) for p in self.params
+                   if not (frozen_only and p.trainable))
 
     def collectives_of(self, p: ParamPlan) -> tuple[list[Stage], list[Stage]]:
         """``p.collectives`` at this plan's world size, mesh and precision."""

@@ -9,6 +9,15 @@ from tabulate import tabulate
 from ..units import format_bytes
 
 
+def params_line(plan: Any) -> str:
+    """'parameters per rank: ...' (of them frozen, where any is), and the memory limit."""
+    frozen = plan.persistent_param_bytes(frozen_only=True)
+    return (f"parameters per rank: {format_bytes(plan.persistent_param_bytes())}"
+            + (f" ({format_bytes(frozen)} of them frozen)" if frozen else "")
+            + (f"; memory limit {format_bytes(plan.memory_limit_bytes)}"
+               if plan.memory_limit_bytes is not None else ""))
+
+
 def plan_table(plan: Any) -> str:
     """A Plan printed: its header, one row per parameter group, its predictions (``plan`` is
     untyped here: ``plan/plan.py`` prints itself with this module, which so imports nothing of it)."""
@@ -48,9 +57,7 @@ def plan_table(plan: Any) -> str:
         f"Plan for world size {plan.world_size}{mesh} ({counts}; source: "
         f"{plan.source or 'user'}; hash {plan.hash()}{split})",
         tabulate(rows, headers=head, disable_numparse=True),
-        f"parameters per rank: {format_bytes(plan.persistent_param_bytes())}"
-        + (f"; memory limit {format_bytes(plan.memory_limit_bytes)}"
-           if plan.memory_limit_bytes is not None else ""),
+        params_line(plan),
     ]
     if plan.num_nodes > 1:
         lines.append(

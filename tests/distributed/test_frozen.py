@@ -91,3 +91,26 @@ def test_the_adapters_alone_save_and_load_under_another_plan(worlds, tmp_path):
         assert r["losses"][0] == pytest.approx(r["losses"][1], abs=1e-6)
         for key, value in r["states"][0].items():
             torch.testing.assert_close(r["states"][1][key], value, atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_peft_adapters_alone_save_and_load_under_another_plan(worlds, tmp_path):
+    """peft's get_peft_model on a Hugging Face Llama, trained under full_shard: the adapters
+    alone are saved (with AdamW's state) and load into the model compiled under replicate,
+    whose frozen base stays its own; both then train on alike."""
+    results = worlds(2).run(frozen_cases.peft_adapters_reload, path=str(tmp_path / "adapters"),
+                            timeout_s=600)
+    for r in results:
+        assert r["extra"] == {"step": 2}
+        assert r["trainable"] and all("lora_" in n for n in r["trainable"])
+        saved = [k for k in r["saved"] if k.startswith("model.")]
+        assert sorted(k.removeprefix("model.") for k in saved) == r["trainable"]
+        trained, loaded = r["loaded"]
+        for key, value in trained.items():
+            if "lora_" in key:  # the adapters: as trained, bitwise
+                assert torch.equal(loaded[key], value), key
+            else:  # the base: what the model was built with, in both
+                assert torch.equal(loaded[key], r["initial"][key]), key
+                assert torch.equal(value, r["initial"][key]), key
+        # bf16 compute under two plans: equal up to the order of low-precision sums
+        assert r["losses"][0] == pytest.approx(r["losses"][1], rel=2e-2)

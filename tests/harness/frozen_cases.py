@@ -216,3 +216,39 @@ def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str
                                  if p.requires_grad),
         }
     return out
+
+
+def peft_adapters_reload(rank: int, world: int, *, path: str, lr: float = 1e-3
+                         ) -> dict[str, Any]:
+    """peft's LoRA on a Hugging Face Llama (frozen bf16 base, fp32 adapters), as its users run
+    it: trained under full_shard, its adapters saved alone (``trainable_only``) with AdamW's
+    state, loaded into the model compiled under replicate; one more step in each."""
+    from .models import batches as model_batches
+    from .models import build as build_model
+    from .models import local as local_batch
+
+    data = [local_batch(b, rank, world)
+            for b in model_batches("hf_llama_lora", global_batch=2 * world, steps=3)]
+    modules, loss_fn = [], None
+    for plan in ("full_shard", "replicate"):
+        net, loss_fn = build_model("hf_llama_lora")
+        compiled = compile_osdp(net, data[0][:1], plan=plan, mixed_precision="bf16")
+        modules.append((compiled, torch.optim.AdamW(
+            [p for p in compiled.parameters() if p.requires_grad], lr=lr)))
+    (compiled, opt), (other, other_opt) = modules
+    for batch in data[:2]:
+        loss_fn(compiled(*batch[:1]), batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    save_checkpoint(path, compiled, opt, extra={"step": 2}, trainable_only=True)
+    extra = load_checkpoint(path, other, other_opt)
+    trainable = sorted(n for n, p in compiled.named_parameters() if p.requires_grad)
+    loaded = [m.full_state_dict() for m in (compiled, other)]
+    losses = []
+    for module, optimizer in modules:
+        loss = loss_fn(module(*data[2][:1]), data[2])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"extra": extra, "losses": losses, "saved": dcp_keys(path), "trainable": trainable,
+            "loaded": loaded, "initial": build_model("hf_llama_lora")[0].state_dict()}
