@@ -63,9 +63,12 @@ def flat_shard(t: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(t):
         return t.reshape(-1)
     local, n = local_of(t), padded_numel(t)
-    storage, offset = local.untyped_storage(), local.storage_offset()
-    if local.is_contiguous() and storage.nbytes() >= (offset + n) * local.element_size():
-        return local.new_empty(0).set_(storage, offset, (n,))
+    offset = local.storage_offset()
+    if local.is_contiguous() and local.untyped_storage().nbytes() >= (
+            (offset + n) * local.element_size()):
+        # a view of the local tensor's storage, padding included (a view, not a new storage,
+        # to autograd and to the memory trackers)
+        return local.as_strided((n,), (1,), offset)
     return pad_flat(local, n)
 
 
