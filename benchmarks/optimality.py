@@ -5,9 +5,11 @@ and the plans a user could write by hand:
 
 - the uniform ones (replicate, shard_grad_op, full_shard);
 - "shard the k largest parameter groups, replicate the rest" with full_shard or shard_grad_op,
-  for k = 1, 2, 4, 8, 12, 16, 24 (when the model has that many groups);
+  for k = 1, 2, 4, 8, 12, 16, 24 (when the model has that many groups; ``--largest`` picks
+  other k);
 - FSDP with activation checkpointing: full_shard or shard_grad_op everywhere, and full_shard on
-  the 4, 8, 16 largest, with every block (each indexed submodule: ``blocks.3``, ``layers.3``)
+  the 4, 8, 16 largest (those among the k above), with every block (each indexed submodule:
+  ``blocks.3``, ``layers.3``)
   recomputed ``full`` or ``selective``;
 - ``--random`` random mixes of the three strategies (seeded).
 
@@ -30,7 +32,7 @@ together, so the machine's drift between rounds cancels).
 
     python benchmarks/optimality.py [--model gpt llama] [--limit 200MiB 160MiB] [--world-size 2]
         [--rounds 8] [--random 6] [--autotune 3] [--confirm 4] [--confirm-rounds 24] [--quick]
-        [--out-dir benchmarks/results]
+        [--largest 1,2,4,8,12,16,24] [--out-dir benchmarks/results]
 
 ``--autotune K`` adds the row "autotuned": the search with ``compile_osdp(autotune=K)``
 (timed like every other plan after it is chosen). ``--quick``: 2 rounds of each kind and no random
@@ -81,14 +83,19 @@ RECOMPUTE = "<recompute>"
 """Key of a hand-written plan's recomputed blocks ({region: policy}) beside its strategies."""
 
 
-def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0) -> dict[str, dict]:
+LARGEST = (1, 2, 4, 8, 12, 16, 24)
+"""The k of the plans "shard the k largest parameter groups, replicate the rest"."""
+
+
+def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0,
+                    k_largest: tuple[int, ...] = LARGEST) -> dict[str, dict]:
     """Hand-written plans as {label: {parameter name: strategy}} (tied weights once), those
     with recomputed blocks also {RECOMPUTE: {block: policy}}."""
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     largest = sorted(sizes, key=sizes.__getitem__, reverse=True)
     plans = {s: {n: s for n in sizes} for s in STRATEGIES}
     for strategy in ("full_shard", "shard_grad_op"):
-        for k in (1, 2, 4, 8, 12, 16, 24):
+        for k in k_largest:
             if k < len(sizes):
                 chosen = set(largest[:k])
                 plans[f"{strategy} on the {k} largest"] = {
@@ -101,7 +108,7 @@ def candidate_plans(model: torch.nn.Module, n_random: int, seed: int = 0) -> dic
             plans[f"{strategy}, every block {policy}"] = {
                 **plans[strategy], RECOMPUTE: {b: policy for b in blocks}}
         for k in (4, 8, 16):
-            if k < len(sizes):
+            if k < len(sizes) and k in k_largest:
                 plans[f"full_shard on the {k} largest, every block {policy}"] = {
                     **plans[f"full_shard on the {k} largest"], RECOMPUTE: {b: policy for b in blocks}}
     rng = random.Random(seed)
@@ -150,10 +157,10 @@ def _round_robin(runs: list[_Run], rounds: int) -> None:
 
 def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_random: int,
             plan_dir: str, autotune: int = 0, confirm: int = 4,
-            confirm_rounds: int = 24) -> list[dict[str, Any]]:
+            confirm_rounds: int = 24, largest: tuple[int, ...] = LARGEST) -> list[dict[str, Any]]:
     devices = detect_devices(memory_limit=limit)
     model, vocab, seq = build(model_name)
-    plans = candidate_plans(model, n_random)
+    plans = candidate_plans(model, n_random, k_largest=largest)
     del model
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randint(0, vocab, (4, seq), generator=gen)
@@ -340,8 +347,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="plans the autotuned row times (0: no autotuned row)")
     parser.add_argument("--quick", action="store_true",
                         help="2 rounds, no random mixes: checks that it runs, not a figure")
+    parser.add_argument("--largest", default=",".join(map(str, LARGEST)),
+                        help="the k of the plans that shard the k largest parameter groups "
+                             "(comma-separated)")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
+    largest = tuple(int(k) for k in args.largest.split(","))
     if args.quick:
         args.rounds, args.random, args.confirm_rounds = 2, 0, 2
     out = Path(args.out_dir)
@@ -353,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as plan_dir:
                 rows = run_world(args.world_size, measure, model, limit, args.rounds,
                                  args.random, plan_dir, args.autotune, args.confirm,
-                                 args.confirm_rounds, timeout_s=3600.0)[0]
+                                 args.confirm_rounds, largest, timeout_s=3600.0)[0]
             title = (f"{model}, world {args.world_size}, limit {format_bytes(limit)}, AdamW, "
                      f"{args.rounds} rounds, the {args.confirm} fastest and the searched "
                      f"{args.confirm_rounds} more" + (" (--quick)" if args.quick else ""))
