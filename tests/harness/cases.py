@@ -278,3 +278,12 @@ def slowest_rank_times(rank: int, world: int, *, mismatch: bool = False) -> dict
     except PlanMismatchError as e:
         return {"error": str(e)}
     return {"before": before, "after": times()}
+
+
+def detect_to_json(rank: int, world: int, *, out_dir: str) -> None:
+    """``detect_devices`` on this rank, written to ``node.<rank>.json``; and with the same host
+    taken as one node per rank (measuring the inter-node figures) to ``nodes.<rank>.json``."""
+    from osdp_fx.planner.detect import detect_devices
+
+    detect_devices(memory_limit="1GiB").to_json(f"{out_dir}/node.{rank}.json")
+    detect_devices(ranks_per_node=1).to_json(f"{out_dir}/nodes.{rank}.json")

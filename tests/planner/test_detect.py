@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from harness import cases
 
 from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
 from osdp_fx.core.presets import GPU_MEMORY_MARGIN
@@ -109,28 +106,8 @@ def test_optimizer_times_round_trip_and_are_checked(tmp_path: Path) -> None:
         Devices(optimizer_tensor_time_s={"sgd": -1.0})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _detect_on_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        detect_devices(memory_limit="1GiB").to_json(os.path.join(out_dir, f"node.{rank}.json"))
-        # the same host treated as one node per rank: measures the inter-node figures
-        detect_devices(ranks_per_node=1).to_json(os.path.join(out_dir, f"nodes.{rank}.json"))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def test_detect_on_two_rank_gloo_world(tmp_path: Path) -> None:
-    mp.spawn(_detect_on_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
+    worlds(2).run(cases.detect_to_json, out_dir=str(tmp_path))
     one_node = [Devices.from_json(tmp_path / f"node.{r}.json") for r in range(2)]
     two_nodes = [Devices.from_json(tmp_path / f"nodes.{r}.json") for r in range(2)]
     # every rank derives the same figures, so every rank makes the same plan
