@@ -86,6 +86,19 @@ def assert_matches_single_process(results: list[dict[str, Any]], model: str,
             torch.testing.assert_close(state[key], expected, atol=1e-4, rtol=0, msg=key)
 
 
+def assert_trained_like(runs: list[dict[str, Any]], losses: list[float],
+                        state: dict[str, torch.Tensor], *, label: str = "",
+                        state_key: str = "state", atol: float = 1e-5) -> None:
+    """Every rank's run (its ``losses`` and full state under ``state_key``) against one
+    process's: the mean loss over ranks and every rank's state to ``atol``."""
+    mean = torch.tensor([r["losses"] for r in runs]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(losses), atol=atol, rtol=0, msg=label)
+    for r in runs:
+        for key, expected in state.items():
+            torch.testing.assert_close(r[state_key][key], expected, atol=atol, rtol=0,
+                                       msg=f"{label}: {key}")
+
+
 def memory_profile(rank: int, world: int, *, plan: str, width: int = 512, depth: int = 4,
                    batch: int = 8, prefetch: int | None = None) -> dict[str, int]:
     """Live tensor bytes after forward and peaks of forward and backward, for a Linear stack."""
