@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import InputError
 from ..units import format_bytes
 
+
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     """How a call's arguments map to the graph's inputs."""

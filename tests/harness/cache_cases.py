@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from osdp_fx import compile_osdp
 
 from . import models

@@ -9,7 +9,7 @@ from osdp_fx import Devices
 from osdp_fx.core.buckets import Schedule, candidate_schedules
 from osdp_fx.core.strategies import searched_strategies
 from osdp_fx.planner.local_search import IMPROVED_GROUPS, improve, largest_groups
-from osdp_fx.planner.make import analyze, search_schedules
+from osdp_fx.planner.make import search_schedules
 from osdp_fx.planner.results import Found
 from osdp_fx.planner.search import plan_peak_bytes, plan_step_s
 
