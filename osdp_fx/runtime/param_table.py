@@ -171,8 +171,7 @@ class ParamTable:
             return self.local(group)
         full = self.full(group)
         assert full is not None, group
-        sharded = [self.local(p) for p in split.parts if is_dtensor(self.local(p))]
-        if not sharded:
+        if not any(is_dtensor(self.local(p)) for p in split.parts):
             return full
         return whole_rows(full, world_size=self.plan.world_size, rank=self.rank)
 

@@ -72,16 +72,6 @@ def flat_shard(t: torch.Tensor) -> torch.Tensor:
     return pad_flat(local, n)
 
 
-def padded_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` laid out as its padded flat chunk, always a tensor of its own (padding zero)."""
-    if not is_dtensor(t):
-        return t.reshape(-1)
-    local = local_of(t).reshape(-1)
-    out = local.new_zeros(padded_numel(t))
-    out[:local.numel()] = local
-    return out
-
-
 def as_dtensor(flat: torch.Tensor, shape: tuple[int, ...], strategy: str, *, world_size: int,
                ranks_per_node: int | None, rank: int) -> nn.Parameter:
     """A parameter of ``shape`` over this rank's padded flat chunk ``flat`` (a leaf parameter of
