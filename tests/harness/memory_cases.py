@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.examples import GPTWithLoss, HFCausalLMWithLoss, TinyGPT
@@ -66,9 +67,15 @@ def earlier_storages(own: list[torch.Tensor]) -> list[weakref.ref]:
 def _stray_tensors(compiled: nn.Module, inputs: tuple[torch.Tensor, ...],
                    before: set[int]) -> list[str]:
     """Tensors the process holds that it did not hold ``before`` compiling and that are none of
-    the compiled module's parameters and buffers and the user's inputs."""
+    the compiled module's parameters and buffers (with the device meshes its DTensors live on)
+    and the user's inputs."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in compiled.parameters()
+              if isinstance(p, DTensor)}
+    mesh_tensors = [v for m in meshes.values() for v in vars(m).values()
+                    if isinstance(v, torch.Tensor)]
     own = before | {d.untyped_storage()._cdata for t in (*compiled.parameters(),
-                                                         *compiled.buffers(), *inputs)
+                                                         *compiled.buffers(), *inputs,
+                                                         *mesh_tensors)
                     for d in dense_tensors(t)}
     return sorted({f"{tuple(d.shape)} {d.dtype} {d.untyped_storage().nbytes()} B"
                    for t in held_tensors() for d in dense_tensors(t)
