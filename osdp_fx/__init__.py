@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from . import _moved
-from ._version import VERSION
+import torch as _torch
+
+from ._version import VERSION, torch_too_old
+from .errors import InputError as _InputError
+
+if (_too_old := torch_too_old(_torch.__version__)) is not None:
+    raise _InputError(_too_old)
+
+from . import _moved  # noqa: E402  (the checks above come first)
 from .api import compile_osdp
 from .core.devices import Devices
 from .core.precision import MixedPrecision

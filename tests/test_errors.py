@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from harness import property_cases as pc
 
 from osdp_fx import Devices, OSDPError, compile_osdp
+from osdp_fx._version import TORCH_FLOOR, torch_release, torch_too_old
 from osdp_fx.errors import CaptureError, InputError, PlanError, PlanMismatchError
 
 STRATEGY_LIST = "replicate, shard_grad_op, full_shard"
@@ -99,6 +102,32 @@ def test_the_error_classes_are_exported():
     for name in names:
         assert getattr(osdp_fx, name) is getattr(errors, name)
         assert issubclass(getattr(osdp_fx, name), osdp_fx.OSDPError)
+
+
+def test_a_torch_older_than_the_floor_is_refused_at_import():
+    """``import osdp_fx`` under a torch older than ``TORCH_FLOOR`` raises InputError naming the
+    release needed and how to install it (run in a fresh interpreter whose torch reports
+    ``version``), before a module that needs a newer torch fails with an ImportError."""
+    version = "2.5.1"
+    code = (f"import torch; torch.__version__ = {version!r}\n"
+            "try:\n    import osdp_fx\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("InputError osdp-fx needs torch 2.6 or newer"), out
+    assert f"this is torch {version}" in out and "pip install 'torch>=2.6'" in out
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "2.7.0a0+git1234", "2.13.0+cpu", "3.0.0"])
+def test_torch_at_or_above_the_floor_is_accepted(version):
+    assert torch_too_old(version) is None
+    assert torch_release(version) >= TORCH_FLOOR
+
+
+@pytest.mark.parametrize("version", ["2.5.1", "2.4.0+cu121", "1.13.1"])
+def test_torch_below_the_floor_is_named_with_the_floor(version):
+    assert torch_release(version) < TORCH_FLOOR
+    assert "needs torch 2.6 or newer" in torch_too_old(version)
 
 
 def test_every_bad_input_has_an_expectation(tmp_path):

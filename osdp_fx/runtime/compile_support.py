@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 from torch import fx
 
+from .._version import TORCH_COMPILE_FLOOR
 from ..errors import InputError
 
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -107,7 +108,8 @@ def check_compilable() -> None:
         raise InputError(
             f"torch.compile of an osdp-fx module needs dynamo's per-code execution strategies "
             f"(torch._C._dynamo.eval_frame.set_code_exec_strategy), which torch "
-            f"{torch.__version__} lacks ({missing}); upgrade torch to 2.7 or newer (2.13 is "
+            f"{torch.__version__} lacks ({missing}); upgrade torch to "
+            f"{'.'.join(map(str, TORCH_COMPILE_FLOOR))} or newer (2.13 is "
             f"tested on the CPU, 2.11 on a GPU) or run the module without torch.compile")
 
 

@@ -316,17 +316,13 @@ def save_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
     if rank == 0:
         _, error = _attempt(_fresh_dir, saving, compiled)
     _agree(error, f"save_checkpoint({path!r}): creating {saving}")
-    _, error = _attempt(dcp.save, state, checkpoint_id=saving, no_dist=_no_dist())
+    _, error = _attempt(dcp.save, state, checkpoint_id=saving)
     _agree(error, f"save_checkpoint({path!r}) (the previous checkpoint is unchanged)",
            cleanup=lambda: shutil.rmtree(saving, ignore_errors=True))
     error = None
     if rank == 0:
         _, error = _attempt(_replace_dir, saving, path)
     _agree(error, f"save_checkpoint({path!r}): moving {saving} to {path}")
-
-
-def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
 
 
 def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optimizer | None,
@@ -421,7 +417,7 @@ def load_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
                          f"{type(compiled).__name__}")
     reading, error = _attempt(_Reading, path, compiled, optimizer)
     _agree(error, f"load_checkpoint({path!r})")
-    _, error = _attempt(dcp.load, reading.state, checkpoint_id=path, no_dist=_no_dist())
+    _, error = _attempt(dcp.load, reading.state, checkpoint_id=path)
     _agree(error, f"load_checkpoint({path!r})")
     reading.finish()
     if optimizer is not None:
