@@ -5,17 +5,25 @@ groups with their strategies (:class:`ParamState`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import fx
 
 from ..core.buckets import SMALL_PARAM_BYTES, block_of, gather_buckets
 from ..core.node_meta import NodeRole, osdp_meta
+from ..core.regions import find_regions
 from ..core.strategies import traits
 from ..errors import InputError
+from .compute import CALL_OPS, ComputeTime, node_compute_time_s
 from .memory import gathered_param_bytes
+
+if TYPE_CHECKING:
+    from ..core.devices import Devices
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +74,42 @@ class GraphFacts:
     """Whether each node's output takes part in backward."""
     param_of: dict[fx.Node, str]
     """Parameter get_attr nodes and their group names."""
+    derived: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False,
+                                                compare=False)
+    """What :meth:`derive` computed, by function and the id of the devices (with the devices,
+    so that another object at the same id misses)."""
+
+    @functools.cached_property
+    def regions(self) -> dict[str, list[fx.Node]]:
+        """The graph's recomputable regions (``core.regions.find_regions``), found once: every
+        candidate plan's timeline and recomputation costs read them, and the graph does not
+        change under its facts."""
+        return find_regions(self.nodes[0].graph)
+
+    def derive(self, fn: Callable[[GraphFacts, Devices], _T], devices: Devices) -> _T:
+        """``fn(self, devices)``, computed once for the facts' lifetime: what the cost models
+        derive from the facts and the devices alone (each node's compute time, each group's),
+        which a search asks for under every one of a hundred candidate plans."""
+        key = (fn, id(devices))
+        hit = self.derived.get(key)
+        if hit is None or hit[0] is not devices:
+            hit = self.derived[key] = (devices, fn(self, devices))
+        return hit[1]
 
     def param_uses(self, node: fx.Node) -> list[fx.Node]:
         """Nodes that read parameter node ``node`` or a view of it (excluding the views)."""
         return [u for m in self.members[node] for u in m.users if self.root[u] is not node]
+
+
+def node_times(facts: GraphFacts, devices: Devices) -> dict[fx.Node, ComputeTime | None]:
+    """Each node's forward and backward time on ``devices`` (``compute.node_compute_time_s``;
+    None for a node that runs no operator), once per facts and devices."""
+    return facts.derive(_node_times, devices)
+
+
+def _node_times(facts: GraphFacts, devices: Devices) -> dict[fx.Node, ComputeTime | None]:
+    return {n: node_compute_time_s(facts.profile[n], devices) if n.op in CALL_OPS else None
+            for n in facts.nodes}
 
 
 def graph_facts(gm: fx.GraphModule, trainable: Mapping[str, bool]) -> GraphFacts:

@@ -26,8 +26,7 @@ from ..core.devices import Devices
 from ..core.layout import collective_stages
 from ..core.strategies import traits
 from .communication import collective_time_s
-from .compute import CALL_OPS, node_compute_time_s
-from .graph_facts import GraphFacts, ParamState, sharded_gather_buckets
+from .graph_facts import GraphFacts, ParamState, node_times, sharded_gather_buckets
 
 OVERLAP_EFFICIENCY = 0.5
 """Share of the ideally hidden all-gather time that prefetching hides in practice: about half,
@@ -80,8 +79,7 @@ def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices
     if prefetch <= 0 or devices.world_size <= 1:
         return 0.0
     nodes, pos = facts.nodes, facts.pos
-    times = {n: node_compute_time_s(facts.profile[n], devices) if n.op in CALL_OPS else None
-             for n in nodes}
+    times = node_times(facts, devices)
     fwd_compute = [t.fwd_s if t else 0.0 for t in (times[n] for n in nodes)]
     bwd_compute = [t.bwd_s if t else 0.0 for t in (times[n] for n in reversed(nodes))]
     gather = {node: gather_s(params[name], devices, regathered=name in regathered)
@@ -127,8 +125,9 @@ def gather_windows(facts: GraphFacts, devices: Devices, *,
         return {}
     nodes = facts.nodes
     fwd, bwd = [0.0], [0.0]  # prefix sums over positions
+    times = node_times(facts, devices)
     for n in nodes:
-        t = node_compute_time_s(facts.profile[n], devices) if n.op in CALL_OPS else None
+        t = times[n]
         fwd.append(fwd[-1] + (t.fwd_s if t else 0.0))
         bwd.append(bwd[-1] + (t.bwd_s if t else 0.0))
     first: dict[str, int] = {}

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 from torch import fx
 
-from ..core.regions import Recompute, find_regions, kept_by_selective
+from ..core.regions import Recompute, kept_by_selective
 from ..plan.plan import RegionPrediction
 from .compute import CALL_OPS, node_compute_time_s
 from .graph_facts import GraphFacts
@@ -77,13 +77,13 @@ class RegionCost:
 
 def region_spans(facts: GraphFacts, recompute: Mapping[str, str],
                  regions: Mapping[str, list[fx.Node]] | None = None) -> dict[fx.Node, RegionSpan]:
-    """Each operator of a recomputed region (of ``regions``, default ``find_regions``), mapped
+    """Each operator of a recomputed region (of ``regions``, default ``facts.regions``), mapped
     to its region's span."""
     out: dict[fx.Node, RegionSpan] = {}
     if not recompute:
         return out
     if regions is None:
-        regions = find_regions(facts.nodes[0].graph)
+        regions = facts.regions
     for name, ops in regions.items():
         if name not in recompute:
             continue
@@ -182,7 +182,7 @@ def region_costs(facts: GraphFacts, devices,
 
     boundary = n_nodes - 0.5  # between the last forward and the first backward
     out: dict[str, list[RegionCost]] = {}
-    regions = find_regions(facts.nodes[0].graph)
+    regions = facts.regions
     for name, ops in regions.items():
         if only is not None and name not in only:
             continue
@@ -216,7 +216,7 @@ def region_rows(facts: GraphFacts, devices, recompute: Mapping[str, str],
     rows = []
     for region, policy in recompute.items():
         cost = next(c for c in costs[region] if c.policy == policy)
-        ops = [n.name for n in find_regions(facts.nodes[0].graph)[region]
+        ops = [n.name for n in facts.regions[region]
                if n.op != "call_method" or facts.profile[n].output_bytes]
         rows.append(RegionPrediction(
             region, policy, tuple(n for n in ops if n not in cost.recomputed_ops

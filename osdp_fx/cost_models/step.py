@@ -46,10 +46,10 @@ from ..core.layout import shard_count
 from ..core.strategies import traits
 from ..plan.plan import collective_stages
 from .communication import all_reduce_time_s, collective_time_s, group_link
-from .compute import node_compute_time_s
 from .graph_facts import (
     GraphFacts,
     ParamState,
+    node_times,
     regathered_together,
     sharded_gather_buckets,
 )
@@ -99,14 +99,22 @@ def regathered_params(facts: GraphFacts) -> set[str]:
 
 
 def attributed_compute_s(facts: GraphFacts, devices: Devices) -> tuple[dict[str, float], float]:
-    """(compute seconds per group, seconds of operators that read no parameter)."""
+    """(compute seconds per group, seconds of operators that read no parameter); derived once
+    per facts and devices (``GraphFacts.derive``)."""
+    per_group, other = facts.derive(_attributed_compute_s, devices)
+    return dict(per_group), other
+
+
+def _attributed_compute_s(facts: GraphFacts,
+                          devices: Devices) -> tuple[dict[str, float], float]:
     per_group: dict[str, float] = {}
     sizes = {name: facts.profile[node].param_bytes for node, name in facts.param_of.items()}
     other = 0.0
+    times = node_times(facts, devices)
     for n in facts.nodes:
-        if n.op not in ("call_function", "call_method", "call_module"):
+        if times[n] is None:
             continue
-        t = node_compute_time_s(facts.profile[n], devices).step_s
+        t = times[n].step_s
         groups = {facts.param_of[facts.root[a]] for a in n.all_input_nodes
                   if facts.root[a] in facts.param_of}
         if groups:

@@ -75,6 +75,8 @@ class Analysis:
     """The largest per-rank (batch, sequence length) to plan for; None: the profiled one."""
     _seq_scales: dict[int | None, dict[str, tuple[float, ...]] | None] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
+    _states: dict[tuple[str, str], ParamState] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def plan_batch(self) -> int:
@@ -227,6 +229,15 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
 
 
 def param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
+    """What the cost models know of group ``name`` under ``strategy``, made once per analysis
+    (the searches ask for every group's state under every candidate plan)."""
+    state = analysis._states.get((name, strategy))
+    if state is None:
+        state = analysis._states[name, strategy] = _param_state(analysis, name, strategy)
+    return state
+
+
+def _param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
     p = analysis.captured.params[name]
     mp = analysis.precision if p.dtype.is_floating_point else None
     return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,

@@ -26,7 +26,6 @@ from ..core.buckets import (
 )
 from ..core.devices import Devices
 from ..core.layout import row_numel
-from ..core.regions import find_regions
 from ..core.strategies import (
     FULL_SHARD,
     REPLICATE,
@@ -539,7 +538,7 @@ def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:
     gm = analysis.captured.gm
     names = set(analysis.captured.params)
     sizes = []
-    for ops in find_regions(gm.graph).values():
+    for ops in analysis.facts.regions.values():
         read = {gm.get_parameter(a.target) for op in ops for a in op.all_input_nodes
                 if a.op == "get_attr" and a.target in names}
         sizes.append(sum(gathered_param_bytes(p.numel(), element_size=p.element_size(),
