@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..core.devices import Devices
 
 _T = TypeVar("_T")
+_A = TypeVar("_A")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +75,10 @@ class GraphFacts:
     """Whether each node's output takes part in backward."""
     param_of: dict[fx.Node, str]
     """Parameter get_attr nodes and their group names."""
-    derived: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False,
+    derived: dict[Any, Any] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                 compare=False)
-    """What :meth:`derive` computed, by function and the id of the devices (with the devices,
-    so that another object at the same id misses)."""
+    """What :meth:`derive` computed (not copied by ``dataclasses.replace``: facts with another
+    profile derive afresh)."""
 
     @functools.cached_property
     def regions(self) -> dict[str, list[fx.Node]]:
@@ -86,14 +87,22 @@ class GraphFacts:
         change under its facts."""
         return find_regions(self.nodes[0].graph)
 
-    def derive(self, fn: Callable[[GraphFacts, Devices], _T], devices: Devices) -> _T:
-        """``fn(self, devices)``, computed once for the facts' lifetime: what the cost models
-        derive from the facts and the devices alone (each node's compute time, each group's),
-        which a search asks for under every one of a hundred candidate plans."""
-        key = (fn, id(devices))
+    def derive(self, fn: Callable[[GraphFacts, _A], _T], arg: _A) -> _T:
+        """``fn(self, arg)``, computed once for the facts' lifetime: what the cost models derive
+        from the facts and one more argument alone (each node's compute time on some devices,
+        the activations' allocations under some recomputed regions), which a search asks for
+        under every one of a hundred candidate plans. ``arg`` is a key by value when it is
+        hashable, else by identity (``Devices``, whose throughputs are dicts: the same object
+        must be passed again, and it is held so that its id is not reused)."""
+        key: Any = (fn, arg)
+        try:
+            hash(key)
+            by_value = True
+        except TypeError:
+            key, by_value = (fn, id(arg)), False
         hit = self.derived.get(key)
-        if hit is None or hit[0] is not devices:
-            hit = self.derived[key] = (devices, fn(self, devices))
+        if hit is None or not by_value and hit[0] is not arg:
+            hit = self.derived[key] = (arg, fn(self, arg))
         return hit[1]
 
     def param_uses(self, node: fx.Node) -> list[fx.Node]:

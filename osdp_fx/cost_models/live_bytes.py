@@ -106,6 +106,13 @@ class Timeline:
         self.allocs: dict[float, list[tuple[Category, int, int, str]]] = defaultdict(list)
         self.frees: dict[float, list[tuple[Category, int, int, str]]] = defaultdict(list)
 
+    def copy(self) -> Timeline:
+        """A timeline with the same events, to which more may be added."""
+        out = Timeline()
+        out.allocs.update((t, list(v)) for t, v in self.allocs.items())
+        out.frees.update((t, list(v)) for t, v in self.frees.items())
+        return out
+
     def alive(self, start: float, end: float, nbytes: int, category: Category, *,
               scaled: bool, only: str = "") -> None:
         """``nbytes`` of ``category`` allocated at ``start`` and freed after ``end`` (in the

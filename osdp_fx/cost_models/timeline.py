@@ -260,17 +260,39 @@ class _Scatter:
     """The gather bucket it reduces (those launched at one time point start in reverse)."""
 
 
-def _add_activations(tl: Timeline, step: _Step) -> None:
+def _rescaled_facts(facts: GraphFacts, seq_scale: Mapping[str, tuple[float, ...]]) -> GraphFacts:
+    return dataclasses.replace(facts, profile=rescaled(facts.profile, seq_scale))
+
+
+def _region_spans(facts: GraphFacts,
+                  recompute: tuple[tuple[str, str], ...]) -> dict[fx.Node, RegionSpan]:
+    return region_spans(facts, dict(recompute))
+
+
+def _activations(facts: GraphFacts, recompute: tuple[tuple[str, str], ...]) -> Timeline:
+    """The activations' part of a step's timeline (:func:`_add_activations`), which depends on
+    the recomputed regions alone: made once per set of them, copied for each plan."""
+    tl = Timeline()
+    _add_activations(tl, facts, facts.derive(_region_spans, recompute))
+    return tl
+
+
+def _add_activations(tl: Timeline, facts: GraphFacts,
+                     spans: Mapping[fx.Node, RegionSpan]) -> None:
     """Activations and what nodes save for backward (recomputed regions:
     ``cost_models/recompute.py``), operator temporaries, gradients of activations (summed out
     of place where several operators read a storage) and the step's inputs, which the caller
     holds for the whole step."""
-    facts, spans, bwd = step.facts, step.spans, step.bwd
     nodes, pos, prof = facts.nodes, facts.pos, facts.profile
+    optim_t = 2 * len(nodes) + 1  # _Step.optim_t
+
+    def bwd(i: int) -> int:  # _Step.bwd
+        return 2 * len(nodes) - 1 - i
+
     users_of_root = {r: [u for m in ms for u in m.users] for r, ms in facts.members.items()}
     intervals = [iv for r in users_of_root if r.op not in ("placeholder", "get_attr")
                  and not prof[r].output_is_view
-                 for iv in root_intervals(r, facts, spans, bwd, step.optim_t)]
+                 for iv in root_intervals(r, facts, spans, bwd, optim_t)]
     intervals += [internal_interval(j, facts, spans, bwd) for j in nodes]
     for start, end, nbytes, again in intervals + recompute_workspace(spans, facts, bwd):
         tl.alive(start, end, nbytes, Category.RECOMPUTED if again else Category.ACTIVATIONS,
@@ -283,7 +305,7 @@ def _add_activations(tl: Timeline, step: _Step) -> None:
         tl.alive(start, end, nbytes, Category.ACTIVATION_GRADIENTS, scaled=True)
     for n in nodes:
         if n.op == "placeholder":
-            tl.alive(0, step.optim_t, prof[n].output_bytes, Category.INPUTS, scaled=True)
+            tl.alive(0, optim_t, prof[n].output_bytes, Category.INPUTS, scaled=True)
 
 
 def _gathers(step: _Step) -> _Gathers:
@@ -579,11 +601,11 @@ def _step_timeline(
     if facts is None:
         facts = graph_facts(gm, {name: p.trainable for name, p in params.items()})
     if seq_scale:  # every reader of the profile (recompute.py too) sees the scaled bytes
-        facts = dataclasses.replace(facts, profile=rescaled(facts.profile, seq_scale))
+        facts = facts.derive(_rescaled_facts, seq_scale)
+    regions = tuple(sorted((recompute or {}).items()))
     step = _Step(facts, params, devices, schedule, optimizer, grad_accumulation,
-                 region_spans(facts, recompute or {}))
-    tl = Timeline()
-    _add_activations(tl, step)
+                 facts.derive(_region_spans, regions))
+    tl = facts.derive(_activations, regions).copy()
     base = {Category.PARAMETERS: constant_bytes(gm), Category.OPTIMIZER_STATE: 0}
     gathers = _gathers(step)
     local_bytes, replicated_ready, bucket_grads = _add_params(tl, step, gathers, base)

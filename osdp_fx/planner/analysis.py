@@ -68,15 +68,27 @@ class Analysis:
     """Mixed precision the graph was cast for before profiling (``cast_params_pass``)."""
     seq_len: int | None = None
     """Sequence length of the profiled inputs (dimension 1; None: no such dimension)."""
-    seq_numels: NodeNumels | None = None
-    """Elements per node at three sequence lengths (``passes/sequence.py``); None when the
-    memory is not modelled in the sequence length."""
+    example_inputs: tuple[Any, ...] = ()
+    """The inputs the graph was profiled on (the sequence analysis runs on them)."""
     max_shape: tuple[int, int | None] | None = None
     """The largest per-rank (batch, sequence length) to plan for; None: the profiled one."""
     _seq_scales: dict[int | None, dict[str, tuple[float, ...]] | None] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
     _states: dict[tuple[str, str], ParamState] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
+    _seq_numels: list[NodeNumels | None] = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False)
+
+    @property
+    def seq_numels(self) -> NodeNumels | None:
+        """Elements per node at three sequence lengths (``passes/sequence.py``); None when the
+        memory is not modelled in the sequence length. Analysed at the first ask (a search
+        that plans for the profiled shape asks only when it predicts its final plan; the
+        analysis of the graph before its splits or its cast never asks)."""
+        if not self._seq_numels:
+            self._seq_numels.append(None if self.seq_len is None else _sequence_numels(
+                self.captured, self.example_inputs, self.seq_len))
+        return self._seq_numels[0]
 
     @property
     def plan_batch(self) -> int:
@@ -93,6 +105,8 @@ class Analysis:
         length) from the profiled one (``cost_models.shapes.node_factors``); computed once per
         sequence length (the searches ask for it for every candidate plan)."""
         seq = seq or self.plan_seq
+        if seq is None or seq == self.seq_len:
+            return None  # node_factors' answer, without the sequence analysis
         if seq not in self._seq_scales:
             self._seq_scales[seq] = node_factors(self.seq_numels, self.seq_len, seq)
         return self._seq_scales[seq]
@@ -223,9 +237,8 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
             _remember_profile(captured.gm, key)
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch, seq = input_shape(example_inputs)
-    numels = None if seq is None else _sequence_numels(captured, example_inputs, seq)
     return Analysis(captured, graph_facts(captured.gm, trainable), batch, precision,
-                    seq_len=seq, seq_numels=numels, max_shape=max_shape)
+                    seq_len=seq, example_inputs=example_inputs, max_shape=max_shape)
 
 
 def param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
