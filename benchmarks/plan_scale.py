@@ -1,21 +1,32 @@
-"""How long the search takes on a large model: GPT-2 with 48 layers, hidden 2048, planned for
-8 ranks from a profile taken on the meta device (nothing is allocated or run).
+"""How long planning takes, stage by stage, and how long the search alone takes on a large model.
 
-Prints one JSON line: parameter groups, graph nodes, profile seconds, and the seconds of the two
-searches (which linears to split, with every k in 2, 4, 8 and every number of sharded parts as
-options; then a strategy per group) and their sum (the target is at most 1 s); then the joint
-search of strategies and recomputation (``docs/recomputation.md``) at a limit only
-recomputation meets (halfway between the least predicted peak with every block recomputed and
-the all-full_shard peak without): once (``search_plan``, the default schedule) and under every
-candidate schedule (``search_schedules``, what ``compile_osdp`` runs; the target is at most 2 s).
+By default: ``python -m osdp_fx plan`` of the Llama shapes of ``examples/llama_shapes.py``
+(Llama-3.2-1B and Llama-3-8B for 64 ranks, Llama-3-70B for 512; ``h100-sxm-8x``, bf16, built on
+the meta device), each in a fresh process as a launch would run it, with the seconds of each
+stage its progress log reports: building the model, capture, the profiles (how many), the
+sequence analysis, the search and the rest of planning, the comparison with uniform plans, and
+the whole command (process start and imports included). Prints a Markdown table.
 
-    python benchmarks/plan_scale.py [--world-size 8] [--memory 16GiB]
+    python benchmarks/plan_scale.py [--shapes llama3_1b,llama3_8b,llama3_70b]
+
+``--search-only``: GPT-2 with 48 layers, hidden 2048, planned for 8 ranks from a profile taken on
+the meta device; prints one JSON line: parameter groups, graph nodes, profile seconds, and the
+seconds of the two searches (which linears to split, with every k in 2, 4, 8 and every number
+of sharded parts as options; then a strategy per group) and their sum; then the joint search of
+strategies and recomputation (``docs/recomputation.md``) at a limit only recomputation meets
+(halfway between the least predicted peak with every block recomputed and the all-full_shard
+peak without): once (``search_plan``, the default schedule) and under every candidate schedule
+(``search_schedules``, what ``compile_osdp`` runs).
+
+    python benchmarks/plan_scale.py --search-only [--world-size 8] [--memory 16GiB]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,19 +43,76 @@ from osdp_fx.planner.make import analyze, choose_splits, search_strategies  # no
 from osdp_fx.planner.search import search_plan, search_schedules  # noqa: E402
 from osdp_fx.units import parse_bytes  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHES = {"llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512}
+"""Each shape of ``examples/llama_shapes.py`` and the ranks it is planned for."""
+_DONE = re.compile(r"\[osdp-fx\] (.+): done in ([0-9.]+) s")
+
+
+def plan_stages(shape: str, world_size: int) -> dict[str, float]:
+    """Seconds of each stage of ``python -m osdp_fx plan`` for ``shape``, from its progress log
+    (a fresh process; its plan is not printed here)."""
+    command = [sys.executable, "-m", "osdp_fx", "plan", f"examples/llama_shapes.py:{shape}",
+               "--devices", "h100-sxm-8x", "--world-size", str(world_size),
+               "--mixed-precision", "bf16"]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    whole = time.perf_counter() - start
+    stages: dict[str, float] = {"profiles": 0, "profile_s": 0.0, "sequence_s": 0.0}
+    for label, seconds in _DONE.findall(done.stderr):
+        last = label.split(" > ")[-1]
+        if last == "profile":
+            stages["profiles"] += 1
+            stages["profile_s"] += float(seconds)
+        elif last.startswith("sizes at sequence length"):
+            stages["sequence_s"] += float(seconds)
+        elif " > " not in label:
+            stages[label] = float(seconds)
+    plan_s = stages.pop("plan (profile, search)")
+    return {"build_s": stages.pop("build model"), "capture_s": stages.pop("capture"),
+            "profiles": stages["profiles"], "profile_s": stages["profile_s"],
+            "sequence_s": stages["sequence_s"],
+            "search_s": plan_s - stages["profile_s"] - stages["sequence_s"],
+            "compare_s": stages.pop("compare with uniform plans"), "whole_s": whole}
+
+
+def launches(shapes: list[str]) -> None:
+    """The table of :func:`plan_stages` for ``shapes``."""
+    print("| model | ranks | build | capture | profiles | sequence analysis | search and the "
+          "rest | comparison rows | whole command |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in shapes:
+        t = plan_stages(shape, LAUNCHES[shape])
+        print(f"| {shape} | {LAUNCHES[shape]} | {t['build_s']:.1f} s | {t['capture_s']:.1f} s | "
+              f"{t['profiles']} x, {t['profile_s']:.1f} s | {t['sequence_s']:.1f} s | "
+              f"{t['search_s']:.1f} s | {t['compare_s']:.1f} s | {t['whole_s']:.0f} s |",
+              flush=True)
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--memory", default="16GiB")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(LAUNCHES),
+                        help="comma-separated shapes of examples/llama_shapes.py")
+    parser.add_argument("--search-only", action="store_true",
+                        help="time the searches on GPT-2 with 48 layers instead")
+    parser.add_argument("--world-size", type=int, default=8, help="--search-only: ranks")
+    parser.add_argument("--memory", default="16GiB", help="--search-only: limit per rank")
     args = parser.parse_args()
-    limit = parse_bytes(args.memory)
+    if args.search_only:
+        searches(args.world_size, parse_bytes(args.memory))
+    else:
+        launches(args.shapes.split(","))
+
+
+def searches(world_size: int, limit: int) -> None:
+    """The JSON line of ``--search-only``."""
     model, inputs = gpt2_48_layers_meta()
     captured = capture(model, inputs)
     start = time.perf_counter()
     analysis = analyze(captured, inputs, fake=True)
     profile_s = time.perf_counter() - start
-    devices = Devices(world_size=args.world_size, memory_bytes=limit)
+    devices = Devices(world_size=world_size, memory_bytes=limit)
     start = time.perf_counter()
     splits = choose_splits(analysis, devices=devices, memory_limit_bytes=limit, optimizer="adamw")
     split_search_s = time.perf_counter() - start
@@ -55,7 +123,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     for s in strategies.values():
         counts[s] = counts.get(s, 0) + 1
-    joint = joint_search(analysis, args.world_size)
+    joint = joint_search(analysis, world_size)
     print(json.dumps({
         "parameter_groups": len(strategies), "graph_nodes": len(captured.gm.graph.nodes),
         "profile_seconds": round(profile_s, 3),

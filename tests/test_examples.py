@@ -104,3 +104,17 @@ def test_plan_cluster_saves_a_plan_for_64_gpus(tmp_path):
     model, _ = gpt_300m()
     names = {n for n, _ in model.named_parameters()}  # tied head.weight: one name, tok.weight
     assert set(plan["params"]) == names
+
+
+@pytest.mark.parametrize("factory, parameters", [
+    ("llama3_1b", 1_235_814_400), ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496)])
+def test_llama_shapes_have_the_published_parameter_counts(factory, parameters):
+    """``examples/llama_shapes.py`` (what ``benchmarks/plan_scale.py`` plans) builds Llama-3.2-1B,
+    Llama-3-8B and Llama-3-70B: their model cards' parameter counts, on the meta device."""
+    pytest.importorskip("transformers")
+    from osdp_fx.cli import load_factory
+
+    model, (ids,) = load_factory(os.path.join(EXAMPLES, f"llama_shapes.py:{factory}"))
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert tuple(ids.shape) == (1, 2048)
