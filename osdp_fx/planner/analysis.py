@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,19 +77,16 @@ class Analysis:
         default_factory=dict, init=False, repr=False, compare=False)
     _states: dict[tuple[str, str], ParamState] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
-    _seq_numels: list[NodeNumels | None] = dataclasses.field(
-        default_factory=list, init=False, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def seq_numels(self) -> NodeNumels | None:
         """Elements per node at three sequence lengths (``passes/sequence.py``); None when the
         memory is not modelled in the sequence length. Analysed at the first ask (a search
         that plans for the profiled shape asks only when it predicts its final plan; the
         analysis of the graph before its splits or its cast never asks)."""
-        if not self._seq_numels:
-            self._seq_numels.append(None if self.seq_len is None else _sequence_numels(
-                self.captured, self.example_inputs, self.seq_len))
-        return self._seq_numels[0]
+        if self.seq_len is None:
+            return None
+        return _sequence_numels(self.captured, self.example_inputs, self.seq_len)
 
     @property
     def plan_batch(self) -> int:
