@@ -142,6 +142,29 @@ def test_bad_input_raises_osdp_error(tmp_path, name):
     assert_names_problem_and_fix(info.value, *EXPECTED[name])
 
 
+def test_a_tensor_subclass_parameter_is_refused_with_the_packed_form_as_fix():
+    """torchao's NF4Tensor (QLoRA's 4-bit weight) captures, but osdp-fx cannot shard it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.quantization import to_nf4
+
+    class NF4Linear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(to_nf4(torch.randn(256, 128)), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.weight.get_original_weight())
+
+    with pytest.raises(OSDPError) as info:
+        compile_osdp(NF4Linear(), (torch.randn(2, 128),))
+    assert_names_problem_and_fix(info.value, InputError, [
+        "parameter 'weight' is a NF4Tensor, a tensor subclass", "plain tensors only",
+        "packed form as a plain parameter", "docs/finetuning.md"])
+
+
 def test_devices_for_a_world_without_process_group():
     with pytest.raises(InputError) as info:
         compile_osdp(pc.small_mlp(), (torch.randn(2, 4),), Devices(world_size=2))

@@ -45,6 +45,16 @@ class ParamState:
     """Mixed precision: bytes per element of the reduced gradient (None: its own)."""
     row: int = 1
     """Elements of one row (dim 0 index): shards are whole rows (``core.layout.row_numel``)."""
+    gathered_dtype: str = ""
+    """The dtype its all-gather moves: the compute dtype of a float parameter under mixed
+    precision, else its own ('int8' for a packed quantized weight)."""
+
+    @property
+    def gather_kind(self) -> str:
+        """What a sharded parameter's gather must share with another's to ride in one bucket
+        (one flat buffer): the strategy, whether it has a gradient and the dtype moved."""
+        frozen = "" if self.trainable else ", frozen"
+        return f"{self.strategy}{frozen}{f', {self.gathered_dtype}' if self.gathered_dtype else ''}"
 
     @property
     def compute_size(self) -> int:
@@ -183,9 +193,9 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     def key(n: fx.Node) -> tuple[str, int]:
         state = params[facts.param_of[n]]
         flat = not traits(state.strategy).needs_mesh
-        # a frozen group's gradient-free gathers never share a trainable one's bucket
-        kind = state.strategy if state.trainable else f"{state.strategy}, frozen"
-        return (kind if flat else f"mesh {n}",
+        # a frozen group's gradient-free gathers never share a trainable one's bucket, nor
+        # gathers of different dtypes one flat buffer
+        return (state.gather_kind if flat else f"mesh {n}",
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size, row=state.row))
 
@@ -218,8 +228,7 @@ def small_gather_key(state: ParamState, world_size: int,
         return None
     nbytes = gathered_param_bytes(state.numel, element_size=state.element_size,
                                   world_size=world_size, row=state.row)
-    kind = state.strategy if state.trainable else f"{state.strategy}, frozen"
-    return str(kind) if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
+    return state.gather_kind if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None
 
 
 SPLIT_BEFORE = 1 / 16

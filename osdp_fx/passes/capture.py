@@ -74,12 +74,6 @@ class ParamInfo:
         """It gets a gradient: it requires grad and is of a float dtype."""
         return self.requires_grad and self.dtype.is_floating_point
 
-    @property
-    def shardable(self) -> bool:
-        """It may take any strategy: a float parameter, trainable or frozen (a frozen one is
-        gathered like the others and never reduced)."""
-        return self.dtype.is_floating_point
-
 
 @dataclasses.dataclass
 class Captured:
@@ -149,6 +143,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
             f"compile_osdp needs a torch.nn.Module, got {type(model).__name__}; "
             "wrap your function in an nn.Module whose parameters are attributes"
         )
+    _check_plain_tensors(model)
     on_meta = is_on_meta(model)
     rejection = _rejection(model, example_inputs)
     if rejection is None:
@@ -177,6 +172,21 @@ def unchanged_state(module: nn.Module) -> Iterator[None]:
             for b, saved in buffers:
                 b.copy_(saved)
         torch.set_rng_state(rng)
+
+
+def _check_plain_tensors(model: nn.Module) -> None:
+    """Refuse a parameter or buffer that is a tensor subclass (torchao's ``NF4Tensor``, a
+    ``DTensor``): osdp-fx broadcasts, shards and gathers plain tensors."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if type(t.data) is not torch.Tensor:
+                raise InputError(
+                    f"{kind} {name!r} is a {type(t.data).__name__}, a tensor subclass; osdp-fx "
+                    "shards, gathers and broadcasts plain tensors only. Store a quantized "
+                    "weight in its packed form as a plain parameter (for example int8 or "
+                    "uint8 with requires_grad=False) with its scales beside it, and dequantize "
+                    "it in forward: it is then sharded and gathered packed "
+                    "(docs/finetuning.md, 'Quantized weights')")
 
 
 def _rejection(model: nn.Module, example_inputs: tuple[Any, ...]) -> InputError | None:

@@ -114,8 +114,8 @@ class ParamPlan:
     aliases: tuple[str, ...] = ()
     """Other names of the same tensor (tied weights)."""
     note: str = ""
-    """'frozen' for a frozen group (gathered, never reduced), or why the strategy differs from
-    what was asked (a non-float group stays replicated: 'int8, not float')."""
+    """'frozen' for a frozen group (gathered, never reduced; integer ones, a packed quantized
+    weight, are frozen too)."""
     compute_s: float | None = None
     """Predicted forward + backward time of the operators attributed to this group."""
     comm_s: float | None = None
@@ -124,8 +124,7 @@ class ParamPlan:
     """Strategies that free after forward (FREED_AFTER_FORWARD) only: whether backward re-gathers
     the parameter (some operator saved it for backward; known once the model is profiled)."""
     trainable: bool = True
-    """Whether it gets a gradient (False for frozen and non-float parameters; ``note`` says
-    which): a group that does not has no gradient collective and no optimizer state. Not saved:
+    """Whether it gets a gradient (False for frozen parameters, integer ones among them): a group that does not has no gradient collective and no optimizer state. Not saved:
     a plan is resolved against the model."""
 
     @property

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..core.buckets import Schedule
 from ..core.regions import check_policy
-from ..core.strategies import REPLICATE, STRATEGIES, traits
+from ..core.strategies import STRATEGIES, traits
 from ..errors import PlanError
 from .plan import (
     PLAN_FORMAT,
@@ -170,12 +170,10 @@ class ParamSpec:
     aliases: tuple[str, ...]
     """Tied names."""
     trainable: bool
-    """False for frozen or non-float parameters: no gradient, no optimizer state."""
+    """False for frozen parameters (integer ones among them): no gradient, no optimizer
+    state."""
     frozen: bool
     """requires_grad is False."""
-    shardable: bool = True
-    """False for non-float parameters, which always stay replicated (a frozen float parameter
-    takes any strategy)."""
 
 
 def build_plan(
@@ -193,19 +191,14 @@ def build_plan(
     """A Plan giving each parameter group its requested strategy (keyed by canonical name),
     recomputing the regions ``recompute`` names.
 
-    Non-float parameters stay replicated whatever was asked, and the plan notes why; frozen
-    ones take the strategy asked (gathered, never reduced), noted "frozen".
+    Frozen parameters (packed integer ones too) take the strategy asked (gathered, never
+    reduced), noted "frozen".
     """
     entries = []
     for s in specs:
-        strategy = requested[s.name]
-        note = ""
-        if not s.shardable:
-            strategy, note = REPLICATE, f"{s.dtype}, not float"
-        elif s.frozen:
-            note = "frozen"
+        note = "frozen" if s.frozen else ""
         entries.append(ParamPlan(
-            name=s.name, strategy=strategy, shape=s.shape, dtype=s.dtype,
+            name=s.name, strategy=requested[s.name], shape=s.shape, dtype=s.dtype,
             element_size=s.element_size, aliases=s.aliases, note=note, trainable=s.trainable,
         ))
     return Plan(params=tuple(entries), world_size=world_size,

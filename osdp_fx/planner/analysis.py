@@ -17,7 +17,7 @@ from ..core.devices import OPTIMIZERS, Devices
 from ..core.io_spec import input_shape
 from ..core.layout import row_numel
 from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
-from ..core.precision import MixedPrecision
+from ..core.precision import MixedPrecision, dtype_name
 from ..cost_models.graph_facts import GraphFacts, ParamState, graph_facts
 from ..cost_models.shapes import node_factors
 from ..errors import InputError
@@ -132,7 +132,7 @@ def param_specs(captured: Captured) -> list[ParamSpec]:
     return [
         ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
                   element_size=p.dtype.itemsize, aliases=p.aliases, trainable=p.trainable,
-                  frozen=not p.requires_grad, shardable=p.shardable)
+                  frozen=not p.requires_grad)
         for p in captured.params.values()
     ]
 
@@ -254,7 +254,8 @@ def _param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
     return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,
                       trainable=p.trainable, row=row_numel(p.shape),
                       compute_element_size=mp.param_dtype.itemsize if mp else None,
-                      reduce_element_size=mp.reduce_dtype.itemsize if mp else None)
+                      reduce_element_size=mp.reduce_dtype.itemsize if mp else None,
+                      gathered_dtype=dtype_name(mp.param_dtype if mp else p.dtype))
 
 
 def param_states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, ParamState]:

@@ -84,8 +84,7 @@ def refine(
         return list(ranked)
     uniform, seen = [], set()
     for strategy in UNIFORM:
-        plan = Found({n: strategy if p.shardable else REPLICATE
-                      for n, p in analysis.captured.params.items()}, {})
+        plan = Found({n: strategy for n in analysis.captured.params}, {})
         states = param_states(analysis, plan.strategies)
         for schedule in schedules:
             key = (collectives_key(analysis.facts, states, schedule, devices.world_size),
@@ -116,8 +115,6 @@ def refine(
 
 
 def largest_groups(analysis: Analysis, count: int | None = IMPROVED_GROUPS) -> list[str]:
-    """The ``count`` largest parameter groups that may be sharded (None: all), largest first,
-    by bytes."""
-    states = {n: param_state(analysis, n, REPLICATE) for n, p in analysis.captured.params.items()
-              if p.shardable}
+    """The ``count`` largest parameter groups (None: all), largest first, by bytes."""
+    states = {n: param_state(analysis, n, REPLICATE) for n in analysis.captured.params}
     return sorted(states, key=lambda n: -states[n].numel * states[n].element_size)[:count]

@@ -108,7 +108,7 @@ def choose_splits(
     times, persistent, transient, labels = [], [], [], []
     for n in names:
         info = analysis.captured.params[n]
-        strategies = searched_strategies(devices.num_nodes) if info.shardable else [REPLICATE]
+        strategies = searched_strategies(devices.num_nodes)
         costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
                             devices=devices, optimizer=optimizer,
                             grad_accumulation=grad_accumulation) for st in strategies]
@@ -198,8 +198,8 @@ def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
     """(peak of the most sharded plan, every region in ``regions`` fully recomputed; the
     search's base memory): that peak minus what the search itself accounts for (persistent and
     largest transient bytes), i.e. activations outside the regions."""
-    lowest = {n: FULL_SHARD if p.shardable and devices.world_size > 1 else REPLICATE
-              for n, p in analysis.captured.params.items()} | dict(fixed or {})
+    lowest = {n: FULL_SHARD if devices.world_size > 1 else REPLICATE
+              for n in analysis.captured.params} | dict(fixed or {})
     full = {r: opts[-1] for r, opts in (regions or {}).items()}
     peak = plan_peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()},
                        devices=devices, optimizer=optimizer, batch_size=batch_size,
@@ -335,9 +335,8 @@ def _search(
     size, filled and reused across the searches of one ``search_schedules``. ``loosen``: also
     try the exact problem at looser limits that the timeline still fits (:func:`_loosen`)."""
     names = list(analysis.captured.params)
-    shardable = {n: analysis.captured.params[n].shardable for n in names}
     sharding_helps = devices.world_size > 1
-    options = {n: searched_strategies(devices.num_nodes) if shardable[n] and sharding_helps
+    options = {n: searched_strategies(devices.num_nodes) if sharding_helps
                else [REPLICATE] for n in names} | {n: [s] for n, s in (fixed or {}).items()}
     rows = _problem_rows(analysis, options, regions, devices=devices, optimizer=optimizer,
                          batch_size=batch_size, grad_accumulation=grad_accumulation,
@@ -383,8 +382,8 @@ def _search(
                  format_bytes(memory_limit_bytes))
         return found
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
-        return Found({n: FULL_SHARD if shardable[n] and sharding_helps else REPLICATE
-                      for n in names} | dict(fixed or {}),
+        return Found({n: FULL_SHARD if sharding_helps else REPLICATE for n in names}
+                     | dict(fixed or {}),
                      {r: opts[-1].policy for r, opts in regions.items()})
     raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
 

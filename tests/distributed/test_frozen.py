@@ -1,6 +1,7 @@
 """Frozen weights take every strategy (issue 39): a LoRA-style model whose frozen base is
 sharded trains like one process, holds its share of the base, runs no gradient collective for a
-frozen group and re-gathers a frozen weight in backward only where backward reads it."""
+frozen group and re-gathers a frozen weight in backward only where backward reads it. A base
+packed in int8 is sharded and gathered packed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 import torch
 from harness import cases, frozen_cases
 
+from osdp_fx import Devices
+
 PLANS = ("full_shard", "shard_grad_op", "frozen_sharded", "searched")
+
+
+INT8_PLANS = ("full_shard", "searched")
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +22,71 @@ def trained(worlds):
     return worlds(2).run(frozen_cases.train, timeout_s=600)
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_a_sharded_frozen_base_trains_like_one_process(trained, plan):
+@pytest.fixture(scope="module")
+def trained_int8(worlds):
+    return worlds(2).run(frozen_cases.train, model="int8", timeout_s=600)
+
+
+def _assert_trained_like_one_process(trained, plan):
     ref = trained[0]["reference"]
     cases.assert_trained_like([r[plan] for r in trained], ref["losses"], ref["state"],
                               label=plan)
     for r in trained:
         for key, expected in ref["frozen_state"].items():  # unchanged, bitwise
             assert torch.equal(r[plan]["frozen_state"][key], expected), (plan, key)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_sharded_frozen_base_trains_like_one_process(trained, plan):
+    _assert_trained_like_one_process(trained, plan)
+
+
+MESH_PLANS = ("hybrid_shard", "hierarchical", "searched")
+
+
+@pytest.fixture(scope="module")
+def trained_mesh(worlds):
+    """The LoRA model on 4 ranks as 2 nodes x 2."""
+    return worlds(4).run(frozen_cases.train, plans=MESH_PLANS,
+                         devices=Devices(world_size=4, ranks_per_node=2), timeout_s=600)
+
+
+@pytest.mark.parametrize("plan", MESH_PLANS)
+def test_a_frozen_base_sharded_over_a_mesh_trains_like_one_process(trained_mesh, plan):
+    _assert_trained_like_one_process(trained_mesh, plan)
+    result = trained_mesh[0][plan]
+    if plan != "searched":
+        assert set(result["strategies"].values()) == {plan}
+    else:
+        assert all(peak <= result["limit"] for r in trained_mesh for peak in r[plan]["peaks"])
+    for name in frozen_cases.FROZEN:  # a frozen group's collectives: gathers alone
+        assert result["notes"][name] == "frozen"
+        assert all(st.collective == "all_gather"
+                   for st in result["backward_collectives"][name]), (plan, name)
+
+
+@pytest.mark.parametrize("plan", INT8_PLANS)
+def test_an_int8_base_trains_like_one_process(trained_int8, plan):
+    _assert_trained_like_one_process(trained_int8, plan)
+
+
+def test_an_int8_base_is_sharded_and_gathered_packed(trained_int8):
+    ref = trained_int8[0]["reference"]
+    world = len(trained_int8)
+    for r in trained_int8:
+        result = r["full_shard"]
+        for name in frozen_cases.PACKED:
+            assert result["strategies"][name] == "full_shard"
+            assert result["notes"][name] == "frozen"
+        # forward gathers the int8 weights as int8, once each; backward reads the dequantized
+        # weight autograd saved, never the packed one
+        assert result["forward"]["gathered torch.int8"] == sum(
+            result["padded"][n] for n in frozen_cases.PACKED), result["forward"]
+        assert "gathered torch.int8" not in result["backward"], result["backward"]
+        # the adapters' gradients (gloo's reduce-scatter runs as an all-reduce)
+        assert result["backward"].get("all_reduce", 0) >= 1, result["backward"]
+        padding = sum(result["padded"].values()) * 4 // world  # at most
+        assert result["local_bytes"] <= ref["model_bytes"] / world + ref["adapter_bytes"] + padding
 
 
 def test_named_plans_shard_frozen_groups_and_say_so(trained):
@@ -60,8 +123,12 @@ def test_frozen_groups_run_no_gradient_collective_and_regather_only_what_backwar
                                                for n in frozen_cases.REGATHERED), counts
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_the_memory_promise_holds_with_frozen_groups_sharded(trained, plan):
+@pytest.mark.parametrize("model,plan", [*(("lora", p) for p in PLANS),
+                                        *(("int8", p) for p in INT8_PLANS),
+                                        *(("mesh", p) for p in MESH_PLANS)])
+def test_the_memory_promise_holds_with_frozen_groups_sharded(request, model, plan):
+    trained = request.getfixturevalue(
+        {"lora": "trained", "int8": "trained_int8", "mesh": "trained_mesh"}[model])
     for r in trained:
         predicted = r[plan]["predicted"]
         for step, measured in enumerate(r[plan]["peaks"]):
@@ -69,11 +136,14 @@ def test_the_memory_promise_holds_with_frozen_groups_sharded(trained, plan):
                                                                       predicted)
 
 
-def test_the_search_shards_frozen_groups_to_fit(trained):
+@pytest.mark.parametrize("model", ["lora", "int8"])
+def test_the_search_shards_frozen_groups_to_fit(request, model):
+    trained = request.getfixturevalue("trained" if model == "lora" else "trained_int8")
+    frozen = frozen_cases.FROZEN if model == "lora" else frozen_cases.PACKED
     for r in trained:
         searched = r["searched"]
         assert all(peak <= searched["limit"] for peak in searched["peaks"])
-        assert any(searched["strategies"][n] != "replicate" for n in frozen_cases.FROZEN)
+        assert any(searched["strategies"][n] != "replicate" for n in frozen)
 
 
 def test_the_adapters_alone_save_and_load_under_another_plan(worlds, tmp_path):

@@ -6,7 +6,7 @@ every operator's inputs and outputs after), counted at its current size, over th
 (forward, backward, ``optimizer.step()``, ``zero_grad()``), from the very first step, without
 collecting garbage for the user. World 2, AdamW, a traced GPT and a Hugging Face Llama
 (captured by torch.export), every uniform strategy, a mixed plan and searched plans at two
-limits.
+limits; peft's LoRA on that Llama in bf16.
 """
 
 from __future__ import annotations
@@ -69,6 +69,23 @@ def test_measured_peaks_match_the_prediction_from_the_first_step(worlds, model, 
         assert (sum(run[0]["counts"].values()) > run[0]["counts"]["replicate"]
                 or run[0]["recompute"]), run[0]["counts"]
         results[f"searched @ {limit} B"] = run
+    problems = [p for label, runs in results.items() for rank, r in enumerate(runs)
+                for p in _check(r, f"{label} rank {rank}")]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_promise_holds_for_a_peft_lora_fine_tune(worlds):
+    """peft's LoRA on a Hugging Face Llama, its base frozen in bf16, trained in bf16 with AdamW:
+    the base replicated, sharded, and searched halfway between the two."""
+    world = worlds(2)
+    results = {plan: world.run(memory_cases.compile_and_steps, model="llama_lora", plan=plan,
+                               mixed_precision="bf16") for plan in ("replicate", "full_shard")}
+    low, high = results["full_shard"][0]["steady"], results["replicate"][0]["steady"]
+    assert low < high
+    limit = (low + high) // 2
+    results[f"searched @ {limit} B"] = searched = world.run(
+        memory_cases.compile_and_steps, model="llama_lora", limit=limit, mixed_precision="bf16")
+    assert sum(searched[0]["counts"].values()) > searched[0]["counts"]["replicate"]
     problems = [p for label, runs in results.items() for rank, r in enumerate(runs)
                 for p in _check(r, f"{label} rank {rank}")]
     assert not problems, "\n".join(problems)

@@ -64,9 +64,45 @@ REGATHERED = {"down.base.weight", "head.weight"}
 FROZEN = {"emb.weight", "up.base.weight", "down.base.weight", "head.weight"}
 
 
-def build() -> nn.Module:
+class Int8LoraLinear(nn.Module):
+    """A frozen linear stored packed, as int8 with a float scale per output row (a plain
+    int8 parameter that forward dequantizes), plus trainable low-rank adapters."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        w = torch.randn(d_out, d_in) * d_in ** -0.5
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        self.weight = nn.Parameter((w / scale).round().to(torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.a = nn.Parameter(torch.randn(RANK, d_in) * 0.1)
+        self.b = nn.Parameter(torch.randn(d_out, RANK) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.linear(x, self.weight.to(x.dtype) * self.scale)
+                + F.linear(F.linear(x, self.a), self.b))
+
+
+class Int8BaseLM(FrozenBaseLM):
+    """:class:`FrozenBaseLM` with its two linears' bases packed in int8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = Int8LoraLinear(DIM, HIDDEN)
+        self.down = Int8LoraLinear(HIDDEN, DIM)
+
+
+PACKED = {"up.weight", "down.weight"}
+"""The int8 parameters of :class:`Int8BaseLM`."""
+
+
+def build(model: str = "lora") -> nn.Module:
     torch.manual_seed(0)
-    return FrozenBaseLM()
+    return {"lora": FrozenBaseLM, "int8": Int8BaseLM}[model]()
+
+
+def _is_base(key: str) -> bool:
+    """A key of the frozen base of either model (never trained)."""
+    return key in FROZEN | PACKED or "base" in key or key.endswith(".scale")
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -89,6 +125,7 @@ def counting() -> Iterator[Counter]:
     def gathered(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         counts["all_gather"] += 1
         counts["gathered_numel"] += out.numel()
+        counts[f"gathered {out.dtype}"] += out.numel()
         return gather(out, *args, **kwargs)
 
     def scattered(*args: Any, **kwargs: Any) -> Any:
@@ -147,32 +184,40 @@ def dcp_keys(path: str) -> list[str]:
     return sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str, Any]:
+def train(rank: int, world: int, *, model: str = "lora", plans: tuple[str, ...] | None = None,
+          devices: Any = None, steps: int = 3, lr: float = 0.1) -> dict[str, Any]:
     """Each plan's losses, trainable state, local parameter bytes, each step's peak as a storage
-    tracker counts it (whole step, from the first) and, in the last step's backward, the
-    collectives; rank 0 also trains one process on every rank's batches."""
-    frozen_sharded = _plan_file("frozen-sharded", {
-        "default": "replicate", "params": {n: "full_shard" for n in FROZEN}})
-    plans: dict[str, Any] = {"full_shard": "full_shard", "shard_grad_op": "shard_grad_op",
-                             "frozen_sharded": frozen_sharded, "searched": None}
+    tracker counts it (whole step, from the first) and, in the last step, the collectives of
+    forward and of backward; rank 0 also trains one process on every rank's batches.
+    ``model``: "lora" (:class:`FrozenBaseLM`) or "int8" (:class:`Int8BaseLM`); ``plans``:
+    strategy names, "frozen_sharded" (the frozen groups alone full_shard) and "searched" (the
+    search under a limit 4 % above the first plan's predicted peak); by default full_shard,
+    shard_grad_op, frozen_sharded and searched for "lora", full_shard and searched for "int8".
+    ``devices``: compile_osdp's (a mesh)."""
+    if plans is None:
+        plans = (("full_shard", "shard_grad_op", "frozen_sharded", "searched") if model == "lora"
+                 else ("full_shard", "searched"))
+    given = {"searched": None, "frozen_sharded": _plan_file("frozen-sharded", {
+        "default": "replicate", "params": {n: "full_shard" for n in FROZEN}})}
     out: dict[str, Any] = {}
-    limit = None  # the search's: 4 % above full_shard's predicted peak
-    for label, plan in plans.items():
+    limit = None
+    for label in plans:
+        plan = given.get(label, label)
         gc.collect()  # what earlier cases left, so that it is not counted here
         held_before = earlier_storages([])
-        compiled = compile_osdp(build(), (batch(0, rank),), plan=plan, optimizer="sgd",
-                                memory_limit=limit if plan is None else None)
-        if plan == "full_shard":
+        compiled = compile_osdp(build(model), (batch(0, rank),), plan=plan, optimizer="sgd",
+                                memory_limit=limit if plan is None else None, devices=devices)
+        if limit is None:
             limit = int(1.04 * compiled.plan.prediction.peak_memory_bytes)
         opt = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=lr)
-        losses, peaks, backward = [], [], Counter()
+        losses, peaks, forward, backward = [], [], Counter(), Counter()
         for step in range(steps):
             idx = batch(step, rank)
             with StorageTracker() as tracker:
-                loss = loss_of(compiled(idx), idx)
-                with counting() as counts:
+                with counting() as forward:
+                    loss = loss_of(compiled(idx), idx)
+                with counting() as backward:
                     loss.backward()
-                backward = counts
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 losses.append(loss.item())
@@ -181,10 +226,11 @@ def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str
             peaks.append(tracker.peak_bytes - sum(s.nbytes() for s in earlier if s is not None))
         state = compiled.full_state_dict()
         out[label] = {
-            "losses": losses, "backward": dict(backward), "peaks": peaks, "limit": limit,
+            "losses": losses, "forward": dict(forward), "backward": dict(backward),
+            "peaks": peaks, "limit": limit,
             "predicted": compiled.plan.prediction.peak_bytes_at(*batch(0, rank).shape),
-            "state": {k: v for k, v in state.items() if "base" not in k and k not in FROZEN},
-            "frozen_state": {k: v for k, v in state.items() if k in FROZEN or "base" in k},
+            "state": {k: v for k, v in state.items() if not _is_base(k)},
+            "frozen_state": {k: v for k, v in state.items() if _is_base(k)},
             "local_bytes": sum(held_bytes(p) for p in compiled.parameters()),
             "strategies": {p.name: p.strategy for p in compiled.plan.params},
             "notes": {p.name: p.note for p in compiled.plan.params},
@@ -197,7 +243,7 @@ def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str
         }
         del compiled, opt
     if rank == 0:
-        net = build()
+        net = build(model)
         opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
         losses = []
         for step in range(steps):
@@ -208,9 +254,8 @@ def train(rank: int, world: int, *, steps: int = 3, lr: float = 0.1) -> dict[str
             losses.append(loss.item())
         out["reference"] = {
             "losses": losses, "state": {k: v for k, v in net.state_dict().items()
-                                        if "base" not in k and k not in FROZEN},
-            "frozen_state": {k: v for k, v in net.state_dict().items()
-                             if k in FROZEN or "base" in k},
+                                        if not _is_base(k)},
+            "frozen_state": {k: v for k, v in net.state_dict().items() if _is_base(k)},
             "model_bytes": sum(p.numel() * p.element_size() for p in net.parameters()),
             "adapter_bytes": sum(p.numel() * p.element_size() for p in net.parameters()
                                  if p.requires_grad),

@@ -22,13 +22,14 @@ VOCAB = 512
 
 def build(model: str, *, device: str = "cpu") -> nn.Module:
     """'gpt': the traced GPT of compare.py, smaller ('gpt_4_blocks': with 4 blocks, not 2);
-    'llama' and 'gpt2': Hugging Face models (captured by torch.export)."""
+    'llama' and 'gpt2': Hugging Face models (captured by torch.export); 'llama_lora': peft's
+    LoRA on that Llama, its base frozen in bf16, its adapters in fp32."""
     torch.manual_seed(0)
     with torch.device(device):
         if model in ("gpt", "gpt_4_blocks"):
             depth = 4 if model == "gpt_4_blocks" else 2
             return GPTWithLoss(TinyGPT(vocab=VOCAB, dim=256, depth=depth, heads=4, max_seq=64))
-        if model == "llama":
+        if model in ("llama", "llama_lora"):
             from transformers import LlamaConfig, LlamaForCausalLM
             from transformers.utils import logging as hf_logging
 
@@ -36,7 +37,13 @@ def build(model: str, *, device: str = "cpu") -> nn.Module:
             cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                               max_position_embeddings=64)
-            return HFCausalLMWithLoss(LlamaForCausalLM(cfg))
+            llama = LlamaForCausalLM(cfg)
+            if model == "llama_lora":
+                from peft import LoraConfig, get_peft_model
+
+                llama = get_peft_model(llama.to(torch.bfloat16), LoraConfig(
+                    r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+            return HFCausalLMWithLoss(llama)
         if model == "gpt2":
             from transformers import GPT2Config, GPT2LMHeadModel
 
