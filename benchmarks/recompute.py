@@ -201,11 +201,13 @@ def _summary(counts: dict[str, int]) -> str:
 
 
 class World:
-    """The systems of one rank, built and measured one after the other."""
+    """The systems of one rank, built and measured one after the other; ``labels``: each
+    system's key -> (system, plan label)."""
 
     def __init__(self, rank: int, world: int, device: torch.device, cfg: Config,
-                 opts: argparse.Namespace) -> None:
+                 opts: argparse.Namespace, labels: dict[str, tuple[str, str]] = LABELS) -> None:
         self.rank, self.world, self.device, self.cfg, self.opts = rank, world, device, cfg, opts
+        self.labels = labels
         self.systems: dict[str, System] = {}
         self.rows: dict[str, dict[str, Any]] = {}
         self.timings_s: dict[str, float] = {}
@@ -218,7 +220,7 @@ class World:
             limit: int | None = None) -> dict[str, Any]:
         """Build a system (``make(x)`` -> (module, info)) and measure its peak; a PlanError
         becomes a row saying so."""
-        system, label = LABELS[key]
+        system, label = self.labels[key]
         start = time.perf_counter()
         gc.collect()  # what earlier systems left: not this system's
         before = _storages()

@@ -213,3 +213,29 @@ def test_recompute_benchmark_builds_measures_and_checks_every_system(tmp_path: P
     assert by["sharding_only_B"]["recompute"] == {}
     for r in raw["rows"]:  # every system built is measured; the peaks come from the tracker
         assert "error" in r or r["peak_bytes"] > 0, r["key"]
+
+
+def test_finetune_benchmark_measures_every_system_and_checks_the_targets(tmp_path: Path) -> None:
+    """benchmarks/finetune.py --quick: a row per system with its measured peak, the files, and
+    the final JSON line with every target. No assertion on any time."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "finetune.py"), "--quick",
+           "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    raw = json.loads((tmp_path / "finetune-world2.json").read_text())
+    by = {r["key"]: r for r in raw["rows"]}
+    assert set(by) == {"ddp", "fsdp2", "full_shard", "full_shard_prefetch3", "full_shard_blocks",
+                       "replicate", "searched"}
+    for r in raw["rows"]:
+        assert r["peak_bytes"] > 0 and r["step_s"] > 0, r["key"]
+        assert f"| {r['system']} | {r['plan']}" in proc.stdout
+    # full_shard holds half the frozen base per rank, replicate all of it
+    assert 2 * by["full_shard"]["frozen_bytes_per_rank"] <= (
+        by["replicate"]["frozen_bytes_per_rank"] + 4096)
+    assert raw["limit_bytes"] == int(1.1 * by["fsdp2"]["peak_bytes"])
+    checks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(checks["targets_met"]) == {
+        "full_shard <= 1.0x FSDP2 step", "full_shard <= 1.0x FSDP2 peak",
+        "searched fits 1.1x FSDP2's peak", "searched <= 0.85x FSDP2 step"}
+    assert checks["searched_fits"] == (by["searched"]["peak_bytes"] <= raw["limit_bytes"])
