@@ -61,15 +61,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from compare import Config, _mib, start_world, time_round_robin  # noqa: E402
-from recompute import World  # noqa: E402
+from compare import Config, _mib, start_world  # noqa: E402
+from recompute import World, _ms, parse_args  # noqa: E402
 
 from osdp_fx import compile_osdp  # noqa: E402
 from osdp_fx.examples import HFCausalLMWithLoss  # noqa: E402
 from osdp_fx.units import format_bytes  # noqa: E402
 
 MiB = 2**20
-RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 DDP, FSDP2, FULL_SHARD, REPLICATE, SEARCHED = "ddp", "fsdp2", "full_shard", "replicate", "searched"
 BLOCKS, PREFETCH3 = "full_shard_blocks", "full_shard_prefetch3"
@@ -184,16 +183,7 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     w.add(BLOCKS, w.osdp(layer_buckets_plan(opts, rank)))
     w.add(REPLICATE, w.osdp("replicate"))
     w.add(SEARCHED, w.osdp(None, limit), limit)
-    timed = list(w.systems.values())
-    start = time.perf_counter()
-    time_round_robin(timed, opts.rounds, opts.warmup)
-    w.timings_s["timed rounds"] = time.perf_counter() - start
-    for s in timed:
-        w.rows[s.info["key"]] = s.row(world, cfg.batch)  # collective
-    rows = [w.rows[key] for key in LABELS]
-    for r in rows:
-        r.setdefault("system", LABELS[r["key"]][0])
-        r.setdefault("plan", LABELS[r["key"]][1])
+    rows = w.timed_rows()
     params = build_lora(opts, torch.device("meta")).parameters()
     sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in params]
     return {"rows": rows, "limit": limit, "timings_s": w.timings_s,
@@ -203,10 +193,6 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
 
 
 # ---- reporting ----------------------------------------------------------------------------
-
-def _ms(t: float | None) -> str:
-    return "-" if t is None else f"{t * 1e3:.1f}"
-
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| system | plan | measured step ms | predicted step ms | measured peak MiB | "
@@ -262,20 +248,7 @@ def checks(rows: list[dict[str, Any]], limit: int, world: int) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=2)
-    for name, default in {**MODEL, **MEASURE}.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    parser.add_argument("--no-detect", dest="detect", action="store_false",
-                        help="plan with Devices() defaults instead of detect_devices() (~15 s)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny model, 1 round: checks that it runs (no figures)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for name, value in QUICK.items():
-            setattr(args, name, value)
+    args = parse_args(argv, __doc__, {**MODEL, **MEASURE}, QUICK)
     cfg = Config(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads,
                  seq=args.seq, batch=args.batch, steps=args.rounds, warmup=args.warmup)
     opts = argparse.Namespace(**{n: getattr(args, n) for n in (*MODEL, *MEASURE, "detect")})

@@ -64,7 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from memory_timeline import build  # noqa: E402
 
-from osdp_fx import Devices, compile_osdp, detect_devices  # noqa: E402
+from osdp_fx import compile_osdp, detect_devices  # noqa: E402
 from osdp_fx.errors import PlanError  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
 from osdp_fx.runtime.storage_tracker import StorageTracker  # noqa: E402

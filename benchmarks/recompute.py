@@ -252,6 +252,21 @@ class World:
         self.timings_s[key] = time.perf_counter() - start
         return s.info
 
+    def timed_rows(self) -> list[dict[str, Any]]:
+        """Time every system built round-robin (``opts.rounds`` rounds after ``opts.warmup``
+        warm-up steps each; collective) and return every row, in ``labels`` order."""
+        timed = list(self.systems.values())
+        start = time.perf_counter()
+        time_round_robin(timed, self.opts.rounds, self.opts.warmup)
+        self.timings_s["timed rounds"] = time.perf_counter() - start
+        for s in timed:
+            self.rows[s.info["key"]] = s.row(self.world, self.cfg.batch)  # collective
+        rows = [self.rows[key] for key in self.labels]
+        for r in rows:
+            r.setdefault("system", self.labels[r["key"]][0])
+            r.setdefault("plan", self.labels[r["key"]][1])
+        return rows
+
     def drop(self, key: str) -> None:
         del self.systems[key]
         gc.collect()
@@ -315,17 +330,7 @@ def measure(rank: int, world: int, device: torch.device, cfg: Config,
     w.add(SHARDING_A, w.osdp(None, limit_a, sharding_only=True), limit_a)
     w.add(SHARDING_B, w.osdp(None, limit_b, sharding_only=True), limit_b)
     w.add(JOINT_B, w.osdp(None, limit_b), limit_b)
-    timed = list(w.systems.values())
-    start = time.perf_counter()
-    time_round_robin(timed, opts.rounds, opts.warmup)
-    w.timings_s["timed rounds"] = time.perf_counter() - start
-    for s in timed:
-        w.rows[s.info["key"]] = s.row(world, cfg.batch)  # collective
-    rows = [w.rows[key] for key in LABELS]
-    for r in rows:
-        r.setdefault("system", LABELS[r["key"]][0])
-        r.setdefault("plan", LABELS[r["key"]][1])
-    return {"rows": rows, "limit_a": limit_a, "limit_b": limit_b, "timings_s": w.timings_s,
+    return {"rows": w.timed_rows(), "limit_a": limit_a, "limit_b": limit_b, "timings_s": w.timings_s,
             "backend": dist.get_backend(), "device": str(device)}
 
 
@@ -411,21 +416,29 @@ def checks(rows: list[dict[str, Any]], limit_a: int, limit_b: int, world: int) -
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__,
+def parse_args(argv: list[str] | None, doc: str, options: dict[str, Any],
+               quick: dict[str, Any]) -> argparse.Namespace:
+    """A benchmark's command line: ``--world-size``, an option per entry of ``options`` (its
+    default's type), ``--no-detect``, ``--out-dir`` and ``--quick`` (which sets ``quick``)."""
+    parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
-    for name, default in {**MODEL, **MEASURE}.items():
+    for name, default in options.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     parser.add_argument("--no-detect", dest="detect", action="store_false",
                         help="plan with Devices() defaults instead of detect_devices() (~15 s)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true",
-                        help="a tiny GPT, 1 round: checks that it runs (no figures)")
+                        help="a tiny model, 1 round: checks that it runs (no figures)")
     args = parser.parse_args(argv)
     if args.quick:
-        for name, value in QUICK.items():
+        for name, value in quick.items():
             setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv, __doc__, {**MODEL, **MEASURE}, QUICK)
     cfg = Config(**{n: getattr(args, n) for n in MODEL}, steps=args.rounds, warmup=args.warmup)
     opts = argparse.Namespace(**{n: getattr(args, n) for n in (*MEASURE, "detect")})
     world = args.world_size
