@@ -37,6 +37,22 @@ def test_training_matches_single_process_in_low_precision(worlds, tmp_path, mode
         torch.testing.assert_close(value, results[1]["state"][key], rtol=0, atol=0)
 
 
+def test_a_peft_lora_llama_searched_between_full_shard_and_replicate(worlds):
+    """peft's LoRA (bf16 base frozen, fp32 adapters) under the plan searched at a limit a
+    quarter of the way from full_shard's predicted peak to replicate's trains like one
+    process."""
+    results = worlds(2).run(cases.train, model="hf_llama_lora", plan=None,
+                            mixed_precision="bf16", memory_limit="between")
+    strategies = {p["strategy"] for p in results[0]["plan"]["params"].values()}
+    assert strategies - {"replicate"}, strategies  # it shards something
+    ref = cases.reference_train("hf_llama_lora", world=2, param_dtype=torch.bfloat16)
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-3)
+    for key, value in results[0]["state"].items():
+        torch.testing.assert_close(value, ref["state"][key], rtol=0, atol=5e-3)
+        torch.testing.assert_close(value, results[1]["state"][key], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("plan", ["hybrid_shard", "hierarchical"])
 def test_two_node_mesh_in_bf16(worlds, plan):
     """World 4 as 2 nodes x 2 ranks: the two-level collectives gather bf16 and reduce fp32."""

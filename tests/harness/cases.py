@@ -25,13 +25,20 @@ def mixed_plan_file(model: str, path: Any, strategies: list[str]) -> str:
 
 def train(rank: int, world: int, *, model: str, plan: Any, steps: int = 5, lr: float = 0.05,
           local_batch: int = 2, seed: int = 0, mixed_precision: Any = None,
-          devices: Any = None) -> dict[str, Any]:
-    """Train ``model`` with SGD under ``plan`` for ``steps``; return losses and final state."""
-    net, loss_fn = build(model, seed)
+          devices: Any = None, memory_limit: Any = None) -> dict[str, Any]:
+    """Train ``model`` with SGD under ``plan`` for ``steps``; return losses and final state.
+    ``memory_limit="between"``: the limit a quarter of the way from the predicted peak of
+    ``full_shard`` to that of ``replicate`` (each compiled first, not trained)."""
     data = [local(b, rank, world) for b in batches(model, global_batch=local_batch * world,
                                                     steps=steps)]
+    if memory_limit == "between":
+        peaks = [compile_osdp(build(model, seed)[0], data[0][:1], devices, plan=uniform,
+                              mixed_precision=mixed_precision).plan.peak_memory_bytes
+                 for uniform in ("full_shard", "replicate")]
+        memory_limit = peaks[0] + (peaks[1] - peaks[0]) // 4
+    net, loss_fn = build(model, seed)
     compiled = compile_osdp(net, data[0][:1], devices, plan=plan,
-                            mixed_precision=mixed_precision)
+                            mixed_precision=mixed_precision, memory_limit=memory_limit)
     return {
         "losses": sgd_losses(compiled, loss_fn, data, lr),
         "state": compiled.full_state_dict(),
