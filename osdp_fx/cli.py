@@ -181,7 +181,7 @@ def plan_command(args: argparse.Namespace) -> int:
             named = with_schedule(named, uniform_schedule(analysis, named, devices=devices,
                                                           optimizer=args.optimizer))
             other = predict(analysis, named, devices=devices, optimizer=args.optimizer,
-                            batch_size=batch)
+                            batch_size=batch, over_shapes=False)
             rows.append(_totals_row(f"all {name} ({labels[name]})", other, limit))
     rows.insert(0, _totals_row("searched (osdp-fx)", plan, limit))
     print(f"\nper rank, world size {devices.world_size}, limit {format_bytes(limit)}, "

@@ -19,10 +19,12 @@ everywhere (:func:`peak_lines`). The peak at any (b, s) is the largest point
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import sympy
 
 from .envelope import BATCH
@@ -34,16 +36,24 @@ Line = tuple[Fraction, Fraction, Fraction, int]
 """A time point's live bytes at batch b0: ``c0 + c1 s + c2 s^2`` scaled, plus fixed bytes."""
 
 
-def quadratic(points: Sequence[int], values: Sequence[float]) -> tuple[Fraction, ...]:
-    """(c0, c1, c2) of the quadratic through (points[i], values[i]), exactly (Lagrange)."""
-    c = [Fraction(0)] * 3
-    for i, (xi, yi) in enumerate(zip(points, values)):
+@functools.lru_cache(maxsize=16)
+def _lagrange_weights(points: tuple[int, ...]) -> tuple[tuple[Fraction, ...], ...]:
+    """w[k][i]: the quadratic through (points[i], y[i]) has c_k = sum_i y[i] w[k][i]."""
+    weights: list[list[Fraction]] = [[], [], []]
+    for i, xi in enumerate(points):
         a, b = (x for j, x in enumerate(points) if j != i)
         denom = Fraction((xi - a) * (xi - b))
-        c[0] += Fraction(yi) * a * b / denom
-        c[1] -= Fraction(yi) * (a + b) / denom
-        c[2] += Fraction(yi) / denom
-    return tuple(c)
+        weights[0].append(a * b / denom)
+        weights[1].append(-(a + b) / denom)
+        weights[2].append(1 / denom)
+    return tuple(map(tuple, weights))
+
+
+def quadratic(points: Sequence[int], values: Sequence[float]) -> tuple[Fraction, ...]:
+    """(c0, c1, c2) of the quadratic through (points[i], values[i]), exactly (Lagrange)."""
+    ys = [Fraction(y) for y in values]
+    return tuple(sum((y * w for y, w in zip(ys, row)), Fraction(0))
+                 for row in _lagrange_weights(tuple(points)))
 
 
 def _at(c: Sequence[Fraction], s: int) -> Fraction:
@@ -88,8 +98,12 @@ def peak_lines(lines_by_point: Sequence[Sequence[tuple[int, int]]],
     """Every time point's quadratic, from its (scaled, fixed) bytes predicted at each of
     ``points`` (the same time points in the same order at each)."""
     out = []
+    fitted: dict[tuple[int, ...], tuple[Fraction, ...]] = {}  # time points often repeat
     for per_point in zip(*lines_by_point):
-        c = quadratic(points, [sc for sc, _ in per_point])
+        scaled = tuple(sc for sc, _ in per_point)
+        c = fitted.get(scaled)
+        if c is None:
+            c = fitted[scaled] = quadratic(points, scaled)
         out.append((c[0], c[1], c[2], per_point[0][1]))
     return tuple(dict.fromkeys(out))
 
@@ -99,15 +113,28 @@ def peak_expr(lines: Sequence[Line], profiled_batch: int,
     """The peak as a sympy ``Max`` in ``BATCH`` and ``SEQ`` over the time points that are the
     largest at one of ``shapes`` (the exact maximum over all of them is
     ``Prediction.peak_bytes_at``)."""
-    keep = {max(range(len(lines)),
-                key=lambda i: _at(lines[i], s) * b / profiled_batch + lines[i][3])
-            for b, s in shapes}
+    approx = np.array([[float(x) for x in line] for line in lines])
+    keep = {_largest(lines, approx, profiled_batch, b, s) for b, s in shapes}
     terms = [(sympy.Rational(line[0].numerator, line[0].denominator)
               + sympy.Rational(line[1].numerator, line[1].denominator) * SEQ
               + sympy.Rational(line[2].numerator, line[2].denominator) * SEQ ** 2)
              * BATCH / profiled_batch + line[3]
              for line in (lines[i] for i in sorted(keep))]
     return sympy.Max(*terms, evaluate=False) if len(terms) > 1 else terms[0]
+
+
+def _largest(lines: Sequence[Line], approx: np.ndarray, profiled_batch: int, b: int,
+             s: int) -> int:
+    """The index of the first of ``lines`` with the most bytes at (b, s), exactly: the lines
+    within float rounding of the largest (bounded per line; ``approx``: the lines as floats)
+    are compared as fractions."""
+    c = approx
+    terms = np.stack([c[:, 0], c[:, 1] * s, c[:, 2] * s * s], axis=1) * (b / profiled_batch)
+    value = terms.sum(axis=1) + c[:, 3]
+    error = 1e-9 * (np.abs(terms).sum(axis=1) + np.abs(c[:, 3])) + 1.0
+    close = np.flatnonzero(value + error >= (value - error).max())
+    return max(close.tolist(),
+               key=lambda i: _at(lines[i], s) * b / profiled_batch + lines[i][3])
 
 
 def rescaled(prof: Mapping[Any, Any],

@@ -315,11 +315,14 @@ def _memory(analysis: Analysis, states: dict[str, Any], recompute: dict[str, str
 
 
 def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
-            batch_size: int | None = None, grad_accumulation: int = 1) -> Plan:
+            batch_size: int | None = None, grad_accumulation: int = 1,
+            over_shapes: bool = True) -> Plan:
     """``plan`` with the predicted step time, peak memory and per-group costs attached, at
     ``batch_size`` per rank (default: the profiled batch size); the memory of steps of
     ``grad_accumulation`` micro-batches (all but the last inside ``no_sync()``). The step time
-    stays that of one synchronised micro-batch and optimizer step."""
+    stays that of one synchronised micro-batch and optimizer step. ``over_shapes=False``:
+    without the peak as a function of batch size and sequence length (which takes three more
+    timelines), for a plan only compared at the profiled shape."""
     batch = batch_size or analysis.plan_batch
     states = param_states(analysis, {p.name: p.strategy for p in plan.params})
     recompute = dict(plan.recompute)
@@ -333,7 +336,7 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
 
     memory = memory_at(batch, None)
     lines, shape_expr = None, None
-    if analysis.seq_numels is not None and analysis.seq_len is not None:
+    if over_shapes and analysis.seq_numels is not None and analysis.seq_len is not None:
         seq = analysis.plan_seq or analysis.seq_len
         found = peak_in_seq(
             lambda s: memory_at(analysis.batch_size, s).lines, sequence_points(analysis.seq_len),
