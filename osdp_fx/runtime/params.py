@@ -275,7 +275,7 @@ def prefetch_param(shard: torch.Tensor, group: str, *,
                    dtype: torch.dtype | None = None) -> Prefetched:
     """Start gathering ``shard`` (cast to ``dtype``) asynchronously; :func:`all_gather_param`
     waits for it."""
-    return Prefetched(gather_shards_start(cast(flat_shard(shard.detach()), dtype), group))
+    return Prefetched(gather_shards_start(cast(flat_shard(shard).detach(), dtype), group))
 
 
 @eager(_free_deferred)

@@ -58,7 +58,7 @@ class Regather:
     def __init__(self, unit: list[Gathered]) -> None:
         self.unit = unit
         g = unit[0]
-        self.pending = (gather_shards_start(cast(flat_shard(g.shard.detach()), g.dtype), g.group)
+        self.pending = (gather_shards_start(cast(flat_shard(g.shard).detach(), g.dtype), g.group)
                         if len(unit) == 1 else
                         start_params(tuple(m.shard for m in unit), g.group, g.dtype))
 
@@ -236,6 +236,6 @@ def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, .
 
 def start_params(shards: tuple[torch.Tensor, ...], group: str,
                   dtype: torch.dtype | None) -> Pending:
-    return gather_shards_start(torch.cat([cast(flat_shard(s.detach()), dtype) for s in shards]),
+    return gather_shards_start(torch.cat([cast(flat_shard(s).detach(), dtype) for s in shards]),
                                group,
                                consume=True)
