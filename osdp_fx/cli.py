@@ -183,6 +183,15 @@ def plan_command(args: argparse.Namespace) -> int:
             other = predict(analysis, named, devices=devices, optimizer=args.optimizer,
                             batch_size=batch, over_shapes=False)
             rows.append(_totals_row(f"all {name} ({labels[name]})", other, limit))
+            regions = analysis.facts.regions
+            if other.prediction.peak_memory_bytes > limit and regions:
+                # what its users run where it does not fit: every block checkpointed
+                checkpointed = predict(
+                    analysis, dataclasses.replace(named, recompute=tuple(
+                        (r, "full") for r in regions)), devices=devices,
+                    optimizer=args.optimizer, batch_size=batch, over_shapes=False)
+                rows.append(_totals_row(f"all {name} ({labels[name]}) + checkpointing every "
+                                        "block", checkpointed, limit))
     rows.insert(0, _totals_row("searched (osdp-fx)", plan, limit))
     print(f"\nper rank, world size {devices.world_size}, limit {format_bytes(limit)}, "
           f"optimizer {args.optimizer}, batch {batch} per rank:")

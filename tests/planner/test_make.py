@@ -198,6 +198,24 @@ def test_plan_command_plans_a_hugging_face_model_built_on_meta(capsys):
     assert "model.transformer.wte.weight" in out
 
 
+def test_plan_command_compares_with_fsdp_and_ddp_checkpointed_where_they_do_not_fit(capsys):
+    """A uniform plan that does not fit is also shown as its users would run it, every block
+    checkpointed; the searched plan is no slower than such a row that fits."""
+    from osdp_fx.cli import main
+
+    assert main(["plan", "osdp_fx/examples.py:hf_gpt2_meta", "--world-size", "8",
+                 "--memory", "450MiB", "--fake"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:line.index("  ")]: line[line.index("  "):].split() for line in out.splitlines()
+            if line.startswith(("searched", "all "))}
+    assert rows["all full_shard (FSDP)"][-1] == "NO"  # 532 MiB predicted
+    checkpointed = rows["all full_shard (FSDP) + checkpointing every block"]
+    assert checkpointed[-1] == "yes"
+    searched = rows["searched (osdp-fx)"]
+    assert searched[-1] == "yes" and float(searched[0]) <= float(checkpointed[0]) * (1 + 1e-6)
+    assert "all replicate (DDP) + checkpointing every block" in rows
+
+
 def test_the_same_graph_and_shapes_are_profiled_once():
     """Compiling the same model twice gives the same plan: its measured times are reused (as
     Devices are detected once); another batch shape is measured anew."""
