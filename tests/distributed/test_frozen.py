@@ -181,3 +181,6 @@ def test_peft_adapters_alone_save_and_load_under_another_plan(worlds, tmp_path):
                 assert torch.equal(value, r["initial"][key]), key
         # bf16 compute under two plans: equal up to the order of low-precision sums
         assert r["losses"][0] == pytest.approx(r["losses"][1], rel=2e-2)
+        # under full_shard: 1/N of the model, plus the adapters, plus padding, at most
+        assert r["held_bytes"] <= (r["model_bytes"] / len(results) + r["adapter_bytes"]
+                                   + r["padding_bytes"]), r

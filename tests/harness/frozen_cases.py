@@ -288,6 +288,9 @@ def peft_adapters_reload(rank: int, world: int, *, path: str, lr: float = 1e-3
     save_checkpoint(path, compiled, opt, extra={"step": 2}, trainable_only=True)
     extra = load_checkpoint(path, other, other_opt)
     trainable = sorted(n for n, p in compiled.named_parameters() if p.requires_grad)
+    held = sum(held_bytes(p) for p in compiled.parameters())  # under full_shard
+    padded = sum(shard_numel(p.numel, world, row_numel(p.shape)) * world * p.element_size
+                 for p in compiled.plan.params) - sum(p.nbytes for p in compiled.plan.params)
     loaded = [m.full_state_dict() for m in (compiled, other)]
     losses = []
     for module, optimizer in modules:
@@ -295,5 +298,9 @@ def peft_adapters_reload(rank: int, world: int, *, path: str, lr: float = 1e-3
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+    initial = build_model("hf_llama_lora")[0]
+    sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in initial.parameters()]
     return {"extra": extra, "losses": losses, "saved": dcp_keys(path), "trainable": trainable,
-            "loaded": loaded, "initial": build_model("hf_llama_lora")[0].state_dict()}
+            "loaded": loaded, "initial": initial.state_dict(), "held_bytes": held,
+            "padding_bytes": padded, "model_bytes": sum(b for b, _ in sizes),
+            "adapter_bytes": sum(b for b, t in sizes if t)}
