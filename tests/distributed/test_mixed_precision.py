@@ -39,12 +39,14 @@ def test_training_matches_single_process_in_low_precision(worlds, tmp_path, mode
 
 def test_a_peft_lora_llama_searched_between_full_shard_and_replicate(worlds):
     """peft's LoRA (bf16 base frozen, fp32 adapters) under the plan searched at a limit a
-    quarter of the way from full_shard's predicted peak to replicate's trains like one
-    process."""
+    quarter of the way from full_shard's predicted peak to replicate's (which replicate does
+    not fit) trains like one process."""
     results = worlds(2).run(cases.train, model="hf_llama_lora", plan=None,
                             mixed_precision="bf16", memory_limit="between")
-    strategies = {p["strategy"] for p in results[0]["plan"]["params"].values()}
-    assert strategies - {"replicate"}, strategies  # it shards something
+    plan = results[0]["plan"]
+    strategies = {p["strategy"] for p in plan["params"].values()}
+    # under the limit it shards something or recomputes blocks (times measured here decide)
+    assert strategies - {"replicate"} or plan.get("recompute"), plan
     ref = cases.reference_train("hf_llama_lora", world=2, param_dtype=torch.bfloat16)
     mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-3)
