@@ -85,7 +85,9 @@ def test_the_promise_holds_for_a_peft_lora_fine_tune(worlds):
     limit = (low + high) // 2
     results[f"searched @ {limit} B"] = searched = world.run(
         memory_cases.compile_and_steps, model="llama_lora", limit=limit, mixed_precision="bf16")
-    assert sum(searched[0]["counts"].values()) > searched[0]["counts"]["replicate"]
+    # it shards something, or recomputes blocks (the times measured here decide)
+    assert (sum(searched[0]["counts"].values()) > searched[0]["counts"]["replicate"]
+            or searched[0]["recompute"]), searched[0]["counts"]
     problems = [p for label, runs in results.items() for rank, r in enumerate(runs)
                 for p in _check(r, f"{label} rank {rank}")]
     assert not problems, "\n".join(problems)
