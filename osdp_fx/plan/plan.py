@@ -124,8 +124,9 @@ class ParamPlan:
     """Strategies that free after forward (FREED_AFTER_FORWARD) only: whether backward re-gathers
     the parameter (some operator saved it for backward; known once the model is profiled)."""
     trainable: bool = True
-    """Whether it gets a gradient (False for frozen parameters, integer ones among them): a group that does not has no gradient collective and no optimizer state. Not saved:
-    a plan is resolved against the model."""
+    """Whether it gets a gradient (False for frozen parameters, integer ones among them): a
+    group that does not has no gradient collective and no optimizer state. Not saved: a plan
+    is resolved against the model."""
 
     @property
     def numel(self) -> int:
