@@ -196,6 +196,16 @@ def peak_floor_bytes(analysis: Analysis, options: Mapping[str, list[str]],
     return np.maximum(at_step, at_turn)
 
 
+def _unravel(flat: int, shape: list[int]) -> list[int]:
+    """The index of each dimension of entry ``flat`` of a C-ordered array of ``shape`` (as
+    ``np.unravel_index``, which stops at 64 dimensions: a model has a dimension per group)."""
+    index = []
+    for n in reversed(shape):
+        flat, j = divmod(flat, n)
+        index.append(j)
+    return index[::-1]
+
+
 def exhaustive_search(
     analysis: Analysis, options: Mapping[str, list[str]],
     regions: Mapping[str, list[RegionCost]], *, devices: Devices, optimizer: str,
@@ -218,7 +228,7 @@ def exhaustive_search(
     for flat in order:
         if best is not None and bounds[flat] > best[0]:
             break  # every remaining combination's bound is above the best fitting time
-        choice = np.unravel_index(flat, shape)
+        choice = _unravel(int(flat), shape)
         strategies = {n: options[n][j] for n, j in zip(names, choice)}
         recompute = {r: regions[r][j].policy
                      for r, j in zip(region_names, choice[len(names):]) if j}
