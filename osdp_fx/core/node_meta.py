@@ -22,6 +22,9 @@ class NodeRole(str, enum.Enum):
     """Any other node."""
     PARAM = "param"
     """A parameter's ``get_attr`` (capture, ``passes/split_linear.py`` for the parts)."""
+    LOCAL = "local"
+    """A replicated parameter's local tensor, read from its ``Replicate()`` DTensor under a plan
+    that shards others (``passes/shard.py``)."""
     CAST_INPUT = "cast_input"
     """A floating input cast to the compute dtype (``passes/precision.py``)."""
     CAST = "cast"

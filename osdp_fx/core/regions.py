@@ -79,9 +79,10 @@ def region_of(node: fx.Node) -> str | None:
 
 
 def _outside(node: fx.Node) -> bool:
-    """Nodes a region never contains: inputs, outputs, parameters and their casts."""
+    """Nodes a region never contains: inputs, outputs, parameters (and a replicated one's local
+    tensor) and their casts."""
     return (node.op in ("placeholder", "output", "get_attr")
-            or osdp_meta(node).role in (NodeRole.PARAM, NodeRole.CAST))
+            or osdp_meta(node).role in (NodeRole.PARAM, NodeRole.LOCAL, NodeRole.CAST))
 
 
 def find_regions(graph: fx.Graph) -> dict[str, list[fx.Node]]:

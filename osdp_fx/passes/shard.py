@@ -23,7 +23,10 @@ For every parameter group the plan shards (``shard_grad_op``, ``full_shard``, ``
   asynchronously, and the ``all_gather_param`` node waits for it, so the communication overlaps
   the operators in between.
 
-Replicated parameters are left as they are; the runtime all-reduces their gradients.
+Replicated parameters stay whole; the runtime all-reduces their gradients. Where the plan also
+shards some, each replicated parameter's ``get_attr`` feeds a ``local_param`` node that the rest
+of the graph reads instead: the compiled module presents such a parameter as a ``Replicate()``
+DTensor (``runtime/sharded.py``), and the graph computes with its local tensor.
 
 Before::
 
@@ -66,6 +69,7 @@ from ..runtime.params import (
     prefetch_params,
     shard_of,
 )
+from ..runtime.sharded import local_param
 from .capture import set_attr
 from .precision import cast_of
 
@@ -140,6 +144,15 @@ def _insert_prefetches(graph: fx.Graph, distance: int) -> None:
         target.args = (*target.args, started)
 
 
+def _read_local(graph: fx.Graph, node: fx.Node) -> None:
+    """Make the users of a replicated parameter's ``get_attr`` read its local tensor."""
+    with graph.inserting_after(node):
+        local = graph.call_function(local_param, (node,))
+    set_osdp_meta(local, role=NodeRole.LOCAL, param=node.target,
+                  aliases=frozenset({node.target}))
+    node.replace_all_uses_with(local, delete_user_cb=lambda user: user is not local)
+
+
 def shard_parameters_pass(
     gm: fx.GraphModule, *, plan: Plan, world_size: int, rank: int, group: str = WORLD,
     prefetch: int = 1, reduce_dtype: torch.dtype | None = None,
@@ -152,9 +165,12 @@ def shard_parameters_pass(
     order = {n: i for i, n in enumerate(graph.nodes)}
     param_nodes = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM]
     n_gathers = n_frees = 0
+    replicas = any(traits(p.strategy).sharded for p in plan.params)
     for node in param_nodes:
         entry = plan[node.target]
         if not traits(entry.strategy).sharded:
+            if replicas:
+                _read_local(graph, node)
             continue
         full = gm.get_parameter(node.target)
         layout = shard_layout(entry.strategy, world_size=world_size,

@@ -222,16 +222,19 @@ def checkpoint_mesh(strategy: str, *, world_size: int, ranks_per_node: int | Non
     sharded under ``strategy`` is its ``Shard(0)`` piece, so torch.distributed.checkpoint knows
     each rank's offset: a 1-D mesh listing the ranks in chunk order (hierarchical: rank
     ``(k, l)`` holds chunk ``l * n + k``), or for hybrid_shard the nodes x ranks mesh with the
-    chunks replicated across nodes. Collective the first time (it creates process groups).
+    chunks replicated across nodes; for ``replicate``, the world's 1-D mesh and ``Replicate()``. Collective the first time (it creates process groups).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
 
     layouts = [shard_layout(strategy, world_size=world_size, ranks_per_node=ranks_per_node,
                             rank=r) for r in range(world_size)]
-    if layouts[0].copies == 1:
+    if layouts[0].chunks == 1:  # replicated: the world's mesh, each rank holding the whole
+        ranks = torch.arange(world_size)
+        placements: list[Any] = [Replicate()]
+    elif layouts[0].copies == 1:
         ranks = torch.tensor(sorted(range(world_size), key=lambda r: layouts[r].index))
-        placements: list[Any] = [Shard(0)]
+        placements = [Shard(0)]
     else:  # hybrid_shard: node by node, each node holding every chunk
         ranks = torch.arange(world_size).view(mesh_shape(world_size, ranks_per_node))
         placements = [Replicate(), Shard(0)]

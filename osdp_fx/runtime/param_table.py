@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 
 from ..core.layout import ShardLayout, SplitSpec, shard_layout
@@ -26,7 +27,15 @@ from ..core.strategies import traits
 from ..plan.plan import Plan
 from .params import make_shard
 from .regather import gather_full
-from .sharded import as_dtensor, flat_shard, is_dtensor, like, whole_rows
+from .sharded import (
+    as_dtensor,
+    as_replicated,
+    flat_shard,
+    is_dtensor,
+    like,
+    local_of,
+    whole_rows,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +110,25 @@ class ParamTable:
     # ---- tensors --------------------------------------------------------------------------
     def present(self) -> None:
         """Make each sharded part's parameter a DTensor of the part's shape over its padded
-        flat shard (``runtime/sharded.py``), as ``compile_osdp`` hands it to the user: the
-        sharding pass and meta-device materialisation leave plain flat shards."""
+        flat shard, and, where the plan shards any, each replicated one a ``Replicate()``
+        DTensor over its tensor (``runtime/sharded.py``), as ``compile_osdp`` hands them to the
+        user: the sharding pass and meta-device materialisation leave plain tensors."""
+        replicas = (any(e.sharded for e in self.entries.values()) and dist.is_available()
+                    and dist.is_initialized())
         for part, entry in self.entries.items():
             param = self.local(part)
-            if entry.sharded and entry.shape and not is_dtensor(param):
-                owner, _, leaf = part.rpartition(".")
-                self.gm.get_submodule(owner)._parameters[leaf] = as_dtensor(
+            if is_dtensor(param) or not entry.shape:
+                continue
+            if entry.sharded:
+                present = as_dtensor(
                     param, entry.shape, entry.strategy, world_size=self.plan.world_size,
                     ranks_per_node=self.plan.ranks_per_node, rank=self.rank)
+            elif replicas:
+                present = as_replicated(param, world_size=self.plan.world_size)
+            else:
+                continue
+            owner, _, leaf = part.rpartition(".")
+            self.gm.get_submodule(owner)._parameters[leaf] = present
 
     def local(self, part: str) -> nn.Parameter:
         """What this rank holds of ``part``: a DTensor over its padded flat shard (a flat shard
@@ -134,12 +153,13 @@ class ParamTable:
         return make_shard(full, world_size=entry.layout.chunks, rank=entry.layout.index)
 
     def to_local(self, part: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a full tensor of ``part``, laid out as the part's parameter is
-        (a DTensor over a new padded flat shard, or a flat shard) when the part is sharded, else
-        ``full`` itself."""
+        """This rank's share of a full tensor of ``part``, laid out as the part's parameter is:
+        when the part is sharded, a DTensor over a new padded flat shard (or a flat shard); else
+        ``full`` itself, as a ``Replicate()`` DTensor where the parameter is one."""
+        local = self.local(part)
         if not self.entries[part].sharded:
-            return full
-        return like(self.local(part), self.flat_share(part, full).detach())
+            return like(local, full.reshape(-1)) if is_dtensor(local) else full
+        return like(local, self.flat_share(part, full).detach())
 
     def load(self, part: str, full: torch.Tensor) -> None:
         """Copy a full tensor of ``part`` into this rank's parameter, in place."""
@@ -148,7 +168,7 @@ class ParamTable:
             if self.entries[part].sharded:
                 flat_shard(local).copy_(self.flat_share(part, full.to(local.dtype)).reshape(-1))
             else:
-                local.copy_(full)
+                local_of(local).copy_(full)
 
     def full(self, group: str, *, grad: bool = False) -> torch.Tensor | None:
         """The full tensor of ``group`` (or of its gradient: None when it has none), gathered
@@ -171,7 +191,7 @@ class ParamTable:
             return self.local(group)
         full = self.full(group)
         assert full is not None, group
-        if not any(is_dtensor(self.local(p)) for p in split.parts):
+        if not any(self.entries[p].sharded and is_dtensor(self.local(p)) for p in split.parts):
             return full
         return whole_rows(full, world_size=self.plan.world_size, rank=self.rank)
 
@@ -182,7 +202,8 @@ class ParamTable:
         fulls = []
         with torch.no_grad():
             for part in self.parts(group):
-                entry, local = self.entries[part], tensors[part].detach()
+                entry = self.entries[part]
+                local = (tensors[part] if entry.sharded else local_of(tensors[part])).detach()
                 fulls.append(gather_full(local, entry.shape, entry.layout.group).clone()
                              if entry.sharded else local.clone())
         split = self.splits.get(group)

@@ -30,6 +30,7 @@ from torch import nn
 from ..core.buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
 from .collectives import all_reduce_sum_start, group_size
 from .memory import note_resized
+from .sharded import local_of
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class GradReducer:
             return
         while len(self._in_flight) >= self.max_in_flight:
             self._complete(*self._in_flight.popleft())
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat = torch.cat([local_of(p.grad).reshape(-1) for p in bucket])
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)
         self._in_flight.append((bucket, flat, all_reduce_sum_start(flat, self.group)))
@@ -118,7 +119,8 @@ class GradReducer:
         offset = 0
         for p in bucket:
             n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            grad = local_of(p.grad)
+            grad.copy_(flat[offset:offset + n].view_as(grad))
             offset += n
         # The collective is complete, but gloo's worker may hold the buffer for a few more
         # milliseconds: release its memory now rather than when the last reference goes.

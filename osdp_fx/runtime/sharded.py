@@ -13,6 +13,14 @@ all-gathers read the flat buffer behind it without a copy (:func:`flat_shard`).
 The runtime writes gradients the same way: a reduce-scattered chunk becomes ``p.grad``, a
 ``DTensor`` like ``p`` (:func:`accumulate_grad`).
 
+Under a plan that shards some parameters and replicates others, the replicated ones are
+DTensors too, ``Replicate()`` over the world (:func:`as_replicated`), as FSDP2 and torch's
+``replicate`` present theirs: a foreach optimizer step or ``clip_grad_norm_`` (the default on a
+GPU) takes one list of tensors, and refuses DTensors mixed with plain tensors. The graph reads
+such a parameter's local tensor (:func:`local_param`), so its gradient becomes ``p.grad``, a
+``Replicate()`` DTensor over the gradient autograd computed. Under a plan that replicates every
+parameter they stay plain tensors, as DDP's.
+
 Without a process group (world size 1, none initialised) there is no mesh: a sharded parameter
 is then the whole tensor, a plain parameter of its shape over the one chunk.
 """
@@ -100,6 +108,26 @@ def as_dtensor(flat: torch.Tensor, shape: tuple[int, ...], strategy: str, *, wor
                         requires_grad=requires_grad)
 
 
+def as_replicated(param: nn.Parameter, *, world_size: int) -> nn.Parameter:
+    """A replicated parameter as a DTensor replicated over the world whose local tensor is
+    ``param``'s data (no copy)."""
+    from torch.distributed.tensor import DTensor
+
+    data = param.detach()
+    mesh, placements = checkpoint_mesh("replicate", world_size=world_size, ranks_per_node=None,
+                                       device_type=data.device.type)
+    return nn.Parameter(DTensor.from_local(data, mesh, placements, shape=data.shape,
+                                           stride=data.stride(), run_check=False),
+                        requires_grad=param.requires_grad)
+
+
+def local_param(param: torch.Tensor) -> torch.Tensor:
+    """What the graph computes with for a replicated parameter (``passes/shard.py``): a
+    DTensor's local tensor, through ``to_local`` (differentiable: the gradient reaches the
+    parameter as a DTensor of its placement), or the parameter itself."""
+    return param.to_local() if is_dtensor(param) else param
+
+
 def like(param: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """``flat`` (a padded flat chunk laid out like ``param``'s) as ``param`` holds it: a DTensor
     of the same placement viewing it, or the flat chunk itself viewed at ``param``'s shape."""
@@ -108,9 +136,13 @@ def like(param: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     local = local_of(param)
-    return DTensor.from_local(flat[:local.numel()].view(local.shape), param.device_mesh,  # type: ignore[attr-defined]
-                              param.placements, shape=param.shape,  # type: ignore[attr-defined]
-                              stride=param.stride(), run_check=False)
+    view = flat[:local.numel()].view(local.shape)
+    if flat.dtype == param.dtype:
+        # the parameter's own spec (mesh, placements, global shape, stride, dtype): a runtime
+        # call per gradient and step, which from_local's checks and autograd make ~15x slower
+        return DTensor(view, param._spec, requires_grad=False)  # type: ignore[attr-defined]
+    return DTensor.from_local(view, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                              shape=param.shape, stride=param.stride(), run_check=False)
 
 
 def accumulate_grad(param: torch.Tensor, chunk: torch.Tensor) -> None:

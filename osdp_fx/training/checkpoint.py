@@ -520,7 +520,7 @@ class _Reading:
                 copied.add(id(target))
             for (unit, key), lay in self.whole.items():
                 flat = (gather_full(lay.local, (lay.numel,), WORLD) if lay.sharded
-                        else lay.local)
+                        else local_of(lay.local))
                 full = flat.reshape(table.full_shape(unit))
                 for part, piece in table.pieces(unit, full):
                     if key:

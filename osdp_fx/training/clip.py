@@ -104,7 +104,7 @@ def clip_grad_norm_(
     local = {copies: [local_of(q.grad).reshape(-1) for q, c in sharded
                       if c == copies and q.grad is not None]
              for copies in sorted({c for _, c in sharded})}
-    rep = [q.grad for q in replicated if q.grad is not None]
+    rep = [local_of(q.grad) for q in replicated if q.grad is not None]
     if math.isinf(p):
         total = _max_abs([g for grads in local.values() for g in grads], acc, device)
         if sharded and group_size(WORLD) > 1:

@@ -60,7 +60,7 @@ def test_training_with_the_groups_matches_one_process(results, plan):
 
 def test_torch_clip_grad_norm_accepts_the_parameters(results):
     for r in results:
-        for plan in ("full_shard", "replicate"):
+        for plan in PLANS:  # mixed ones too: every parameter a DTensor, or none
             for osdp_norm, torch_norm in r[plan]["clip"]:
                 assert torch_norm == pytest.approx(osdp_norm, rel=1e-5), plan
 
@@ -71,11 +71,14 @@ def test_state_dict_is_keyed_like_the_model_and_sharded(results, plan):
     keys = list(model.state_dict())  # head.weight too: tied to tok.weight
     for r in results:
         assert r[plan]["state_keys"] == keys
-        if plan == "full_shard":  # every parameter, under each of its names
-            buffers = dict(model.named_buffers())
-            assert r[plan]["state_dtensors"] == sorted(k for k in keys if k not in buffers)
-        if plan == "replicate":
-            assert r[plan]["state_dtensors"] == []
+        # where the plan shards any parameter, every parameter under each of its names (a
+        # replicated one Replicate()), as FSDP2's; else none, as DDP's
+        buffers = dict(model.named_buffers())
+        sharded = set(r[plan]["strategies"]) != {"replicate"}
+        assert r[plan]["state_dtensors"] == (
+            sorted(k for k in keys if k not in buffers) if sharded else []), plan
+    if plan in ("full_shard", "split"):
+        assert sharded
 
 
 @pytest.mark.parametrize("plan", PLANS)

@@ -70,7 +70,8 @@ def _groups(module: nn.Module, recipe: Recipe,
 
 def _train(module: nn.Module, loss_fn: Any, data: list[Any], groups: list[dict[str, Any]],
            clip: Callable[[], Any]) -> list[float]:
-    opt = torch.optim.SGD(groups, lr=LR, momentum=0.9)
+    # foreach, as on a GPU by default: one list of every parameter (all DTensors or none)
+    opt = torch.optim.SGD(groups, lr=LR, momentum=0.9, foreach=True)
     losses = []
     for batch in data:
         loss = loss_fn(module(*batch[:1]), batch)
@@ -95,7 +96,7 @@ def _combined(named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]
 
 def recipes(rank: int, world: int, *, plans: dict[str, Any], path: str) -> dict[str, Any]:
     """Under each plan: the recipes' groups on the model and on the compiled module; training
-    with them (and ``torch.nn.utils.clip_grad_norm_``) against one process; the state dict
+    with them (foreach SGD, and ``torch.nn.utils.clip_grad_norm_``) against one process; the state dict
     saved with torch.save and loaded into the plain model; DCP save and load of it."""
     data = batches(MODEL, global_batch=2 * world, steps=STEPS)
     net, loss_fn = build(MODEL)
@@ -123,12 +124,10 @@ def recipes(rank: int, world: int, *, plans: dict[str, Any], path: str) -> dict[
         norms: list[tuple[float, float]] = []
 
         def clip(compiled: Any = compiled, norms: list[tuple[float, float]] = norms) -> None:
-            torch_norm = None
-            if all(_is_dtensor(p) for p in compiled.parameters()) or not any(
-                    _is_dtensor(p) for p in compiled.parameters()):
-                # torch's own clipping, where every parameter is one kind (as under FSDP2)
-                torch_norm = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1e9)
-                torch_norm = float(getattr(torch_norm, "full_tensor", lambda: torch_norm)())
+            # torch's own clipping (foreach, a GPU's default), without clipping; then osdp's
+            torch_norm = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1e9,
+                                                        foreach=True)
+            torch_norm = float(getattr(torch_norm, "full_tensor", lambda: torch_norm)())
             norms.append((float(clip_grad_norm_(compiled, 1.0)), torch_norm))
 
         result["losses"] = _train(compiled, loss_fn, mine, _combined(compiled.named_parameters()),
