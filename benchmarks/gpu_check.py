@@ -42,6 +42,7 @@ tiny sizes (gloo for NCCL), which checks the script itself.
 
     python benchmarks/gpu_check.py [--quick] [--out-dir DIR] [--budget-s 330] [--cpu]
         [--skip-parity] [--skip-memory] [--skip-time] [--skip-compile]
+        [--memory-models gpt,lora]
 """
 
 from __future__ import annotations
@@ -525,7 +526,7 @@ def run(args: argparse.Namespace) -> Report:
                                       lambda w=world, b=backend: parity_world(
                                           w, b, max(10.0, left() - args.time_reserve_s))))
     if not args.skip_memory:
-        for model in ("gpt", "lora"):
+        for model in args.memory_models.split(","):
             for world, backend, plans in ((1, nccl(), ["replicate", "full_shard"]),
                                           (2, "gloo", ["replicate", "full_shard", "searched"])):
                 def measure(model=model, world=world, backend=backend, plans=plans) -> Any:
@@ -670,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="every part within --budget-s (default 450 s with --quick)")
     parser.add_argument("--budget-s", type=float, default=None)
+    parser.add_argument("--memory-models", default="gpt,lora",
+                        help="the memory part's models, of gpt and lora (comma-separated)")
     parser.add_argument("--time-reserve-s", type=float, default=220.0,
                         help="seconds of the budget kept for the time part")
     parser.add_argument("--skip-parity", action="store_true")

@@ -27,8 +27,8 @@ the two train alike is tested (``tests/distributed/test_torch_compile.py``), not
         [--gather-bucket-bytes N] [--no-reference] [--out-dir benchmarks/results]
 
 Without ``--gather-bucket-bytes`` each plan is named (``plan="full_shard"``) and gathers in the
-buckets a named plan chooses: the largest (a block, else 1 MiB) whose predicted peak is that of
-gathering small parameters only (the table's "gather buckets" column).
+buckets a named plan chooses: one block per all-gather, as FSDP2 (the table's "gather buckets"
+column).
 ``--gather-bucket-bytes 1073741824``: the plans gather each transformer block in one all-gather
 (a bucket holding a parameter larger than 64 KiB never spans two blocks), as FSDP2 does; there
 are then about as many collective calls, and graph breaks, as blocks.

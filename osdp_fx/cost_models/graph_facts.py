@@ -52,9 +52,9 @@ class ParamState:
     @property
     def gather_kind(self) -> str:
         """What a sharded parameter's gather must share with another's to ride in one bucket
-        (one flat buffer): the strategy, whether it has a gradient and the dtype moved."""
-        frozen = "" if self.trainable else ", frozen"
-        return f"{self.strategy}{frozen}{f', {self.gathered_dtype}' if self.gathered_dtype else ''}"
+        (one flat buffer): the strategy and the dtype moved (frozen and trainable parameters
+        share: the bucket's reduce-scatter carries the trainable members' gradients)."""
+        return f"{self.strategy}{f', {self.gathered_dtype}' if self.gathered_dtype else ''}"
 
     @property
     def compute_size(self) -> int:
@@ -193,8 +193,7 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     def key(n: fx.Node) -> tuple[str, int]:
         state = params[facts.param_of[n]]
         flat = not traits(state.strategy).needs_mesh
-        # a frozen group's gradient-free gathers never share a trainable one's bucket, nor
-        # gathers of different dtypes one flat buffer
+        # gathers of different dtypes never share one flat buffer
         return (state.gather_kind if flat else f"mesh {n}",
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size, row=state.row))

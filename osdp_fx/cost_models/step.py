@@ -250,18 +250,23 @@ def predict_step_time(
         for name, state in params.items()
     }
     # A bucket pays each collective's latency once: its members after the first ride in the
-    # first one's all-gather and reduce-scatter, and in its re-gather in backward.
+    # first one's all-gather and re-gather in backward, its trainable members after the first
+    # in the first one's reduce-scatter.
     gather, scatter = (collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
     buckets = sharded_gather_buckets(facts, params, devices.world_size,
                                      schedule.gather_bucket_bytes)
     together = {n for b in regathered_together(facts, params, buckets, devices.world_size,
                                                schedule.gather_bucket_bytes) for n in b}
     for bucket in buckets:
+        scattered = False  # a trainable member before this one
         for k, node in enumerate(bucket):
             name = facts.param_of[node]
             again = (node in together and name in regathered
                      and traits(params[name].strategy).freed_after_forward)
-            saved = (gather * (2 if again else 1) + scatter) if k else 0.0
+            saved = gather * (2 if again else 1) if k else 0.0
+            if params[name].trainable:
+                saved += scatter if scattered else 0.0
+                scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
                 saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)
             costs[name] = dataclasses.replace(costs[name],

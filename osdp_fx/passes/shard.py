@@ -82,9 +82,6 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> N
     graph = gm.graph
     gathers = [n for n in graph.nodes if osdp_meta(n).role == NodeRole.ALL_GATHER]
 
-    def frozen(node: fx.Node) -> bool:
-        return not gm.get_parameter(node.args[0].target).requires_grad
-
     def gathered_dtype(node: fx.Node) -> torch.dtype:  # the cast's under mixed precision
         return node.kwargs.get("dtype") or gm.get_parameter(node.args[0].target).dtype
 
@@ -92,10 +89,11 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> N
         shard = gm.get_parameter(node.args[0].target)
         return shard.numel() * world_size * shard.element_size()
 
-    # only flat gathers over the world share: a mesh strategy's shards are laid out per stage
-    # and a frozen parameter's gathers (no gradient) never share a trainable one's bucket, nor
-    # gathers of different dtypes one flat buffer
-    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}/{frozen(n)}/{gathered_dtype(n)}"
+    # only flat gathers over the world share: a mesh strategy's shards are laid out per stage,
+    # and gathers of different dtypes never share one flat buffer; frozen and trainable
+    # parameters do (a LoRA layer's base weights and adapters alternate): the bucket's
+    # reduce-scatter carries the trainable members' gradients alone
+    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}/{gathered_dtype(n)}"
              if n.args[3] == WORLD
              else f"mesh {i}", gathered_bytes(n)) for i, n in enumerate(gathers)]
     blocks = [block_of(osdp_meta(n).param or "") for n in gathers]

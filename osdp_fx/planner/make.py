@@ -267,38 +267,45 @@ def with_schedule(plan: Plan, schedule: Schedule, **changes: Any) -> Plan:
 
 def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
                      grad_accumulation: int = 1) -> Schedule:
-    """The schedule of a plan named by a strategy ("full_shard"): the largest gather buckets
-    whose predicted peak is at most that of the default schedule (small parameters only),
-    tried in this order: one transformer block per all-gather (as FSDP2 gathers a module), with
-    two and then one gradient collective in flight; 1 MiB; the default. A strategy named
-    promises its memory; gathering more per collective pays fewer collectives' latency (the
-    runtime's per call, the link's per message) and, under ``torch.compile``, leaves longer
-    regions to compile ([Note: torch.compile]). shard_grad_op keeps every gathered parameter
-    until backward anyway, so a block bucket may cost it nothing (the Llama of
-    ``benchmarks/torch_compile.py``); full_shard would hold a gathered block whole. The
-    prefetch distance stays the plan's."""
+    """The schedule of a plan named by a strategy ("full_shard"): where the model has repeated
+    blocks (transformer layers: recomputable regions), FSDP2's, which ``fully_shard`` on each
+    block gives: one all-gather per block (a gather bucket of the most bytes one block gathers,
+    at least 1 MiB; a bucket never spans two blocks), the plan's prefetch distance in buckets
+    (by default one block ahead), one gradient collective in flight. Without blocks, the
+    largest gather buckets whose predicted peak is at most that of the default schedule (small
+    parameters only): 1 MiB, else the default.
+
+    So a strategy named runs as its namesake does, at about its memory: fewer, larger
+    collectives pay fewer collectives' latency (the runtime's per call, the link's per
+    message; [Note: one gather per block]) and, under ``torch.compile``, leave longer regions
+    to compile ([Note: torch.compile]). A plan file or the search chooses other schedules
+    (smaller buckets hold less: ``docs/guide.md``, "Schedules")."""
+    # [Note: one gather per block] In buckets of at most 1 MiB a transformer block's parameters
+    # (a LoRA layer's base weights and adapters alternating) take tens of all-gathers where
+    # FSDP2 takes one, and each collective costs its call in the runtime and the backend, which
+    # the step does not hide when it is bound by the host (a GPU at small batch, gloo on a
+    # CPU). docs/benchmarks.md measures both against FSDP2 ("A LoRA fine-tune", "On a GPU").
     default = plan.schedule
     states = param_states(analysis, {p.name: p.strategy for p in plan.params})
     if not any(traits(s.strategy).sharded and not traits(s.strategy).needs_mesh
                for s in states.values()):
         return default  # nothing is bucketed (the mesh strategies never are)
-    recompute = dict(plan.recompute)
     block = block_gather_bytes(analysis, devices.world_size)
+    if block is not None:
+        return dataclasses.replace(default,
+                                   gather_bucket_bytes=max(block, LARGE_GATHER_BUCKET_BYTES),
+                                   scatters_in_flight=1)
+    recompute = dict(plan.recompute)
 
     def peak(schedule: Schedule) -> int:
         return _memory(analysis, states, recompute, schedule, devices=devices,
                        optimizer=optimizer, batch=analysis.plan_batch,
                        grad_accumulation=grad_accumulation).peak_bytes
 
-    tries = [(LARGE_GATHER_BUCKET_BYTES, default.scatters_in_flight)]
-    if block is not None and block > LARGE_GATHER_BUCKET_BYTES:
-        tries[:0] = [(block, default.scatters_in_flight), (block, 1)]
-    limit = peak(default)
-    for nbytes, in_flight in tries:
-        schedule = dataclasses.replace(default, gather_bucket_bytes=nbytes,
-                                       scatters_in_flight=in_flight)
-        if nbytes > default.gather_bucket_bytes and peak(schedule) <= limit:
-            return schedule
+    larger = dataclasses.replace(default, gather_bucket_bytes=LARGE_GATHER_BUCKET_BYTES)
+    if LARGE_GATHER_BUCKET_BYTES > default.gather_bucket_bytes and (
+            peak(larger) <= peak(default)):
+        return larger
     return default
 
 

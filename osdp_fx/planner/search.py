@@ -26,6 +26,7 @@ from ..core.buckets import (
 )
 from ..core.devices import Devices
 from ..core.layout import row_numel
+from ..core.node_meta import NodeRole, osdp_meta
 from ..core.strategies import (
     FULL_SHARD,
     REPLICATE,
@@ -533,12 +534,17 @@ def search_schedules(
 def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:
     """The most bytes the parameters one recomputable region (a transformer block) reads take
     gathered (padded shards, as buckets count them): a gather bucket of this size gathers about
-    one block per all-gather. None when the graph has no regions."""
+    one block per all-gather. None when the graph has no regions. A parameter read through its
+    cast to the compute dtype (mixed precision) counts as read."""
     gm = analysis.captured.gm
     names = set(analysis.captured.params)
+
+    def param(node: fx.Node) -> fx.Node:
+        return node.args[0] if osdp_meta(node).role == NodeRole.CAST else node  # type: ignore[return-value]
+
     sizes = []
     for ops in analysis.facts.regions.values():
-        read = {gm.get_parameter(a.target) for op in ops for a in op.all_input_nodes
+        read = {gm.get_parameter(a.target) for op in ops for a in map(param, op.all_input_nodes)
                 if a.op == "get_attr" and a.target in names}
         sizes.append(sum(gathered_param_bytes(p.numel(), element_size=p.element_size(),
                                               world_size=world_size, row=row_numel(p.shape))

@@ -317,21 +317,28 @@ class _AllGatherParams(torch.autograd.Function):
         ctx.group, ctx.reduce_dtype, ctx.shards = group, reduce_dtype, shards
         ctx.scatters = _scatters()
         flat = (pending or start_params(shards, group, dtype)).wait()
-        return split_gathered(flat, shard_chunks(group), shards, shapes)
+        fulls = split_gathered(flat, shard_chunks(group), shards, shapes)
+        # a frozen member (a LoRA layer's base weight) has no gradient: autograd computes none
+        ctx.mark_non_differentiable(*(f for f, s in zip(fulls, shards) if not s.requires_grad))
+        ctx.set_materialize_grads(False)
+        return fulls
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        # One flat buffer, row r = what rank r's shards receive (each member a column block),
-        # filled straight from the gradients: no padded or cast copies on the way.
+        # One flat buffer of the trainable members, row r = what rank r's shards receive (each
+        # member a column block), filled straight from the gradients: no padded or cast copies
+        # on the way.
         world = shard_chunks(ctx.group)
-        present = [g for g in grads if g is not None]
-        dtype = ctx.reduce_dtype or (present[0].dtype if present else ctx.shards[0].dtype)
-        total = sum(padded_numel(s) for s in ctx.shards)
+        members = [(s, g) for s, g in zip(ctx.shards, grads) if s.requires_grad]
+        shards = [s for s, _ in members]
+        present = [g for _, g in members if g is not None]
+        dtype = ctx.reduce_dtype or (present[0].dtype if present else shards[0].dtype)
+        total = sum(padded_numel(s) for s in shards)
         # zero, or what no_sync backwards accumulated ([Note: no_sync]): gradients are added
-        flat = ctx.scatters.buffer(list(ctx.shards), world * total, dtype,
-                                   ctx.shards[0].device).view(world, total)
+        flat = ctx.scatters.buffer(shards, world * total, dtype,
+                                   shards[0].device).view(world, total)
         offset = 0
-        for shard, grad in zip(ctx.shards, grads):
+        for shard, grad in members:
             c = padded_numel(shard)
             if grad is not None:
                 g, rows = grad.reshape(-1), grad.numel() // c
@@ -340,7 +347,7 @@ class _AllGatherParams(torch.autograd.Function):
                     flat[rows, offset:offset + g.numel() - rows * c].add_(g[rows * c:])
             offset += c
         flat = flat.view(-1)
-        ctx.scatters.start_flat(list(ctx.shards), flat, ctx.group)
+        ctx.scatters.start_flat(shards, flat, ctx.group)
         return (None,) * (5 + len(ctx.shards))
 
 
@@ -358,7 +365,8 @@ def all_gather_params(
     reduce_dtype: torch.dtype | None = None, regather_together: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`all_gather_param` for a bucket of parameters: one all-gather of every rank's
-    concatenated shards, one reduce-scatter of their gradients in backward. A full_shard member
+    concatenated shards, one reduce-scatter of their gradients in backward (of the trainable
+    members': frozen ones share the gather, as FSDP2 gathers a module's). A full_shard member
     is freed on its own after its last use; backward re-gathers it on its own, or with the
     bucket's other saved members in one all-gather (``regather_together``: the bucket is at
     most the plan's ``gather_bucket_bytes``; a longer run of small parameters is not)."""

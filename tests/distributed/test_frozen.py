@@ -11,7 +11,7 @@ from harness import cases, frozen_cases
 
 from osdp_fx import Devices
 
-PLANS = ("full_shard", "shard_grad_op", "frozen_sharded", "searched")
+PLANS = ("full_shard", "shard_grad_op", "frozen_sharded", "one_bucket", "searched")
 
 
 INT8_PLANS = ("full_shard", "searched")
@@ -121,6 +121,19 @@ def test_frozen_groups_run_no_gradient_collective_and_regather_only_what_backwar
         # backward gathered exactly the frozen weights it reads, nothing of emb or up.base
         assert counts["gathered_numel"] == sum(result["padded"][n]
                                                for n in frozen_cases.REGATHERED), counts
+
+
+def test_frozen_and_trainable_parameters_share_a_bucket(trained):
+    """As FSDP2 gathers a module's parameters, frozen or not: one all-gather of the whole model
+    in forward, one reduce-scatter in backward that moves the adapters' gradients alone (on
+    gloo an all-reduce of the flat gradient, [Note: gloo reduce-scatter])."""
+    for r in trained:
+        result = r["one_bucket"]
+        forward, backward = result["forward"], result["backward"]
+        assert forward["all_gather"] == 1, forward
+        assert backward.get("reduce_scatter", 0) + backward.get("all_reduce", 0) == 1, backward
+        moved = backward.get("scattered_numel", 0) + backward.get("reduced_numel", 0)
+        assert moved == sum(result["padded"][n] for n in frozen_cases.ADAPTERS), backward
 
 
 @pytest.mark.parametrize("model,plan", [*(("lora", p) for p in PLANS),

@@ -61,6 +61,7 @@ class FrozenBaseLM(nn.Module):
 
 
 REGATHERED = {"down.base.weight", "head.weight"}
+ADAPTERS = {"up.a", "up.b", "down.a", "down.b"}
 FROZEN = {"emb.weight", "up.base.weight", "down.base.weight", "head.weight"}
 
 
@@ -130,10 +131,12 @@ def counting() -> Iterator[Counter]:
 
     def scattered(*args: Any, **kwargs: Any) -> Any:
         counts["reduce_scatter"] += 1
+        counts["scattered_numel"] += args[1].numel()
         return scatter(*args, **kwargs)
 
     def reduced(*args: Any, **kwargs: Any) -> Any:
         counts["all_reduce"] += 1
+        counts["reduced_numel"] += args[0].numel()
         return reduce(*args, **kwargs)
 
     collectives._all_gather_flat_impl = gathered
@@ -190,15 +193,19 @@ def train(rank: int, world: int, *, model: str = "lora", plans: tuple[str, ...] 
     tracker counts it (whole step, from the first) and, in the last step, the collectives of
     forward and of backward; rank 0 also trains one process on every rank's batches.
     ``model``: "lora" (:class:`FrozenBaseLM`) or "int8" (:class:`Int8BaseLM`); ``plans``:
-    strategy names, "frozen_sharded" (the frozen groups alone full_shard) and "searched" (the
-    search under a limit 4 % above the first plan's predicted peak); by default full_shard,
-    shard_grad_op, frozen_sharded and searched for "lora", full_shard and searched for "int8".
+    strategy names, "frozen_sharded" (the frozen groups alone full_shard), "one_bucket" (all
+    full_shard, gathered in one bucket: frozen and trainable members together) and "searched"
+    (the search under a limit 4 % above the first plan's predicted peak); by default
+    full_shard, shard_grad_op, frozen_sharded, one_bucket and searched for "lora", full_shard
+    and searched for "int8".
     ``devices``: compile_osdp's (a mesh)."""
     if plans is None:
-        plans = (("full_shard", "shard_grad_op", "frozen_sharded", "searched") if model == "lora"
-                 else ("full_shard", "searched"))
+        plans = (("full_shard", "shard_grad_op", "frozen_sharded", "one_bucket", "searched")
+                 if model == "lora" else ("full_shard", "searched"))
     given = {"searched": None, "frozen_sharded": _plan_file("frozen-sharded", {
-        "default": "replicate", "params": {n: "full_shard" for n in FROZEN}})}
+        "default": "replicate", "params": {n: "full_shard" for n in FROZEN}}),
+        "one_bucket": _plan_file("one-bucket", {
+            "default": "full_shard", "params": {}, "gather_bucket_bytes": 2**24})}
     out: dict[str, Any] = {}
     limit = None
     for label in plans:

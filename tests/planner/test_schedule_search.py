@@ -16,9 +16,10 @@ from osdp_fx.core.buckets import (
     DEFAULT_BUCKET_BYTES,
     SMALL_PARAM_BYTES,
     Schedule,
+    block_of,
     candidate_schedules,
 )
-from osdp_fx.cost_models.graph_facts import ParamState
+from osdp_fx.cost_models.graph_facts import ParamState, sharded_gather_buckets
 from osdp_fx.cost_models.overlap import exposed_gather_s
 from osdp_fx.cost_models.step import bucket_copy_s
 from osdp_fx.errors import PlanError
@@ -29,6 +30,7 @@ from osdp_fx.planner.make import (
     analyze,
     make_planned,
     param_specs,
+    param_states,
     predict,
     search_schedules,
 )
@@ -271,39 +273,48 @@ def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_sear
     assert set(found[0].found.strategies.values()) == {"shard_grad_op"}
 
 
-@pytest.mark.parametrize("dim, expected", [
-    # d 64: a block is under 1 MiB; shard_grad_op, which holds what it gathers until backward
-    # anyway, gathers it in one collective, where full_shard would hold a gathered block
-    (64, {"shard_grad_op": 2**20, "full_shard": SMALL_PARAM_BYTES}),
-    # d 512: a block (12 MiB) held whole, or its flat gradient, would raise either's peak
-    (512, {"shard_grad_op": 2**20, "full_shard": 2**20}),
-])
-def test_a_named_strategy_gathers_in_the_largest_buckets_that_keep_its_predicted_peak(
-        dim, expected):
-    """A plan named by a strategy keeps the peak of gathering small parameters only, and within
-    it gathers as much per collective as it can: tried first one block (two, then one gradient
-    collective in flight), then 1 MiB; every larger bucket it passes over is predicted to
-    hold more."""
+@pytest.mark.parametrize("dim", [64, 512])
+def test_a_named_strategy_gathers_one_block_per_collective_as_fsdp2(dim):
+    """On a model of repeated blocks a plan named by a strategy runs FSDP2's schedule: one
+    all-gather per block (a bucket of the most bytes one block gathers, at least 1 MiB; a
+    bucket never spans two blocks), the default prefetch (one bucket ahead), one gradient
+    collective in flight. d 64: a block is under 1 MiB; d 512: 12 MiB."""
     torch.manual_seed(0)
-    model = GPTWithLoss(TinyGPT(vocab=256, dim=dim, depth=2, heads=4, max_seq=32))
+    depth = 2
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=dim, depth=depth, heads=4, max_seq=32))
     x = torch.randint(0, 256, (4, 32))
     devices = Devices(world_size=4)
-    chosen = {}
     for strategy in ("shard_grad_op", "full_shard"):
         planned = make_planned(capture(model, (x,)), (x,), plan=strategy, devices=devices,
                                memory_limit_bytes=None, optimizer="adamw", fake=True)
         plan, analysis = planned.plan, planned.analysis
-        default = _predicted(analysis, strategy, Schedule()).peak_memory_bytes
         block = block_gather_bytes(analysis, world_size=4)
-        tries = ([Schedule(1, block), Schedule(1, block, scatters_in_flight=1)]
-                 if block > 2**20 else []) + [Schedule(1, 2**20)]
+        assert plan.schedule == Schedule(1, max(block, 2**20), scatters_in_flight=1), strategy
+        states = param_states(analysis, {p.name: p.strategy for p in plan.params})
+        buckets = sharded_gather_buckets(analysis.facts, states, 4,
+                                         plan.schedule.gather_bucket_bytes)
+        blocks = [{block_of(analysis.facts.param_of[n]) for n in b} for b in buckets]
+        if dim == 512:  # (at d 64 every parameter is small: runs of those share any bucket)
+            in_blocks = [b for b in blocks if b != {None}]
+            assert sorted(in_blocks, key=str) == [{f"model.blocks.{i}"} for i in range(depth)]
+
+
+def test_a_named_strategy_without_blocks_keeps_the_peak_of_small_buckets():
+    """Without repeated blocks (an MLP), a plan named by a strategy takes 1 MiB buckets only
+    where they keep the predicted peak of gathering small parameters alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+    x = torch.randn(8, 256)
+    devices = Devices(world_size=4)
+    for strategy in ("shard_grad_op", "full_shard"):
+        planned = make_planned(capture(model, (x,)), (x,), plan=strategy, devices=devices,
+                               memory_limit_bytes=None, optimizer="adamw", fake=True)
+        plan, analysis = planned.plan, planned.analysis
+        assert block_gather_bytes(analysis, world_size=4) is None
+        default = _predicted(analysis, strategy, Schedule()).peak_memory_bytes
+        larger = _predicted(analysis, strategy, Schedule(1, 2**20)).peak_memory_bytes
+        assert plan.schedule == (Schedule(1, 2**20) if larger <= default else Schedule())
         assert plan.peak_memory_bytes <= default
-        chosen[strategy] = plan.schedule
-        for schedule in tries:
-            if schedule == plan.schedule:
-                break
-            assert _predicted(analysis, strategy, schedule).peak_memory_bytes > default, schedule
-    assert {k: s.gather_bucket_bytes for k, s in chosen.items()} == expected
 
 
 def test_largest_first_shards_the_fewest_largest_groups_that_fit():
@@ -339,3 +350,22 @@ def test_largest_first_shards_the_fewest_largest_groups_that_fit():
                                   optimizer="adamw", faster_than_s=float("inf"))
     times = [f.step_s for f in beyond]
     assert times == sorted(times) and len(beyond) >= len(found)
+
+
+def test_block_bytes_count_parameters_read_through_their_casts():
+    """Under mixed precision a block reads its parameters through their casts to the compute
+    dtype: one block per all-gather all the same (a named plan's bucket, the search's)."""
+    from osdp_fx.core.precision import resolve_mixed_precision
+
+    torch.manual_seed(0)
+    model = GPTWithLoss(TinyGPT(vocab=256, dim=512, depth=2, heads=4, max_seq=32))
+    x = torch.randint(0, 256, (4, 32))
+    blocks = {}
+    for mp in (None, "bf16"):
+        planned = make_planned(capture(model, (x,)), (x,), plan="full_shard",
+                               devices=Devices(world_size=4), memory_limit_bytes=None,
+                               optimizer="adamw", fake=True,
+                               precision=resolve_mixed_precision(mp))
+        blocks[mp] = block_gather_bytes(planned.analysis, world_size=4)
+        assert planned.plan.schedule.gather_bucket_bytes == blocks[mp], mp
+    assert blocks["bf16"] == blocks[None] > 2**20
