@@ -27,6 +27,7 @@ is then the whole tensor, a plain parameter of its shape over the one chunk.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -39,7 +40,10 @@ from .collectives import pad_flat
 from .hierarchy import checkpoint_mesh
 
 
+@functools.cache
 def _dtensor_type() -> Any:
+    """``DTensor``, imported on first use (``import osdp_fx`` stays light); cached: the runtime
+    asks per parameter and step."""
     from torch.distributed.tensor import DTensor
 
     return DTensor
@@ -58,8 +62,7 @@ def padded_numel(t: torch.Tensor) -> int:
     """Elements of the padded flat chunk behind ``t`` (a DTensor: of its global shape)."""
     if not is_dtensor(t):
         return t.numel()
-    chunks = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)  # type: ignore[attr-defined]
-                       if p.is_shard())
+    chunks = t._spec.num_shards  # type: ignore[attr-defined]
     return shard_numel(t.numel(), chunks, row_numel(tuple(t.shape)))
 
 
