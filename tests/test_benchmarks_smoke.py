@@ -225,7 +225,7 @@ def test_finetune_benchmark_measures_every_system_and_checks_the_targets(tmp_pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     raw = json.loads((tmp_path / "finetune-world2.json").read_text())
     by = {r["key"]: r for r in raw["rows"]}
-    assert set(by) == {"ddp", "fsdp2", "full_shard", "full_shard_prefetch3", "full_shard_blocks",
+    assert set(by) == {"ddp", "fsdp2", "full_shard", "full_shard_prefetch3", "full_shard_small",
                        "replicate", "searched"}
     for r in raw["rows"]:
         assert r["peak_bytes"] > 0 and r["step_s"] > 0, r["key"]

@@ -115,7 +115,8 @@ def block_of(param: str) -> str | None:
 
 
 def gather_buckets(sizes: list[tuple[Any, int]], bucket_bytes: int = SMALL_PARAM_BYTES,
-                   blocks: Sequence[str | None] | None = None) -> list[list[int]]:
+                   blocks: Sequence[str | None] | None = None,
+                   frozen: Sequence[bool] | None = None) -> list[list[int]]:
     """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
     order and its block (:func:`block_of`; None: no blocks). A parameter joins the bucket of the
     gather before it when their keys (strategy, dtypes; unique for the mesh strategies, which
@@ -126,22 +127,27 @@ def gather_buckets(sizes: list[tuple[Any, int]], bucket_bytes: int = SMALL_PARAM
       module's parameters; its members' gradients are copied into the bucket's flat buffer), or
     * it and every member are small (at most :data:`SMALL_PARAM_BYTES`; such runs, biases and
       norm weights, are short, and their copies cost nothing next to a collective's latency;
-      they may span blocks).
+      they may span blocks) and all are frozen or all trainable (``frozen``, per gather; None:
+      all trainable): the frozen and trainable parameters of a block share its bucket, but a
+      run of small ones stops where frozen and trainable ones alternate (in a small model, a
+      LoRA's every weight is small: the run would be the whole model, gathered at once).
 
     So a bucket holding a parameter that is not small never spans two blocks. Returns index
     lists."""
     block = list(blocks) if blocks is not None else [None] * len(sizes)
+    still = list(frozen) if frozen is not None else [False] * len(sizes)
     buckets: list[list[int]] = []
-    total, small = 0, False
+    total, small, kinds = 0, False, set()
     for i, (key, nbytes) in enumerate(sizes):
         joins = buckets and sizes[buckets[-1][0]][0] == key and (
             (block[buckets[-1][0]] == block[i] and total + nbytes <= bucket_bytes)
-            or (small and nbytes <= SMALL_PARAM_BYTES))
+            or (small and nbytes <= SMALL_PARAM_BYTES and kinds == {still[i]}))
         if joins:
             buckets[-1].append(i)
             total += nbytes
             small = small and nbytes <= SMALL_PARAM_BYTES
+            kinds.add(still[i])
         else:
             buckets.append([i])
-            total, small = nbytes, nbytes <= SMALL_PARAM_BYTES
+            total, small, kinds = nbytes, nbytes <= SMALL_PARAM_BYTES, {still[i]}
     return buckets

@@ -200,7 +200,8 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
 
     blocks = [block_of(facts.param_of[n]) for n in order]
     return [[order[i] for i in b]
-            for b in gather_buckets([key(n) for n in order], small_bytes, blocks)]
+            for b in gather_buckets([key(n) for n in order], small_bytes, blocks,
+                                    [not params[facts.param_of[n]].trainable for n in order])]
 
 
 def regathered_together(facts: GraphFacts, params: Mapping[str, ParamState],

@@ -97,7 +97,8 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> N
              if n.args[3] == WORLD
              else f"mesh {i}", gathered_bytes(n)) for i, n in enumerate(gathers)]
     blocks = [block_of(osdp_meta(n).param or "") for n in gathers]
-    for bucket in gather_buckets(keys, bucket_bytes, blocks):
+    frozen = [not gm.get_parameter(n.args[0].target).requires_grad for n in gathers]
+    for bucket in gather_buckets(keys, bucket_bytes, blocks, frozen):
         if len(bucket) == 1:
             continue
         members = [gathers[i] for i in bucket]

@@ -390,6 +390,20 @@ def test_runs_of_small_parameters_share_a_bucket():
     assert gather_buckets(sizes) == [[0, 1], [2], [3, 4], [5, 6], [7], [8]]
 
 
+def test_frozen_and_trainable_parameters_share_a_blocks_bucket_not_a_small_run():
+    """A LoRA block: frozen base weights and trainable adapters alternate. In a block's bucket
+    they share one all-gather; a run of small ones (any length, across blocks) stops where
+    frozen and trainable alternate, or a small model's run would be the whole model."""
+    small, big = SMALL_PARAM_BYTES, SMALL_PARAM_BYTES + 1
+    sizes = [("a", big), ("a", small), ("a", small), ("a", big), ("a", small), ("a", small)]
+    frozen = [True, False, False, True, False, False]
+    assert gather_buckets(sizes, 2**20, ["b0"] * 6, frozen) == [[0, 1, 2, 3, 4, 5]]
+    # all small, no blocks, the default bucket: runs of one kind
+    sizes = [("a", small)] * 6
+    assert gather_buckets(sizes, frozen=frozen) == [[0], [1, 2], [3], [4, 5]]
+    assert gather_buckets(sizes) == [[0, 1, 2, 3, 4, 5]]
+
+
 def test_a_larger_bucket_holds_parameters_of_any_size_up_to_its_bytes():
     MiB = 2**20
     sizes = [("a", 2 * MiB), ("a", 1024), ("a", MiB), ("a", MiB), ("a", 1024), ("b", MiB),
