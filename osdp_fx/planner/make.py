@@ -279,7 +279,8 @@ def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimi
     collectives pay fewer collectives' latency (the runtime's per call, the link's per
     message; [Note: one gather per block]) and, under ``torch.compile``, leave longer regions
     to compile ([Note: torch.compile]). A plan file or the search chooses other schedules
-    (smaller buckets hold less: ``docs/guide.md``, "Schedules")."""
+    (smaller buckets hold less: ``docs/training.md``, "Overlap of communication with
+    computation")."""
     # [Note: one gather per block] In buckets of at most 1 MiB a transformer block's parameters
     # (a LoRA layer's base weights and adapters alternating) take tens of all-gathers where
     # FSDP2 takes one, and each collective costs its call in the runtime and the backend, which
