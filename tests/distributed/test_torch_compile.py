@@ -9,6 +9,8 @@ which costs tens of seconds per graph on this CPU); one case runs inductor.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from harness import compile_cases, models, recompute_cases
@@ -45,7 +47,8 @@ def test_every_strategy(worlds, model, plan, devices):
         assert 1 <= result["regions"] <= result["call_sites"] + 1
 
 
-def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(monkeypatch):
+def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(monkeypatch,
+                                                                                tmp_path):
     """Under torch.compile the graph runs each run of compute between two collective calls as a
     region; run eagerly, that computes what the printed graph computes, before and after the
     regions' way is chosen."""
@@ -54,11 +57,14 @@ def test_compute_between_collective_calls_is_one_region_each_and_runs_as_before(
     from osdp_fx.runtime import compiled_regions
     from osdp_fx.runtime.compile_support import is_collective_call
 
-    torch.manual_seed(0)  # weights larger than a gather bucket: gathered one by one
+    torch.manual_seed(0)  # weights larger than a gather bucket (64 KiB): gathered one by one
     net = TinyGPT(vocab=67, dim=128, depth=2, heads=4, max_seq=16)
     loss_fn = models.build("gpt", 0)[1]
     batch = models.batches("gpt", global_batch=2, steps=1)[0]
-    compiled = compile_osdp(net, batch[:1], Devices(world_size=1), plan="shard_grad_op")
+    plan = tmp_path / "small_buckets.json"
+    plan.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "params": {},
+                                "default": "shard_grad_op", "gather_bucket_bytes": 65536}))
+    compiled = compile_osdp(net, batch[:1], Devices(world_size=1), plan=str(plan))
     regions = compiled._compiled_regions()
     kinds = ["call" if is_collective_call(n) else
              "region" if n.op == "call_module" and n.target.startswith(compiled_regions.REGION)

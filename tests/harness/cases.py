@@ -189,16 +189,21 @@ def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer
 
 def searched_plan(rank: int, world: int, *, model: str, plan_dir: str,
                   local_batch: int = 8) -> dict[str, Any]:
-    """Search under a limit halfway between the all-full_shard and all-replicate peaks; then
-    reload the saved plan file, and search again under a limit nothing can meet."""
+    """Search under a limit halfway between the peaks of all-full_shard in 64 KiB buckets (the
+    least memory; named, full_shard gathers a block at a time, as FSDP2) and all-replicate;
+    then reload the saved plan file, and search again under a limit nothing can meet."""
     from osdp_fx import OSDPError
     from osdp_fx.runtime.memory import measure_step_peak_bytes
 
     from .models import with_loss
 
     batch = local(batches(model, global_batch=local_batch * world, steps=1)[0], rank, world)
-    peaks = {s: compile_osdp(with_loss(model), batch, plan=s, optimizer="sgd").plan.peak_memory_bytes
-             for s in ("replicate", "full_shard")}
+    least = f"{plan_dir}/full_shard_small_buckets.{rank}.json"
+    with open(least, "w") as f:
+        json.dump({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
+                   "params": {}, "gather_bucket_bytes": 65536}, f)
+    peaks = {s: compile_osdp(with_loss(model), batch, plan=p, optimizer="sgd").plan.peak_memory_bytes
+             for s, p in (("replicate", "replicate"), ("full_shard", least))}
     limit = (peaks["replicate"] + peaks["full_shard"]) // 2
     compiled = compile_osdp(with_loss(model), batch, memory_limit=limit, optimizer="sgd")
     params = list(compiled.parameters())
