@@ -11,7 +11,8 @@ directory under a key of everything the search depends on that does not change b
 * the ``Devices`` given (every figure), or, when they are measured, only that they are;
 * the planner's options (``PlanOptions``: optimizer, batch sizes, splits, recomputation,
   prefetch, mixed precision, gradient accumulation, autotuning, the largest shape);
-* the versions of osdp-fx and torch.
+* the versions of osdp-fx and torch, and a digest of osdp-fx's own source files
+  (:func:`code_digest`: a checkout whose code changed under the same version plans afresh).
 
 An entry holds the plan's JSON (``docs/plan-format.md``) and the ``Devices`` it was planned for
 (measured ones included), so that a hit predicts with the same figures. Rank 0 looks the key up
@@ -25,6 +26,7 @@ variable ``OSDP_FX_PLAN_CACHE`` (a directory; ``off`` or ``0``: off), else
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -78,13 +80,25 @@ class CachedPlan:
     """The devices it was planned for (measured ones included)."""
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the source of every module of the installed osdp_fx package (read once per
+    process)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def plan_key(captured: Captured, inputs: tuple[Any, ...], *, devices: Devices | None,
              world_size: int, ranks_per_node: int | None, memory_limit_bytes: int | None,
              device: torch.device, options: PlanOptions) -> str:
     """The key of a search: a digest of what it depends on (module docstring)."""
     gm = captured.gm
     facts = {
-        "versions": [VERSION, torch.__version__],
+        "versions": [VERSION, torch.__version__, code_digest()],
         "graph": gm.code,
         "params": [[n, list(p.shape), str(p.dtype), p.requires_grad]
                    for n, p in gm.named_parameters(remove_duplicate=False)],

@@ -49,6 +49,18 @@ def test_other_options_search_again(tmp_path, caplog):
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_other_code_searches_again(tmp_path, caplog, monkeypatch):
+    """A checkout whose osdp-fx source changed (the same version) does not take a plan an
+    earlier code made."""
+    from osdp_fx.planner import cache
+
+    _compile(tmp_path, caplog)
+    monkeypatch.setattr(cache, "code_digest", lambda: "another source")
+    _, log = _compile(tmp_path, caplog)
+    assert any("plan cache: no plan in" in m for m in log), log
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
 def test_the_cache_can_be_turned_off(tmp_path, caplog, monkeypatch):
     _, log = _compile(False, caplog)
     assert not any("plan cache" in m for m in log)
