@@ -135,19 +135,19 @@ def gather_buckets(sizes: list[tuple[Any, int]], bucket_bytes: int = SMALL_PARAM
     So a bucket holding a parameter that is not small never spans two blocks. Returns index
     lists."""
     block = list(blocks) if blocks is not None else [None] * len(sizes)
-    still = list(frozen) if frozen is not None else [False] * len(sizes)
+    is_frozen = list(frozen) if frozen is not None else [False] * len(sizes)
     buckets: list[list[int]] = []
     total, small, kinds = 0, False, set()
     for i, (key, nbytes) in enumerate(sizes):
         joins = buckets and sizes[buckets[-1][0]][0] == key and (
             (block[buckets[-1][0]] == block[i] and total + nbytes <= bucket_bytes)
-            or (small and nbytes <= SMALL_PARAM_BYTES and kinds == {still[i]}))
+            or (small and nbytes <= SMALL_PARAM_BYTES and kinds == {is_frozen[i]}))
         if joins:
             buckets[-1].append(i)
             total += nbytes
             small = small and nbytes <= SMALL_PARAM_BYTES
-            kinds.add(still[i])
+            kinds.add(is_frozen[i])
         else:
             buckets.append([i])
-            total, small, kinds = nbytes, nbytes <= SMALL_PARAM_BYTES, {still[i]}
+            total, small, kinds = nbytes, nbytes <= SMALL_PARAM_BYTES, {is_frozen[i]}
     return buckets
