@@ -8,6 +8,7 @@ hardware one does not have, or measured on the running process group with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -109,6 +110,20 @@ class Devices:
                 raise InputError(f"Devices.{name} has invalid entries {bad}: keys are "
                                  f"{'optimizer kinds' if keys is OPTIMIZERS else 'dtype names'}"
                                  f" ({', '.join(keys)}), values {what}")
+
+    def __hash__(self) -> int:
+        return self._fingerprint_hash
+
+    @functools.cached_property
+    def _fingerprint_hash(self) -> int:
+        """A hash of every figure (the dict fields as sorted items), computed once: the cost
+        models' caches key their results by the Devices they were computed for."""
+        def frozen(value: Any) -> Any:
+            if isinstance(value, dict):
+                return tuple(sorted((k, frozen(v)) for k, v in value.items()))
+            return value
+
+        return hash(tuple(frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     @property
     def num_nodes(self) -> int:

@@ -106,7 +106,8 @@ TRAITS: dict[Strategy, StrategyTraits] = {
 
 def traits(strategy: str) -> StrategyTraits:
     """The table row of ``strategy`` (a :class:`Strategy` or its name)."""
-    return TRAITS[Strategy(strategy)]
+    row = TRAITS.get(strategy)  # type: ignore[call-overload]  # a name hashes as its member
+    return row if row is not None else TRAITS[Strategy(strategy)]
 
 
 REPLICATE = Strategy.REPLICATE

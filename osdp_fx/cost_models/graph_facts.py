@@ -115,9 +115,18 @@ class GraphFacts:
             hit = self.derived[key] = (arg, fn(self, arg))
         return hit[1]
 
-    def param_uses(self, node: fx.Node) -> list[fx.Node]:
-        """Nodes that read parameter node ``node`` or a view of it (excluding the views)."""
-        return [u for m in self.members[node] for u in m.users if self.root[u] is not node]
+    def param_uses(self, node: fx.Node) -> tuple[fx.Node, ...]:
+        """Nodes that read parameter node ``node`` or a view of it (excluding the views), found
+        once per node (every candidate plan's timeline asks)."""
+        uses = self._param_uses.get(node)
+        if uses is None:
+            uses = self._param_uses[node] = tuple(
+                u for m in self.members[node] for u in m.users if self.root[u] is not node)
+        return uses
+
+    @functools.cached_property
+    def _param_uses(self) -> dict[fx.Node, tuple[fx.Node, ...]]:
+        return {}
 
 
 def node_times(facts: GraphFacts, devices: Devices) -> dict[fx.Node, ComputeTime | None]:

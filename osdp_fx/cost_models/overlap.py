@@ -19,6 +19,7 @@ records the measurements).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -58,6 +59,7 @@ def exposed_gather_s(compute_s: Sequence[float],
     return waited
 
 
+@functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
 def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> tuple[float, float]:
     """(forward, backward) all-gather seconds of one group (several stages added)."""
     fwd, bwd = collective_stages(

@@ -35,6 +35,7 @@ given as functions of the per-rank batch size ``b`` (compute and activations sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import sympy
@@ -125,6 +126,15 @@ def _attributed_compute_s(facts: GraphFacts,
     return per_group, other
 
 
+# [Note: cost caches]
+# A search predicts hundreds of plans, and each prediction asks every parameter group's costs
+# under its strategy: ``group_cost`` here, ``overlap.gather_s`` and ``timeline._param_sizes``.
+# Each is a pure function of a frozen ``ParamState``, a ``Devices`` (frozen; hashed by its
+# figures, ``Devices.__hash__``) and plain values, so its results are kept in a bounded
+# ``functools.lru_cache`` for the process: the same arguments give the same figures, a new
+# Devices or state simply misses. ``docs/architecture.md`` lists them with the other
+# process-wide state.
+@functools.lru_cache(maxsize=1 << 16)
 def group_cost(
     state: ParamState, *, regathered: bool, compute_s: float, devices: Devices, optimizer: str,
     grad_accumulation: int = 1, reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES,

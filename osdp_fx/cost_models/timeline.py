@@ -72,6 +72,7 @@ of lines in ``b``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -367,6 +368,7 @@ def _scattered_when_ready(node: fx.Node, step: _Step, gathers: _Gathers) -> bool
             and set(node.users) <= (set(casts) if casts else spans.keys()))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
 def _param_sizes(state: ParamState, devices: Devices) -> _ParamSizes:
     """What one parameter group takes on a rank under its strategy."""
     world_size, ranks_per_node = devices.world_size, devices.ranks_per_node
