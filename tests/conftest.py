@@ -12,9 +12,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # search); tests of the plan cache pass plan_cache= a directory of their own.
 os.environ["OSDP_FX_PLAN_CACHE"] = "off"
 
+from harness import shared_captures  # noqa: E402
 from harness.tiers import is_slow  # noqa: E402
 from harness.world import World, freeze_imported_objects  # noqa: E402
 
+shared_captures.install()  # cases share captures of the same Hugging Face model
 freeze_imported_objects()
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))

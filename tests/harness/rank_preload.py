@@ -2,7 +2,8 @@
 
 It imports what the ranks' cases use, so that a forked rank finds them loaded: torch and
 torch._dynamo / torch.export (captures, the profiler), transformers' GPT-2 and Llama and peft
-(the Hugging Face cases), osdp_fx and the case modules. Then it moves every object alive into
+(the Hugging Face cases), osdp_fx and the case modules, and has the ranks' cases share captures
+of the same Hugging Face model (``harness.shared_captures``). Then it moves every object alive into
 the collector's permanent generation (``gc.freeze``), which the forks inherit. Nothing here runs
 a torch operator or starts a thread, so forking this process is safe.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 
+from . import shared_captures
 from .world import freeze_imported_objects
 
 OPTIONAL = (
@@ -35,4 +37,5 @@ for _name in CASES:
         importlib.import_module(f"{__package__}.{_name}")
     except Exception:  # a case module being edited or removed: its ranks import it later
         pass
+shared_captures.install()  # cases of a rank share the captures of a Hugging Face model
 freeze_imported_objects()
