@@ -144,6 +144,8 @@ class Timeline:
     def peak(self, base: Mapping[Category, int], micro: str, batch: int, profiled: int) -> int:
         """The largest live total of :meth:`sweep`'s points at ``batch`` (scaled bytes are
         profiled at ``profiled``), without keeping the points."""
+        if batch == profiled:  # scaled bytes count as they are: one running total
+            return self._peak_as_profiled(base, micro)
         scaled = {c: 0 for c in _CATEGORIES}
         fixed = sum(base.values())
         most = None
@@ -159,6 +161,19 @@ class Timeline:
                     scaled[c] -= sc
                     fixed -= fx_
         return fixed if most is None else most
+
+    def _peak_as_profiled(self, base: Mapping[Category, int], micro: str) -> int:
+        live = sum(base.values())
+        most = None
+        for t in sorted(set(self.allocs) | set(self.frees)):
+            for _, sc, fx_, only in self.allocs.get(t, ()):
+                if only in ("", micro):
+                    live += sc + fx_
+            most = live if most is None else max(most, live)
+            for _, sc, fx_, only in self.frees.get(t, ()):
+                if only in ("", micro):
+                    live -= sc + fx_
+        return live if most is None else most
 
 
 def replicated_buckets(tl: Timeline, params: Mapping[str, ParamState],

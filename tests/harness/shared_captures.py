@@ -32,6 +32,7 @@ import dataclasses
 import enum
 import functools
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -127,7 +128,7 @@ def _stored(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     for t in _model_tensors(gm, model).values():
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(gm, memo)
+    return _copy(gm, memo)
 
 
 def _bound(stored: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
@@ -135,7 +136,13 @@ def _bound(stored: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     own = dict(model.named_parameters(remove_duplicate=False))
     own.update(model.named_buffers(remove_duplicate=False))
     memo = {id(t): own[n] for n, t in _model_tensors(stored, model).items()}
-    return copy.deepcopy(stored, memo)
+    return _copy(stored, memo)
+
+
+def _copy(gm: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
+    with warnings.catch_warnings():  # copying the input spec asks a deprecated isinstance
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(gm, memo)
 
 
 def shared_export(real: Any) -> Any:
