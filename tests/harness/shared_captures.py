@@ -2,8 +2,8 @@
 per process (a test rank, or the pytest process) and later cases get a copy of its graph.
 
 Why: exporting a Hugging Face model with dynamic batch and sequence (``Dim.AUTO``) takes 2-3 s
-of CPU even for a two-layer test model, and the suite compiles such models a few hundred times,
-most of them the same model built again for another case. Every case still runs the rest of
+of CPU even for a two-layer test model, and the suite compiles such models many times, most of
+them the same model built again for another case. Every case still runs the rest of
 ``compile_osdp`` (normalisation, profile, plan, shard) on its own model.
 
 What is shared: the graph module ``osdp_fx.passes.capture._export_module`` returns (before
@@ -14,14 +14,14 @@ the forward's code) are copies of the first capture's.
 
 When it is the same model: the key holds, for the model and every submodule, its class, its
 training flag, and the value of every attribute that is not a tensor (Hugging Face and peft
-configurations field by field, hooks and other functions by their code), every parameter's and
-buffer's name, shape, dtype, device and ``requires_grad`` (and which are tied), and the
-example inputs' shapes, dtypes and devices. Only models with a ``transformers`` or ``peft``
-module are shared, and only where every module's class is defined at a module's top level (its
-name then says which class it is); a model with a tensor held as a plain attribute, or an
-attribute of a kind the key cannot read, is exported afresh. Tests of capture
-itself see the real export on its first call for a model, and an export that fails is not
-stored.
+configurations field by field, hooks and other functions by their code and the values they
+close over), every parameter's and buffer's name, shape, dtype, device and ``requires_grad``
+(and which are tied), and the example inputs' shapes, dtypes and devices. Only models with a
+``transformers`` or ``peft`` module are shared, and only where every module's class is defined
+at a module's top level (its name then says which class it is); a model with a tensor held as
+a plain attribute, or an attribute of a kind the key cannot read, is exported afresh. Tests of
+capture itself see the real export on its first call for a model, and an export that fails is
+not stored. ``tests/test_shared_captures.py`` tests the sharing itself.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def _freeze(value: Any, seen: frozenset[int] = frozenset()) -> Any:
         return ("method", _freeze(value.__func__, seen), type(value.__self__).__qualname__)
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
         code = getattr(value, "__code__", None)
+        cells = tuple(_contents(c) for c in getattr(value, "__closure__", None) or ())
         return ("function", value.__module__, value.__qualname__, id(code),
-                _freeze(getattr(value, "__defaults__", None), seen))
+                _freeze(getattr(value, "__defaults__", None), seen), _freeze(cells, seen))
     if isinstance(value, type):
         return ("class", value.__module__, value.__qualname__)
     if isinstance(value, nn.Module):
@@ -84,6 +85,13 @@ def _freeze(value: Any, seen: frozenset[int] = frozenset()) -> Any:
             return (type(value).__module__, type(value).__qualname__,
                     _freeze(vars(value), seen))
     raise _Unkeyable(f"an attribute of type {type(value).__qualname__}")
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return ("empty cell",)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
