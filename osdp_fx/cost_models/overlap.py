@@ -20,6 +20,7 @@ records the measurements).
 from __future__ import annotations
 
 import functools
+import operator
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -47,7 +48,11 @@ def exposed_gather_s(compute_s: Sequence[float],
         issued[issue].append(i)
     done: dict[int, float] = {}
     now = link_free = waited = 0.0
-    for step, seconds in enumerate(compute_s):
+    at = 0  # the step ``now`` is at: the computation of the steps before it is added
+    for step in sorted(s for s in used.keys() | issued.keys() if s < len(compute_s)):
+        # the steps without a gather in between, added one after the other as they run
+        now = functools.reduce(operator.add, compute_s[at:step], now)
+        at = step
         for group, wait in ((used[step], True), (issued[step], False)):
             for i in group:
                 if i not in done:
@@ -55,7 +60,6 @@ def exposed_gather_s(compute_s: Sequence[float],
                 if wait and done[i] > now:
                     waited += done[i] - now
                     now = done[i]
-        now += seconds
     return waited
 
 
