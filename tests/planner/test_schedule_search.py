@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 
 import pytest
 import torch
@@ -36,6 +37,39 @@ from osdp_fx.planner.make import (
 )
 from osdp_fx.planner.schedule_search import rank_schedules
 from osdp_fx.planner.search import block_gather_bytes
+
+
+def _replay_step_by_step(compute_s, gathers):
+    """The two-lane replay written step by step: every step's computation added to the clock
+    in turn, the gathers used and issued at it handled before."""
+    used, issued = {}, {}
+    for i, (issue, use, _) in enumerate(gathers):
+        used.setdefault(use, []).append(i)
+        issued.setdefault(issue, []).append(i)
+    done, now, link_free, waited = {}, 0.0, 0.0, 0.0
+    for step, seconds in enumerate(compute_s):
+        for group, wait in ((used.get(step, []), True), (issued.get(step, []), False)):
+            for i in group:
+                if i not in done:
+                    link_free = done[i] = max(now, link_free) + gathers[i][2]
+                if wait and done[i] > now:
+                    waited += done[i] - now
+                    now = done[i]
+        now += seconds
+    return waited
+
+
+def test_exposed_gather_time_equals_the_step_by_step_replay_to_the_bit():
+    rnd = random.Random(0)
+    for _ in range(500):
+        n = rnd.randint(0, 40)
+        compute = [rnd.random() * 1e-3 for _ in range(n)]
+        gathers = []
+        for _ in range(rnd.randint(0, 12)):
+            use = rnd.randint(0, n + 2)  # some used past the last step: never waited for
+            gathers.append((rnd.randint(0, use), use, rnd.random() * 2e-3))
+        gathers.sort(key=lambda g: (g[0], g[1]))
+        assert exposed_gather_s(compute, gathers) == _replay_step_by_step(compute, gathers)
 
 
 def test_exposed_gather_time_of_a_two_lane_replay():
