@@ -11,6 +11,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 
+import numpy as np
 import sympy
 from torch import fx
 
@@ -103,14 +104,13 @@ class Timeline:
     category, in every micro-batch or only in the ``SYNC`` or ``LOCAL`` one."""
 
     def __init__(self) -> None:
-        self.allocs: dict[float, list[tuple[Category, int, int, str]]] = defaultdict(list)
-        self.frees: dict[float, list[tuple[Category, int, int, str]]] = defaultdict(list)
+        self.events: list[tuple[float, float, tuple[Category, int, int, str]]] = []
+        """(allocated at, freed after, amount), in the order they were recorded."""
 
     def copy(self) -> Timeline:
         """A timeline with the same events, to which more may be added."""
         out = Timeline()
-        out.allocs.update((t, list(v)) for t, v in self.allocs.items())
-        out.frees.update((t, list(v)) for t, v in self.frees.items())
+        out.events = list(self.events)
         return out
 
     def alive(self, start: float, end: float, nbytes: int, category: Category, *,
@@ -120,8 +120,20 @@ class Timeline:
         if nbytes <= 0:
             return
         amount = (category, nbytes, 0, only) if scaled else (category, 0, nbytes, only)
-        self.allocs[start].append(amount)
-        self.frees[max(start, end)].append(amount)
+        self.events.append((start, end if end > start else start, amount))
+
+    def _by_time(self, micro: str) -> tuple[list[float], dict[float, list[tuple[Category, int, int]]],
+                                            dict[float, list[tuple[Category, int, int]]]]:
+        """The time points, and the amounts of ``micro`` allocated and freed at each."""
+        allocs: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
+        frees: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
+        for start, end, (c, sc, fx_, only) in self.events:
+            allocs[start]
+            frees[end]
+            if only in ("", micro):
+                allocs[start].append((c, sc, fx_))
+                frees[end].append((c, sc, fx_))
+        return sorted(allocs.keys() | frees.keys()), allocs, frees
 
     def sweep(self, base: Mapping[Category, int],
               micro: str = SYNC) -> list[tuple[float, dict[Category, tuple[int, int]]]]:
@@ -129,16 +141,15 @@ class Timeline:
         allocations in the micro-batch ``micro``, starting from ``base`` fixed bytes."""
         live = {c: [0, base.get(c, 0)] for c in _CATEGORIES}
         points = []
-        for t in sorted(set(self.allocs) | set(self.frees)):
-            for c, sc, fx_, only in self.allocs.get(t, ()):
-                if only in ("", micro):
-                    live[c][0] += sc
-                    live[c][1] += fx_
+        times, allocs, frees = self._by_time(micro)
+        for t in times:
+            for c, sc, fx_ in allocs.get(t, ()):
+                live[c][0] += sc
+                live[c][1] += fx_
             points.append((t, {c: (v[0], v[1]) for c, v in live.items()}))
-            for c, sc, fx_, only in self.frees.get(t, ()):
-                if only in ("", micro):
-                    live[c][0] -= sc
-                    live[c][1] -= fx_
+            for c, sc, fx_ in frees.get(t, ()):
+                live[c][0] -= sc
+                live[c][1] -= fx_
         return points
 
     def peak(self, base: Mapping[Category, int], micro: str, batch: int, profiled: int) -> int:
@@ -149,31 +160,34 @@ class Timeline:
         scaled = {c: 0 for c in _CATEGORIES}
         fixed = sum(base.values())
         most = None
-        for t in sorted(set(self.allocs) | set(self.frees)):
-            for c, sc, fx_, only in self.allocs.get(t, ()):
-                if only in ("", micro):
-                    scaled[c] += sc
-                    fixed += fx_
+        times, allocs, frees = self._by_time(micro)
+        for t in times:
+            for c, sc, fx_ in allocs.get(t, ()):
+                scaled[c] += sc
+                fixed += fx_
             total = fixed + sum(v * batch // profiled for v in scaled.values())
             most = total if most is None else max(most, total)
-            for c, sc, fx_, only in self.frees.get(t, ()):
-                if only in ("", micro):
-                    scaled[c] -= sc
-                    fixed -= fx_
+            for c, sc, fx_ in frees.get(t, ()):
+                scaled[c] -= sc
+                fixed -= fx_
         return fixed if most is None else most
 
     def _peak_as_profiled(self, base: Mapping[Category, int], micro: str) -> int:
-        live = sum(base.values())
-        most = None
-        for t in sorted(set(self.allocs) | set(self.frees)):
-            for _, sc, fx_, only in self.allocs.get(t, ()):
-                if only in ("", micro):
-                    live += sc + fx_
-            most = live if most is None else max(most, live)
-            for _, sc, fx_, only in self.frees.get(t, ()):
-                if only in ("", micro):
-                    live -= sc + fx_
-        return live if most is None else most
+        """:meth:`peak` at the profiled batch: at each time point, what was allocated up to it
+        and not freed before it (integers, so the sums are exact in any order)."""
+        fixed = sum(base.values())
+        kept = [(start, end, sc + fx_) for start, end, (_, sc, fx_, only) in self.events
+                if only in ("", micro)]
+        if not kept:
+            return fixed
+        starts, ends, sizes = (np.asarray(v) for v in zip(*kept))
+        times = np.union1d(starts, ends)
+        by_start, by_end = np.argsort(starts, kind="stable"), np.argsort(ends, kind="stable")
+        allocated = np.concatenate(([0], np.cumsum(sizes[by_start], dtype=np.int64)))
+        freed = np.concatenate(([0], np.cumsum(sizes[by_end], dtype=np.int64)))
+        live = (allocated[np.searchsorted(starts[by_start], times, side="right")]
+                - freed[np.searchsorted(ends[by_end], times, side="left")])
+        return fixed + int(live.max())
 
 
 def replicated_buckets(tl: Timeline, params: Mapping[str, ParamState],

@@ -93,3 +93,24 @@ def test_buffers_and_constants_are_held_throughout_once_each():
         gm.graph.get_attr("table")
     gm.recompile()
     assert constant_bytes(gm) == 1024 + 512
+
+
+_EVENT = st.tuples(st.integers(0, 30).map(lambda t: t / 4), st.integers(-4, 40).map(lambda d: d / 4),
+                   st.integers(0, 10**9), st.sampled_from(list(Category)), st.booleans(),
+                   st.sampled_from(["", "", "sync", "local"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(_EVENT, max_size=40), base=st.integers(0, 10**6),
+       micro=st.sampled_from(["sync", "local"]))
+def test_the_peak_is_the_largest_total_of_the_sweep(events, base, micro):
+    """The peak the searches ask for (one running total at the profiled batch, or per category
+    at another) is the largest live total of the step-by-step sweep."""
+    tl = Timeline()
+    for start, length, nbytes, category, scaled, only in events:
+        tl.alive(start, start + length, nbytes, category, scaled=scaled, only=only)
+    points = tl.sweep({Category.PARAMETERS: base}, micro)
+    for batch, profiled in ((4, 4), (8, 4), (3, 4)):
+        expected = max((sum(sc * batch // profiled + fx for sc, fx in by.values())
+                        for _, by in points), default=base)
+        assert tl.peak({Category.PARAMETERS: base}, micro, batch, profiled) == expected
