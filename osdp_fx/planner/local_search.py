@@ -42,6 +42,7 @@ IMPROVE_ROUNDS = 4
 def improve(
     strategies: Mapping[str, str], *, options: Mapping[str, Mapping[str, int]],
     step_s: Callable[[Mapping[str, str]], float | None], rounds: int = IMPROVE_ROUNDS,
+    fits: Callable[[Mapping[str, str]], bool] | None = None,
 ) -> tuple[float | None, dict[str, str]]:
     """From ``strategies`` (group -> strategy), hill-climb over single changes of the groups
     of ``options`` (group -> {strategy: the bytes it keeps the group in, persistently}) to a
@@ -49,10 +50,13 @@ def improve(
     problem overestimates the peak near the limit and leaves memory unused (``search._loosen``),
     which such changes spend. ``step_s``: a plan's predicted seconds, None when it does not
     fit. Each round takes the fastest change faster than the plan so far; at most ``rounds``.
-    Returns (its step seconds, the plan); the seconds are None only when ``strategies`` itself
-    does not fit (it is then returned unchanged)."""
+    With ``fits`` (whether a plan fits), ``step_s`` need not check it: ``fits`` is asked of the
+    starting plan and of the changes faster than the plan so far alone (the timeline costs
+    about what the step model does, and most changes are slower). Returns (its step seconds,
+    the plan); the seconds are None only when ``strategies`` itself does not fit (it is then
+    returned unchanged)."""
     best = dict(strategies)
-    best_s = step_s(best)
+    best_s = step_s(best) if fits is None or fits(best) else None
     if best_s is None:
         return None, best
     for _ in range(rounds):
@@ -62,7 +66,8 @@ def improve(
                 if strategy == best[name] or kept < held[best[name]]:
                     continue
                 trial = {**best, name: strategy}
-                if (s := step_s(trial)) is not None and s < best_s:
+                if ((s := step_s(trial)) is not None and s < best_s
+                        and (fits is None or fits(trial))):
                     moves.append((s, trial))
         if not moves:
             break
@@ -104,11 +109,9 @@ def refine(
                                        ranks_per_node=devices.ranks_per_node, row=st.row)
                    for s in searched_strategies(devices.num_nodes)} for n, st in sizes.items()}
 
-    def seconds(trial: Mapping[str, str]) -> float | None:
-        found = Found(dict(trial), recompute)
-        return step_s(schedule, found) if fits(schedule, found) else None
-
-    s, better = improve(plan, options=options, step_s=seconds)
+    s, better = improve(plan, options=options,
+                        step_s=lambda trial: step_s(schedule, Found(dict(trial), recompute)),
+                        fits=lambda trial: fits(schedule, Found(dict(trial), recompute)))
     if s is None or better == plan or s >= fastest_s:
         return ranked
     return [Ranked(s, schedule, Found(better, recompute)), *ranked]

@@ -40,6 +40,31 @@ def test_improve_takes_the_fastest_fitting_change_each_round_toward_more_bytes_h
                                              "c": "replicate"})
 
 
+def test_improve_asks_fits_only_of_changes_faster_than_the_plan_so_far():
+    held = {"replicate": 4, "shard_grad_op": 2, "full_shard": 1}
+    cost = {"replicate": 1.0, "shard_grad_op": 2.0, "full_shard": 3.0}
+
+    def seconds(plan):
+        return sum(cost[s] * (3 if name == "a" else 1) for name, s in plan.items())
+
+    def fits(plan):
+        asked.append(dict(plan))
+        return sum(held[s] for s in plan.values()) <= 9
+
+    def checked(plan):  # the same models, fit checked inside the step time
+        return seconds(plan) if sum(held[s] for s in plan.values()) <= 9 else None
+
+    start = {"a": "full_shard", "b": "full_shard", "c": "full_shard"}
+    options = {n: held for n in start}
+    asked: list[dict] = []
+    assert (improve(start, options=options, step_s=seconds, fits=fits)
+            == improve(start, options=options, step_s=checked))
+    assert asked[0] == start
+    # every plan asked after the start was faster than the plan it would have replaced
+    assert all(seconds(p) < seconds(start) for p in asked[1:])
+    assert len(asked) < 1 + 3 * 2 * 4  # not every change of every round
+
+
 def test_the_searched_plan_has_no_faster_single_change_of_a_large_group_that_fits():
     """At this limit the exact problem's own answer (7.04 ms predicted) leaves memory unused
     that replicating or keeping gathered one more large group would spend (6.95 ms): the search
