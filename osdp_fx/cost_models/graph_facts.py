@@ -89,6 +89,9 @@ class GraphFacts:
                                                 compare=False)
     """What :meth:`derive` computed (not copied by ``dataclasses.replace``: facts with another
     profile derive afresh)."""
+    uses: dict[fx.Node, tuple[fx.Node, ...]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """What :meth:`param_uses` found, by parameter node."""
 
     @functools.cached_property
     def regions(self) -> dict[str, list[fx.Node]]:
@@ -118,15 +121,11 @@ class GraphFacts:
     def param_uses(self, node: fx.Node) -> tuple[fx.Node, ...]:
         """Nodes that read parameter node ``node`` or a view of it (excluding the views), found
         once per node (every candidate plan's timeline asks)."""
-        uses = self._param_uses.get(node)
+        uses = self.uses.get(node)
         if uses is None:
-            uses = self._param_uses[node] = tuple(
+            uses = self.uses[node] = tuple(
                 u for m in self.members[node] for u in m.users if self.root[u] is not node)
         return uses
-
-    @functools.cached_property
-    def _param_uses(self) -> dict[fx.Node, tuple[fx.Node, ...]]:
-        return {}
 
 
 def node_times(facts: GraphFacts, devices: Devices) -> dict[fx.Node, ComputeTime | None]:

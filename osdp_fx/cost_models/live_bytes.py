@@ -125,15 +125,15 @@ class Timeline:
     def _by_time(self, micro: str) -> tuple[list[float], dict[float, list[tuple[Category, int, int]]],
                                             dict[float, list[tuple[Category, int, int]]]]:
         """The time points, and the amounts of ``micro`` allocated and freed at each."""
+        times: set[float] = set()  # every event's, of any micro-batch
         allocs: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
         frees: dict[float, list[tuple[Category, int, int]]] = defaultdict(list)
         for start, end, (c, sc, fx_, only) in self.events:
-            allocs[start]
-            frees[end]
+            times.update((start, end))
             if only in ("", micro):
                 allocs[start].append((c, sc, fx_))
                 frees[end].append((c, sc, fx_))
-        return sorted(allocs.keys() | frees.keys()), allocs, frees
+        return sorted(times), allocs, frees
 
     def sweep(self, base: Mapping[Category, int],
               micro: str = SYNC) -> list[tuple[float, dict[Category, tuple[int, int]]]]:
