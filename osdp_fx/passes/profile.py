@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ from .profile_node import (
     tensor_bytes,
 )
 from .profile_node import tensors as _tensor_list
+from .repeated import Block, inputs_key, outputs_like, remake, repeated_blocks
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ def profile_graph_pass(
     repeats: int = 5,
     fake: bool = False,
     meta_device: torch.device | str = "cpu",
+    share_repeats: bool = True,
 ) -> PassResult:
     """Write a :class:`NodeProfile` into ``osdp_meta(node).profile`` for every node of ``gm``.
 
@@ -176,8 +178,9 @@ def profile_graph_pass(
     Inputs keep their ``requires_grad``; parameters require grad as they do in ``gm``. With
     ``fake=True`` nothing is computed for real: FLOPs and bytes are exact, times are None;
     meta tensors become fake tensors of ``meta_device`` (where a meta model will be
-    materialised: a graph captured by export names it in its tensor factories).
-    Returns ``PassResult(gm, False)``: the graph is not changed.
+    materialised: a graph captured by export names it in its tensor factories), and a block that
+    repeats an earlier one takes its profiles without running (``share_repeats``, [Note:
+    repeated blocks]). Returns ``PassResult(gm, False)``: the graph is not changed.
     """
     if warmup < 0 or repeats < 1:
         raise InputError(
@@ -191,12 +194,13 @@ def profile_graph_pass(
             "pass fake=True to profile without running, or give real tensors to measure times"
         )
     profiler = NodeProfiler(gm, warmup=warmup, repeats=repeats, fake=fake,
-                             meta_device=torch.device(meta_device))
+                             meta_device=torch.device(meta_device), share_repeats=share_repeats)
     profiler.profile(list(example_inputs))
     summary = summarize_profile(gm)
     log.info(
-        "profiled %d nodes: %.3g forward FLOPs, %.3g backward FLOPs, %s forward / %s backward",
-        summary.num_nodes, summary.fwd_flops, summary.bwd_flops,
+        "profiled %d nodes (%d of them as a repeated block's): %.3g forward FLOPs, %.3g "
+        "backward FLOPs, %s forward / %s backward", summary.num_nodes, profiler.shared,
+        summary.fwd_flops, summary.bwd_flops,
         _format_time(summary.fwd_time_s), _format_time(summary.bwd_time_s),
     )
     return PassResult(gm, False)
@@ -267,7 +271,7 @@ class NodeProfiler(fx.Interpreter):
     elements at other sequence lengths without writing the graph's profile)."""
 
     def __init__(self, gm: fx.GraphModule, *, warmup: int, repeats: int, fake: bool,
-                 meta_device: torch.device) -> None:
+                 meta_device: torch.device, share_repeats: bool = True) -> None:
         super().__init__(gm)
         self.meta_device = meta_device
         self.warmup = warmup
@@ -282,6 +286,21 @@ class NodeProfiler(fx.Interpreter):
         self._profiled: dict[tuple[Any, ...], tuple[fx.Node, NodeProfile]] = {}
         """Under fake tensors: the first node of each kind of work and its profile ([Note:
         same work, one profile] in ``profile_node.py``)."""
+        self._blocks = repeated_blocks(gm) if fake and share_repeats else {}
+        """Under fake tensors: the blocks of a kind that repeats, by their first node ([Note:
+        repeated blocks] in ``repeated.py``)."""
+        self._ends = {b.nodes[-1]: b for b in self._blocks.values()}
+        self._open: dict[str, tuple[Hashable, list[Any]]] = {}
+        """A block being run: its kind and inputs' key, and its inputs."""
+        self._run: dict[Hashable, tuple[Block, list[Any] | None]] = {}
+        """By kind and inputs' key, the first block run and its outputs' metadata
+        (``outputs_like``)."""
+        self._twin: dict[fx.Node, fx.Node] = {}
+        """The nodes of the block being given an earlier block's profiles, and their twins."""
+        self._like: dict[fx.Node, Any] = {}
+        """The outputs of that block, and the metadata of their fresh values."""
+        self.shared = 0
+        """How many nodes took a repeated block's profile without running."""
 
     # -- running ---------------------------------------------------------------------------
 
@@ -324,9 +343,19 @@ class NodeProfiler(fx.Interpreter):
         return self._to_fake(value) if self.fake_mode is not None else value
 
     def run_node(self, n: fx.Node) -> Any:
+        with self._mode():
+            self._enter_block(n)
+            twin = self._twin.pop(n, None)
+            result = self._run_node(n) if twin is None else self._repeat_node(n, twin)
+            self._leave_block(n, result)
+        if self._task is not None:
+            self._task.advance()
+        return result
+
+    def _run_node(self, n: fx.Node) -> Any:
+        """Run and profile one node (inside the fake mode, if any)."""
         try:
-            with self._mode():
-                result, profile = self._run_and_profile(n)
+            result, profile = self._run_and_profile(n)
         except InputError:
             raise
         except Exception as e:
@@ -336,9 +365,47 @@ class NodeProfiler(fx.Interpreter):
                 f"as gm(*example_inputs)"
             ) from e
         set_osdp_meta(n, profile=profile)
-        if self._task is not None:
-            self._task.advance()
         return result
+
+    # -- repeated blocks ([Note: repeated blocks]) --------------------------------------------
+
+    def _enter_block(self, n: fx.Node) -> None:
+        """At a block's start: when a block of its kind ran on inputs like its own, mark its
+        nodes to take that block's profiles; else note its inputs, to be run."""
+        block = self._blocks.get(n)
+        if block is None:
+            return
+        values = [self.env[a] for a in block.inputs]
+        key = inputs_key(values, self.param_storages)
+        if key is None:
+            return
+        done = self._run.get((block.kind, key))
+        if done is None:
+            self._open[block.name] = ((block.kind, key), values)
+        elif done[1] is not None:
+            self._twin.update((m, t) for m, t in zip(block.nodes, done[0].nodes)
+                              if m.op != "get_attr")
+            self._like.update(zip(block.outputs, done[1]))
+
+    def _leave_block(self, n: fx.Node, result: Any) -> None:
+        """At the last node of a block that ran, note its outputs' metadata."""
+        block = self._ends.get(n)
+        if block is None or block.name not in self._open:
+            return
+        key, inputs = self._open.pop(block.name)
+        values = [result if o is n else self.env[o] for o in block.outputs]
+        taken = {storage_key(t) for t in _tensor_list(inputs)} | self.param_storages
+        self._run.setdefault(key, (block, outputs_like(values, taken)))
+
+    def _repeat_node(self, n: fx.Node, twin: fx.Node) -> Any:
+        """Node ``n`` of a repeat: its twin's profile, and a fresh value if a later node reads it."""
+        self._take_profile(n, twin)
+        self.shared += 1
+        like = self._like.pop(n, None)
+        return None if like is None else remake(like)
+
+    def _take_profile(self, n: fx.Node, twin: fx.Node) -> None:
+        set_osdp_meta(n, profile=renamed(osdp_meta(twin).profile, twin, n))
 
     def _run_and_profile(self, n: fx.Node) -> tuple[Any, NodeProfile]:
         timed = self.fake_mode is None

@@ -291,7 +291,7 @@ def synchronize() -> None:
 # node each comes from, and which outputs a user reads. Measured profiles (real tensors) are
 # not shared: each node is timed.
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format, type(...))
 
 
@@ -315,19 +315,24 @@ def same_work_key(profiler: Any, n: fx.Node, args: Any, kwargs: Any) -> tuple[An
                           same.setdefault(id(x), len(same)), source.get(id(x))))
         elif isinstance(x, slice):
             parts.append(("slice", x.start, x.stop, x.step))
-        elif isinstance(x, _PLAIN):
+        elif isinstance(x, PLAIN):
             parts.append((type(x), x))
         else:
             return None
-    users = list(n.users)
-    read = (tuple(sorted({repr(u.args[1]) for u in users})) if users and all(
-        u.op == "call_function" and u.target is operator.getitem for u in users) else None)
-    key = (n.op, n.target, str(spec), tuple(parts), read)
+    key = (n.op, n.target, str(spec), tuple(parts), outputs_read(n))
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def outputs_read(n: fx.Node) -> tuple[str, ...] | None:
+    """Which items of ``n``'s tuple its users read, when they all read an item (the outputs
+    the profile differentiates); None otherwise."""
+    users = list(n.users)
+    return (tuple(sorted({repr(u.args[1]) for u in users})) if users and all(
+        u.op == "call_function" and u.target is operator.getitem for u in users) else None)
 
 
 def renamed(profile: NodeProfile, first: fx.Node, n: fx.Node) -> NodeProfile:

@@ -44,11 +44,13 @@ bytes)."""
 
 def sequence_numels(gm: fx.GraphModule, example_inputs: Sequence[Any], *, seq_len: int,
                     meta_device: torch.device | str = "cpu",
-                    profiled: Collection[str] | None = None) -> NodeNumels | None:
+                    profiled: Collection[str] | None = None,
+                    share_repeats: bool = True) -> NodeNumels | None:
     """Elements per node at each of :func:`sequence_points` (``seq_len`` the example's); None
     when the graph does not run at another sequence length (the model fixes it). Only the
     nodes named in ``profiled`` (None: all) are profiled for the bytes they save or hold beyond
-    their tensors (0 for the others)."""
+    their tensors (0 for the others); a block that repeats an earlier one takes its elements
+    without running (``share_repeats``, [Note: repeated blocks] in ``repeated.py``)."""
     points = sequence_points(seq_len)
     if not points:
         return None
@@ -57,7 +59,8 @@ def sequence_numels(gm: fx.GraphModule, example_inputs: Sequence[Any], *, seq_le
         inputs = [_resized(x, seq_len, s) for x in example_inputs]
         try:
             with _quiet(logging.getLogger("torch._subclasses.fake_tensor")):
-                runs.append(_Numels(gm, torch.device(meta_device), profiled).numels(inputs, s))
+                runs.append(_Numels(gm, torch.device(meta_device), profiled,
+                                    share_repeats=share_repeats).numels(inputs, s))
         except Exception as exc:  # the model fixes its sequence length
             log.info("the graph does not run at sequence length %d (%s: %s): memory is "
                      "predicted for the example's sequence length only", s,
@@ -124,8 +127,9 @@ class _Numels(NodeProfiler):
     (the graph's profile is not touched)."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device,
-                 full: Collection[str] | None = None) -> None:
-        super().__init__(gm, warmup=0, repeats=0, fake=True, meta_device=device)
+                 full: Collection[str] | None = None, *, share_repeats: bool = True) -> None:
+        super().__init__(gm, warmup=0, repeats=0, fake=True, meta_device=device,
+                         share_repeats=share_repeats)
         self.full = full
         """The nodes profiled (None: all); the others are only run, for their elements."""
         self.out: dict[str, tuple[int, ...]] = {}
@@ -140,18 +144,20 @@ class _Numels(NodeProfiler):
     def flop_counter(self) -> Any:
         return _NoFlops()
 
-    def run_node(self, n: fx.Node) -> Any:
-        with self._mode():
-            if self.full is None or n.name in self.full:
-                result, p = self._run_and_profile(n)
-                held = (p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes,
-                        p.fwd_transient_bytes, p.bwd_transient_bytes)
-                if self.full is not None:  # not a leaf: a later node run as is may change it
-                    result = pytree.tree_map_only(torch.Tensor, _not_leaf, result)
-            else:  # only run, as the model runs (a tenth of the time of a profiled node)
-                with torch.enable_grad():
-                    result, held = fx.Interpreter.run_node(self, n), (0, 0, 0)
+    def _run_node(self, n: fx.Node) -> Any:
+        if self.full is None or n.name in self.full:
+            result, p = self._run_and_profile(n)
+            held = (p.saved_bytes - p.saved_output_bytes - p.saved_input_bytes,
+                    p.fwd_transient_bytes, p.bwd_transient_bytes)
+            if self.full is not None:  # not a leaf: a later node run as is may change it
+                result = pytree.tree_map_only(torch.Tensor, _not_leaf, result)
+        else:  # only run, as the model runs (a tenth of the time of a profiled node)
+            with torch.enable_grad():
+                result, held = fx.Interpreter.run_node(self, n), (0, 0, 0)
         out = _numel(result)
         inputs = sum(_numel(self.env[a]) for a in n.all_input_nodes if a.op != "get_attr")
         self.out[n.name] = (out, inputs, out + inputs, *held)
         return result
+
+    def _take_profile(self, n: fx.Node, twin: fx.Node) -> None:
+        self.out[n.name] = self.out[twin.name]
