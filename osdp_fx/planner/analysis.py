@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
@@ -77,6 +77,12 @@ class Analysis:
         default_factory=dict, init=False, repr=False, compare=False)
     _states: dict[tuple[str, str], ParamState] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
+    peaks: dict[Hashable, int] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """The timeline's peaks of the candidate plans the searches asked for, by what they depend
+    on besides this analysis (``search.plan_peak_bytes``): a schedule's search asks again for
+    plans an earlier search of it predicted (its loosened and tightened repeats, the base of
+    each), about half of a search's timelines."""
 
     @functools.cached_property
     def seq_numels(self) -> NodeNumels | None:

@@ -442,13 +442,21 @@ def plan_step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer
 def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute: Mapping[str, str],
                 *, devices: Devices, optimizer: str, batch_size: int | None,
                 grad_accumulation: int, schedule: Schedule) -> int:
-    """The timeline's predicted peak of one candidate plan."""
-    return predict_peak_bytes(
-        analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
-        devices=devices, schedule=schedule, optimizer=optimizer,
-        profiled_batch=analysis.batch_size, batch_size=batch_size or analysis.plan_batch,
-        seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
-        recompute=recompute)
+    """The timeline's predicted peak of one candidate plan, predicted once per analysis
+    (``Analysis.peaks``)."""
+    batch = batch_size or analysis.plan_batch
+    key = (tuple(strategies[n] for n in analysis.captured.params),
+           tuple(sorted(recompute.items())), devices, optimizer, batch, grad_accumulation,
+           schedule)
+    peak = analysis.peaks.get(key)
+    if peak is None:
+        peak = analysis.peaks[key] = predict_peak_bytes(
+            analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
+            devices=devices, schedule=schedule, optimizer=optimizer,
+            profiled_batch=analysis.batch_size, batch_size=batch,
+            seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
+            recompute=recompute)
+    return peak
 
 
 def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], *, devices: Devices,
