@@ -654,7 +654,7 @@ def predict_step_memory(
         gm, params, facts, devices=devices, schedule=schedule, optimizer=optimizer,
         grad_accumulation=grad_accumulation, recompute=recompute, seq_scale=seq_scale)
     batch = batch_size or profiled_batch
-    steady = [(t + shift, by) for shift, micro in micros for t, by in tl.sweep(base, micro)]
+    steady = _steady(tl, base, micros)
     # The first step: the optimizer allocates its state in its first step() (torch.optim's
     # lazy ``_init_group``), after backward, while the gradients are alive.
     tl.alive(optim_t, optim_t + 1, base[Category.OPTIMIZER_STATE], Category.OPTIMIZER_STATE,
@@ -672,8 +672,7 @@ def predict_step_memory(
 
     # the earliest of equal peaks
     t_peak, at_peak = max(steady, key=lambda p: (total(p), -p[0]))
-    lines = [(sum(sc for sc, _ in by.values()), sum(fx_ for _, fx_ in by.values()))
-             for _, by in steady]
+    lines = _lines(steady)
     return MemoryPrediction(
         peak_bytes=total((t_peak, at_peak)),
         peak_at=where(t_peak),
@@ -689,6 +688,32 @@ def predict_step_memory(
             for t, by in steady),
         lines=tuple(lines),
     )
+
+
+def _steady(tl: Timeline, base: dict[Category, int],
+            micros: tuple[tuple[float, str], ...]) -> list[tuple[float, dict[Category, tuple[int, int]]]]:
+    """Every time point of a steady step and its (scaled, fixed) bytes by category."""
+    return [(t + shift, by) for shift, micro in micros for t, by in tl.sweep(base, micro)]
+
+
+def _lines(steady: list[tuple[float, dict[Category, tuple[int, int]]]]) -> list[tuple[int, int]]:
+    """Each time point's (scaled, fixed) bytes: its line in the batch size."""
+    return [(sum(sc for sc, _ in by.values()), sum(fx_ for _, fx_ in by.values()))
+            for _, by in steady]
+
+
+def predict_memory_lines(gm: fx.GraphModule, params: Mapping[str, ParamState],
+                         facts: GraphFacts | None = None, *, devices: Devices,
+                         schedule: Schedule = DEFAULT_SCHEDULE, optimizer: str = "adamw",
+                         grad_accumulation: int = 1, recompute: Mapping[str, str] | None = None,
+                         seq_scale: Mapping[str, tuple[float, ...]] | None = None,
+                         ) -> tuple[tuple[int, int], ...]:
+    """``predict_step_memory(...).lines`` (the same arguments) without the rest of the
+    prediction: what the peak over shapes is fitted from (``shapes.peak_in_seq``)."""
+    tl, base, micros, _, _ = _step_timeline(
+        gm, params, facts, devices=devices, schedule=schedule, optimizer=optimizer,
+        grad_accumulation=grad_accumulation, recompute=recompute, seq_scale=seq_scale)
+    return tuple(_lines(_steady(tl, base, micros)))
 
 
 def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState],

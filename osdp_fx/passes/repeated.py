@@ -50,7 +50,8 @@ class Block:
     nodes: tuple[fx.Node, ...]
     """Its nodes in graph order, a contiguous run."""
     inputs: tuple[fx.Node, ...]
-    """The nodes before it that its nodes read, in the order they are first read."""
+    """The nodes before it that its nodes read, in the order they are first read (each node's
+    ``all_input_nodes`` in turn)."""
     outputs: tuple[fx.Node, ...]
     """Its nodes (not ``get_attr``) that a node after it reads."""
     kind: int = -1
@@ -77,16 +78,11 @@ def _blocks(gm: fx.GraphModule) -> list[Block]:
     for name, ops in find_regions(gm.graph).items():
         run = nodes[order[ops[0]]:order[ops[-1]] + 1]
         inside = set(run)
-        inputs = dict.fromkeys(a for n in run for a in _read(n) if a not in inside)
+        inputs = dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in inside)
         outputs = tuple(n for n in run if n.op != "get_attr"
                         and any(u not in inside for u in n.users))
         out.append(Block(name, tuple(run), tuple(inputs), outputs))
     return out
-
-
-def _read(n: fx.Node) -> list[fx.Node]:
-    """The nodes ``n`` reads, in the order of its flattened arguments."""
-    return [x for x in pytree.tree_leaves((n.args, n.kwargs)) if isinstance(x, fx.Node)]
 
 
 def _signature(gm: fx.GraphModule, block: Block) -> Hashable | None:

@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from ..core.buckets import DEFAULT_SCHEDULE, Schedule
 from ..core.devices import OPTIMIZERS, Devices
 from ..core.io_spec import input_shape
 from ..core.layout import row_numel
@@ -20,6 +21,7 @@ from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..core.precision import MixedPrecision, dtype_name
 from ..cost_models.graph_facts import GraphFacts, ParamState, graph_facts
 from ..cost_models.shapes import node_factors
+from ..cost_models.step import GroupCost, StepTime, predict_step_time
 from ..errors import InputError
 from ..passes.capture import Captured, unchanged_state
 from ..passes.manager import run_passes
@@ -77,6 +79,10 @@ class Analysis:
         default_factory=dict, init=False, repr=False, compare=False)
     _states: dict[tuple[str, str], ParamState] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
+    steps: dict[Hashable, tuple[StepTime, dict[str, GroupCost]]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """The step model's predictions of the candidate plans the searches asked for
+    (:func:`plan_step`), by what they depend on besides this analysis."""
     peaks: dict[Hashable, int] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
     """The timeline's peaks of the candidate plans the searches asked for, by what they depend
@@ -266,3 +272,22 @@ def _param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
 
 def param_states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, ParamState]:
     return {name: param_state(analysis, name, strategies[name]) for name in analysis.captured.params}
+
+
+def plan_step(analysis: Analysis, strategies: Mapping[str, str],
+              recompute: Mapping[str, str] | None = None, *, devices: Devices, optimizer: str,
+              schedule: Schedule = DEFAULT_SCHEDULE) -> tuple[StepTime, dict[str, GroupCost]]:
+    """``predict_step_time`` of a candidate plan of this analysis (the step time and each
+    group's costs, at the profiled batch), predicted once per analysis (``Analysis.steps``:
+    the searches score the same plan again, each schedule's repeats, the local search). The
+    result is shared: read it, do not change it."""
+    recompute = recompute or {}
+    key = (tuple(strategies[n] for n in analysis.captured.params),
+           tuple(sorted(recompute.items())), devices, optimizer, schedule)
+    step = analysis.steps.get(key)
+    if step is None:
+        step = analysis.steps[key] = predict_step_time(
+            analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
+            devices=devices, optimizer=optimizer, profiled_batch=analysis.batch_size,
+            recompute=recompute, schedule=schedule)
+    return step

@@ -48,11 +48,10 @@ from ..cost_models.recompute import RegionCost
 from ..cost_models.step import (
     attributed_compute_s,
     group_cost,
-    predict_step_time,
     regathered_params,
 )
 from ..cost_models.timeline import predict_peak_bytes
-from .analysis import Analysis, param_state, param_states
+from .analysis import Analysis, param_state, param_states, plan_step
 from .results import Found
 
 EXACT_COMBINATIONS = 1024
@@ -232,11 +231,8 @@ def exhaustive_search(
         strategies = {n: options[n][j] for n, j in zip(names, choice)}
         recompute = {r: regions[r][j].policy
                      for r, j in zip(region_names, choice[len(names):]) if j}
-        states = param_states(analysis, strategies)
-        step, _ = predict_step_time(analysis.captured.gm, states, analysis.facts,
-                                    devices=devices, optimizer=optimizer,
-                                    profiled_batch=analysis.batch_size, recompute=recompute,
-                                    schedule=schedule)
+        step, _ = plan_step(analysis, strategies, recompute, devices=devices,
+                            optimizer=optimizer, schedule=schedule)
         seconds = step.compute_s * scale + step.comm_s + step.optim_s
         assert seconds >= bounds[flat] - 1e-9 * abs(seconds), (
             "the exact search's lower bound exceeds the step time it bounds",
@@ -244,7 +240,7 @@ def exhaustive_search(
         if best is not None and seconds >= best[0]:
             continue
         peak = predict_peak_bytes(
-            analysis.captured.gm, states, analysis.facts, devices=devices, schedule=schedule,
+            analysis.captured.gm, param_states(analysis, strategies), analysis.facts, devices=devices, schedule=schedule,
             optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size,
             seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
             recompute=recompute)

@@ -28,8 +28,12 @@ from ..core.precision import MixedPrecision, dtype_name
 from ..core.strategies import traits
 from ..cost_models.recompute import recomputed_params, region_rows, region_spans
 from ..cost_models.shapes import peak_in_seq, sequence_points
-from ..cost_models.step import predict_step_time, regathered_params
-from ..cost_models.timeline import MemoryPrediction, predict_step_memory
+from ..cost_models.step import regathered_params
+from ..cost_models.timeline import (
+    MemoryPrediction,
+    predict_memory_lines,
+    predict_step_memory,
+)
 from ..passes.capture import Captured
 from ..passes.manager import run_passes
 from ..passes.precision import cast_params_pass
@@ -43,6 +47,7 @@ from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
     check_optimizer,
     param_specs,
     param_states,
+    plan_step,
     plannable_bytes,
 )
 from .search import (  # noqa: F401  (re-exported)
@@ -334,9 +339,8 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
     batch = batch_size or analysis.plan_batch
     states = param_states(analysis, {p.name: p.strategy for p in plan.params})
     recompute = dict(plan.recompute)
-    step, costs = predict_step_time(analysis.captured.gm, states, analysis.facts, devices=devices,
-                                    optimizer=optimizer, profiled_batch=analysis.batch_size,
-                                    recompute=recompute, schedule=plan.schedule)
+    step, costs = plan_step(analysis, {p.name: p.strategy for p in plan.params}, recompute,
+                            devices=devices, optimizer=optimizer, schedule=plan.schedule)
     def memory_at(batch: int, seq: int | None) -> MemoryPrediction:
         return _memory(analysis, states, recompute, plan.schedule, devices=devices,
                        optimizer=optimizer, batch=batch, grad_accumulation=grad_accumulation,
@@ -347,7 +351,11 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
     if over_shapes and analysis.seq_numels is not None and analysis.seq_len is not None:
         seq = analysis.plan_seq or analysis.seq_len
         found = peak_in_seq(
-            lambda s: memory_at(analysis.batch_size, s).lines, sequence_points(analysis.seq_len),
+            lambda s: predict_memory_lines(
+                analysis.captured.gm, states, analysis.facts, devices=devices,
+                schedule=plan.schedule, optimizer=optimizer, grad_accumulation=grad_accumulation,
+                recompute=recompute, seq_scale=analysis.seq_scale(s)),
+            sequence_points(analysis.seq_len),
             analysis.batch_size, [(b, s) for b in (1, batch, 4 * batch, 1024 * batch)
                                   for s in (2, analysis.seq_len, seq, 4 * seq, 1024 * seq)])
         lines, shape_expr = found or (None, None)

@@ -41,7 +41,6 @@ from ..cost_models.recompute import RegionCost, region_costs
 from ..cost_models.step import (
     GroupCost,
     group_cost,
-    predict_step_time,
     regathered_params,
 )
 from ..cost_models.timeline import BATCH, predict_peak_bytes
@@ -53,6 +52,7 @@ from .analysis import (
     Analysis,
     param_state,
     param_states,
+    plan_step,
     plannable_bytes,
 )
 from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
@@ -176,9 +176,7 @@ def search_batch_size(
                                            prefetch=prefetch, grad_accumulation=grad_accumulation)
         except PlanError:
             continue
-        step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, strategies),
-                                    analysis.facts, devices=devices, optimizer=optimizer,
-                                    profiled_batch=analysis.batch_size)
+        step, _ = plan_step(analysis, strategies, devices=devices, optimizer=optimizer)
         samples_per_s = b * devices.world_size / float(step.step_time_expr.subs(BATCH, b))
         log.info("batch %d: %.1f samples/s predicted", b, samples_per_s)
         if best is None or samples_per_s > best[0]:
@@ -251,11 +249,9 @@ def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | No
         return alone
 
     def time_s(found: Found) -> float:
-        step, _ = predict_step_time(analysis.captured.gm,
-                                    param_states(analysis, found.strategies), analysis.facts,
-                                    devices=kw["devices"], optimizer=kw["optimizer"],
-                                    profiled_batch=analysis.batch_size, recompute=found.recompute,
-                                    schedule=kw.get("schedule", Schedule()))
+        step, _ = plan_step(analysis, found.strategies, found.recompute,
+                            devices=kw["devices"], optimizer=kw["optimizer"],
+                            schedule=kw.get("schedule", Schedule()))
         return float(step.step_time_expr.subs(BATCH, kw.get("batch_size") or analysis.plan_batch))
 
     return joint if joint.recompute and time_s(joint) < time_s(alone) else alone
@@ -431,10 +427,8 @@ def _loosen(fit: _Solved, limit: int, target: int, solve: Callable[[int], _Solve
 def plan_step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
             batch_size: int | None, schedule: Schedule) -> float:
     """The step model's seconds for a plan at the batch the search plans for."""
-    step, _ = predict_step_time(analysis.captured.gm, param_states(analysis, found.strategies),
-                                analysis.facts, devices=devices, optimizer=optimizer,
-                                profiled_batch=analysis.batch_size, recompute=found.recompute,
-                                schedule=schedule)
+    step, _ = plan_step(analysis, found.strategies, found.recompute, devices=devices,
+                        optimizer=optimizer, schedule=schedule)
     batch = batch_size or analysis.plan_batch
     return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s
 
@@ -504,11 +498,9 @@ def search_schedules(
                                grad_accumulation=grad_accumulation, cost_tables={})
 
     def score(schedule: Schedule, found: Found) -> tuple[float, Any]:
+        step, _ = plan_step(analysis, found.strategies, found.recompute, devices=devices,
+                            optimizer=optimizer, schedule=schedule)
         states = param_states(analysis, found.strategies)
-        step, _ = predict_step_time(analysis.captured.gm, states, analysis.facts,
-                                    devices=devices, optimizer=optimizer,
-                                    profiled_batch=analysis.batch_size, schedule=schedule,
-                                    recompute=found.recompute)
         return step.step_s, (collectives_key(analysis.facts, states, schedule, devices.world_size),
                              tuple(sorted(found.recompute.items())))
 
