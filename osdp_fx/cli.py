@@ -170,9 +170,20 @@ def plan_command(args: argparse.Namespace) -> int:
     rows = []
     from .core.strategies import MESH_STRATEGIES
     from .plan.request import resolve_plan
-    from .planner.make import param_specs, predict, uniform_schedule, with_schedule
+    from .planner.make import (
+        param_specs,
+        predict_totals,
+        uniform_schedule,
+        with_schedule,
+    )
     labels = {"replicate": "DDP", "full_shard": "FSDP", "hybrid_shard": "FSDP HYBRID_SHARD",
               "hierarchical": "two-stage collectives"}
+
+    def row(label: str, named: Any) -> tuple[list[str], bool]:
+        step_s, peak = predict_totals(analysis, named, devices=devices, optimizer=args.optimizer,
+                                      batch_size=batch)
+        return _totals_row(label, step_s, peak, batch, devices.world_size, limit), peak <= limit
+
     with progress.task("compare with uniform plans"):
         for name in ("replicate", "full_shard",
                      *(MESH_STRATEGIES if devices.num_nodes > 1 else ())):
@@ -180,19 +191,16 @@ def plan_command(args: argparse.Namespace) -> int:
                                  ranks_per_node=devices.ranks_per_node)
             named = with_schedule(named, uniform_schedule(analysis, named, devices=devices,
                                                           optimizer=args.optimizer))
-            other = predict(analysis, named, devices=devices, optimizer=args.optimizer,
-                            batch_size=batch, over_shapes=False)
-            rows.append(_totals_row(f"all {name} ({labels[name]})", other, limit))
+            uniform, fits = row(f"all {name} ({labels[name]})", named)
+            rows.append(uniform)
             regions = analysis.facts.regions
-            if other.prediction.peak_memory_bytes > limit and regions:
+            if not fits and regions:
                 # what its users run where it does not fit: every block checkpointed
-                checkpointed = predict(
-                    analysis, dataclasses.replace(named, recompute=tuple(
-                        (r, "full") for r in regions)), devices=devices,
-                    optimizer=args.optimizer, batch_size=batch, over_shapes=False)
-                rows.append(_totals_row(f"all {name} ({labels[name]}) + checkpointing every "
-                                        "block", checkpointed, limit))
-    rows.insert(0, _totals_row("searched (osdp-fx)", plan, limit))
+                rows.append(row(f"all {name} ({labels[name]}) + checkpointing every block",
+                                dataclasses.replace(named, recompute=tuple(
+                                    (r, "full") for r in regions)))[0])
+    rows.insert(0, _totals_row("searched (osdp-fx)", plan.prediction.step_time_s,
+                               plan.prediction.peak_memory_bytes, batch, plan.world_size, limit))
     print(f"\nper rank, world size {devices.world_size}, limit {format_bytes(limit)}, "
           f"optimizer {args.optimizer}, batch {batch} per rank:")
     print(tabulate(rows, headers=["plan", "step ms", "samples/s", "peak memory", "fits"],
@@ -208,13 +216,12 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _totals_row(label: str, plan: Any, limit: int) -> list[str]:
+def _totals_row(label: str, step_s: float, peak_bytes: int, batch: int, world_size: int,
+                limit: int) -> list[str]:
     from .units import format_bytes
 
-    pr = plan.prediction
-    samples_per_s = pr.batch_size * plan.world_size / pr.step_time_s
-    return [label, f"{pr.step_time_s * 1e3:.1f}", f"{samples_per_s:.1f}",
-            format_bytes(pr.peak_memory_bytes), "yes" if pr.peak_memory_bytes <= limit else "NO"]
+    return [label, f"{step_s * 1e3:.1f}", f"{batch * world_size / step_s:.1f}",
+            format_bytes(peak_bytes), "yes" if peak_bytes <= limit else "NO"]
 
 
 def profile_command(args: argparse.Namespace) -> int:

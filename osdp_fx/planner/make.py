@@ -53,6 +53,7 @@ from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
 from .search import (  # noqa: F401  (re-exported)
     block_gather_bytes,
     choose_splits,
+    plan_peak_bytes,
     search_batch_size,
     search_plan,
     search_schedules,
@@ -327,15 +328,31 @@ def _memory(analysis: Analysis, states: dict[str, Any], recompute: dict[str, str
         seq_scale=analysis.seq_scale(seq))
 
 
+def predict_totals(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
+                   batch_size: int | None = None, grad_accumulation: int = 1) -> tuple[float, int]:
+    """(step seconds, peak bytes per rank) of ``plan`` at ``batch_size`` per rank (default:
+    the planned one), as :func:`predict` reports them, without the rest of its prediction:
+    what a comparison row shows. Both come from the analysis's predictions of candidate plans
+    (``plan_step``, ``plan_peak_bytes``), which the search may have made already."""
+    batch = batch_size or analysis.plan_batch
+    strategies = {p.name: p.strategy for p in plan.params}
+    recompute = dict(plan.recompute)
+    step, _ = plan_step(analysis, strategies, recompute, devices=devices, optimizer=optimizer,
+                        schedule=plan.schedule)
+    peak = plan_peak_bytes(analysis, strategies, recompute, devices=devices,
+                           optimizer=optimizer, batch_size=batch,
+                           grad_accumulation=grad_accumulation, schedule=plan.schedule)
+    return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s, peak
+
+
 def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
-            batch_size: int | None = None, grad_accumulation: int = 1,
-            over_shapes: bool = True) -> Plan:
+            batch_size: int | None = None, grad_accumulation: int = 1) -> Plan:
     """``plan`` with the predicted step time, peak memory and per-group costs attached, at
     ``batch_size`` per rank (default: the profiled batch size); the memory of steps of
-    ``grad_accumulation`` micro-batches (all but the last inside ``no_sync()``). The step time
-    stays that of one synchronised micro-batch and optimizer step. ``over_shapes=False``:
-    without the peak as a function of batch size and sequence length (which takes three more
-    timelines), for a plan only compared at the profiled shape."""
+    ``grad_accumulation`` micro-batches (all but the last inside ``no_sync()``), and the peak as
+    a function of batch size and sequence length. The step time stays that of one synchronised
+    micro-batch and optimizer step. A plan only compared at one shape needs
+    :func:`predict_totals`."""
     batch = batch_size or analysis.plan_batch
     states = param_states(analysis, {p.name: p.strategy for p in plan.params})
     recompute = dict(plan.recompute)
@@ -348,7 +365,7 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
 
     memory = memory_at(batch, None)
     lines, shape_expr = None, None
-    if over_shapes and analysis.seq_numels is not None and analysis.seq_len is not None:
+    if analysis.seq_numels is not None and analysis.seq_len is not None:
         seq = analysis.plan_seq or analysis.seq_len
         found = peak_in_seq(
             lambda s: predict_memory_lines(
