@@ -224,14 +224,16 @@ def _remember_profile(gm: fx.GraphModule, key: tuple[Any, ...]) -> None:
 def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool = False,
             warmup: int = 1, repeats: int = 3,
             precision: MixedPrecision | None = None,
-            max_shape: tuple[int, int | None] | None = None) -> Analysis:
+            max_shape: tuple[int, int | None] | None = None,
+            share_repeats: bool = True) -> Analysis:
     """Profile ``captured.gm`` on ``example_inputs``; in a process group, the node times are
     made the same on every rank, summing to the slowest rank's (``slowest_rank_times_pass``).
 
     Measured once per process group for a graph and its inputs' and parameters' shapes: a later
     call with the same reuses those times (the last few are kept), so that compiling the same
     model twice gives the same plan, as ``Devices`` are detected once per group; the sequence
-    analysis is reused alike, in any group."""
+    analysis is reused alike, in any group. Under fake tensors a repeated block takes the
+    profile of the first like it (``share_repeats``; [Note: repeated blocks])."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
     key = None if fake else _profile_key(captured.gm, example_inputs)
     if key is None or not _restore_profile(captured.gm, key):
@@ -241,7 +243,7 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
         with unchanged_state(captured.gm):
             run_passes(captured.gm, [("profile", lambda g: profile_graph_pass(
                 g, example_inputs, warmup=warmup, repeats=repeats, fake=fake,
-                meta_device=captured.materialize_device or "cpu"))])
+                meta_device=captured.materialize_device or "cpu", share_repeats=share_repeats))])
         if not fake:
             run_passes(captured.gm, [("slowest_rank_times", slowest_rank_times_pass)])
             _remember_profile(captured.gm, key)
