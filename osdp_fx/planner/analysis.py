@@ -19,6 +19,7 @@ from ..core.io_spec import input_shape
 from ..core.layout import row_numel
 from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..core.precision import MixedPrecision, dtype_name
+from ..core.strategies import traits
 from ..cost_models.graph_facts import GraphFacts, ParamState, graph_facts
 from ..cost_models.shapes import node_factors
 from ..cost_models.step import GroupCost, StepTime, predict_step_time
@@ -276,6 +277,19 @@ def param_states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str,
     return {name: param_state(analysis, name, strategies[name]) for name in analysis.captured.params}
 
 
+def candidate_key(analysis: Analysis, strategies: Mapping[str, str],
+                  recompute: Mapping[str, str], schedule: Schedule) -> tuple[Any, ...]:
+    """What a candidate plan's predictions depend on besides the analysis, the devices and the
+    options: its strategies, recomputed regions and schedule, the schedule's all-reduce bucket
+    size left out where no trainable group is replicated (only replicated gradients are
+    all-reduced in buckets: ``step.predict_step_time``, ``live_bytes.replicated_buckets``), so
+    that the candidate schedules that differ in it alone share such a plan's predictions."""
+    params = analysis.captured.params
+    if not any(params[n].trainable and not traits(s).sharded for n, s in strategies.items()):
+        schedule = dataclasses.replace(schedule, reduce_bucket_bytes=0)
+    return (tuple(strategies[n] for n in params), tuple(sorted(recompute.items())), schedule)
+
+
 def plan_step(analysis: Analysis, strategies: Mapping[str, str],
               recompute: Mapping[str, str] | None = None, *, devices: Devices, optimizer: str,
               schedule: Schedule = DEFAULT_SCHEDULE) -> tuple[StepTime, dict[str, GroupCost]]:
@@ -284,8 +298,7 @@ def plan_step(analysis: Analysis, strategies: Mapping[str, str],
     the searches score the same plan again, each schedule's repeats, the local search). The
     result is shared: read it, do not change it."""
     recompute = recompute or {}
-    key = (tuple(strategies[n] for n in analysis.captured.params),
-           tuple(sorted(recompute.items())), devices, optimizer, schedule)
+    key = candidate_key(analysis, strategies, recompute, schedule) + (devices, optimizer)
     step = analysis.steps.get(key)
     if step is None:
         step = analysis.steps[key] = predict_step_time(

@@ -50,6 +50,7 @@ from ..plan.plan import DEFAULT_PREFETCH
 from ..units import format_bytes
 from .analysis import (
     Analysis,
+    candidate_key,
     param_state,
     param_states,
     plan_step,
@@ -439,9 +440,8 @@ def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute
     """The timeline's predicted peak of one candidate plan, predicted once per analysis
     (``Analysis.peaks``)."""
     batch = batch_size or analysis.plan_batch
-    key = (tuple(strategies[n] for n in analysis.captured.params),
-           tuple(sorted(recompute.items())), devices, optimizer, batch, grad_accumulation,
-           schedule)
+    key = candidate_key(analysis, strategies, recompute, schedule) + (
+        devices, optimizer, batch, grad_accumulation)
     peak = analysis.peaks.get(key)
     if peak is None:
         peak = analysis.peaks[key] = predict_peak_bytes(
