@@ -191,7 +191,22 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     parameter that is not small within one block: ``buckets.block_of``). ``region_first``:
     the position of the first operator of the recomputed region each of its operators is in;
     a region's all-gathers all run before it, in the parameters' graph order
-    (``passes/recompute.py``)."""
+    (``passes/recompute.py``). Without ``region_first``, found once per facts for the same
+    states (a plan's step time and its overlap ask alike): read the result, do not change it."""
+    if region_first is None:
+        return facts.derive(_gather_buckets, (tuple(params.items()), world_size, small_bytes))
+    return _sharded_gather_buckets(facts, params, world_size, small_bytes, region_first)
+
+
+def _gather_buckets(facts: GraphFacts,
+                    key: tuple[tuple[tuple[str, ParamState], ...], int, int]) -> list[list[fx.Node]]:
+    items, world_size, small_bytes = key
+    return _sharded_gather_buckets(facts, dict(items), world_size, small_bytes, None)
+
+
+def _sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
+                            world_size: int, small_bytes: int,
+                            region_first: Mapping[fx.Node, int] | None) -> list[list[fx.Node]]:
     sharded = [n for n, name in facts.param_of.items()
                if traits(params[name].strategy).sharded and facts.param_uses(n)]
     at = region_first or {}

@@ -78,19 +78,29 @@ def node_factors(numels: Mapping[str, Sequence[tuple[int, ...]]] | None, seq_len
     if numels is None or seq_len is None or seq is None or seq == seq_len:
         return None
     points = sequence_points(seq_len)
+    fitted: dict[tuple[tuple[int, ...], ...], tuple[float, ...]] = {}  # repeated blocks' nodes
     out: dict[str, tuple[float, ...]] = {}
     for name, per_point in numels.items():
-        factors: list[float] = []
-        for k in range(len(per_point[0])):
-            values = [p[k] for p in per_point]
-            if values[0] == 0 and k > 2:  # not seen at the profiled length: as the node's tensors
-                factors.append(factors[2])
-            elif values[0] == 0 or len(set(values)) == 1:
-                factors.append(1.0)
-            else:
-                factors.append(max(0.0, float(_at(quadratic(points, values), seq) / values[0])))
-        out[name] = tuple(factors)
+        key = tuple(per_point)
+        if key not in fitted:
+            fitted[key] = _factors(per_point, points, seq)
+        out[name] = fitted[key]
     return out
+
+
+def _factors(per_point: Sequence[tuple[int, ...]], points: tuple[int, ...],
+             seq: int) -> tuple[float, ...]:
+    """One node's factors (:func:`node_factors`)."""
+    factors: list[float] = []
+    for k in range(len(per_point[0])):
+        values = [p[k] for p in per_point]
+        if values[0] == 0 and k > 2:  # not seen at the profiled length: as the node's tensors
+            factors.append(factors[2])
+        elif values[0] == 0 or len(set(values)) == 1:
+            factors.append(1.0)
+        else:
+            factors.append(max(0.0, float(_at(quadratic(points, values), seq) / values[0])))
+    return tuple(factors)
 
 
 def peak_lines(lines_by_point: Sequence[Sequence[tuple[int, int]]],
