@@ -26,10 +26,10 @@ MAX_SHAPE = (4, 12)
 """The largest of them, declared to compile_osdp."""
 
 
-def _configs() -> dict[str, Callable[[], nn.Module]]:
+def _configs(layers: int = 1) -> dict[str, Callable[[], nn.Module]]:
     import transformers as T
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=64)
     gqa = dict(common, num_key_value_heads=2)
     return {
@@ -40,14 +40,14 @@ def _configs() -> dict[str, Callable[[], nn.Module]]:
         "phi": lambda: T.PhiForCausalLM(T.PhiConfig(**common)),
         "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common)),
         "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)),
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4)),
         "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(
-            vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4)),
+            vocab_size=VOCAB, hidden_size=32, n_layer=layers, n_head=4)),
         "opt": lambda: T.OPTForCausalLM(T.OPTConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
             ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0)),
         "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, resid_pdrop=0.0,
+            vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0)),
         "bert": lambda: T.BertForMaskedLM(T.BertConfig(
             **common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
@@ -55,7 +55,7 @@ def _configs() -> dict[str, Callable[[], nn.Module]]:
             **dict(common, max_position_embeddings=80), pad_token_id=1,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
         "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)),
         "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(
             **gqa, num_local_experts=4, num_experts_per_tok=2)),
@@ -66,12 +66,13 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "falco
                  "opt", "gpt2", "bert", "roberta", "t5", "mixtral")
 
 
-def build(arch: str) -> nn.Module:
+def build(arch: str, layers: int = 1) -> nn.Module:
+    """The architecture's tiny model (``layers`` decoder or encoder layers; 1 in the zoo)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    net = _configs()[arch]()
+    net = _configs(layers)[arch]()
     net.config.use_cache = False  # training: no key/value cache (capture.py says so if on)
     return net
 

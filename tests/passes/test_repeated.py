@@ -121,3 +121,34 @@ def test_a_repeat_whose_inputs_differ_at_run_time_is_run():
     shared, taken = _profiles(captured, inputs, share=True)
     assert taken == 0
     assert shared == _profiles(captured, inputs, share=False)[0]
+
+
+class _KeywordLoss(nn.Module):
+    """A Hugging Face model called with its keyword inputs given in order, returning its loss."""
+
+    def __init__(self, net: nn.Module, keys: list[str]) -> None:
+        super().__init__()
+        self.net, self.keys = net, keys
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.net(**dict(zip(self.keys, args))).loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["t5", "mixtral", "bloom"])
+def test_repeats_of_other_architectures_take_what_running_them_gives(arch):
+    """An encoder-decoder (T5: its first layers compute the position bias), a mixture of
+    experts (Mixtral), ALiBi attention (BLOOM), each with 3 layers: blocks are shared, and the
+    profiles and elements equal those of running every block."""
+    pytest.importorskip("transformers")
+    from harness import zoo_cases
+
+    batch = zoo_cases.batch(arch, 0, 0)
+    inputs = tuple(batch.values())
+    captured = capture(_KeywordLoss(zoo_cases.build(arch, layers=3), list(batch)), inputs)
+    shared, taken = _profiles(captured, inputs, share=True)
+    assert taken > 0
+    assert shared == _profiles(captured, inputs, share=False)[0]
+    seq = inputs[0].shape[1]
+    assert sequence_numels(captured.gm, inputs, seq_len=seq) == sequence_numels(
+        captured.gm, inputs, seq_len=seq, share_repeats=False)
