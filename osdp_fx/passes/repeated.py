@@ -17,7 +17,8 @@ operator to its last.
 What this module proves before a run (:func:`repeated_blocks`): two blocks of one kind have the
 same nodes in the same order with the same operators and constants, each argument read from the
 same position (a node of the block, or the block's n-th input from before it), the same
-parameter shapes, dtypes and flags, and the same outputs read (where a node's readers all take
+parameter and buffer shapes, dtypes and flags (and which of them are one tensor), and the same
+outputs read (where a node's readers all take
 an item of its tuple). What the profiler checks during the run (``NodeProfiler``), when it
 reaches a block: whether a block of its kind ran on inputs whose metadata equal its own inputs'
 (shapes, strides, storages, dtypes, ``requires_grad``, which share a storage, which are
@@ -90,16 +91,17 @@ def _signature(gm: fx.GraphModule, block: Block) -> Hashable | None:
     when it holds something this cannot compare (or writes into an input)."""
     position = {n: i for i, n in enumerate(block.nodes)}
     source = {n: i for i, n in enumerate(block.inputs)}
+    tied: dict[int, int] = {}
     parts: list[Any] = []
     for n in block.nodes:
         if n.op not in ("call_function", "call_method", "get_attr"):
             return None
         if n.op == "get_attr":
-            value = gm.get_parameter(n.target) if _is_param(gm, n.target) else None
-            if not isinstance(value, torch.Tensor):
+            value, is_param = _attribute(gm, str(n.target))
+            if value is None:
                 return None
             parts.append(("get_attr", tuple(value.shape), value.stride(), value.dtype,
-                          value.requires_grad))
+                          value.requires_grad, is_param, tied.setdefault(id(value), len(tied))))
             continue
         leaves, spec = pytree.tree_flatten((n.args, n.kwargs))
         args: list[Any] = []
@@ -123,12 +125,15 @@ def _signature(gm: fx.GraphModule, block: Block) -> Hashable | None:
     return signature
 
 
-def _is_param(gm: fx.GraphModule, target: Any) -> bool:
-    try:
-        gm.get_parameter(target)
-    except AttributeError:
-        return False
-    return True
+def _attribute(gm: fx.GraphModule, target: str) -> tuple[torch.Tensor | None, bool]:
+    """The parameter or buffer a ``get_attr`` reads, and whether it is a parameter; None when it
+    is neither."""
+    for get, is_param in ((gm.get_parameter, True), (gm.get_buffer, False)):
+        try:
+            return get(target), is_param
+        except AttributeError:
+            pass
+    return None, False
 
 
 @dataclasses.dataclass(frozen=True)
