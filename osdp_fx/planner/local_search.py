@@ -51,8 +51,9 @@ def improve(
     which such changes spend. ``step_s``: a plan's predicted seconds, None when it does not
     fit. Each round takes the fastest change faster than the plan so far; at most ``rounds``.
     With ``fits`` (whether a plan fits), ``step_s`` need not check it: ``fits`` is asked of the
-    starting plan and of the changes faster than the plan so far alone (the timeline costs
-    about what the step model does, and most changes are slower). Returns (its step seconds,
+    starting plan and, in each round, of the changes faster than the plan so far, fastest
+    first, until one fits (the timeline costs about what the step model does, and most changes
+    are slower). Returns (its step seconds,
     the plan); the seconds are None only when ``strategies`` itself does not fit (it is then
     returned unchanged)."""
     best = dict(strategies)
@@ -60,18 +61,21 @@ def improve(
     if best_s is None:
         return None, best
     for _ in range(rounds):
-        moves = []
+        faster = []
         for name, held in options.items():
             for strategy, kept in held.items():
                 if strategy == best[name] or kept < held[best[name]]:
                     continue
                 trial = {**best, name: strategy}
-                if ((s := step_s(trial)) is not None and s < best_s
-                        and (fits is None or fits(trial))):
-                    moves.append((s, trial))
-        if not moves:
+                if (s := step_s(trial)) is not None and s < best_s:
+                    faster.append((s, trial))
+        # the fastest change that fits: fits asked in order of speed (a stable sort keeps the
+        # first of equally fast changes first), until one does
+        move = next((m for m in sorted(faster, key=lambda m: m[0])
+                     if fits is None or fits(m[1])), None)
+        if move is None:
             break
-        best_s, best = min(moves, key=lambda m: m[0])
+        best_s, best = move
     return best_s, best
 
 
