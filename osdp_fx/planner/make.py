@@ -354,10 +354,11 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
     micro-batch and optimizer step. A plan only compared at one shape needs
     :func:`predict_totals`."""
     batch = batch_size or analysis.plan_batch
-    states = param_states(analysis, {p.name: p.strategy for p in plan.params})
+    strategies = {p.name: p.strategy for p in plan.params}
+    states = param_states(analysis, strategies)
     recompute = dict(plan.recompute)
-    step, costs = plan_step(analysis, {p.name: p.strategy for p in plan.params}, recompute,
-                            devices=devices, optimizer=optimizer, schedule=plan.schedule)
+    step, costs = plan_step(analysis, strategies, recompute, devices=devices,
+                            optimizer=optimizer, schedule=plan.schedule)
     def memory_at(batch: int, seq: int | None) -> MemoryPrediction:
         return _memory(analysis, states, recompute, plan.schedule, devices=devices,
                        optimizer=optimizer, batch=batch, grad_accumulation=grad_accumulation,
