@@ -12,9 +12,11 @@ The search is not a pass: it reads the profiled graph between ``slowest_rank_tim
 ``recompute``, and the planner may split the graph after a first profile (then profiles again),
 so the pipeline runs in several calls, each in declared order:
 
+- ``planner/make.py``: ``cast_params``; ``passes/split_linear.py`` (``apply_splits``):
+  ``split_linear``, after the cast when the search splits, before it when a plan file names the
+  splits (the two commute: splitting the cast graph gives the graph of casting the split one,
+  ``tests/passes/test_split_linear.py``);
 - ``planner/analysis.py``: ``profile``, ``slowest_rank_times`` (each time the graph changed);
-- ``passes/split_linear.py`` (``apply_splits``) and ``planner/make.py``: ``split_linear``,
-  ``cast_params``;
 - ``api.py``: ``recompute``, ``annotate_aliases``, then ``shard`` (per autotuned candidate on a
   copy, once on the graph).
 """
@@ -57,8 +59,8 @@ def _spec(name: str, requires: set[str], ensures: set[str],
 
 
 PIPELINE: tuple[PassSpec, ...] = (
-    _spec("split_linear", {"normalized"}, {"split"}, {"profiled", "slowest_rank_times"}),
     _spec("cast_params", {"normalized"}, {"cast"}, {"profiled", "slowest_rank_times"}),
+    _spec("split_linear", {"normalized"}, {"split"}, {"profiled", "slowest_rank_times"}),
     _spec("profile", {"normalized"}, {"profiled"}, {"slowest_rank_times"}),
     _spec("slowest_rank_times", {"profiled"}, {"slowest_rank_times"}),
     _spec("recompute", {"normalized"}, {"recomputed"}, {"profiled", "slowest_rank_times"}),

@@ -12,7 +12,9 @@ output-sized buffer. Splitting in-features would need ``k`` partial outputs summ
 and a different summation order) for no benefit here. Parts are as even as ``torch.tensor_split``
 makes them when k does not divide the out-features.
 
-Patterns (the weight is a parameter read by this operator only, the bias too):
+Patterns (the weight is a parameter read by this operator only, the bias too; either may reach
+it through its cast to the compute dtype, ``passes/precision.py``, and each part then gets its
+own cast):
 
 * ``F.linear(x, W, b)`` / ``aten.linear(x, W, b)``: W is (out, in), split along dim 0;
 * ``aten.addmm(b, x, W)`` (Hugging Face ``Conv1D``): W is (in, out), split along dim 1;
@@ -49,6 +51,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.layout import SplitSpec
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
+from ..core.precision import cast_param
 from ..errors import PlanError
 from .capture import Captured, ParamInfo, set_attr
 from .manager import run_passes
@@ -78,7 +81,8 @@ class LinearSite:
 
 
 def linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
-    """Splittable linear operators of a normalised graph, by weight name."""
+    """Splittable linear operators of a normalised graph, by weight name. A weight (or bias)
+    may reach its operator through its cast to the compute dtype (``passes/precision.py``)."""
     params = {n: osdp_meta(n).param for n in gm.graph.nodes
               if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM}
     sites = {}
@@ -93,9 +97,10 @@ def linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
             weight_node, bias_node, dim = node.args[1], None, 1
         else:
             continue
-        if weight_node not in params or len(weight_node.users) != 1:
+        weight_node = _read_only_here(weight_node)
+        if weight_node not in params:
             continue
-        if bias_node is not None and (bias_node not in params or len(bias_node.users) != 1):
+        if bias_node is not None and (bias_node := _read_only_here(bias_node)) not in params:
             continue
         weight = gm.get_parameter(params[weight_node])
         if weight.dim() != 2 or (bias_node is not None and gm.get_parameter(
@@ -105,6 +110,17 @@ def linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
             node, params[weight_node], params[bias_node] if bias_node is not None else None,
             dim, weight.shape[dim])
     return sites
+
+
+def _read_only_here(arg: object) -> fx.Node | None:
+    """The parameter node behind an operator's argument (itself, or the parameter its cast to
+    the compute dtype casts) when the operator is its only reader, else None."""
+    if not isinstance(arg, fx.Node) or len(arg.users) != 1:
+        return None
+    if osdp_meta(arg).role == NodeRole.CAST:
+        source = arg.args[0]
+        return source if isinstance(source, fx.Node) and len(source.users) == 1 else None
+    return arg
 
 
 def split_specs(gm: fx.GraphModule, splits: Mapping[str, int]) -> list[SplitSpec]:
@@ -145,6 +161,9 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
         if weight not in specs:
             continue
         node = site.node
+        # the compute dtype of a weight or bias that reaches the operator through its cast
+        cast_to = {osdp_meta(a).param: a.args[1] for a in node.all_input_nodes
+                   if osdp_meta(a).role == NodeRole.CAST}
         part_params = {}
         for name in (site.weight, site.bias):
             if name is None:
@@ -160,12 +179,10 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
                   if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
         for i in range(len(specs[weight].parts)):
             with graph.inserting_before(node):
-                w = graph.get_attr(part_params[weight][i])
-                set_osdp_meta(w, role=NodeRole.PARAM, param=part_params[weight][i])
+                w = _part_node(graph, part_params[weight][i], cast_to.get(weight))
                 b = None
                 if site.bias is not None:
-                    b = graph.get_attr(part_params[site.bias][i])
-                    set_osdp_meta(b, role=NodeRole.PARAM, param=part_params[site.bias][i])
+                    b = _part_node(graph, part_params[site.bias][i], cast_to.get(site.bias))
                 if node.target in _LINEARS:
                     args = (node.args[0], w, b)
                 elif node.target in _ADDMM:
@@ -178,18 +195,33 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
         with graph.inserting_before(node):
             cat = graph.call_function(torch.cat, (outputs, -1))
         cat.meta.update(traced)  # in the linear's module: its region (regions.py) stays whole
-        old_params = [a for a in node.all_input_nodes if a.op == "get_attr"]
+        old_inputs = [a for a in node.all_input_nodes
+                      if a.op == "get_attr" or osdp_meta(a).role == NodeRole.CAST]
         node.replace_all_uses_with(cat)
         graph.erase_node(node)
-        for p in old_params:
-            if not p.users:
-                graph.erase_node(p)
+        for a in old_inputs:  # a cast first, then the parameter it casts
+            sources = [a.args[0]] if osdp_meta(a).role == NodeRole.CAST else []
+            for p in (a, *sources):
+                if not p.users:
+                    graph.erase_node(p)
         n_linears += 1
         n_parts += len(outputs)
     graph.lint()
     gm.recompile()
     log.info("split %d linears into %d", n_linears, n_parts)
     return PassResult(gm, True)
+
+
+def _part_node(graph: fx.Graph, name: str, dtype: torch.dtype | None) -> fx.Node:
+    """The node of parameter part ``name`` (inserted at the graph's insertion point), cast to
+    ``dtype`` when the whole parameter was: the nodes ``cast_params_pass`` makes for it."""
+    param = graph.get_attr(name)
+    set_osdp_meta(param, role=NodeRole.PARAM, param=name)
+    if dtype is None:
+        return param
+    cast = graph.call_function(cast_param, (param, dtype))
+    set_osdp_meta(cast, role=NodeRole.CAST, param=name)
+    return cast
 
 
 def apply_splits(captured: Captured, splits: Mapping[str, int]) -> list[SplitSpec]:

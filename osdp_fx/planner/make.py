@@ -185,14 +185,18 @@ def plan_model(captured: Captured, example_inputs: tuple[Any, ...], *, named: Pl
 
 def _profile(captured: Captured, example_inputs: tuple[Any, ...], *, search: bool,
              devices: Devices, options: PlanOptions, decide: Callable[[Callable[[], Any]], Any]) -> Analysis:
-    """The analysis of the captured graph, after the searched splits (with mixed precision
-    chosen on the full-precision profile) and the cast to the compute precision."""
+    """The analysis of the captured graph cast to the compute precision (the profile measures
+    what a step computes), after the splits searched on it; profiled again only when the
+    search splits a linear."""
+    precision = options.precision
+    if precision is not None:
+        run_passes(captured.gm, [("cast_params",
+                                  lambda g: cast_params_pass(g, precision.param_dtype))])
     profile = functools.partial(analyze, captured, example_inputs, fake=options.fake,
-                                max_shape=options.max_shape)
-    split_search = search and options.split and devices.world_size > 1
-    analysis = profile() if split_search or options.precision is None else None
-    if split_search:
-        assert analysis is not None and devices.memory_bytes is not None
+                                max_shape=options.max_shape, precision=precision)
+    analysis = profile()
+    if search and options.split and devices.world_size > 1:
+        assert devices.memory_bytes is not None
         chosen = decide(lambda: choose_splits(
             analysis, devices=devices, memory_limit_bytes=devices.memory_bytes,
             optimizer=options.optimizer, prefetch=options.prefetch_or_default,
@@ -200,12 +204,6 @@ def _profile(captured: Captured, example_inputs: tuple[Any, ...], *, search: boo
         if chosen:
             apply_splits(captured, chosen)
             analysis = profile()
-    if options.precision is not None:
-        precision = options.precision
-        run_passes(captured.gm, [("cast_params",
-                                  lambda g: cast_params_pass(g, precision.param_dtype))])
-        analysis = profile(precision=precision)
-    assert analysis is not None
     return analysis
 
 

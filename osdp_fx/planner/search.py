@@ -103,7 +103,10 @@ def choose_splits(
     def transient_of(c: GroupCost, state: ParamState) -> int:
         grad = state.numel * state.reduce_size if state.trainable else 0
         if traits(c.strategy).sharded:
-            return c.transient_bytes + (grad if copies else 0)
+            # in mixed precision the gradient cast to the reduce dtype joins the gathered
+            # weight and its gradient in the compute dtype
+            cast = grad if state.reduce_size != state.compute_size else 0
+            return c.transient_bytes + cast + (grad if copies else 0)
         return max(c.transient_bytes, min(grad, DEFAULT_BUCKET_BYTES) if devices.world_size > 1
                    else 0)
 
@@ -138,8 +141,13 @@ def choose_splits(
         times.append([o[1] for o in options])
         persistent.append([o[2] for o in options])
         transient.append([o[3] for o in options])
-    _, base = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None,
+    peak, _ = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None,
                                schedule=Schedule(prefetch), grad_accumulation=grad_accumulation)
+    # the base of these options: the most sharded plan's peak less what they account for
+    # (the options of k = 1 come first, in the order of the strategies searched)
+    lowest = searched_strategies(devices.num_nodes).index(FULL_SHARD)
+    base = max(0, peak - sum(p[lowest] for p in persistent)
+               - max((t[lowest] for t in transient), default=0))
     try:
         result = solve_min_time(times, persistent, transient,
                                 limit_bytes=plannable_bytes(memory_limit_bytes,
@@ -156,7 +164,8 @@ def _summed_input_grad_bytes(analysis: Analysis, linear: fx.Node) -> int:
     is then summed out of place (a part's contribution and the sum, on top of the gradient so
     far: ``graph_facts.activation_grad_intervals``)."""
     facts = analysis.facts
-    inputs = [n for n in linear.all_input_nodes if n not in facts.param_of]
+    inputs = [n for n in linear.all_input_nodes  # activations, not a parameter or its cast
+              if n not in facts.param_of and osdp_meta(n).role != NodeRole.CAST]
     return max((2 * facts.profile[n].output_bytes for n in inputs if facts.requires_grad[n]),
                default=0)
 

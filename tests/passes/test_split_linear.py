@@ -10,10 +10,15 @@ import torch
 from torch import nn
 
 from osdp_fx import Devices, compile_osdp
+from osdp_fx.core.node_meta import NodeRole, osdp_meta
+from osdp_fx.core.precision import MixedPrecision
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import MLP, TinyGPT
 from osdp_fx.passes.capture import capture
+from osdp_fx.passes.manager import run_passes
+from osdp_fx.passes.precision import cast_params_pass
 from osdp_fx.passes.split_linear import apply_splits, linear_sites
+from osdp_fx.planner import analysis
 from osdp_fx.planner.make import make_plan
 
 
@@ -70,6 +75,45 @@ def test_hf_conv1d_addmm_splits():
     torch.testing.assert_close(captured.gm(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_name", ["mlp", "hf_gpt2"])
+def test_splitting_a_cast_graph_makes_the_graph_of_casting_a_split_one(model_name):
+    """The search splits the graph already cast to the compute dtype (planner/make.py): seen
+    through their casts, its linears are the same sites, and splitting them gives the nodes,
+    parameters and outputs that casting the split graph gives."""
+    torch.manual_seed(0)
+    if model_name == "mlp":
+        model, inputs, split = MLP((6, 10, 3)), (torch.randn(4, 6),), "layers.0.weight"
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=67,
+                                           n_positions=16, use_cache=False)).eval()
+        inputs, split = (torch.randint(0, 67, (2, 8)),), "transformer.h.0.mlp.c_fc.weight"
+
+    def cast(c):
+        run_passes(c.gm, [("cast_params", lambda g: cast_params_pass(g, torch.bfloat16))])
+
+    split_first, cast_first = capture(copy.deepcopy(model), inputs), capture(model, inputs)
+    sites = list(linear_sites(cast_first.gm))
+    cast(cast_first)
+    assert list(linear_sites(cast_first.gm)) == sites and split in sites
+    apply_splits(split_first, {split: 3})
+    cast(split_first)
+    apply_splits(cast_first, {split: 3})
+
+    def nodes(gm):
+        return [(n.op, str(n.target), osdp_meta(n).role, osdp_meta(n).param, len(n.users))
+                for n in gm.graph.nodes]
+
+    assert nodes(cast_first.gm) == nodes(split_first.gm)
+    assert cast_first.params == split_first.params
+    out = [c.gm(*inputs) for c in (cast_first, split_first)]
+    if model_name == "hf_gpt2":
+        out = [o.logits for o in out]
+    assert out[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+
+
 def test_tied_weights_are_not_split():
     model, x = TinyGPT(vocab=20, dim=8, depth=1, heads=2, max_seq=8), torch.randint(0, 20, (2, 8))
     captured = capture(model, (x,))
@@ -119,3 +163,28 @@ def test_a_searched_plan_that_splits_a_biased_linear_loads_back(tmp_path):
         loaded = make_plan(capture(copy.deepcopy(model), (x,)), (x,), plan=str(path),
                            devices=devices, memory_limit_bytes=devices.memory_bytes, fake=True)
         assert loaded.hash() == searched.hash(), path.name
+
+
+@pytest.mark.parametrize("limit_mib, splits, profiles", [
+    (11, {"layers.1.weight": 8}, 2), (12, {"layers.1.weight": 4}, 2), (32, {}, 1)])
+def test_a_mixed_precision_search_splits_the_graph_in_the_compute_dtype(
+        monkeypatch, limit_mib, splits, profiles):
+    """In bf16 the model is cast, then profiled and its splits searched on that profile (what
+    a step holds in bf16); it is profiled again only after a split."""
+    runs = []
+    profile = analysis.profile_graph_pass
+    monkeypatch.setattr(analysis, "profile_graph_pass",
+                        lambda *a, **k: runs.append(1) or profile(*a, **k))
+    torch.manual_seed(0)
+    model, x = MLP((64, 1024, 1024, 64)), torch.randn(8, 64)
+    devices = Devices(world_size=2, memory_bytes=limit_mib * 2**20)
+    captured = capture(model, (x,))
+    searched = make_plan(captured, (x,), plan=None, devices=devices,
+                         memory_limit_bytes=devices.memory_bytes, fake=True,
+                         precision=MixedPrecision())
+    assert (dict(searched.splits), len(runs)) == (splits, profiles)
+    assert searched.peak_memory_bytes <= devices.memory_bytes
+    assert searched.param_dtype == "bfloat16"
+    casts = [osdp_meta(n).param for n in captured.gm.graph.nodes
+             if osdp_meta(n).role == NodeRole.CAST]
+    assert sorted(casts) == sorted(captured.params)  # every part has its cast
