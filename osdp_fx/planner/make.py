@@ -2,8 +2,10 @@
 
 ``compile_osdp`` and ``python -m osdp_fx plan`` both go through here:
 
-1. :func:`analyze` profiles the normalised graph (``profile_graph_pass``; on the meta device or
-   under ``fake=True`` without running it) and derives its storage and gradient facts;
+1. :func:`analyze` profiles the normalised graph, cast first to the compute precision when
+   there is one (``profile_graph_pass``; on the meta device or under ``fake=True`` without
+   running it), and derives its storage and gradient facts; it profiles again only after the
+   search splits a linear;
 2. :func:`predict` attaches to a Plan the step time and the peak memory per rank that the cost
    models predict (``cost_models.step``, ``cost_models.timeline``);
 3. the searches of ``planner/search.py`` choose the splits, the batch size, and per parameter group a
