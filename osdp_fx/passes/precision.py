@@ -37,10 +37,13 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
     params = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM
               and gm.get_parameter(n.target).is_floating_point()]
     for node in [*placeholders, *params]:
-        fn, role = (cast_input, NodeRole.CAST_INPUT) if node.op == "placeholder" else (cast_param, NodeRole.CAST)
-        with graph.inserting_after(placeholders[-1] if node.op == "placeholder" else node):
-            cast = graph.call_function(fn, (node, dtype))
-        set_osdp_meta(cast, role=role, param=osdp_meta(node).param)
+        if node.op == "placeholder":
+            with graph.inserting_after(placeholders[-1]):
+                cast = graph.call_function(cast_input, (node, dtype))
+            set_osdp_meta(cast, role=NodeRole.CAST_INPUT, param=osdp_meta(node).param)
+        else:
+            with graph.inserting_after(node):
+                cast = param_cast_node(graph, node, dtype)
         node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     # torch.export records the dtypes it traced with; they no longer hold
     asserts = [n for n in graph.nodes
@@ -55,6 +58,14 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
     graph.lint()
     gm.recompile()
     return PassResult(gm, changed)
+
+
+def param_cast_node(graph: fx.Graph, param: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """A ``cast_param`` node of parameter node ``param`` to ``dtype`` (role ``"cast"``), at the
+    graph's insertion point."""
+    cast = graph.call_function(cast_param, (param, dtype))
+    set_osdp_meta(cast, role=NodeRole.CAST, param=osdp_meta(param).param)
+    return cast
 
 
 _DTYPE_KWARG_CONVERSIONS = (torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default)

@@ -51,10 +51,10 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.layout import SplitSpec
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
-from ..core.precision import cast_param
 from ..errors import PlanError
 from .capture import Captured, ParamInfo, set_attr
 from .manager import run_passes
+from .precision import param_cast_node
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +217,7 @@ def _part_node(graph: fx.Graph, name: str, dtype: torch.dtype | None) -> fx.Node
     ``dtype`` when the whole parameter was: the nodes ``cast_params_pass`` makes for it."""
     param = graph.get_attr(name)
     set_osdp_meta(param, role=NodeRole.PARAM, param=name)
-    if dtype is None:
-        return param
-    cast = graph.call_function(cast_param, (param, dtype))
-    set_osdp_meta(cast, role=NodeRole.CAST, param=name)
-    return cast
+    return param if dtype is None else param_cast_node(graph, param, dtype)
 
 
 def apply_splits(captured: Captured, splits: Mapping[str, int]) -> list[SplitSpec]:

@@ -249,7 +249,8 @@ class Prediction:
         return out
 
     def breakdown(self) -> str:
-        """The peak's categories, largest first, e.g. 'activations 40.0 MiB, parameters ...'."""
+        """The peak's categories, largest first: each one's name and bytes (``format_bytes``),
+        comma-separated."""
         parts = sorted(((b, c) for c, b in self.peak_by_category if b), reverse=True)
         return ", ".join(f"{c} {format_bytes(b)}" for b, c in parts)
 
