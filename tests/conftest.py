@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -16,10 +18,21 @@ from harness import shared_captures  # noqa: E402
 from harness.tiers import is_slow  # noqa: E402
 from harness.world import World, freeze_imported_objects  # noqa: E402
 
+# The processes of a session (the pytest workers and their ranks, which inherit the variable)
+# keep exported programs in one directory; the process that makes it removes it at the end.
+_capture_dir = None
+if shared_captures.CAPTURE_DIR_ENV not in os.environ:
+    _capture_dir = os.environ[shared_captures.CAPTURE_DIR_ENV] = tempfile.mkdtemp(
+        prefix="osdp-captures-")
 shared_captures.install()  # cases share captures of the same Hugging Face model
 freeze_imported_objects()
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_unconfigure(config):
+    if _capture_dir is not None:
+        shutil.rmtree(_capture_dir, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

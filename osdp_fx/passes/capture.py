@@ -279,11 +279,16 @@ def _export(model: nn.Module, example_inputs: tuple[Any, ...],
         raise InputError(f"{rejection}; torch.export failed too: {_reason(exc)}") from exc
 
 
+def _export_program(model: nn.Module,
+                    example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of the model, non-strict, batch and sequence dynamic."""
+    return torch.export.export(model, example_inputs, strict=False,
+                               dynamic_shapes=dynamic_shapes(example_inputs, model.forward))
+
+
 def _export_module(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     with unchanged_state(model):
-        gm = torch.export.export(model, example_inputs, strict=False,
-                                 dynamic_shapes=dynamic_shapes(example_inputs,
-                                                               model.forward)).module()
+        gm = _export_program(model, example_inputs).module()
     # ExportedProgram.module() binds train() and eval() (which only raise) to the module itself,
     # a reference cycle that would keep a dropped compiled model's tensors until Python's
     # collector runs; OSDPModule.train switches modes itself.

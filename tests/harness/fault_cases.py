@@ -27,13 +27,13 @@ import traceback
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from osdp_fx import clip_grad_norm_, compile_osdp
 from osdp_fx.runtime.launch import free_port, init_world
 
 from .clip_cases import batches, build
 from .models import local
+from .world import forkserver_context
 
 FAULTS = ("raise", "raise_and_linger", "kill")
 
@@ -96,10 +96,8 @@ def run_faults(faults: tuple[str, ...], *, timeout_s: float, bound_s: float,
     assert all(f in FAULTS for f in faults), faults
     # forkserver: one process imports torch, osdp_fx and torch._dynamo (which the profiler
     # imports on first use, ~2 s), and every rank is a fork of it: spawning six fresh
-    # interpreters costs ~30 s on a busy 2-core machine. The server only imports (no torch op,
-    # no process group), so forking it is safe.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "torch._dynamo"])
+    # interpreters costs ~30 s on a busy 2-core machine.
+    ctx = forkserver_context()
     dirs = {f: tempfile.mkdtemp(prefix=f"osdp-fault-{f}-") for f in faults}
     ports = {f: free_port() for f in faults}
     procs = {f: [ctx.Process(target=fault_worker,

@@ -150,8 +150,8 @@ def counting() -> Iterator[Counter]:
         dist.all_reduce = reduce
 
 
-def _plan_file(name: str, body: dict[str, Any]) -> str:
-    path = os.path.join(tempfile.gettempdir(), f"osdp-frozen-{os.getpid()}-{name}.json")
+def _plan_file(directory: str, name: str, body: dict[str, Any]) -> str:
+    path = os.path.join(directory, f"{name}.json")
     with open(path, "w") as f:
         json.dump({"format": "osdp-fx-plan", "version": 1, **body}, f)
     return path
@@ -202,53 +202,54 @@ def train(rank: int, world: int, *, model: str = "lora", plans: tuple[str, ...] 
     if plans is None:
         plans = (("full_shard", "shard_grad_op", "frozen_sharded", "one_bucket", "searched")
                  if model == "lora" else ("full_shard", "searched"))
-    given = {"searched": None, "frozen_sharded": _plan_file("frozen-sharded", {
-        "default": "replicate", "params": {n: "full_shard" for n in FROZEN}}),
-        "one_bucket": _plan_file("one-bucket", {
-            "default": "full_shard", "params": {}, "gather_bucket_bytes": 2**24})}
-    out: dict[str, Any] = {}
-    limit = None
-    for label in plans:
-        plan = given.get(label, label)
-        gc.collect()  # what earlier cases left, so that it is not counted here
-        held_before = earlier_storages([])
-        compiled = compile_osdp(build(model), (batch(0, rank),), plan=plan, optimizer="sgd",
-                                memory_limit=limit if plan is None else None, devices=devices)
-        if limit is None:
-            limit = int(1.04 * compiled.plan.prediction.peak_memory_bytes)
-        opt = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=lr)
-        losses, peaks, forward, backward = [], [], Counter(), Counter()
-        for step in range(steps):
-            idx = batch(step, rank)
-            with StorageTracker() as tracker:
-                with counting() as forward:
-                    loss = loss_of(compiled(idx), idx)
-                with counting() as backward:
-                    loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-                del loss
-            earlier = (ref() for ref in held_before)
-            peaks.append(tracker.peak_bytes - sum(s.nbytes() for s in earlier if s is not None))
-        state = compiled.full_state_dict()
-        out[label] = {
-            "losses": losses, "forward": dict(forward), "backward": dict(backward),
-            "peaks": peaks, "limit": limit,
-            "predicted": compiled.plan.prediction.peak_bytes_at(*batch(0, rank).shape),
-            "state": {k: v for k, v in state.items() if not _is_base(k)},
-            "frozen_state": {k: v for k, v in state.items() if _is_base(k)},
-            "local_bytes": sum(held_bytes(p) for p in compiled.parameters()),
-            "strategies": {p.name: p.strategy for p in compiled.plan.params},
-            "notes": {p.name: p.note for p in compiled.plan.params},
-            "regathered": sorted(p.name for p in compiled.plan.params
-                                 if traits(p.strategy).freed_after_forward and p.regathered),
-            "padded": {p.name: shard_numel(p.numel, world, row_numel(p.shape)) * world
-                       for p in compiled.plan.params},
-            "backward_collectives": {p.name: compiled.plan.collectives_of(p)[1]
-                                     for p in compiled.plan.params},
-        }
-        del compiled, opt
+    with tempfile.TemporaryDirectory(prefix="osdp-frozen-") as plan_dir:
+        given = {"searched": None, "frozen_sharded": _plan_file(plan_dir, "frozen-sharded", {
+            "default": "replicate", "params": {n: "full_shard" for n in FROZEN}}),
+            "one_bucket": _plan_file(plan_dir, "one-bucket", {
+                "default": "full_shard", "params": {}, "gather_bucket_bytes": 2**24})}
+        out: dict[str, Any] = {}
+        limit = None
+        for label in plans:
+            plan = given.get(label, label)
+            gc.collect()  # what earlier cases left, so that it is not counted here
+            held_before = earlier_storages([])
+            compiled = compile_osdp(build(model), (batch(0, rank),), plan=plan, optimizer="sgd",
+                                    memory_limit=limit if plan is None else None, devices=devices)
+            if limit is None:
+                limit = int(1.04 * compiled.plan.prediction.peak_memory_bytes)
+            opt = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=lr)
+            losses, peaks, forward, backward = [], [], Counter(), Counter()
+            for step in range(steps):
+                idx = batch(step, rank)
+                with StorageTracker() as tracker:
+                    with counting() as forward:
+                        loss = loss_of(compiled(idx), idx)
+                    with counting() as backward:
+                        loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    losses.append(loss.item())
+                    del loss
+                earlier = (ref() for ref in held_before)
+                peaks.append(tracker.peak_bytes - sum(s.nbytes() for s in earlier if s is not None))
+            state = compiled.full_state_dict()
+            out[label] = {
+                "losses": losses, "forward": dict(forward), "backward": dict(backward),
+                "peaks": peaks, "limit": limit,
+                "predicted": compiled.plan.prediction.peak_bytes_at(*batch(0, rank).shape),
+                "state": {k: v for k, v in state.items() if not _is_base(k)},
+                "frozen_state": {k: v for k, v in state.items() if _is_base(k)},
+                "local_bytes": sum(held_bytes(p) for p in compiled.parameters()),
+                "strategies": {p.name: p.strategy for p in compiled.plan.params},
+                "notes": {p.name: p.note for p in compiled.plan.params},
+                "regathered": sorted(p.name for p in compiled.plan.params
+                                     if traits(p.strategy).freed_after_forward and p.regathered),
+                "padded": {p.name: shard_numel(p.numel, world, row_numel(p.shape)) * world
+                           for p in compiled.plan.params},
+                "backward_collectives": {p.name: compiled.plan.collectives_of(p)[1]
+                                         for p in compiled.plan.params},
+            }
+            del compiled, opt
     if rank == 0:
         net = build(model)
         opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)

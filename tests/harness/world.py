@@ -14,6 +14,7 @@ import itertools
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -61,11 +62,30 @@ def forkserver_context() -> Any:
     process per test process imports them once (``harness.rank_preload``) and every rank is a
     fork of it. The server only imports (no torch op, no thread pool, no process group), so
     forking it is safe; each rank then joins its own gloo world as before. The server is one
-    per process: ``fault_cases`` forks its ranks from it too, with whichever preload started it.
+    per process: ``fault_cases`` forks its ranks from it too.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (if it is not running) with this process's ``sys.path`` as its
+    ``PYTHONPATH``: before Python 3.12 the server ignores the path it is given, so its preload
+    (the harness, which ``conftest.py`` puts on the path, and osdp_fx from a checkout) failed
+    to import, silently, and every rank imported everything itself."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, done: Any, out_dir: str) -> None:
