@@ -261,8 +261,22 @@ def _forget_groups() -> None:
     """Drop the groups and meshes this module keeps, at exit while the interpreter still runs: a
     process group kept alive past ``destroy_process_group`` would otherwise be destroyed during
     the interpreter's shutdown, where gloo's worker threads can no longer take the GIL (the
-    process aborts)."""
+    process aborts). The meshes are still held by the DTensors of the user's model and
+    optimizer, which live until that shutdown, and a DeviceMesh holds its process groups: once
+    ``destroy_process_group`` has run (the groups can no longer be used), the meshes let go of
+    them too."""
+    if not dist.is_initialized():
+        for mesh in [*_checkpoint_meshes.values(), *(m for _, m in _meshes.values())]:
+            _release_groups(mesh)
     _two_level.clear()
     _meshes.clear()
     _checkpoint_meshes.clear()
     forget_named_groups()
+
+
+def _release_groups(mesh: Any) -> None:
+    """Let ``mesh`` drop the process groups it holds (torch's DeviceMesh keeps them by name in
+    ``_pg_registry``; a torch without it holds none)."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
