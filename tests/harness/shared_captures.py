@@ -19,9 +19,8 @@ close over), every parameter's and buffer's name, shape, dtype, device and ``req
 (and which are tied), and the example inputs' shapes, dtypes and devices. Only models with a
 ``transformers`` or ``peft`` module are shared, and only where every module's class is defined
 at a module's top level (its name then says which class it is); a model with a tensor held as
-a plain attribute, or an attribute of a kind the key cannot read, is exported afresh. Tests of
-capture itself see the real export on its first call for a model, and an export that fails is
-not stored. ``tests/test_shared_captures.py`` tests the sharing itself.
+a plain attribute, or an attribute of a kind the key cannot read, is exported afresh. The
+session's first capture of a model is a real export, and an export that fails is not stored. ``tests/test_shared_captures.py`` tests the sharing itself.
 
 Across processes: the test ranks of every world and the pytest workers each export a model
 their process has not seen, most of them one another process of the session exported already
