@@ -265,7 +265,7 @@ def _forget_groups() -> None:
     optimizer, which live until that shutdown, and a DeviceMesh holds its process groups: once
     ``destroy_process_group`` has run (the groups can no longer be used), the meshes let go of
     them too."""
-    if not dist.is_initialized():
+    if dist.is_available() and not dist.is_initialized():
         for mesh in [*_checkpoint_meshes.values(), *(m for _, m in _meshes.values())]:
             _release_groups(mesh)
     _two_level.clear()
