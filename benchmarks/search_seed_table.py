@@ -2,7 +2,8 @@
 
 The OSDP reference implementation (Youhe-Jiang/IJCAI2023-OptimalShardedDataParallel) ships
 per-layer profile tables (time and memory of GPT-2 layers for 8 hidden sizes, 5 batch indices and
-4 strategies; see the "about" field of ``osdp-seed-profile.json``). Its scheduler gives every one
+4 strategies; see the "about" field of ``benchmarks/data/osdp-seed-profile.json``, a copy of
+them kept with the repository). Its scheduler gives every one
 of ``num_layers`` identical layers one of the 4 strategies by a knapsack dynamic programme:
 
 - memory per (layer, strategy) is **truncated toward zero** to whole MB (``np.trunc``) before the
