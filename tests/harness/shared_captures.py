@@ -258,12 +258,12 @@ def _load(path: Path, model: nn.Module) -> torch.export.ExportedProgram | None:
         return None
     own = dict(model.named_parameters(remove_duplicate=False))
     own.update(model.named_buffers(remove_duplicate=False))
+    if set(program.state_dict) - set(own):
+        return None
     for table in (program.state_dict, program.constants):
         for name in table:
             if name in own:
                 table[name] = own[name]
-    if set(program.state_dict) - set(own):
-        return None
     return program
 
 
