@@ -44,17 +44,44 @@ function:
   exact for the discretised problem and conservative (never optimistic) for the byte-exact one;
   ``granularity_bytes=1`` makes it byte-exact;
 - *budget* ``floor((L - B - T) / g)`` cells, inclusive: :func:`_budget_cells`;
-- *objective*: :func:`_knapsack_min_time`, a dynamic programme over operators whose state is the
+- *operators that repeat*: :func:`_classes` groups operators with equal rows (times, cells,
+  transient bytes) into one class with a multiplicity ``m``: the decoder layers of a
+  transformer give each of their groups the same row. The problem is then a multiple-choice
+  knapsack with multiplicities, solved over classes ([Note: classes]);
+- *objective*: :func:`_knapsack_min_time`, a dynamic programme over classes whose state is the
   number of cells still free, vectorised with numpy over that memory axis (one Python iteration
-  per operator and option, none per cell). It keeps the arg-min option of every (operator, free
-  cells) state, and :func:`_backtrack` reads the plan back;
+  per class and frontier point, none per cell). It keeps the arg-min point of every (class,
+  free cells) state and reads the plan back, and :func:`_assign` gives each member its option;
 - *nothing fits*: :func:`_least_peak_bytes` computes exactly (in bytes, without rounding) the least
   peak memory any choice needs, which the :class:`~osdp_fx.errors.PlanError` reports together
   with the operators that dominate it.
 
-Ties are broken deterministically toward the lowest option index, operator 0 first: among the
-optimal plans (equal floating-point totals) the lexicographically smallest ``choices`` is
-returned. The same problem with no transient memory (``transient_bytes=None``), integer memory
+[Note: classes]
+A class of ``m`` equal operators with options ``(cells c_j, time t_j)`` chooses how many of its
+members take each option; its choices are the ``m``-fold sums of its options.
+:func:`_frontier` builds them by doubling (the choices of ``2a`` members are the sums of two
+choices of ``a``) and keeps, after each sum, only the choices no other beats: one that takes no
+more cells and less time beats it (:func:`_pruned`). The programme then takes one point of each
+class's frontier. It is exact: a beaten choice can never be the better one in any state,
+because the least time of the other classes only falls as cells are freed. Its work is the
+frontiers' sizes times the cells, against ``m`` times the options times the cells row by row;
+the frontier of ``m`` members with two useful options has ``m + 1`` points, and options that
+no choice needs (a larger and slower one) drop out at once. ``tests/planner/test_solver.py``
+checks the answers against brute force over every operator separately.
+
+[Note: members of a class]
+The exact problem cannot tell the members of a class apart, but the memory timeline can: the
+first blocks of a model run first in forward and last in backward, where a sharded parameter
+is gathered again and a recomputed region runs again when most activations are already freed.
+The rows the planner builds list an operator's options from the one that holds the most memory
+(replicate; save every activation) to the ones that hold less (sharding; recomputation), so
+the members of a class take the chosen options in decreasing index, first member first: the
+first blocks shard and recompute, the last keep.
+
+Ties are broken deterministically: among the optimal plans (equal floating-point totals) the
+one returned comes first when each class's members' options, sorted, are compared class by
+class (classes in the order of their first operator); a tie between options goes to the lower
+index. The same problem with no transient memory (``transient_bytes=None``), integer memory
 tables and ``granularity_bytes`` equal to their unit is the OSDP reference scheduler's search
 (``benchmarks/search_seed_table.py`` reproduces its published result).
 """
@@ -125,6 +152,29 @@ class _Tables:
 
 
 @dataclass(frozen=True)
+class _Class:
+    """Operators whose rows are equal: one multiple-choice item with a multiplicity."""
+
+    row: int
+    """The first member, whose row stands for all."""
+    members: np.ndarray
+    """int64 operator indices, increasing."""
+
+
+@dataclass(frozen=True)
+class _Frontier:
+    """Choices of the members of one class (how many take each option) that can be optimal,
+    in tie-breaking order (:func:`_pruned`)."""
+
+    cells: np.ndarray
+    """int64 (P,): persistent cells of each choice."""
+    time_s: np.ndarray
+    """float64 (P,): its total time."""
+    counts: np.ndarray
+    """int64 (P, k): how many members take each option."""
+
+
+@dataclass(frozen=True)
 class _Cap:
     """One candidate value of the largest transient memory."""
 
@@ -190,6 +240,7 @@ def solve_min_time(
         )
     cells = _persistent_cells(tables, gran)
     caps = _bounded_caps(tables, cells, limit=limit, base=base, granularity_bytes=gran)
+    classes = _classes(tables, cells)
     best: tuple[float, tuple[int, ...]] | None = None
     solved = 0
     for cap in caps:
@@ -197,16 +248,20 @@ def solve_min_time(
             break  # caps are sorted by bound: none of the rest can beat the incumbent
         solved += 1
         allowed = _allowed_options(tables, cap.transient_bytes)
-        found = _knapsack_min_time(tables.time_s, cells, allowed, cap.budget_cells)
+        frontiers = [_frontier(tables.time_s[c.row], cells[c.row], allowed[c.row], len(c.members),
+                               cap.budget_cells) for c in classes]
+        if any(f is None for f in frontiers):
+            continue
+        found = _knapsack_min_time(frontiers, cap.budget_cells)
         if found is None:
             continue
-        value, choice_table = found
-        choices = _backtrack(choice_table, cells, cap.budget_cells)
-        if best is None or value < best[0] or (value == best[0] and choices < best[1]):
+        value, picked = found
+        choices = _assign(classes, frontiers, picked, n)
+        if best is None or value < best[0] or (value == best[0] and _earlier(choices, best[1], classes)):
             best = (value, choices)
     logger.debug(
-        "search: %d operators, %d feasible transient caps, %d dynamic programmes, %d cells of %d bytes",
-        n, len(caps), solved, width, gran,
+        "search: %d operators in %d classes, %d feasible transient caps, %d dynamic programmes, "
+        "%d cells of %d bytes", n, len(classes), len(caps), solved, width, gran,
     )
     if best is None:
         raise PlanError(_no_fit_message(tables, limit, base, gran, names))
@@ -355,70 +410,155 @@ def _prices(time_s: np.ndarray, cells: np.ndarray, valid: np.ndarray) -> np.ndar
     return np.concatenate([[0.0], np.geomspace(slopes.min(), slopes.max(), _BOUND_PRICES)])
 
 
+def _classes(tables: _Tables, cells: np.ndarray) -> list[_Class]:
+    """Operators with equal rows (time, persistent cells, transient bytes, validity) grouped
+    into classes, in the order of each class's first operator."""
+    rows = np.concatenate([tables.time_s, cells, tables.transient_bytes, tables.valid], axis=1)
+    _, first, which = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    which = which.reshape(-1)
+    order = np.argsort(first, kind="stable")
+    return [_Class(int(first[c]), np.flatnonzero(which == c)) for c in order]
+
+
+def _frontier(time_s: np.ndarray, cells: np.ndarray, allowed: np.ndarray, count: int,
+              budget_cells: int) -> _Frontier | None:
+    """The choices ``count`` operators with the option row (``time_s``, ``cells``, ``allowed``)
+    can make within ``budget_cells``, pruned to those that can be optimal (:func:`_pruned`);
+    None when no allowed option fits.
+
+    The ``count``-fold sum is built by doubling: the choices of ``a + b`` operators are every
+    choice of ``a`` plus every choice of ``b`` (a multiset of options splits into any two parts
+    of sizes ``a`` and ``b``), so pruning after each sum loses nothing."""
+    options = np.flatnonzero(allowed & (cells <= budget_cells))
+    if options.size == 0:
+        return None
+    unit = np.zeros((options.size, len(time_s)), dtype=np.int64)
+    unit[np.arange(options.size), options] = 1
+    if count == 1:  # already in tie-breaking order; pruning would only shorten the loop
+        return _Frontier(cells[options], time_s[options], unit)
+    power = _pruned(cells[options], time_s[options], unit)
+    result = None
+    while True:
+        if count & 1:
+            result = power if result is None else _sum(result, power, budget_cells)
+        count >>= 1
+        if not count:
+            return result
+        power = _sum(power, power, budget_cells)
+
+
+def _sum(a: _Frontier, b: _Frontier, budget_cells: int) -> _Frontier:
+    """Every choice of ``a`` with every choice of ``b`` that fits ``budget_cells``, pruned."""
+    cells = (a.cells[:, None] + b.cells[None, :]).reshape(-1)
+    time = (a.time_s[:, None] + b.time_s[None, :]).reshape(-1)
+    counts = (a.counts[:, None, :] + b.counts[None, :, :]).reshape(cells.size, -1)
+    fits = cells <= budget_cells
+    return _pruned(cells[fits], time[fits], counts[fits])
+
+
+def _pruned(cells: np.ndarray, time_s: np.ndarray, counts: np.ndarray) -> _Frontier:
+    """The choices no other choice beats, in tie-breaking order (smallest ``order`` first).
+
+    A choice is dropped when another takes no more cells and less time, or no more cells, the
+    same time and comes no later in tie-breaking order: since the least time of the other
+    classes can only fall as cells are freed, the other is then at least as good in every
+    state of the dynamic programme, and wins its ties. Tie-breaking order: the members of a
+    class take their options in increasing index, so among equal choices the one with the
+    most members at option 0, then at option 1, ... comes first."""
+    rank = np.empty(len(cells), dtype=np.int64)
+    rank[np.lexsort((-counts).T[::-1])] = np.arange(len(cells))
+    order = np.lexsort((rank, time_s, cells))
+    cells, time_s, counts, rank = cells[order], time_s[order], counts[order], rank[order]
+    before = np.concatenate([[np.inf], np.minimum.accumulate(time_s)[:-1]])
+    lower = time_s < before
+    # Within a run of the least time so far (it starts where that time fell), the earliest
+    # rank among the choices of that time seen before: a choice of the same time is kept
+    # only if it comes earlier in tie-breaking order.
+    run = np.cumsum(lower)
+    at_least = np.where(time_s == np.minimum.accumulate(time_s), rank, len(rank))
+    key = (run[-1] - run) * (len(rank) + 1) + at_least
+    earliest = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(key)[:-1]])
+    same_run = earliest // (len(rank) + 1) == run[-1] - run
+    keep = lower | ((time_s == before) & same_run & (rank < earliest % (len(rank) + 1)))
+    keep = np.flatnonzero(keep)
+    keep = keep[np.argsort(rank[keep], kind="stable")]
+    return _Frontier(cells[keep], time_s[keep], counts[keep])
+
+
 def _knapsack_min_time(
-    time_s: np.ndarray, cells: np.ndarray, allowed: np.ndarray, budget_cells: int
-) -> tuple[float, np.ndarray] | None:
-    """Multiple-choice knapsack: least total time using at most ``budget_cells`` cells.
+    frontiers: Sequence[_Frontier], budget_cells: int
+) -> tuple[float, list[int]] | None:
+    """Multiple-choice knapsack over classes: least total time using at most ``budget_cells``.
 
-    ``best[v]`` is the least time of operators ``i .. n-1`` given ``v`` free cells; operators are
+    ``best[v]`` is the least time of classes ``c .. C-1`` given ``v`` free cells; each class
+    chooses one point of its frontier (how many of its members take each option). Classes are
     added last to first so that backtracking runs first to last and, with strict ``<`` over
-    options in increasing index, yields the lexicographically smallest optimal plan. Returns the
-    optimum and ``choice[i, v]`` (the arg-min option of operator ``i`` with ``v`` free cells), or
-    None when nothing fits.
+    points in tie-breaking order, yields the first optimal plan in that order. Returns the
+    optimum and the point chosen for each class, or None when nothing fits.
 
-    Only the window of ``v`` that matters is computed: below the least cells operators
-    ``i .. n-1`` need, ``best`` is ``+inf``; below ``budget - (most cells operators 0 .. i-1 can
+    Only the window of ``v`` that matters is computed: below the least cells classes
+    ``c .. C-1`` need, ``best`` is ``+inf``; below ``budget - (most cells classes 0 .. c-1 can
     take)`` it is never read. ``choice`` is meaningful inside that window only.
     """
-    n, k = time_s.shape
     width = budget_cells + 1
-    usable = allowed & (cells <= budget_cells)
-    if not usable.any(axis=1).all():
-        return None
-    least_after = np.cumsum(np.where(usable, cells, budget_cells + 1).min(axis=1)[::-1])[::-1]
-    most_before = np.concatenate([[0], np.cumsum(np.where(usable, cells, 0).max(axis=1))[:-1]])
+    least = np.array([f.cells.min() for f in frontiers], dtype=np.int64)
+    least_after = np.cumsum(least[::-1])[::-1]
+    most_before = np.concatenate([[0], np.cumsum([f.cells.max() for f in frontiers])[:-1]])
     if least_after[0] > budget_cells:
         return None
-    choice = np.zeros((n, width), dtype=np.int8 if k <= 127 else np.int32)
+    choice = np.zeros((len(frontiers), width), dtype=np.int32)
     best = np.zeros(width)
     new = np.empty(width)
     cand = np.empty(width)
     better = np.empty(width, dtype=bool)
-    for i in range(n - 1, -1, -1):
-        low = max(int(least_after[i]), budget_cells - int(most_before[i]), 0)
-        row = choice[i]
+    for c in range(len(frontiers) - 1, -1, -1):
+        low = max(int(least_after[c]), budget_cells - int(most_before[c]), 0)
+        row = choice[c]
         new[:low] = np.inf
-        first = True
-        for j in np.flatnonzero(usable[i]):
-            w = int(cells[i, j])
+        front = frontiers[c]
+        for p in range(len(front.cells)):
+            w = int(front.cells[p])
             start = max(low, w)
             source = best[start - w : width - w]
-            if first:  # write straight into the window instead of comparing against +inf
+            if p == 0:  # write straight into the window instead of comparing against +inf
                 new[low:start] = np.inf
-                np.add(source, time_s[i, j], out=new[start:])
-                row[start:] = j
-                first = False
+                np.add(source, front.time_s[p], out=new[start:])
+                row[start:] = p
                 continue
-            np.add(source, time_s[i, j], out=cand[start:])
+            np.add(source, front.time_s[p], out=cand[start:])
             np.less(cand[start:], new[start:], out=better[start:])
             np.copyto(new[start:], cand[start:], where=better[start:])
-            np.copyto(row[start:], j, where=better[start:])
+            np.copyto(row[start:], p, where=better[start:])
         if not np.isfinite(new[budget_cells]):
             return None
         best, new = new, best
-    return float(best[budget_cells]), choice
+    picked, free = [], budget_cells
+    for c, front in enumerate(frontiers):
+        p = int(choice[c, free])
+        picked.append(p)
+        free -= int(front.cells[p])
+        assert free >= 0, f"backtracking overdrew the budget at class {c} (point {p})"
+    return float(best[budget_cells]), picked
 
 
-def _backtrack(choice: np.ndarray, cells: np.ndarray, budget_cells: int) -> tuple[int, ...]:
-    """Read the chosen options back from the arg-min table, operator 0 first."""
-    free = budget_cells
-    picked = []
-    for i in range(choice.shape[0]):
-        j = int(choice[i, free])
-        picked.append(j)
-        free -= int(cells[i, j])
-        assert free >= 0, f"backtracking overdrew the budget at operator {i} (option {j})"
-    return tuple(picked)
+def _assign(classes: Sequence[_Class], frontiers: Sequence[_Frontier], picked: Sequence[int],
+            n: int) -> tuple[int, ...]:
+    """Each operator's option: the members of a class take its chosen counts in decreasing
+    option index, first member first ([Note: members of a class])."""
+    choices = np.zeros(n, dtype=np.int64)
+    for cls, front, p in zip(classes, frontiers, picked):
+        counts = front.counts[p]
+        choices[cls.members] = np.repeat(np.arange(len(counts)), counts)[::-1]
+    return tuple(int(j) for j in choices)
+
+
+def _earlier(a: tuple[int, ...], b: tuple[int, ...], classes: Sequence[_Class]) -> bool:
+    """Whether plan ``a`` comes before ``b`` in tie-breaking order: the sorted options of the
+    first class's members, then the next class's, compared as sequences."""
+    def key(plan: tuple[int, ...]) -> list[list[int]]:
+        return [sorted(plan[i] for i in c.members) for c in classes]
+
+    return key(a) < key(b)
 
 
 def _result(tables: _Tables, choices: tuple[int, ...], limit: int, base: int, gran: int) -> SearchResult:

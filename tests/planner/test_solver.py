@@ -48,8 +48,11 @@ def _padded(rows, fill):
 def brute_force(time_s, persistent, transient, *, limit, base, gran):
     """Every choice via itertools.product, with the solver's discretisation.
 
-    Returns (least time, lexicographically first choice reaching it, exact least peak of any
-    choice); the first two are None when nothing fits.
+    Returns (least time, first choice reaching it in tie-breaking order, exact least peak of
+    any choice); the first two are None when nothing fits. Tie-breaking order: operators with
+    equal rows (times, persistent cells, transient bytes) form a class; the sorted options of
+    each class's members are compared class by class (classes in the order of their first
+    operator), and the members then take them in decreasing index, first member first.
     """
     combos = np.array(list(itertools.product(*(range(len(row)) for row in time_s))), dtype=np.int64)
     ops = np.arange(len(time_s))
@@ -64,8 +67,26 @@ def brute_force(time_s, persistent, transient, *, limit, base, gran):
     if not fits.any():
         return None, None, least_peak
     best = total[fits].min()
-    first = int(np.flatnonzero(fits & (total == best))[0])
-    return float(best), tuple(int(j) for j in combos[first]), least_peak
+    optimal = combos[fits & (total == best)]
+    classes = _classes(time_s, persistent, transient, gran)
+    first = min(optimal, key=lambda plan: [sorted(plan[members]) for members in classes])
+    chosen = np.empty(len(time_s), dtype=np.int64)
+    for members in classes:
+        chosen[members] = sorted(first[members], reverse=True)
+    return float(best), tuple(int(j) for j in chosen), least_peak
+
+
+def _classes(time_s, persistent, transient, gran):
+    """Operator indices with equal rows (persistent bytes in cells, invalid options zeroed),
+    in the order of each class's first operator."""
+    t = _padded(time_s, np.inf)
+    valid = np.isfinite(t)
+    cells = np.where(valid, -(-_padded(persistent, 0).astype(np.int64) // gran), 0)
+    held = np.where(valid, _padded(transient, 0), 0)
+    classes = {}
+    for i in range(len(time_s)):
+        classes.setdefault((tuple(t[i]), tuple(cells[i]), tuple(held[i])), []).append(i)
+    return [np.array(members) for members in classes.values()]
 
 
 @st.composite
@@ -91,6 +112,19 @@ def instances(draw):
     return time_s, persistent, transient, limit, base, gran, integral
 
 
+@st.composite
+def repeated_instances(draw):
+    """Instances whose operators repeat a few distinct rows (the layers of a model), with
+    integer times half of the time so that exact ties between classes occur."""
+    time_s, persistent, transient, _, base, gran, integral = draw(instances())
+    kinds = draw(st.integers(1, min(3, len(time_s))))
+    order = draw(st.lists(st.integers(0, kinds - 1), min_size=kinds, max_size=7))
+    most = base + sum(max(persistent[i]) for i in order) + 400
+    return ([time_s[i] for i in order], [persistent[i] for i in order],
+            None if transient is None else [transient[i] for i in order],
+            draw(st.integers(0, most)), base, gran, integral)
+
+
 def _feasible_cells(result: SearchResult, persistent, transient, base: int) -> bool:
     """The plan fits the limit with persistent memory rounded up to the result's cells."""
     g = result.granularity_bytes
@@ -108,6 +142,19 @@ def _feasible_cells(result: SearchResult, persistent, transient, base: int) -> b
 @example(([[5e-324, math.inf, math.inf, math.inf, 0.0]], [[0, 0, 0, 0, 2]], [[0, 0, 0, 0, 0]],
           0, 0, 1, False))  # a time difference that underflows to 0 (found by CI)
 def test_matches_brute_force(case):
+    _check_against_brute_force(case)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(repeated_instances())
+def test_repeated_operators_are_searched_as_classes_with_the_same_answer(case):
+    """Equal rows are searched as one class with a multiplicity: the same least time, and the
+    same plan in tie-breaking order, as choosing every operator's option separately."""
+    _check_against_brute_force(case)
+
+
+def _check_against_brute_force(case):
     time_s, persistent, transient, limit, base, gran, integral = case
     effective = default_granularity_bytes(limit, base_bytes=base) if gran is None else gran
     zeros = [[0] * len(row) for row in time_s]
@@ -222,6 +269,11 @@ def test_deterministic_and_input_form_independent():
 def test_ties_go_to_lowest_option_index():
     same = solve_min_time([[1.0, 1.0, 1.0]] * 4, [[5, 5, 5]] * 4, limit_bytes=100, granularity_bytes=1)
     assert same.choices == (0, 0, 0, 0)
-    # two of three operators can take the cheap-memory option 1; operator 0 gets it first
+    # one of three equal operators can take the memory-hungry option 0; the last one gets it
+    # (the members of a class take their options in decreasing index, first member first)
     tied = solve_min_time([[1.0, 1.0]] * 3, [[10, 0]] * 3, limit_bytes=10, granularity_bytes=1)
-    assert tied.choices == (0, 1, 1)
+    assert tied.choices == (1, 1, 0)
+    # operators that differ are compared in order: operator 0 gets the lower index first
+    apart = solve_min_time([[1.0, 1.0], [1.0, 1.0]], [[10, 0], [10, 1]], limit_bytes=11,
+                           granularity_bytes=1)
+    assert apart.choices == (0, 1)
