@@ -19,24 +19,38 @@ peak without): once (``search_plan``, the default schedule) and under every cand
 (``search_schedules``, what ``compile_osdp`` runs).
 
     python benchmarks/plan_scale.py --search-only [--world-size 8] [--memory 16GiB]
+
+``--restart``: what a restarted job pays. ``compile_osdp`` of a Hugging Face GPT-2 (12 layers,
+hidden 768, built on the meta device, sequence 512) in two launches of ``torchrun
+--nproc-per-node 2`` (gloo, devices measured) that share a fresh plan cache: the first searches
+and saves its plan, the second takes it. Prints a Markdown table: per launch, capture, plan,
+the whole ``compile_osdp`` (the time before the first step), what the plan cache did and the
+plan's hash.
+
+    python benchmarks/plan_scale.py --restart [--layers 12]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from osdp_fx import compile_osdp  # noqa: E402
 from osdp_fx.core.devices import Devices  # noqa: E402
 from osdp_fx.core.regions import find_regions  # noqa: E402
 from osdp_fx.cost_models.timeline import predict_step_memory  # noqa: E402
-from osdp_fx.examples import gpt2_48_layers_meta  # noqa: E402
+from osdp_fx.examples import gpt2_48_layers_meta, hf_gpt2_meta  # noqa: E402
 from osdp_fx.passes.capture import capture  # noqa: E402
 from osdp_fx.planner.analysis import MEMORY_MARGIN, param_states  # noqa: E402
 from osdp_fx.planner.make import analyze, choose_splits, search_strategies  # noqa: E402
@@ -47,6 +61,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = {"llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512}
 """Each shape of ``examples/llama_shapes.py`` and the ranks it is planned for."""
 _DONE = re.compile(r"\[osdp-fx\] (.+): done in ([0-9.]+) s")
+RESTART_MODEL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq": 512}
+"""``--restart``'s model: GPT-2 small's shape (``examples.hf_gpt2_meta``)."""
+_STAGE = re.compile(r"([a-z][a-z (),]*?) ([0-9.]+) s")
 
 
 def plan_stages(shape: str, world_size: int) -> dict[str, float]:
@@ -98,11 +115,67 @@ def main() -> None:
                         help="time the searches on GPT-2 with 48 layers instead")
     parser.add_argument("--world-size", type=int, default=8, help="--search-only: ranks")
     parser.add_argument("--memory", default="16GiB", help="--search-only: limit per rank")
+    parser.add_argument("--restart", action="store_true",
+                        help="time a compile and its restart, which takes the cached plan")
+    parser.add_argument("--layers", type=int, default=RESTART_MODEL["n_layer"],
+                        help="--restart: the GPT-2's layers")
+    parser.add_argument("--restart-launch", nargs=3, metavar=("LAYERS", "CACHE", "OUT"),
+                        help=argparse.SUPPRESS)  # one launch's rank (torchrun runs it)
     args = parser.parse_args()
-    if args.search_only:
+    if args.restart_launch:
+        restart_launch(*args.restart_launch)
+    elif args.restart:
+        restarts(args.layers)
+    elif args.search_only:
         searches(args.world_size, parse_bytes(args.memory))
     else:
         launches(args.shapes.split(","))
+
+
+def restarts(layers: int) -> None:
+    """The table of ``--restart``: two launches sharing a fresh plan cache."""
+    print("| launch | capture | plan | compile_osdp in all | plan cache | plan hash |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for launch in ("first", "restart"):
+            out = Path(tmp) / f"{launch}.json"
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", __file__, "--restart-launch",
+                            str(layers), str(Path(tmp) / "plans"), str(out)],
+                           cwd=ROOT, check=True, capture_output=True)
+            r = json.loads(out.read_text())
+            plan_s = sum(v for k, v in r["stages"].items() if k.startswith("plan"))
+            print(f"| {launch} | {r['stages']['capture']:.1f} s | {plan_s:.1f} s | "
+                  f"{r['whole_s']:.1f} s | {r['cache']} | `{r['hash']}` |", flush=True)
+
+
+def restart_launch(layers: str, cache: str, out: str) -> None:
+    """One rank of a ``--restart`` launch: compile the model (of ``layers`` layers) with the
+    plan cache in ``cache``; rank 0 writes its stages, the whole time, what the cache did and
+    the plan hash to ``out``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    api_log = logging.getLogger("osdp_fx.api")
+    api_log.addHandler(handler)
+    api_log.setLevel(logging.INFO)
+    torch.manual_seed(0)  # a model on the meta device: every rank initialises the same values
+    model, (idx,) = hf_gpt2_meta(**(RESTART_MODEL | {"n_layer": int(layers)}))
+    start = time.perf_counter()
+    compiled = compile_osdp(model, (torch.zeros_like(idx, device="cpu"),), plan_cache=cache,
+                            init_fn=model.model._init_weights)
+    whole = time.perf_counter() - start
+    summary = next(m for m in records if m.startswith("compile_osdp:"))
+    stages = {k: float(v) for k, v in _STAGE.findall(summary.split("(", 1)[1])}
+    used = any(m.startswith("plan cache: using") for m in records)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({
+            "whole_s": whole, "stages": stages, "hash": compiled.plan.hash(),
+            "cache": "took the saved plan" if used else "searched, saved the plan"}))
+    dist.destroy_process_group()
 
 
 def searches(world_size: int, limit: int) -> None:

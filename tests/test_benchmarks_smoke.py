@@ -239,3 +239,17 @@ def test_finetune_benchmark_measures_every_system_and_checks_the_targets(tmp_pat
         "full_shard <= 1.0x FSDP2 step", "full_shard <= 1.0x FSDP2 peak",
         "searched fits 1.1x FSDP2's peak", "searched <= 0.85x FSDP2 step"}
     assert checks["searched_fits"] == (by["searched"]["peak_bytes"] <= raw["limit_bytes"])
+
+
+def test_a_restart_takes_the_cached_plan_in_a_new_process() -> None:
+    """``plan_scale.py --restart``: the second launch (new processes) takes the plan the first
+    searched and saved, with the same hash, and does not search."""
+    cmd = [sys.executable, "benchmarks/plan_scale.py", "--restart", "--layers", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| first") or line.startswith("| restart")]
+    (first, restart) = [[cell.strip() for cell in row] for row in rows]
+    assert first[4] == "searched, saved the plan" and restart[4] == "took the saved plan"
+    assert first[5] == restart[5]

@@ -22,7 +22,7 @@ from osdp_fx import compile_osdp, load_checkpoint, save_checkpoint
 from osdp_fx.core.layout import row_numel, shard_numel
 from osdp_fx.core.strategies import traits
 from osdp_fx.runtime import collectives
-from osdp_fx.runtime.storage_tracker import StorageTracker
+from osdp_fx.runtime.storage_tracker import StorageTracker, dense_tensors, held_tensors
 
 from .held import held_bytes
 from .memory_cases import earlier_storages
@@ -104,6 +104,23 @@ def build(model: str = "lora") -> nn.Module:
 def _is_base(key: str) -> bool:
     """A key of the frozen base of either model (never trained)."""
     return key in FROZEN | PACKED or "base" in key or key.endswith(".scale")
+
+
+def _held_at_entry(held_before: list[Any]) -> dict[int, str]:
+    """What the process holds before a step but what it held before compiling: by storage,
+    its bytes, shape and dtype, and the types of what refers to it (for a failure's message:
+    what a later step holds that the first did not)."""
+    before = {s._cdata for s in (ref() for ref in held_before) if s is not None}
+    out = {}
+    for t in held_tensors():
+        for d in dense_tensors(t):
+            storage = d.untyped_storage()
+            if storage._cdata in before or storage._cdata in out:
+                continue
+            referrers = sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"list"})
+            out[storage._cdata] = (f"{storage.nbytes()} bytes {tuple(d.shape)} {d.dtype} held by "
+                                   f"{', '.join(referrers)}")
+    return out
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -219,8 +236,10 @@ def train(rank: int, world: int, *, model: str = "lora", plans: tuple[str, ...] 
                 limit = int(1.04 * compiled.plan.prediction.peak_memory_bytes)
             opt = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=lr)
             losses, peaks, forward, backward = [], [], Counter(), Counter()
+            entries: list[dict[int, str]] = []
             for step in range(steps):
                 idx = batch(step, rank)
+                entries.append(_held_at_entry(held_before))
                 with StorageTracker() as tracker:
                     with counting() as forward:
                         loss = loss_of(compiled(idx), idx)
@@ -236,6 +255,8 @@ def train(rank: int, world: int, *, model: str = "lora", plans: tuple[str, ...] 
             out[label] = {
                 "losses": losses, "forward": dict(forward), "backward": dict(backward),
                 "peaks": peaks, "limit": limit,
+                "held_at_entry": [sorted(v for k, v in e.items() if k not in entries[0])
+                                  for e in entries],
                 "predicted": compiled.plan.prediction.peak_bytes_at(*batch(0, rank).shape),
                 "state": {k: v for k, v in state.items() if not _is_base(k)},
                 "frozen_state": {k: v for k, v in state.items() if _is_base(k)},

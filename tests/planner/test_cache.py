@@ -15,13 +15,13 @@ from osdp_fx.examples import MLP
 from osdp_fx.planner.cache import CACHE_ENV, cache_dir, default_cache_dir
 
 
-def _compile(cache, caplog, **options):
+def _compile(cache, caplog, *, widths=(32, 64, 64, 8), batch=16, devices=None, **options):
     torch.manual_seed(0)
-    net = MLP((32, 64, 64, 8))
-    x = torch.randn(16, 32)
+    net = MLP(widths)
+    x = torch.randn(batch, widths[0])
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="osdp_fx.api"):
-        compiled = compile_osdp(net, (x,), Devices(world_size=1, memory_bytes=2**30),
+        compiled = compile_osdp(net, (x,), devices or Devices(world_size=1, memory_bytes=2**30),
                                 plan_cache=cache, **options)
     messages = [r.getMessage() for r in caplog.records if r.name == "osdp_fx.api"]
     return compiled, messages
@@ -47,6 +47,24 @@ def test_other_options_search_again(tmp_path, caplog):
     _, log = _compile(tmp_path, caplog, optimizer="sgd")
     assert any("plan cache: no plan in" in m for m in log)
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_another_model_shape_or_devices_search_again(tmp_path, caplog):
+    """Each of these misses the first compile's entry, searches and saves its own; each is
+    then found again."""
+    _compile(tmp_path, caplog)
+    changes = {"model": {"widths": (32, 64, 48, 8)},
+               "example shapes": {"batch": 8},
+               "devices' figures": {"devices": Devices(world_size=1, memory_bytes=2**30,
+                                                       compute_flops_per_s=2e11)},
+               "memory limit": {"devices": Devices(world_size=1, memory_bytes=2**29)}}
+    for what, change in changes.items():
+        _, log = _compile(tmp_path, caplog, **change)
+        assert any("plan cache: no plan in" in m for m in log), (what, log)
+    assert len(list(tmp_path.glob("*.json"))) == 1 + len(changes)
+    for what, change in changes.items():
+        _, log = _compile(tmp_path, caplog, **change)
+        assert any("plan cache: using" in m for m in log), (what, log)
 
 
 def test_other_code_searches_again(tmp_path, caplog, monkeypatch):
@@ -86,3 +104,7 @@ def test_rank_0_decides_for_every_rank(worlds, tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 1  # written once, by rank 0
     first = results[0]["hashes"][0]
     assert all(r["hashes"] == [first, first] for r in results)
+    # the same model, inputs and options in a world of one rank: another world, a search
+    alone = cache_cases.compile_twice(0, 1, cache=str(tmp_path))
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert alone["hashes"][0] == alone["hashes"][1]
