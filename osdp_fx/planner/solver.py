@@ -73,10 +73,10 @@ checks the answers against brute force over every operator separately.
 The exact problem cannot tell the members of a class apart, but the memory timeline can: the
 first blocks of a model run first in forward and last in backward, where a sharded parameter
 is gathered again and a recomputed region runs again when most activations are already freed.
-The rows the planner builds list an operator's options from the one that holds the most memory
-(replicate; save every activation) to the ones that hold less (sharding; recomputation), so
-the members of a class take the chosen options in decreasing index, first member first: the
-first blocks shard and recompute, the last keep.
+The rows the planner builds list first the option that holds the most memory (replicate; save
+every activation) and after it those that hold less (the sharded strategies; recomputation),
+so the members of a class take the chosen options in decreasing index, first member first:
+the first blocks shard and recompute, the last keep.
 
 Ties are broken deterministically: among the optimal plans (equal floating-point totals) the
 one returned comes first when each class's members' options, sorted, are compared class by
