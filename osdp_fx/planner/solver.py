@@ -47,7 +47,8 @@ function:
 - *operators that repeat*: :func:`_classes` groups operators with equal rows (times, cells,
   transient bytes) into one class with a multiplicity ``m``: the decoder layers of a
   transformer give each of their groups the same row. The problem is then a multiple-choice
-  knapsack with multiplicities, solved over classes ([Note: classes]);
+  knapsack with multiplicities, solved over classes ([Note: classes]); the caps' bounds are
+  computed per class too, each class counting its members;
 - *objective*: :func:`_knapsack_min_time`, a dynamic programme over classes whose state is the
   number of cells still free, vectorised with numpy over that memory axis (one Python iteration
   per class and frontier point, none per cell). It keeps the arg-min point of every (class,
@@ -239,8 +240,12 @@ def solve_min_time(
             "or leave it unset for the default"
         )
     cells = _persistent_cells(tables, gran)
-    caps = _bounded_caps(tables, cells, limit=limit, base=base, granularity_bytes=gran)
     classes = _classes(tables, cells)
+    rows = np.array([c.row for c in classes])
+    caps = _bounded_caps(
+        _Tables(tables.time_s[rows], tables.persistent_bytes[rows], tables.transient_bytes[rows],
+                tables.valid[rows]), cells[rows], np.array([len(c.members) for c in classes]),
+        limit=limit, base=base, granularity_bytes=gran)
     best: tuple[float, tuple[int, ...]] | None = None
     solved = 0
     for cap in caps:
@@ -351,7 +356,8 @@ def _allowed_options(tables: _Tables, transient_cap: int) -> np.ndarray:
 
 
 def _bounded_caps(
-    tables: _Tables, cells: np.ndarray, *, limit: int, base: int, granularity_bytes: int
+    tables: _Tables, cells: np.ndarray, counts: np.ndarray, *, limit: int, base: int,
+    granularity_bytes: int
 ) -> list[_Cap]:
     """Transient caps that can hold a plan, each with a lower bound on its optimum, best first.
 
@@ -362,6 +368,8 @@ def _bounded_caps(
     running minimum once, so bounding all caps costs about one pass over the options per price.
     A cap is dropped when even each operator's smallest allowed option overflows its budget. The
     bound is lowered by a floating-point rounding allowance so that it never over-prunes.
+    ``tables`` and ``cells`` may hold one row per class of equal operators, ``counts`` its
+    members (all ones: one row per operator): each row's terms count that many times.
     """
     candidates = _transient_candidates(tables)
     prices = _prices(tables.time_s, cells, tables.valid)
@@ -383,10 +391,10 @@ def _bounded_caps(
         budget = _budget_cells(limit, base, transient, granularity_bytes)
         if budget < 0:
             break  # larger transients only leave less room
-        if int(least_cells.sum()) > budget:
+        if int(least_cells @ counts) > budget:
             continue
-        priced_total = least_priced.sum(axis=1)
-        rounding = 1e-12 * (np.abs(least_priced).sum(axis=1) + prices * budget)
+        priced_total = least_priced @ counts
+        rounding = 1e-12 * (np.abs(least_priced) @ counts + prices * budget)
         bound = float((priced_total - prices * budget - rounding).max())
         caps.append(_Cap(bound, transient, budget))
     caps.sort(key=lambda cap: (cap.bound, cap.transient_bytes))
