@@ -139,10 +139,12 @@ def restarts(layers: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for launch in ("first", "restart"):
             out = Path(tmp) / f"{launch}.json"
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node", "2", __file__, "--restart-launch",
-                            str(layers), str(Path(tmp) / "plans"), str(out)],
-                           cwd=ROOT, check=True, capture_output=True)
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc-per-node", "2", __file__, "--restart-launch",
+                                   str(layers), str(Path(tmp) / "plans"), str(out)],
+                                  cwd=ROOT, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"the {launch} launch failed:\n{done.stderr[-3000:]}")
             r = json.loads(out.read_text())
             plan_s = sum(v for k, v in r["stages"].items() if k.startswith("plan"))
             print(f"| {launch} | {r['stages']['capture']:.1f} s | {plan_s:.1f} s | "

@@ -368,8 +368,8 @@ def _bounded_caps(
     running minimum once, so bounding all caps costs about one pass over the options per price.
     A cap is dropped when even each operator's smallest allowed option overflows its budget. The
     bound is lowered by a floating-point rounding allowance so that it never over-prunes.
-    ``tables`` and ``cells`` may hold one row per class of equal operators, ``counts`` its
-    members (all ones: one row per operator): each row's terms count that many times.
+    ``tables`` and ``cells`` hold one row per class of equal operators and ``counts`` its
+    members: each row's terms count that many times.
     """
     candidates = _transient_candidates(tables)
     prices = _prices(tables.time_s, cells, tables.valid)
@@ -465,14 +465,14 @@ def _sum(a: _Frontier, b: _Frontier, budget_cells: int) -> _Frontier:
 
 
 def _pruned(cells: np.ndarray, time_s: np.ndarray, counts: np.ndarray) -> _Frontier:
-    """The choices no other choice beats, in tie-breaking order (smallest ``order`` first).
+    """The choices no other choice beats, in tie-breaking order.
 
     A choice is dropped when another takes no more cells and less time, or no more cells, the
     same time and comes no later in tie-breaking order: since the least time of the other
     classes can only fall as cells are freed, the other is then at least as good in every
-    state of the dynamic programme, and wins its ties. Tie-breaking order: the members of a
-    class take their options in increasing index, so among equal choices the one with the
-    most members at option 0, then at option 1, ... comes first."""
+    state of the dynamic programme, and wins its ties. Tie-breaking order: a tie goes to the
+    lower option index, so among equal choices the one with the most members at option 0,
+    then at option 1, ... comes first."""
     rank = np.empty(len(cells), dtype=np.int64)
     rank[np.lexsort((-counts).T[::-1])] = np.arange(len(cells))
     order = np.lexsort((rank, time_s, cells))

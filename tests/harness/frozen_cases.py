@@ -107,7 +107,7 @@ def _is_base(key: str) -> bool:
 
 
 def _held_at_entry(held_before: list[Any]) -> dict[int, str]:
-    """What the process holds before a step but what it held before compiling: by storage,
+    """What the process holds before a step but did not hold before compiling: by storage,
     its bytes, shape and dtype, and the types of what refers to it (for a failure's message:
     what a later step holds that the first did not)."""
     before = {s._cdata for s in (ref() for ref in held_before) if s is not None}
