@@ -7,9 +7,9 @@ form a stack: ``plan > profile``); a task with a ``total`` is advanced as its it
 (the profile pass advances once per node), one without shows its elapsed time. A daemon thread
 reports the innermost task while any runs, in one of the modes:
 
-- ``"bar"``: one line redrawn in place on ``stream`` (stderr), shown once a task has run
-  ``BAR_DELAY_S`` (or the interval below, if shorter); a finished task that was shown leaves a
-  line with its time;
+- ``"bar"``: one line redrawn in place on ``stream`` (stderr) every ``BAR_REFRESH_S``, shown
+  once a task has run ``BAR_DELAY_S`` (both: or the interval below, if shorter); a finished
+  task that was shown leaves a line with its time;
 - ``"log"``: a line through this module's logger (INFO) every ``interval_s`` seconds (5 s, or
   the ``OSDP_FX_PROGRESS_INTERVAL_S`` environment variable), and one when each task ends;
 - ``"off"``: nothing;
@@ -156,7 +156,7 @@ class _Reporter:
 
     def run(self) -> None:
         while True:
-            time.sleep(BAR_REFRESH_S if self.active == "bar" else min(self.interval(), 0.5))
+            time.sleep(min(BAR_REFRESH_S if self.active == "bar" else 0.5, self.interval()))
             with self.lock:
                 if not self.tasks:
                     if self.drawn:  # clear the bar's line
