@@ -115,9 +115,11 @@ class StorageTracker(TorchDispatchMode):
             if key in self._live:
                 continue
 
-            def forget(_: Any, key: int = key) -> None:
-                with self._lock:
-                    self._live.pop(key, None)
+            def forget(_: Any, key: int = key, tracker: weakref.ref = weakref.ref(self)) -> None:
+                me = tracker()  # weakly: a tracker is no reference cycle, freed when dropped
+                if me is not None:
+                    with me._lock:
+                        me._live.pop(key, None)
 
             with self._lock:
                 self._live[key] = weakref.ref(storage, forget)
