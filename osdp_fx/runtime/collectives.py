@@ -4,10 +4,23 @@ Graph nodes cannot carry a ProcessGroup object (the generated code prints its ar
 groups are named: ``"world"`` is the default group. gloo rejects stacked all-gather outputs, so
 every collective here works on flat contiguous buffers. torch renamed the tensor collectives
 (``all_gather_single``/``reduce_scatter_single`` in 2.13, the old names warn); both are detected.
+
+[Note: gloo's last reference]
+gloo runs a collective on a worker thread that holds the work, and with it the work's tensors,
+until it loops round, after the work has completed: ``wait()`` can return while the worker
+still holds the output. A gathered weight whose last user drops it is then freed when the
+worker lets go, not where the plan frees it: under CPU contention, tens of operators later (a
+frozen weight that backward does not read, alive into backward, above the predicted peak). So :meth:`Pending.wait` returns a CPU all-gather's output only once it holds
+no more references than before the launch (it yields to the worker meanwhile, at most
+``RELEASE_WAIT_S``): its lifetime is the program's. Buffers handed over to a collective are
+released with ``resize_(0)`` instead (``consume``, the reduce-scatter and all-reduce buffers),
+which frees them whoever still refers to them. On a GPU the caching allocator and the streams
+order reuse, and nothing waits.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -63,12 +76,28 @@ def group_rank(name: str) -> int:
     return dist.get_rank(resolve_group(name))
 
 
+RELEASE_WAIT_S = 1.0
+"""The longest :meth:`Pending.wait` yields for gloo's worker to let go of an output ([Note:
+gloo's last reference]); past it the output is returned, and freed when the worker lets go."""
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def references(t: torch.Tensor) -> int | None:
+    """How many references ``t``'s storage has (tensors, views and the storage object), or None
+    where this torch does not say."""
+    return None if _use_count is None else _use_count(t.untyped_storage()._cdata)
+
+
 class Pending:
-    """A collective in flight: ``wait()`` returns its output once it has completed."""
+    """A collective in flight: ``wait()`` returns its output once it has completed. ``held``:
+    the output's :func:`references` before the launch, awaited after completion ([Note:
+    gloo's last reference])."""
 
     def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None, *,
-                 release: bool = False) -> None:
+                 release: bool = False, held: int | None = None) -> None:
         self._out, self._work, self._keep, self._release = out, work, keep, release
+        self._held = held
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -76,7 +105,17 @@ class Pending:
             if self._release:  # an input handed over: gloo's worker may hold it a while yet
                 _free(self._keep)
             self._work = self._keep = None  # the input may be freed now
+            if self._held is not None:
+                _await_release(self._out, self._held)
         return self._out
+
+
+def _await_release(t: torch.Tensor, held: int) -> None:
+    """Yield to other threads until ``t``'s storage has no more than ``held`` references, for at
+    most ``RELEASE_WAIT_S``."""
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while references(t) > held and time.monotonic() < deadline:
+        time.sleep(0)
 
 
 def _free(t: torch.Tensor) -> None:
@@ -97,8 +136,10 @@ def all_gather_flat_start(shard: torch.Tensor, group: str, *, consume: bool = Fa
     if world == 1:
         return Pending(out.copy_(shard.reshape(-1)))
     src = shard.reshape(-1).contiguous()
+    cpu = src.device.type == "cpu"
+    held = references(out) if cpu else None
     work = _all_gather_flat_impl(out, src, group=resolve_group(group), async_op=True)
-    return Pending(out, work, src, release=consume and src.device.type == "cpu")
+    return Pending(out, work, src, release=consume and cpu, held=held)
 
 
 def all_gather_flat(shard: torch.Tensor, group: str) -> torch.Tensor:

@@ -49,3 +49,14 @@ def test_a_send_buffer_handed_to_an_all_gather_is_freed_when_it_completes(worlds
                                        torch.arange(2 * numel, dtype=torch.float32),
                                        rtol=0, atol=0)
         assert r[False]["send_bytes"] == numel * 4 and r[True]["send_bytes"] == 0
+
+
+def test_an_all_gather_output_is_the_callers_alone_when_waited_for(worlds):
+    """gloo's worker thread holds a completed collective's tensors until it loops round ([Note:
+    gloo's last reference]): ``wait()`` returns a CPU all-gather's output only once the worker
+    has let go, so that a gathered weight is freed where its last user drops it."""
+    gathers, numel = 200, 1 << 12
+    for r in worlds(2).run(reducer_cases.gloo_all_gather_outputs_let_go, gathers=gathers,
+                           numel=numel):
+        assert r["held_elsewhere"] == 0
+        assert r["total"] == gathers * numel * (1.0 + 2.0)

@@ -79,3 +79,19 @@ def gloo_all_gather_send_buffer(rank: int, world: int, *, numel: int = 1 << 16) 
         gathered = all_gather_flat_start(send, "world", consume=consume).wait()
         out[consume] = {"gathered": gathered, "send_bytes": send.untyped_storage().nbytes()}
     return out
+
+
+def gloo_all_gather_outputs_let_go(rank: int, world: int, *, gathers: int = 200,
+                                   numel: int = 1 << 12) -> dict[str, Any]:
+    """``all_gather_flat_start(...).wait()`` ``gathers`` times: how many outputs were still
+    referred to from elsewhere (gloo's worker) when ``wait()`` returned, as many references as a
+    tensor of one's own has, and the sum of what was gathered (it must stay right)."""
+    from osdp_fx.runtime.collectives import all_gather_flat_start, references
+
+    own = references(torch.empty(numel))
+    held_elsewhere, total = 0, 0.0
+    for _ in range(gathers):
+        gathered = all_gather_flat_start(torch.full((numel,), rank + 1.0), "world").wait()
+        held_elsewhere += references(gathered) > own
+        total += gathered.sum().item()
+    return {"held_elsewhere": held_elsewhere, "total": total}
