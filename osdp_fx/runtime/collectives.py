@@ -10,8 +10,9 @@ gloo runs a collective on a worker thread that holds the work, and with it the w
 until it loops round, after the work has completed: ``wait()`` can return while the worker
 still holds the output. A gathered weight whose last user drops it is then freed when the
 worker lets go, not where the plan frees it: under CPU contention, tens of operators later (a
-frozen weight that backward does not read, alive into backward, above the predicted peak). So :meth:`Pending.wait` returns a CPU all-gather's output only once it holds
-no more references than before the launch (it yields to the worker meanwhile, at most
+frozen weight that backward does not read, alive into backward, above the predicted peak).
+So :meth:`Pending.wait` returns a CPU all-gather's output only once it holds no more
+references than before the launch (it yields to the worker meanwhile, at most
 ``RELEASE_WAIT_S``): its lifetime is the program's. Buffers handed over to a collective are
 released with ``resize_(0)`` instead (``consume``, the reduce-scatter and all-reduce buffers),
 which frees them whoever still refers to them. On a GPU the caching allocator and the streams

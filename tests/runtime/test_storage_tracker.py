@@ -1,6 +1,6 @@
 """The storage tracker (osdp_fx/runtime/storage_tracker.py), the instrument every memory promise
 is judged by: storages counted at their current size, what a reference cycle keeps counted as
-held, a DTensor's local shard counted, and the tracker itself no reference cycle."""
+held, and the tracker itself no reference cycle."""
 
 from __future__ import annotations
 
