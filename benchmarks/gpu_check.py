@@ -461,7 +461,7 @@ def _systems(cfg: Any, world: int, device: torch.device, x: torch.Tensor, device
         s.info.update(predicted_step_s=osdp.plan.step_time_s,
                       predicted_peak_bytes=osdp.plan.peak_memory_bytes,
                       predicted_phases_s=[pred.compute_s, pred.comm_s, pred.optim_s],
-                      gather_bucket_bytes=osdp.plan.gather_bucket_bytes)
+                      gather_bucket_bytes=osdp.plan.schedule.gather_bucket_bytes)
         systems.append(s)
     return systems
 

@@ -10,8 +10,7 @@ from .errors import InputError as _InputError
 if (_too_old := torch_too_old(_torch.__version__)) is not None:
     raise _InputError(_too_old)
 
-from . import _moved  # noqa: E402  (the checks above come first)
-from .api import compile_osdp
+from .api import compile_osdp  # noqa: E402  (the checks above come first)
 from .core.devices import Devices
 from .core.precision import MixedPrecision
 from .errors import (
@@ -32,5 +31,3 @@ __all__ = ["compile_osdp", "clip_grad_norm_", "detect_devices", "Devices", "Mixe
            "load_checkpoint", "save_checkpoint", "OSDPError", "CaptureError", "CheckpointError",
            "InputError", "PlanError", "PlanMismatchError"]
 __version__ = VERSION
-
-_moved.install()

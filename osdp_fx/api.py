@@ -20,21 +20,23 @@ from torch import fx, nn
 from .core import progress
 from .core.devices import Devices
 from .core.io_spec import CallCheck, ShapeGuard, bind_example, check_max_shape
+from .core.buckets import DEFAULT_SCHEDULE, Schedule
 from .core.precision import MixedPrecision, dtype_from_name, resolve_mixed_precision
+from .core.setting import StepSetting
 from .core.strategies import traits
 from .errors import InputError, OSDPError, PlanMismatchError
 from .module import OSDPModule
-from .passes.aliases import annotate_aliases_pass
+from .passes.aliases import AnnotateAliases
 from .passes.capture import Captured, as_input_tuple, capture, is_on_meta
-from .passes.manager import run_passes
-from .passes.recompute import recompute_regions_pass
-from .passes.shard import shard_parameters_pass
+from .passes.pipeline import run_pipeline
+from .passes.recompute import RecomputeRegions
+from .passes.shard import ShardParameters
 from .plan.plan import Plan
 from .plan.request import PlanRequest
 from .planner.autotune import autotune_plans, check_autotune
 from .planner.cache import CachedPlan, PlanCache, cache_dir, plan_key
-from .planner.detect import devices_for
-from .planner.make import PlanOptions, plan_model, resolve_named
+from .planner.detect import devices_for, measured
+from .planner.make import SearchOptions, plan_model
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
 from .runtime.param_table import ParamTable
@@ -153,49 +155,56 @@ def compile_osdp(
     start, times = time.perf_counter(), {}
     io, target, inputs = bind_example(model, as_input_tuple(example_inputs), example_kwargs)
     request = PlanRequest.parse(plan)  # read once (a plan file too); a bad one fails here
-    options = PlanOptions(  # checked once, here
-        optimizer=optimizer, batch_sizes=tuple(batch_sizes) if batch_sizes else None,
-        split=split, recompute=recompute, prefetch=prefetch,
-        precision=_precision(mixed_precision, request), grad_accumulation=grad_accumulation,
-        candidates=autotune or 1, max_shape=check_max_shape(max_shape))
+    setting = StepSetting(  # checked once, here; its devices filled in below
+        Devices(), optimizer=optimizer, precision=_precision(mixed_precision, request),
+        grad_accumulation=grad_accumulation,
+        schedule=DEFAULT_SCHEDULE if prefetch is None else Schedule(prefetch=prefetch))
+    options = SearchOptions(
+        batch_sizes=tuple(batch_sizes) if batch_sizes else None, split=split,
+        recompute=recompute, vary_prefetch=prefetch is None, candidates=autotune or 1,
+        max_shape=check_max_shape(max_shape))
     on_meta = is_on_meta(model)
     check_autotune(autotune, search=request.kind == "search", on_meta=on_meta)
     check_initializable(model, init_fn, on_meta=on_meta)
-    world = _world(devices, memory_limit)
+    world_size = _world_size(devices)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
     with progress.stage("capture", log, times):
         captured, inputs, device = _capture(target, inputs, on_meta=on_meta, model=model)
-    cache, key, cached = _cached_plan(plan_cache, request, captured, inputs, devices, world,
-                                      device, options)
+    given = devices
+    devices = devices_for(given, world_size=world_size, memory_limit_bytes=limit,
+                          ranks_per_node=ranks_per_node_for(given, world_size), device=device)
+    cache, key, cached = _cached_plan(plan_cache, request, captured, inputs, devices,
+                                      measure=given is None, device=device, options=options,
+                                      setting=setting)
     if cached is not None:  # planned before: the saved plan, named
         request, devices = PlanRequest("file", path=str(cached.path), data=cached.plan), \
             cached.devices
-    named = None if request.kind == "search" else resolve_named(  # fails before any collective
-        captured, request, world_size=world.size, ranks_per_node=world.ranks_per_node,
-        memory_limit_bytes=world.memory_limit_bytes)
-    devices = devices_for(devices, world_size=world.size,
-                          memory_limit_bytes=world.memory_limit_bytes, detect=named is None,
-                          ranks_per_node=world.ranks_per_node, device=device)
-    with progress.stage("plan (profile, search)" if named is None else "plan (profile)", log,
-                        times):
-        planned = plan_model(captured, inputs, named=named, uniform=request.kind == "uniform",
-                             devices=devices, options=options, decide=_decided_on_rank0)
+    elif request.kind == "search" and given is None:
+        devices = measured(devices)  # collective
+    setting = dataclasses.replace(setting, devices=devices)
+    with progress.stage("plan (profile, search)" if request.kind == "search"
+                        else "plan (profile)", log, times):
+        planned = plan_model(captured, inputs, request, setting, options,
+                             decide=_decided_on_rank0)
     _prepare_graph(captured, planned.plan, inputs, times)
     candidates = (planned.plan, *planned.alternatives)
-    _agree(captured, candidates, world, on_meta=on_meta, device=device)
-    reduce_dtype = options.precision.reduce_dtype if options.precision is not None else None
+    _agree(captured, candidates, on_meta=on_meta, device=device)
+    precision = setting.precision
+    reduce_dtype = precision.reduce_dtype if precision is not None else None
+    rank = group_rank(WORLD) if world_size > 1 else 0
     chosen = planned.plan
     if autotune and cached is None:
         with progress.stage(f"autotune ({len(candidates)} plans)", log, times):
             chosen = autotune_plans(
-                list(candidates), functools.partial(_trial_module, captured, rank=world.rank,
+                list(candidates), functools.partial(_trial_module, captured, rank=rank,
                                                     reduce_dtype=reduce_dtype),
                 inputs, optimizer=optimizer, limit_bytes=devices.memory_bytes,
                 margin=devices.memory_margin)
         _check_ranks_agree(chosen)
-    if cache is not None and cached is None and world.rank == 0:
+    if cache is not None and cached is None and rank == 0:
         log.info("plan cache: saved the plan as %s", cache.put(key, chosen, devices))
     with progress.stage("shard", log, times):
-        table = _shard(captured.gm, chosen, captured, rank=world.rank, reduce_dtype=reduce_dtype)
+        table = _shard(captured.gm, chosen, captured, rank=rank, reduce_dtype=reduce_dtype)
     if on_meta:
         with progress.stage("materialize", log, times):
             materialize_meta_model(model, table, device=device, init_fn=init_fn)
@@ -210,18 +219,6 @@ def compile_osdp(
 
 # ---- the stages of compile_osdp, in the order it runs them --------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _World:
-    """The process group compile_osdp runs in, and the memory limit asked for."""
-
-    size: int
-    rank: int
-    ranks_per_node: int | None
-    """Ranks per node of the mesh (None: one node, or what ``detect_devices`` finds)."""
-    memory_limit_bytes: int | None
-    """``memory_limit`` in bytes (None: the devices' or the device's own)."""
-
-
 def _precision(mixed_precision: Any, request: PlanRequest) -> MixedPrecision | None:
     """The mixed precision asked for, else the plan's (a plan file or Plan records one)."""
     precision = resolve_mixed_precision(mixed_precision)
@@ -230,8 +227,8 @@ def _precision(mixed_precision: Any, request: PlanRequest) -> MixedPrecision | N
     return precision
 
 
-def _world(devices: Devices | None, memory_limit: int | str | None) -> _World:
-    """This process's world, checked against ``devices``."""
+def _world_size(devices: Devices | None) -> int:
+    """This process's world size, checked against ``devices``."""
     initialized = dist.is_available() and dist.is_initialized()
     size = group_size(WORLD) if initialized else 1
     if devices is not None and devices.world_size not in (1, size):
@@ -246,9 +243,7 @@ def _world(devices: Devices | None, memory_limit: int | str | None) -> _World:
             f"Devices(world_size={devices.world_size}) does not match the process group's "
             f"{size} ranks; describe the world you are running in"
         )
-    return _World(size, group_rank(WORLD) if initialized else 0,
-                  ranks_per_node_for(devices, size),
-                  parse_bytes(memory_limit) if memory_limit is not None else None)
+    return size
 
 
 def _capture(target: nn.Module, inputs: tuple[Any, ...], *, on_meta: bool,
@@ -264,18 +259,18 @@ def _capture(target: nn.Module, inputs: tuple[Any, ...], *, on_meta: bool,
 
 
 def _cached_plan(plan_cache: Any, request: PlanRequest, captured: Captured,
-                 inputs: tuple[Any, ...], devices: Devices | None, world: _World,
-                 device: torch.device, options: PlanOptions
+                 inputs: tuple[Any, ...], devices: Devices, *, measure: bool,
+                 device: torch.device, options: SearchOptions, setting: StepSetting,
                  ) -> tuple[PlanCache | None, str, CachedPlan | None]:
     """The plan cache of a search, the search's key, and rank 0's entry for it (collective),
-    or (None, "", None) when there is no search or no cache."""
+    or (None, "", None) when there is no search or no cache. ``devices``: the world asked for,
+    whose figures the search would ``measure`` (or take as given)."""
     directory = cache_dir(plan_cache)
     if request.kind != "search" or directory is None:
         return None, "", None
     cache = PlanCache(directory)
-    key = plan_key(captured, inputs, devices=devices, world_size=world.size,
-                   ranks_per_node=world.ranks_per_node,
-                   memory_limit_bytes=world.memory_limit_bytes, device=device, options=options)
+    key = plan_key(captured, inputs, devices=devices, measured=measure, device=device,
+                   options=options, setting=setting)
     cached = _decided_on_rank0(lambda: cache.get(key))
     log.info("plan cache: %s", f"using {cached.path}" if cached is not None
              else f"no plan in {directory} for this model, inputs, devices and options")
@@ -286,14 +281,13 @@ def _prepare_graph(captured: Captured, plan: Plan, inputs: tuple[Any, ...],
                    times: dict[str, float]) -> None:
     """The graph passes the plan's candidates share before sharding: its recomputed regions,
     then which nodes alias which parameters."""
-    recompute = [("recompute", lambda g: recompute_regions_pass(
-        g, policies=dict(plan.recompute)))] if plan.recompute else []
+    recompute = [RecomputeRegions(dict(plan.recompute))] if plan.recompute else []
     with progress.stage("aliases", log, times):
-        run_passes(captured.gm, [*recompute, ("annotate_aliases", lambda g: annotate_aliases_pass(
-            g, inputs, meta_device=captured.materialize_device))])
+        run_pipeline(captured.gm, [*recompute, AnnotateAliases(
+            inputs, meta_device=captured.materialize_device)])
 
 
-def _agree(captured: Captured, candidates: Sequence[Plan], world: _World, *, on_meta: bool,
+def _agree(captured: Captured, candidates: Sequence[Plan], *, on_meta: bool,
            device: torch.device) -> None:
     """Collective: every rank holds the same plans and the same values (rank 0's, or, on the
     meta device, the same random state to initialise them), and the mesh a plan needs."""
@@ -304,7 +298,7 @@ def _agree(captured: Captured, candidates: Sequence[Plan], world: _World, *, on_
     else:
         _broadcast_from_rank0(captured.gm)
     if any(traits(p.strategy).needs_mesh for c in candidates for p in c.params):
-        init_mesh(world.size, candidates[0].ranks_per_node)
+        init_mesh(candidates[0].world_size, candidates[0].ranks_per_node)
 
 
 def _shape_guard(plan: Plan, limit: int | None) -> ShapeGuard | None:
@@ -319,9 +313,8 @@ def _shape_guard(plan: Plan, limit: int | None) -> ShapeGuard | None:
 def _shard(gm: fx.GraphModule, plan: Plan, captured: Captured, *, rank: int,
            reduce_dtype: torch.dtype | None) -> ParamTable:
     """Shard ``gm`` (the captured graph, or a copy of it) under ``plan``: this rank's table."""
-    gm = run_passes(gm, [("shard", lambda g: shard_parameters_pass(
-        g, plan=plan, world_size=plan.world_size, rank=rank, group=WORLD,
-        prefetch=plan.prefetch, reduce_dtype=reduce_dtype))])
+    gm = run_pipeline(gm, [ShardParameters(plan, rank=rank, group=WORLD,
+                                           reduce_dtype=reduce_dtype)])
     return ParamTable(gm, plan, state_keys=captured.state_keys,
                       alias_to_name=captured.alias_to_name, splits=captured.splits, rank=rank)
 

@@ -102,17 +102,21 @@ def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
 
 def _devices_arg(args: argparse.Namespace) -> Any:
     """The Devices of ``--devices`` (a preset name or a Devices JSON file; the defaults when
-    not given) for ``--world-size`` ranks, ``--ranks-per-node`` when given."""
+    not given) for ``--world-size`` ranks, ``--ranks-per-node`` when given, under the limit of
+    ``--memory`` when given (``devices_for``: else the devices', else the CPU's default)."""
     from .core.devices import Devices
     from .core.presets import PRESETS
+    from .planner.detect import devices_for
+    from .units import parse_bytes
 
     if args.devices in PRESETS:
         devices = Devices.preset(args.devices, world_size=args.world_size)
     else:
         devices = Devices.from_json(args.devices) if args.devices else Devices()
-    return dataclasses.replace(
-        devices, world_size=args.world_size,
-        ranks_per_node=args.ranks_per_node or devices.ranks_per_node)
+    memory = getattr(args, "memory", None)
+    return devices_for(devices, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
+                       memory_limit_bytes=parse_bytes(memory) if memory else None,
+                       device=torch.device("cpu"))
 
 
 def _describe_devices(devices: Any, given: str | None, roofline: bool) -> str:
@@ -135,18 +139,18 @@ def plan_command(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     from .core.precision import resolve_mixed_precision
+    from .core.setting import StepSetting
     from .passes.capture import capture
     from .plan.folded import folded_table
-    from .planner.make import make_planned
-    from .units import format_bytes, parse_bytes
+    from .planner.make import SearchOptions, plan_model
+    from .units import format_bytes
 
     start = time.perf_counter()
     with progress.task("build model"):
         model, inputs = load_factory(args.factory)
     torch.set_num_threads(args.threads)
     devices = _devices_arg(args)
-    limit = parse_bytes(args.memory or devices.memory_bytes or DEFAULT_CPU_MEMORY_BYTES)
-    devices = dataclasses.replace(devices, memory_bytes=limit)
+    limit = devices.memory_bytes
     # Figures of hardware one describes give node times by roofline, never this machine's clock.
     fake = args.fake or args.devices is not None
     if args.devices is None and not args.quiet:
@@ -156,12 +160,12 @@ def plan_command(args: argparse.Namespace) -> int:
     with progress.task("capture"):
         captured = capture(model, inputs)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
+    setting = StepSetting(devices, optimizer=args.optimizer,
+                          precision=resolve_mixed_precision(args.mixed_precision))
     with progress.task("plan (profile, search)"):
-        planned = make_planned(captured, inputs, plan=None, devices=devices,
-                               memory_limit_bytes=limit, optimizer=args.optimizer,
-                               fake=fake, batch_sizes=batch_sizes,
-                               recompute=not args.no_recompute,
-                               precision=resolve_mixed_precision(args.mixed_precision))
+        planned = plan_model(captured, inputs, None, setting, SearchOptions(
+            fake=fake, batch_sizes=tuple(batch_sizes) if batch_sizes else None,
+            recompute=not args.no_recompute))
         plan, analysis = planned.plan, planned.analysis
     batch = plan.prediction.batch_size
     print(_describe_devices(devices, args.devices, fake or any(
@@ -169,28 +173,18 @@ def plan_command(args: argparse.Namespace) -> int:
     print(plan.table() if args.full else folded_table(plan))
     rows = []
     from .core.strategies import MESH_STRATEGIES
-    from .plan.request import resolve_plan
-    from .planner.make import (
-        param_specs,
-        predict_totals,
-        uniform_schedule,
-        with_schedule,
-    )
+    from .planner.make import predict_totals, uniform_plan
     labels = {"replicate": "DDP", "full_shard": "FSDP", "hybrid_shard": "FSDP HYBRID_SHARD",
               "hierarchical": "two-stage collectives"}
 
     def row(label: str, named: Any) -> tuple[list[str], bool]:
-        step_s, peak = predict_totals(analysis, named, devices=devices, optimizer=args.optimizer,
-                                      batch_size=batch)
+        step_s, peak = predict_totals(analysis, named, setting.at_batch(batch))
         return _totals_row(label, step_s, peak, batch, devices.world_size, limit), peak <= limit
 
     with progress.task("compare with uniform plans"):
         for name in ("replicate", "full_shard",
                      *(MESH_STRATEGIES if devices.num_nodes > 1 else ())):
-            named = resolve_plan(name, param_specs(captured), world_size=devices.world_size,
-                                 ranks_per_node=devices.ranks_per_node)
-            named = with_schedule(named, uniform_schedule(analysis, named, devices=devices,
-                                                          optimizer=args.optimizer))
+            named = uniform_plan(analysis, name, setting)
             uniform, fits = row(f"all {name} ({labels[name]})", named)
             rows.append(uniform)
             regions = analysis.facts.regions
@@ -228,8 +222,9 @@ def profile_command(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     from .core.node_meta import osdp_meta
+    from .core.setting import StepSetting
     from .passes.capture import capture
-    from .planner.make import make_plan
+    from .planner.make import plan_model
     from .runtime.memory import measure_step_peak_bytes
     from .units import format_bytes
 
@@ -238,10 +233,9 @@ def profile_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     with progress.task("capture"):
         captured = capture(model, inputs)
-    devices = dataclasses.replace(_devices_arg(args), world_size=1)
+    setting = StepSetting(_devices_arg(args), optimizer="sgd")  # world size 1
     with progress.task("plan (profile)"):
-        plan = make_plan(captured, inputs, plan="replicate", devices=devices,
-                         memory_limit_bytes=None, optimizer="sgd")
+        plan = plan_model(captured, inputs, "replicate", setting).plan
     rows = []
     for node in captured.gm.graph.nodes:
         p = osdp_meta(node).profile

@@ -36,9 +36,9 @@ def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
                   if not traits(p.strategy).sharded and p.trainable]
     held = HeldGrads()
     return GradSync(GradReducer(replicated, WORLD, reduce_dtype=reduce_dtype,
-                                bucket_bytes=plan.reduce_bucket_bytes,
-                                max_in_flight=plan.scatters_in_flight),
-                    GradReduceScatters(plan.scatters_in_flight, held=held), held)
+                                bucket_bytes=plan.schedule.reduce_bucket_bytes,
+                                max_in_flight=plan.schedule.scatters_in_flight),
+                    GradReduceScatters(plan.schedule.scatters_in_flight, held=held), held)
 
 
 class OSDPModule(nn.Module):
@@ -66,7 +66,7 @@ class OSDPModule(nn.Module):
         self._captured_by, self._io = captured_by, io  # io: calls -> graph inputs (io_spec)
         self._regions: CompiledRegions | None = None  # under torch.compile: built on first call
         self._runtime = ModuleRuntime(  # reducer, reduce-scatters, no_sync state
-            _grad_sync(table, reduce_dtype), prefetch=plan.prefetch,
+            _grad_sync(table, reduce_dtype), prefetch=plan.schedule.prefetch,
             regather=any(traits(p.strategy).freed_after_forward for p in plan.params))
         # A graph module and its graph refer to each other: cut that when this module goes, or
         # its shards outlive it until Python's collector runs (export nests graph modules).

@@ -20,16 +20,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("module",),
     ("training",),
     ("api",),
-    ("examples", "_moved"),
+    ("examples",),
     ("",),  # the package's __init__: the public names
     ("cli",),
     ("__main__",),
 ]
 """Bottom first: a module may import its own folder and any layer below its own."""
-
-DEPRECATED_UPWARD = {("osdp_fx.core.devices", "osdp_fx.planner.detect")}
-"""Upward imports kept for one version behind a DeprecationWarning (``Devices.detect``)."""
-
 
 def _modules() -> dict[str, Path]:
     out = {}
@@ -126,15 +122,12 @@ def test_every_module_has_a_layer():
 
 def test_imports_run_downward():
     wrong = [f"{a} imports {b}" for a, targets in IMPORTS.items() for b in targets
-             if _folder(a) != _folder(b) and _layer(b) >= _layer(a)
-             and (a, b) not in DEPRECATED_UPWARD]
+             if _folder(a) != _folder(b) and _layer(b) >= _layer(a)]
     assert not wrong, wrong
 
 
 def test_no_import_cycle():
-    graph = {a: {b for b in targets if (a, b) not in DEPRECATED_UPWARD}
-             for a, targets in IMPORTS.items()}
-    assert not _cycles(graph)
+    assert not _cycles(IMPORTS)
 
 
 def test_every_module_is_in_the_architecture_doc():

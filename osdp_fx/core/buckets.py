@@ -27,6 +27,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import PlanError
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Bytes of one all-reduce bucket of replicated gradients (DDP's default)."""
 
@@ -61,6 +63,37 @@ class Schedule:
     """Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once:
     starting one more first completes the oldest. 1 holds one block's gradient buffers at a
     time where a gather bucket is a whole block, as FSDP2 does."""
+
+    def __post_init__(self) -> None:
+        """Raise PlanError for a value the runtime cannot run (a plan file's, a user's)."""
+        if not _is_int(self.prefetch) or self.prefetch < 0:
+            raise PlanError(f"prefetch must be an int >= 0 (all-gathers start that many sharded "
+                            f"parameters ahead; 0 turns prefetching off), got {self.prefetch!r}")
+        for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
+            nbytes = getattr(self, name)
+            if not _is_int(nbytes) or nbytes < 1:
+                raise PlanError(f"{name} must be a number of bytes >= 1 (an int), got {nbytes!r}")
+        if not _is_int(self.scatters_in_flight) or self.scatters_in_flight < 1:
+            raise PlanError(f"scatters_in_flight={self.scatters_in_flight!r}: give an int >= 1 "
+                            f"(how many gradient collectives may run at once; default "
+                            f"{MAX_IN_FLIGHT})")
+
+    def to_dict(self) -> dict[str, int]:
+        """The plan file's fields of this schedule: ``prefetch`` always, the others when not
+        the defaults (so that older plans keep their hash)."""
+        return {"prefetch": self.prefetch, **{
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name != "prefetch" and getattr(self, f.name) != f.default}}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Schedule:
+        """The schedule of a plan file's fields (what it leaves out is the default: older
+        files name none, or only ``prefetch``), checked."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 DEFAULT_SCHEDULE = Schedule()

@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import os
-import warnings
 from typing import Any
 
 from ..errors import InputError
@@ -143,24 +142,6 @@ class Devices:
         from .presets import preset_figures
 
         return cls(**preset_figures(name, world_size=world_size, memory_limit=memory_limit))
-
-    @classmethod
-    def detect(
-        cls,
-        *,
-        memory_limit: int | str | None = None,
-        group: Any = None,
-        ranks_per_node: int | None = None,
-    ) -> Devices:
-        """Deprecated alias of ``osdp_fx.detect_devices`` (``planner/detect.py``)."""
-        warnings.warn("Devices.detect() is deprecated and will be removed in osdp-fx 0.3: use "
-                      "osdp_fx.detect_devices()", DeprecationWarning, stacklevel=2)
-        from ..planner.detect import (
-            detect_devices,  # deprecated alias: the one upward import
-        )
-
-        return detect_devices(memory_limit=memory_limit, group=group,
-                              ranks_per_node=ranks_per_node)
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write these figures as a JSON object (one key per field) to ``path``."""

@@ -19,6 +19,7 @@ records the measurements).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections import defaultdict
@@ -36,16 +37,51 @@ by the full_shard steps with and without prefetching measured in ``docs/benchmar
 ``docs/cost-models.md`` (gloo's threads share the cores the computation runs on)."""
 
 
-def exposed_gather_s(compute_s: Sequence[float],
-                     gathers: Sequence[tuple[int, int, float]]) -> float:
+@dataclasses.dataclass(frozen=True)
+class GatherSeconds:
+    """One group's all-gather seconds in a step (several stages added)."""
+
+    forward_s: float
+    backward_s: float
+    """Backward's re-gather (0 where backward does not re-gather)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherWindow:
+    """The computation one group's gathers may hide under (:func:`gather_windows`)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+    def scaled(self, factor: float) -> GatherWindow:
+        """The window at ``factor`` times the profiled batch (computation scales with it)."""
+        return GatherWindow(self.forward_s * factor, self.backward_s * factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedGather:
+    """One gather of a replayed lane (:func:`exposed_gather_s`)."""
+
+    issued_at: int
+    """The step of the lane it starts at (after the gathers used there were waited for)."""
+    used_at: int
+    """The step that waits for it."""
+    seconds: float
+
+
+def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather]) -> float:
     """Seconds the computation waits for gathers, replaying ``compute_s`` (one duration per
-    step, in order) with ``gathers`` as (step issued at, step used at, seconds), in issue
-    order. A gather issued at step ``s`` starts after the gathers used at ``s`` were waited for
-    (a prefetch follows its anchor's gather); one used before it was issued starts at its use."""
+    step, in order) with ``gathers`` in issue order. A gather issued at step ``s`` starts after
+    the gathers used at ``s`` were waited for (a prefetch follows its anchor's gather); one used
+    before it was issued starts at its use."""
     used, issued = defaultdict(list), defaultdict(list)
-    for i, (issue, use, _) in enumerate(gathers):
-        used[use].append(i)
-        issued[issue].append(i)
+    for i, g in enumerate(gathers):
+        used[g.used_at].append(i)
+        issued[g.issued_at].append(i)
     done: dict[int, float] = {}
     now = link_free = waited = 0.0
     at = 0  # the step ``now`` is at: the computation of the steps before it is added
@@ -56,7 +92,7 @@ def exposed_gather_s(compute_s: Sequence[float],
         for group, wait in ((used[step], True), (issued[step], False)):
             for i in group:
                 if i not in done:
-                    link_free = done[i] = max(now, link_free) + gathers[i][2]
+                    link_free = done[i] = max(now, link_free) + gathers[i].seconds
                 if wait and done[i] > now:
                     waited += done[i] - now
                     now = done[i]
@@ -64,18 +100,18 @@ def exposed_gather_s(compute_s: Sequence[float],
 
 
 @functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
-def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> tuple[float, float]:
-    """(forward, backward) all-gather seconds of one group (several stages added)."""
+def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> GatherSeconds:
+    """Forward and backward all-gather seconds of one group (several stages added)."""
     fwd, bwd = collective_stages(
         state.strategy, state.numel, state.element_size, world_size=devices.world_size,
         ranks_per_node=devices.ranks_per_node, regathered=regathered, trainable=state.trainable,
         gather_element_size=state.compute_size, reduce_element_size=state.reduce_size,
         row=state.row)
-    return tuple(  # type: ignore[return-value]
+    return GatherSeconds(*(
         sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
                               spans_nodes=st.spans_nodes(devices.num_nodes))
             for st in stages if st.collective == "all_gather")
-        for stages in (fwd, bwd))
+        for stages in (fwd, bwd)))
 
 
 def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
@@ -94,30 +130,31 @@ def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices
     # forward: bucket i starts after the gather of bucket i - d (at its first use)
     buckets = sharded_gather_buckets(facts, params, devices.world_size, gather_bucket_bytes)
     use = [min(pos[u] for u in facts.param_uses(b[0])) for b in buckets]
-    seconds = [max(0.0, sum(gather[n][0] for n in b) - latency * (len(b) - 1)) for b in buckets]
-    forward = [(use[i - prefetch] if i >= prefetch else use[i], use[i], seconds[i])
+    seconds = [max(0.0, sum(gather[n].forward_s for n in b) - latency * (len(b) - 1))
+               for b in buckets]
+    forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i], seconds[i])
                for i in range(len(buckets))]
     # backward: re-gathered groups in the order forward saved them; unpacking the one saved at
     # index j starts the re-gathers of those saved at j - d .. j - 1
     saved = sorted((n for n, name in facts.param_of.items()
                     if traits(params[name].strategy).freed_after_forward
-                    and facts.savers.get(n) and gather[n][1] > 0),
+                    and facts.savers.get(n) and gather[n].backward_s > 0),
                    key=lambda n: min(pos[j] for j in facts.savers[n]))
     last = len(nodes) - 1
     unpack = [last - max(pos[j] for j in facts.savers[n]) for n in saved]
     backward = []
     for i, n in enumerate(saved):
         later = unpack[i + 1:i + 1 + prefetch]
-        backward.append((min([unpack[i], *later]), unpack[i], gather[n][1]))
-    backward.sort(key=lambda g: (g[0], g[1]))
-    total = sum(g[2] for g in forward) + sum(g[2] for g in backward)
+        backward.append(TimedGather(min([unpack[i], *later]), unpack[i], gather[n].backward_s))
+    backward.sort(key=lambda g: (g.issued_at, g.used_at))
+    total = sum(g.seconds for g in forward) + sum(g.seconds for g in backward)
     exposed = exposed_gather_s(fwd_compute, forward) + exposed_gather_s(bwd_compute, backward)
     return OVERLAP_EFFICIENCY * max(0.0, total - exposed)
 
 
 def gather_windows(facts: GraphFacts, devices: Devices, *,
-                   prefetch: int) -> dict[str, tuple[float, float]]:
-    """Per parameter group, the computation (forward, backward seconds) its gathers may hide
+                   prefetch: int) -> dict[str, GatherWindow]:
+    """Per parameter group, the computation (forward and backward seconds) its gathers may hide
     under with prefetch distance ``prefetch``, for the search's per-group costs (its exact
     problem needs a cost per group and option, not per plan).
 
@@ -148,13 +185,14 @@ def gather_windows(facts: GraphFacts, devices: Devices, *,
         before = fwd[use[i]] - fwd[use[i - prefetch]] if i >= prefetch else 0.0
         j = i + prefetch
         after = bwd[use[j] + 1] - bwd[use[i] + 1] if j < len(order) else 0.0
-        windows[name] = (before, after)
+        windows[name] = GatherWindow(before, after)
     return windows
 
 
-def hidden_share_s(state: ParamState, window: tuple[float, float], devices: Devices, *,
+def hidden_share_s(state: ParamState, window: GatherWindow, devices: Devices, *,
                    regathered: bool) -> float:
     """The gather seconds of one group that its ``window`` (:func:`gather_windows`) hides,
     credited at :data:`OVERLAP_EFFICIENCY`."""
-    fwd, bwd = gather_s(state, devices, regathered=regathered)
-    return OVERLAP_EFFICIENCY * (min(fwd, window[0]) + min(bwd, window[1]))
+    gathered = gather_s(state, devices, regathered=regathered)
+    return OVERLAP_EFFICIENCY * (min(gathered.forward_s, window.forward_s)
+                                 + min(gathered.backward_s, window.backward_s))

@@ -205,7 +205,13 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.optim_s
+        """The step at the profiled batch size."""
+        return self.at_scale(1.0)
+
+    def at_scale(self, batch_scale: float) -> float:
+        """The step at ``batch_scale`` times the profiled batch size: the computation scales
+        with the batch, communication and the optimizer step do not."""
+        return self.compute_s * batch_scale + self.comm_s + self.optim_s
 
 
 def bucket_copy_s(state: ParamState, devices: Devices, *, again: bool) -> float:

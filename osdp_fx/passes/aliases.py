@@ -10,6 +10,7 @@ It writes ``osdp_meta(node).aliases`` and never changes the graph.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
 from .capture import unchanged_state
+from .pipeline import GraphPass
 from .profile import fake_of
 
 
@@ -74,3 +76,17 @@ def annotate_aliases_pass(gm: fx.GraphModule, example_inputs: tuple[Any, ...], *
     with torch.no_grad(), unchanged_state(gm), mode:
         _AliasInterpreter(gm, storages, fakes).run(*example_inputs)
     return PassResult(gm, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnnotateAliases(GraphPass, name="annotate_aliases", requires={"normalized"},
+                      ensures={"aliases"}):
+    """The pipeline's ``annotate_aliases`` (``passes/pipeline.py``):
+    :func:`annotate_aliases_pass` on ``example_inputs``."""
+
+    example_inputs: tuple[Any, ...]
+    meta_device: torch.device | None = None
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        return annotate_aliases_pass(graph_module, self.example_inputs,
+                                     meta_device=self.meta_device)

@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from ..core.node_meta import NodeRole, set_osdp_meta
 from ..errors import CaptureError, InputError
-from .manager import properties
+from .pipeline import properties
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ def _normalize(model: nn.Module, gm: fx.GraphModule, method: str) -> Captured:
         "captured %s with %s: %d nodes, %d parameter groups (%d tied)", type(model).__name__,
         method, len(gm.graph.nodes), len(params), sum(bool(p.aliases) for p in params.values()),
     )
-    properties(gm).add("normalized")  # what the passes of passes/manager.py require
+    properties(gm).add("normalized")  # what the passes of passes/pipeline.py require
     return Captured(
         gm=gm, method=method, params=params, state_keys=tuple(model.state_dict().keys()),
         alias_to_name=alias_to_name,

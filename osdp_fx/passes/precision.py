@@ -22,12 +22,15 @@ After::
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
 from ..core.precision import cast_input, cast_param
+from .pipeline import GraphPass
 
 
 def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
@@ -58,6 +61,17 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
     graph.lint()
     gm.recompile()
     return PassResult(gm, changed)
+
+
+@dataclasses.dataclass(frozen=True)
+class CastParams(GraphPass, name="cast_params", requires={"normalized"}, ensures={"cast"},
+                 invalidates={"profiled", "slowest_rank_times"}):
+    """The pipeline's ``cast_params`` (``passes/pipeline.py``): :func:`cast_params_pass`."""
+
+    dtype: torch.dtype
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        return cast_params_pass(graph_module, self.dtype)
 
 
 def param_cast_node(graph: fx.Graph, param: fx.Node, dtype: torch.dtype) -> fx.Node:

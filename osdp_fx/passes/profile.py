@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -50,16 +50,21 @@ from torch.utils import flop_counter
 from ..core import progress
 from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..errors import InputError, PlanMismatchError
-from ..runtime.memory import LiveTensorTracker
+from ..runtime.memory import LiveTensorTracker, storage_key
 from .profile_node import (
+    PLAIN,
     PreparedInputs,
-    profile_compute_node,
+    detached,
+    differentiable,
+    median_time_s,
+    outputs_read,
+    outputs_to_differentiate,
     renamed,
-    run_compute_node,
-    same_work_key,
-    storage_key,
     tensor_bytes,
+    transient_bytes,
+    writes_inputs,
 )
+from .pipeline import GraphPass
 from .profile_node import tensors as _tensor_list
 from .repeated import Block, inputs_key, outputs_like, remake, repeated_blocks
 
@@ -242,6 +247,28 @@ def slowest_rank_times_pass(gm: fx.GraphModule) -> PassResult:
         osdp_meta(n).profile = dataclasses.replace(osdp_meta(n).profile, fwd_time_s=fwd_s,
                                                    bwd_time_s=bwd_s)
     return PassResult(gm, False)
+
+
+class ProfileGraph(GraphPass, name="profile", requires={"normalized"}, ensures={"profiled"},
+                   invalidates={"slowest_rank_times"}):
+    """The pipeline's ``profile`` (``passes/pipeline.py``): :func:`profile_graph_pass` on
+    ``example_inputs`` with its keyword ``options`` (``warmup``, ``repeats``, ``fake``,
+    ``meta_device``, ``share_repeats``)."""
+
+    def __init__(self, example_inputs: Sequence[Any], **options: Any) -> None:
+        self.example_inputs, self.options = example_inputs, options
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        return profile_graph_pass(graph_module, self.example_inputs, **self.options)
+
+
+class SlowestRankTimes(GraphPass, name="slowest_rank_times", requires={"profiled"},
+                       ensures={"slowest_rank_times"}):
+    """The pipeline's ``slowest_rank_times`` (``passes/pipeline.py``):
+    :func:`slowest_rank_times_pass` (collective)."""
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        return slowest_rank_times_pass(graph_module)
 
 
 def _format_time(time_s: float | None) -> str:
@@ -433,12 +460,12 @@ class NodeProfiler(fx.Interpreter):
 
     def _profile_compute(self, n: fx.Node) -> tuple[Any, NodeProfile]:
         if self.fake_mode is None:
-            return profile_compute_node(self, n)
-        key = same_work_key(self, n, *self.fetch_args_kwargs_from_env(n))
+            return self.profile_compute_node(n)
+        key = self.same_work_key(n, *self.fetch_args_kwargs_from_env(n))
         if key is not None and key in self._profiled:
             first, profile = self._profiled[key]
-            return run_compute_node(self, n), renamed(profile, first, n)
-        result, profile = profile_compute_node(self, n)
+            return self.run_compute_node(n), renamed(profile, first, n)
+        result, profile = self.profile_compute_node(n)
         if key is not None:
             self._profiled[key] = (n, profile)
         return result, profile
@@ -457,3 +484,177 @@ class NodeProfiler(fx.Interpreter):
         with torch.enable_grad():
             return getattr(self, n.op)(n.target, inputs.args, inputs.kwargs)
 
+    def prepare_inputs(self, n: fx.Node, args: Any, kwargs: Any) -> PreparedInputs:
+        """Copies of the node's inputs: parameters as detached leaves (their storage kept),
+        activations as ``detach().requires_grad_().clone()`` so in-place ops stay legal."""
+        names: dict[int, str] = {}
+        for inp in n.all_input_nodes:
+            for t in _tensor_list(self.env.get(inp)):
+                names.setdefault(id(t), inp.name)
+        leaves: list[torch.Tensor] = []
+        leaf_names: list[str | None] = []
+        storages: dict[int, str] = {}
+        memo: dict[int, torch.Tensor] = {}
+
+        def prepare(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if id(t) in memo:
+                return memo[id(t)]
+            needs_grad = t.requires_grad and differentiable(t)
+            if storage_key(t) in self.param_storages or t.is_contiguous():
+                leaf = t.detach().requires_grad_(needs_grad)
+                fresh = leaf if storage_key(t) in self.param_storages else leaf.clone()
+            else:  # keep the exact strides: ops such as reshape copy only non-contiguous inputs
+                # (an expanded one too: repeat_kv's reshape of an expanded key is a copy that
+                # attention saves), so the whole storage is copied and viewed alike
+                with torch.no_grad():
+                    numel = t.untyped_storage().nbytes() // t.element_size()
+                    whole = t.detach().as_strided((numel,), (1,), 0)
+                    leaf = whole.clone().as_strided(t.size(), t.stride(), t.storage_offset())
+                fresh = leaf.requires_grad_(needs_grad)
+            if needs_grad:
+                leaves.append(leaf)
+                leaf_names.append(names.get(id(t)))
+            if id(t) in names:
+                storages[storage_key(fresh)] = names[id(t)]
+            memo[id(t)] = fresh
+            return fresh
+
+        new_args, new_kwargs = pytree.tree_map(prepare, (tuple(args), dict(kwargs)))
+        return PreparedInputs(new_args, new_kwargs, leaves, leaf_names, storages)
+
+    def profile_compute_node(self, n: fx.Node) -> tuple[Any, NodeProfile]:
+        """Run one compute node alone on copies of its inputs and measure it (the module
+        docstring). Returns the node's value for its users and its profile."""
+
+        def timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
+            return median_time_s(setup, run, warmup=self.warmup, repeats=self.repeats,
+                                 gpu=on_gpu)
+
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        inputs = self.prepare_inputs(n, args, kwargs)
+        on_gpu = any(t.is_cuda for t in _tensor_list((inputs.args, inputs.kwargs)))
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.setdefault(storage_key(t), t.untyped_storage().nbytes())
+            # Detached: an op that saves its own output would otherwise hold it through its
+            # grad_fn, a C++ reference cycle that retain_graph keeps alive for good.
+            return t.detach()
+
+        fwd_tracker = self.tracker()
+        with self.flop_counter() as fwd_counter, fwd_tracker:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                result = self.call(n, inputs)
+        outputs = _tensor_list(result)
+        if not outputs:  # shape arithmetic, asserts: nothing worth timing
+            profile = NodeProfile.zero(timed=self.fake_mode is None)
+            return result, dataclasses.replace(profile, fwd_flops=fwd_counter.get_total_flops())
+        input_storages = set(inputs.storages) | self.param_storages
+        input_storages |= {storage_key(t) for t in _tensor_list((inputs.args, inputs.kwargs))}
+
+        grad_outputs = outputs_to_differentiate(n, result)
+        seeds = [torch.ones_like(t) for t in grad_outputs]
+        bwd_flops, grad_input_bytes, bwd_transient_bytes = 0, 0, 0
+        passthrough: set[str] = set()
+        has_backward = bool(grad_outputs and inputs.leaves)
+        if has_backward:
+            bwd_tracker = self.tracker()
+            with self.flop_counter() as bwd_counter, bwd_tracker:
+                grads = torch.autograd.grad(
+                    grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
+                )
+            bwd_transient_bytes = transient_bytes(bwd_tracker)
+            bwd_flops = bwd_counter.get_total_flops()
+            grad_input_bytes = tensor_bytes([g for g in grads if g is not None])
+            seeded = {storage_key(t) for t in seeds}
+            passthrough = {name for name, g in zip(inputs.leaf_names, grads)
+                           if name is not None and g is not None and storage_key(g) in seeded}
+
+        fwd_time_s: float | None = None
+        bwd_time_s: float | None = None
+        if self.fake_mode is None:
+            fwd_time_s = timed(lambda: self.prepare_inputs(n, args, kwargs),
+                               lambda prepared: self.call(n, prepared))
+            bwd_time_s = 0.0
+            if has_backward:
+                bwd_time_s = timed(
+                    lambda: None,
+                    lambda _: torch.autograd.grad(
+                        grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
+                    ),
+                )
+
+        saved_storages = {k: v for k, v in saved.items() if k not in self.param_storages}
+        output_storages = {storage_key(t) for t in outputs}
+        profile = NodeProfile(
+            fwd_flops=fwd_counter.get_total_flops(),
+            bwd_flops=bwd_flops,
+            input_bytes=tensor_bytes((inputs.args, inputs.kwargs)),
+            output_bytes=tensor_bytes(result),
+            output_is_view=bool(outputs)
+            and all(storage_key(t) in input_storages for t in outputs),
+            saved_bytes=sum(saved_storages.values()),
+            saved_inputs=tuple(sorted({inputs.storages[k] for k in saved_storages
+                                       if k in inputs.storages})),
+            grad_input_bytes=grad_input_bytes,
+            param_bytes=0,
+            fwd_time_s=fwd_time_s,
+            bwd_time_s=bwd_time_s,
+            saved_params=tuple(sorted({inputs.storages[k] for k in saved
+                                       if k in self.param_storages and k in inputs.storages})),
+            saved_output_bytes=sum(v for k, v in saved_storages.items()
+                                   if k in output_storages and k not in input_storages),
+            saved_input_bytes=sum(v for k, v in saved_storages.items() if k in inputs.storages),
+            fwd_transient_bytes=transient_bytes(fwd_tracker),
+            bwd_transient_bytes=bwd_transient_bytes,
+            grad_passthrough=tuple(sorted(passthrough)),
+            compute_dtype=next((str(t.dtype).removeprefix("torch.") for t in _tensor_list(
+                (inputs.args, inputs.kwargs, outputs)) if t.dtype.is_floating_point), ""),
+        )
+        return detached(result), profile
+
+    def same_work_key(self, n: fx.Node, args: Any, kwargs: Any) -> tuple[Any, ...] | None:
+        """What the profile of compute node ``n`` on ``args``/``kwargs`` depends on ([Note: same
+        work, one profile]); None when an argument is of a kind the key cannot hold."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        source: dict[int, int] = {}
+        for i, inp in enumerate(n.all_input_nodes):
+            for t in _tensor_list(self.env.get(inp)):
+                source.setdefault(id(t), i)
+        storages: dict[int, int] = {}
+        same: dict[int, int] = {}
+        parts: list[Any] = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                key = storage_key(x)
+                parts.append((tuple(x.shape), x.stride(), x.storage_offset(),
+                              x.untyped_storage().nbytes(), x.dtype, x.device.type,
+                              x.requires_grad, key in self.param_storages,
+                              storages.setdefault(key, len(storages)),
+                              same.setdefault(id(x), len(same)), source.get(id(x))))
+            elif isinstance(x, slice):
+                parts.append(("slice", x.start, x.stop, x.step))
+            elif isinstance(x, PLAIN):
+                parts.append((type(x), x))
+            else:
+                return None
+        key = (n.op, n.target, str(spec), tuple(parts), outputs_read(n))
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def run_compute_node(self, n: fx.Node) -> Any:
+        """Node ``n``'s value for its users, as :meth:`profile_compute_node` computes it, without
+        measuring anything: on its inputs themselves unless the operator writes into them (then
+        on copies, as profiling does)."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if writes_inputs(n):
+            prepared = self.prepare_inputs(n, args, kwargs)
+            args, kwargs = prepared.args, prepared.kwargs
+        with torch.enable_grad():
+            result = getattr(self, n.op)(n.target, args, kwargs)
+        return detached(result) if _tensor_list(result) else result

@@ -46,6 +46,7 @@ After::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from collections.abc import Mapping
@@ -58,6 +59,7 @@ from ..core.regions import Recompute, check_policy, find_regions
 from ..errors import PlanError
 from ..runtime.params import grad_ready
 from ..runtime.recompute import RecomputedRegion
+from .pipeline import GraphPass
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +135,15 @@ def recompute_regions_pass(gm: fx.GraphModule, *, policies: Mapping[str, str]) -
     gm.recompile()
     log.info("recompute pass: %d of %d regions recomputed", wrapped, len(regions))
     return PassResult(gm, wrapped > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeRegions(GraphPass, name="recompute", requires={"normalized"},
+                       ensures={"recomputed"}, invalidates={"profiled", "slowest_rank_times"}):
+    """The pipeline's ``recompute`` (``passes/pipeline.py``): :func:`recompute_regions_pass`
+    under a plan's ``policies`` (region name -> ``save`` / ``selective`` / ``full``)."""
+
+    policies: Mapping[str, str]
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        return recompute_regions_pass(graph_module, policies=self.policies)

@@ -48,6 +48,7 @@ After (full_shard, prefetch 1; ``out`` is the next layer)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
@@ -71,6 +72,7 @@ from ..runtime.params import (
 )
 from ..runtime.sharded import local_param
 from .capture import set_attr
+from .pipeline import GraphPass
 from .precision import cast_of
 
 log = logging.getLogger(__name__)
@@ -205,7 +207,7 @@ def shard_parameters_pass(
         set_osdp_meta(freed, role=NodeRole.FREE, param=node.target)
         n_frees += 1
 
-    _bucket_gathers(gm, world_size, plan.gather_bucket_bytes)
+    _bucket_gathers(gm, world_size, plan.schedule.gather_bucket_bytes)
     _insert_prefetches(graph, prefetch)
 
     in_graph = {n.target for n in param_nodes}
@@ -220,3 +222,20 @@ def shard_parameters_pass(
     log.info("shard pass: %d parameters gathered, %d freed after last forward use",
              n_gathers, n_frees)
     return PassResult(gm, n_gathers > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardParameters(GraphPass, name="shard", requires={"aliases"}, ensures={"sharded"}):
+    """The pipeline's ``shard`` (``passes/pipeline.py``): :func:`shard_parameters_pass` under
+    ``plan`` (its world size and prefetch distance) for ``rank``."""
+
+    plan: Plan
+    rank: int
+    group: str = WORLD
+    reduce_dtype: torch.dtype | None = None
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        return shard_parameters_pass(
+            graph_module, plan=self.plan, world_size=self.plan.world_size, rank=self.rank,
+            group=self.group, prefetch=self.plan.schedule.prefetch,
+            reduce_dtype=self.reduce_dtype)

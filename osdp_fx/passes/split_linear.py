@@ -53,7 +53,7 @@ from ..core.layout import SplitSpec
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
 from ..errors import PlanError
 from .capture import Captured, ParamInfo, set_attr
-from .manager import run_passes
+from .pipeline import GraphPass, run_pipeline
 from .precision import param_cast_node
 
 log = logging.getLogger(__name__)
@@ -212,6 +212,17 @@ def split_linear_pass(gm: fx.GraphModule, *, splits: Mapping[str, int]) -> PassR
     return PassResult(gm, True)
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitLinear(GraphPass, name="split_linear", requires={"normalized"}, ensures={"split"},
+                  invalidates={"profiled", "slowest_rank_times"}):
+    """The pipeline's ``split_linear`` (``passes/pipeline.py``): :func:`split_linear_pass`."""
+
+    splits: Mapping[str, int]
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        return split_linear_pass(graph_module, splits=self.splits)
+
+
 def _part_node(graph: fx.Graph, name: str, dtype: torch.dtype | None) -> fx.Node:
     """The node of parameter part ``name`` (inserted at the graph's insertion point), cast to
     ``dtype`` when the whole parameter was: the nodes ``cast_params_pass`` makes for it."""
@@ -229,7 +240,7 @@ def apply_splits(captured: Captured, splits: Mapping[str, int]) -> list[SplitSpe
     specs = split_specs(captured.gm, splits)
     if not specs:
         return []
-    run_passes(captured.gm, [("split_linear", lambda g: split_linear_pass(g, splits=splits))])
+    run_pipeline(captured.gm, [SplitLinear(splits)])
     params: dict[str, ParamInfo] = {}
     by_name = {s.name: s for s in specs}
     for name, info in captured.params.items():

@@ -231,9 +231,9 @@ def _header(plan: Plan, width: int) -> list[str]:
         text += f"; {len(plan.splits)} linears split"
     if plan.param_dtype:
         text += f"; compute in {plan.param_dtype}, reduce in {plan.reduce_dtype}"
-    text += (f"; prefetch {plan.prefetch}, buckets {format_bytes(plan.gather_bucket_bytes)} "
-             f"(gather) / {format_bytes(plan.reduce_bucket_bytes)} (all-reduce), "
-             f"{plan.scatters_in_flight} in flight")
+    text += (f"; prefetch {plan.schedule.prefetch}, buckets {format_bytes(plan.schedule.gather_bucket_bytes)} "
+             f"(gather) / {format_bytes(plan.schedule.reduce_bucket_bytes)} (all-reduce), "
+             f"{plan.schedule.scatters_in_flight} in flight")
     return textwrap.wrap(text, width=width - 1, subsequent_indent="  ")
 
 

@@ -41,13 +41,7 @@ from typing import Any
 
 import torch
 
-from ..core.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_PREFETCH,
-    MAX_IN_FLIGHT,
-    SMALL_PARAM_BYTES,
-    Schedule,
-)
+from ..core.buckets import DEFAULT_SCHEDULE, Schedule
 from ..core.layout import (  # noqa: F401  (Stage, shard_count re-exported)
     Stage,
     collective_stages,
@@ -75,26 +69,6 @@ from .table import describe_collectives, plan_table
 
 PLAN_FORMAT = "osdp-fx-plan"
 PLAN_VERSION = 1
-
-
-def check_prefetch(prefetch: Any) -> None:
-    """Raise PlanError unless ``prefetch`` is an int >= 0."""
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-        raise PlanError(f"prefetch must be an int >= 0 (all-gathers start that many sharded "
-                        f"parameters ahead; 0 turns prefetching off), got {prefetch!r}")
-
-
-def check_bucket_bytes(name: str, nbytes: Any) -> None:
-    """Raise PlanError unless ``nbytes`` (the plan's ``name``) is an int >= 1."""
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
-        raise PlanError(f"{name} must be a number of bytes >= 1 (an int), got {nbytes!r}")
-
-
-def check_in_flight(count: Any) -> None:
-    """Raise PlanError unless ``count`` (the plan's ``scatters_in_flight``) is an int >= 1."""
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise PlanError(f"scatters_in_flight={count!r}: give an int >= 1 (how many gradient "
-                        f"collectives may run at once; default {MAX_IN_FLIGHT})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,30 +269,22 @@ class Plan:
     'bfloat16' ('' = their own)."""
     reduce_dtype: str = ""
     """Mixed precision: the dtype gradients are reduced in ('' = the parameters' own)."""
-    prefetch: int = DEFAULT_PREFETCH
-    """How many sharded parameters ahead each all-gather starts, in forward and backward (0:
-    each parameter is gathered when it is needed)."""
+    schedule: Schedule = DEFAULT_SCHEDULE
+    """When collectives start and how they are fused: prefetch distance, gather and all-reduce
+    bucket sizes, gradient collectives in flight (``core/buckets.py``)."""
     ranks_per_node: int | None = None
     """Ranks per node of the mesh the plan was made for; None: all ranks on one node."""
     recompute: tuple[tuple[str, str], ...] = ()
     """(region, 'selective' or 'full') for the regions recomputed in backward (``regions``)."""
-    gather_bucket_bytes: int = SMALL_PARAM_BYTES
-    """Consecutive sharded parameters of at most this many gathered bytes share one all-gather
-    and one reduce-scatter (``buckets.gather_buckets``)."""
-    reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    """Bytes of one all-reduce bucket of replicated gradients."""
-    scatters_in_flight: int = MAX_IN_FLIGHT
-    """Gradient collectives (reduce-scatters, all-reduce buckets) that may run at once."""
     measured: tuple[TimedPlan, ...] = ()
     """Autotuning (``compile_osdp(autotune=K)``): the plans it timed, fastest measured first
     (the plan in force need not be: ``autotune.keep_index``); empty when the plan was not
     autotuned. Not hashed."""
 
     def __post_init__(self) -> None:
-        check_prefetch(self.prefetch)
-        check_bucket_bytes("gather_bucket_bytes", self.gather_bucket_bytes)
-        check_bucket_bytes("reduce_bucket_bytes", self.reduce_bucket_bytes)
-        check_in_flight(self.scatters_in_flight)
+        if not isinstance(self.schedule, Schedule):
+            raise PlanError(f"a plan's schedule is a Schedule (osdp_fx.core.buckets), got "
+                            f"{self.schedule!r}")
         object.__setattr__(self, "recompute", recomputed_regions(self.recompute))
         object.__setattr__(self, "ranks_per_node",
                            normalized_ranks_per_node(self.ranks_per_node, self.world_size))
@@ -335,11 +301,6 @@ class Plan:
             if p.name == name or name in p.aliases:
                 return p
         raise KeyError(name)
-
-    @property
-    def schedule(self) -> Schedule:
-        """Prefetch distance, bucket sizes and gradient collectives in flight."""
-        return Schedule(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Schedule)})
 
     def strategy_of(self, name: str) -> str:
         return self[name].strategy
@@ -391,14 +352,7 @@ class Plan:
             **({"ranks_per_node": self.ranks_per_node} if self.ranks_per_node else {}),
             "memory_limit_bytes": self.memory_limit_bytes,
             **({"splits": dict(self.splits)} if self.splits else {}),
-            "prefetch": self.prefetch,
-            # written when not the defaults, so that older plans keep their hash
-            **({"gather_bucket_bytes": self.gather_bucket_bytes}
-               if self.gather_bucket_bytes != SMALL_PARAM_BYTES else {}),
-            **({"reduce_bucket_bytes": self.reduce_bucket_bytes}
-               if self.reduce_bucket_bytes != DEFAULT_BUCKET_BYTES else {}),
-            **({"scatters_in_flight": self.scatters_in_flight}
-               if self.scatters_in_flight != MAX_IN_FLIGHT else {}),
+            **self.schedule.to_dict(),
             **({"mixed_precision": {"param_dtype": self.param_dtype,
                                     "reduce_dtype": self.reduce_dtype}}
                if self.param_dtype else {}),

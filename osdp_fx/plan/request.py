@@ -203,10 +203,8 @@ def build_plan(
         ))
     return Plan(params=tuple(entries), world_size=world_size,
                 memory_limit_bytes=memory_limit_bytes, source=source,
-                splits=tuple(sorted((splits or {}).items())), prefetch=schedule.prefetch,
-                gather_bucket_bytes=schedule.gather_bucket_bytes,
-                reduce_bucket_bytes=schedule.reduce_bucket_bytes,
-                scatters_in_flight=schedule.scatters_in_flight, ranks_per_node=ranks_per_node,
+                splits=tuple(sorted((splits or {}).items())), schedule=schedule,
+                ranks_per_node=ranks_per_node,
                 recompute=tuple((recompute or {}).items()))
 
 
@@ -253,7 +251,7 @@ def resolve_plan(
                           source=request.strategy, ranks_per_node=ranks_per_node)
     if request.data is None:
         raise PlanError("resolve_plan needs a plan, not a search (plan=None); "
-                        "make_plan runs the search")
+                        "planner.make.plan_model runs the search")
     path, data = request.path, request.data
     file_world = data.get("world_size")
     if file_world is not None and (not isinstance(file_world, int) or isinstance(file_world, bool)):
@@ -284,16 +282,8 @@ def resolve_plan(
     )
     return build_plan(requested, specs, world_size=world_size,
                       memory_limit_bytes=memory_limit_bytes, source=f"file:{path}",
-                      splits=request.splits, schedule=_file_schedule(data),
+                      splits=request.splits, schedule=Schedule.from_dict(data),
                       ranks_per_node=ranks_per_node, recompute=request.recompute)
-
-
-def _file_schedule(data: Mapping[str, Any]) -> Schedule:
-    """A plan file's schedule; what it leaves out is the default (older files name none, or
-    only ``prefetch``). Plan checks the values."""
-    default = Schedule()
-    return Schedule(**{f.name: data.get(f.name, getattr(default, f.name))
-                       for f in dataclasses.fields(Schedule)})
 
 
 def _requested_from_mapping(

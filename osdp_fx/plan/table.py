@@ -46,9 +46,9 @@ def plan_table(plan: Any) -> str:
     split = "; split: " + ", ".join(f"{n} in {k}" for n, k in plan.splits) if plan.splits else ""
     if plan.param_dtype:
         split += f"; compute in {plan.param_dtype}, reduce in {plan.reduce_dtype}"
-    split += (f"; prefetch {plan.prefetch}, gather buckets {format_bytes(plan.gather_bucket_bytes)}"
-              f", all-reduce buckets {format_bytes(plan.reduce_bucket_bytes)}"
-              f", gradient collectives in flight {plan.scatters_in_flight}")
+    split += (f"; prefetch {plan.schedule.prefetch}, gather buckets {format_bytes(plan.schedule.gather_bucket_bytes)}"
+              f", all-reduce buckets {format_bytes(plan.schedule.reduce_bucket_bytes)}"
+              f", gradient collectives in flight {plan.schedule.scatters_in_flight}")
     if plan.recompute:
         split += "; recompute: " + ", ".join(f"{r} {p}" for r, p in plan.recompute)
     mesh = (f" = {plan.num_nodes} nodes x {plan.ranks_per_node} ranks"

@@ -1,6 +1,6 @@
 """The planner: from a captured graph to a ``Plan``.
 
-``make`` composes it: profile (``analysis``), predict (the cost models), search (``search``,
+``make`` composes it (:func:`plan_model`, the one planning entry): profile (``analysis``), predict (the cost models), search (``search``,
 ``exhaustive``, ``local_search``, ``search_margin``, ``schedule_search``, ``solver``), and, when
 asked, measure candidate plans (``autotune``); ``detect`` measures the hardware into a
 ``Devices``. Imports ``core``, ``plan``, ``cost_models``, ``runtime`` and ``passes``.
@@ -8,6 +8,6 @@ asked, measure candidate plans (``autotune``); ``detect`` measures the hardware 
 
 from __future__ import annotations
 
-from .make import make_plan
+from .make import Planned, SearchOptions, plan_model
 
-__all__ = ["make_plan"]
+__all__ = ["Planned", "SearchOptions", "plan_model"]

@@ -13,20 +13,21 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from ..core.buckets import DEFAULT_SCHEDULE, Schedule
-from ..core.devices import OPTIMIZERS, Devices
+from ..core.buckets import DEFAULT_BUCKET_BYTES, Schedule
+from ..core.devices import Devices
 from ..core.io_spec import input_shape
 from ..core.layout import row_numel
 from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..core.precision import MixedPrecision, dtype_name
+from ..core.setting import StepSetting
 from ..core.strategies import traits
 from ..cost_models.graph_facts import GraphFacts, ParamState, graph_facts
 from ..cost_models.shapes import node_factors
-from ..cost_models.step import GroupCost, StepTime, predict_step_time
+from ..cost_models.step import GroupCost, StepTime, group_cost, predict_step_time, regathered_params
 from ..errors import InputError
 from ..passes.capture import Captured, unchanged_state
-from ..passes.manager import run_passes
-from ..passes.profile import profile_graph_pass, slowest_rank_times_pass
+from ..passes.pipeline import run_pipeline
+from ..passes.profile import ProfileGraph, SlowestRankTimes
 from ..passes.sequence import NodeNumels, sequence_numels
 from ..plan.request import ParamSpec
 from ..runtime.collectives import WORLD, group_size
@@ -92,6 +93,12 @@ class Analysis:
     each), about half of a search's timelines."""
 
     @functools.cached_property
+    def regathered(self) -> set[str]:
+        """The groups some operator saves for backward (re-gathered there when freed after
+        forward, ``step.regathered_params``)."""
+        return regathered_params(self.facts)
+
+    @functools.cached_property
     def seq_numels(self) -> NodeNumels | None:
         """Elements per node at three sequence lengths (``passes/sequence.py``); None when the
         memory is not modelled in the sequence length. Analysed at the first ask (a search
@@ -105,6 +112,11 @@ class Analysis:
     def plan_batch(self) -> int:
         """The per-rank batch size plans are made for."""
         return self.max_shape[0] if self.max_shape else self.batch_size
+
+    def batch_scale(self, batch_size: int | None = None) -> float:
+        """``batch_size`` (None: the planned one) over the profiled batch size: how compute
+        and activations scale from what was profiled."""
+        return (batch_size or self.plan_batch) / self.batch_size
 
     @property
     def plan_seq(self) -> int | None:
@@ -121,23 +133,6 @@ class Analysis:
         if seq not in self._seq_scales:
             self._seq_scales[seq] = node_factors(self.seq_numels, self.seq_len, seq)
         return self._seq_scales[seq]
-
-
-def check_grad_accumulation(grad_accumulation: Any) -> None:
-    """Raise InputError unless ``grad_accumulation`` is an int >= 1."""
-    if (isinstance(grad_accumulation, bool) or not isinstance(grad_accumulation, int)
-            or grad_accumulation < 1):
-        raise InputError(
-            f"grad_accumulation={grad_accumulation!r} is not a number of micro-batches: pass an "
-            "int >= 1, the micro-batches each optimizer step accumulates gradients over (all "
-            "but the last run inside compiled.no_sync()); 1 means no accumulation")
-
-
-def check_optimizer(optimizer: str) -> None:
-    """Raise InputError unless ``optimizer`` is a kind the cost models know."""
-    if optimizer not in OPTIMIZERS:
-        raise InputError(f"optimizer {optimizer!r} is not a kind the cost models know; use one "
-                         f"of {', '.join(OPTIMIZERS)} (the closest to your optimizer)")
 
 
 def param_specs(captured: Captured) -> list[ParamSpec]:
@@ -242,11 +237,11 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
             # ranks time their nodes together, sharing the machine as they do when training
             torch.distributed.barrier()
         with unchanged_state(captured.gm):
-            run_passes(captured.gm, [("profile", lambda g: profile_graph_pass(
-                g, example_inputs, warmup=warmup, repeats=repeats, fake=fake,
-                meta_device=captured.materialize_device or "cpu", share_repeats=share_repeats))])
+            run_pipeline(captured.gm, [ProfileGraph(
+                example_inputs, warmup=warmup, repeats=repeats, fake=fake,
+                meta_device=captured.materialize_device or "cpu", share_repeats=share_repeats)])
         if not fake:
-            run_passes(captured.gm, [("slowest_rank_times", slowest_rank_times_pass)])
+            run_pipeline(captured.gm, [SlowestRankTimes()])
             _remember_profile(captured.gm, key)
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch, seq = input_shape(example_inputs)
@@ -285,24 +280,47 @@ def candidate_key(analysis: Analysis, strategies: Mapping[str, str],
     all-reduced in buckets: ``step.predict_step_time``, ``live_bytes.replicated_buckets``), so
     that the candidate schedules that differ in it alone share such a plan's predictions."""
     params = analysis.captured.params
-    if not any(params[n].trainable and not traits(s).sharded for n, s in strategies.items()):
-        schedule = dataclasses.replace(schedule, reduce_bucket_bytes=0)
-    return (tuple(strategies[n] for n in params), tuple(sorted(recompute.items())), schedule)
+    all_reduces = any(params[n].trainable and not traits(s).sharded
+                      for n, s in strategies.items())
+    timing = (schedule.prefetch, schedule.gather_bucket_bytes,
+              schedule.reduce_bucket_bytes if all_reduces else None, schedule.scatters_in_flight)
+    return (tuple(strategies[n] for n in params), tuple(sorted(recompute.items())), timing)
+
+
+def search_cost(analysis: Analysis, name: str, state: ParamState, setting: StepSetting, *,
+                reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> GroupCost:
+    """Group ``name``'s communication, optimizer and memory costs in ``state`` (its strategy;
+    a split part's size) under ``setting``, without its computation: what a search weighs one
+    option by (replicated gradients in all-reduce buckets of ``reduce_bucket_bytes``)."""
+    return group_cost(state, regathered=name in analysis.regathered, compute_s=0.0,
+                      devices=setting.devices, optimizer=setting.optimizer,
+                      grad_accumulation=setting.grad_accumulation,
+                      reduce_bucket_bytes=reduce_bucket_bytes)
 
 
 def plan_step(analysis: Analysis, strategies: Mapping[str, str],
-              recompute: Mapping[str, str] | None = None, *, devices: Devices, optimizer: str,
-              schedule: Schedule = DEFAULT_SCHEDULE) -> tuple[StepTime, dict[str, GroupCost]]:
-    """``predict_step_time`` of a candidate plan of this analysis (the step time and each
-    group's costs, at the profiled batch), predicted once per analysis (``Analysis.steps``:
-    the searches score the same plan again, each schedule's repeats, the local search). The
-    result is shared: read it, do not change it."""
+              recompute: Mapping[str, str] | None, setting: StepSetting,
+              ) -> tuple[StepTime, dict[str, GroupCost]]:
+    """``predict_step_time`` of a candidate plan of this analysis under ``setting``'s devices,
+    optimizer and schedule (the step time and each group's costs, at the profiled batch:
+    ``StepTime.at_scale`` scales it), predicted once per analysis (``Analysis.steps``: the
+    searches score the same plan again, each schedule's repeats, the local search). The result
+    is shared: read it, do not change it."""
     recompute = recompute or {}
-    key = candidate_key(analysis, strategies, recompute, schedule) + (devices, optimizer)
+    key = candidate_key(analysis, strategies, recompute, setting.schedule) + (
+        setting.devices, setting.optimizer)
     step = analysis.steps.get(key)
     if step is None:
         step = analysis.steps[key] = predict_step_time(
             analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
-            devices=devices, optimizer=optimizer, profiled_batch=analysis.batch_size,
-            recompute=recompute, schedule=schedule)
+            devices=setting.devices, optimizer=setting.optimizer,
+            profiled_batch=analysis.batch_size, recompute=recompute, schedule=setting.schedule)
     return step
+
+
+def plan_step_s(analysis: Analysis, strategies: Mapping[str, str],
+                recompute: Mapping[str, str] | None, setting: StepSetting) -> float:
+    """The step model's seconds for a candidate plan at ``setting``'s batch size (None: the
+    one the analysis plans for)."""
+    step, _ = plan_step(analysis, strategies, recompute, setting)
+    return step.at_scale(analysis.batch_scale(setting.batch_size))

@@ -7,10 +7,12 @@ directory under a key of everything the search depends on that does not change b
 
 * the captured graph (its code), its parameters' names, shapes, dtypes and trainability;
 * the example inputs' shapes and dtypes (and the largest shape planned for);
-* the world (size, ranks per node), the memory limit asked for, the model's device;
-* the ``Devices`` given (every figure), or, when they are measured, only that they are;
-* the planner's options (``PlanOptions``: optimizer, batch sizes, splits, recomputation,
-  prefetch, mixed precision, gradient accumulation, autotuning, the largest shape);
+* the world asked for (the ``Devices`` record before measuring: size, ranks per node, memory
+  limit, and every figure when given; when they are to be measured, that they are), the
+  model's device;
+* the step (``StepSetting``: optimizer, mixed precision, gradient accumulation, schedule) and
+  what the search may vary (``SearchOptions``: batch sizes, splits, recomputation, prefetch,
+  autotuning, the largest shape);
 * the versions of osdp-fx and torch, and a digest of osdp-fx's own source files
   (:func:`code_digest`: a checkout whose code changed under the same version plans afresh).
 
@@ -37,10 +39,11 @@ import torch
 
 from .._version import VERSION
 from ..core.devices import Devices
+from ..core.setting import StepSetting
 from ..errors import InputError
 from ..passes.capture import Captured
 from ..plan.plan import Plan
-from .make import PlanOptions
+from .make import SearchOptions
 
 CACHE_ENV = "OSDP_FX_PLAN_CACHE"
 """The environment variable naming the cache directory (``off`` or ``0``: no cache)."""
@@ -92,9 +95,8 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
-def plan_key(captured: Captured, inputs: tuple[Any, ...], *, devices: Devices | None,
-             world_size: int, ranks_per_node: int | None, memory_limit_bytes: int | None,
-             device: torch.device, options: PlanOptions) -> str:
+def plan_key(captured: Captured, inputs: tuple[Any, ...], *, devices: Devices, measured: bool,
+             device: torch.device, options: SearchOptions, setting: StepSetting) -> str:
     """The key of a search: a digest of what it depends on (module docstring)."""
     gm = captured.gm
     facts = {
@@ -104,11 +106,12 @@ def plan_key(captured: Captured, inputs: tuple[Any, ...], *, devices: Devices | 
                    for n, p in gm.named_parameters(remove_duplicate=False)],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in inputs],
-        "world": [world_size, ranks_per_node, memory_limit_bytes],
+        "world": [devices.world_size, devices.ranks_per_node, devices.memory_bytes],
         "device": [device.type, torch.cuda.get_device_name(device)
                    if device.type == "cuda" else ""],
-        "devices": dataclasses.asdict(devices) if devices is not None else "measured",
+        "devices": "measured" if measured else dataclasses.asdict(devices),
         "options": repr(options),
+        "step": repr(dataclasses.replace(setting, devices=None)),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -430,24 +430,38 @@ _FILLER_MATMUL_SIZE = 256
 
 
 def devices_for(devices: Devices | None, *, world_size: int, memory_limit_bytes: int | None,
-                detect: bool, ranks_per_node: int | None = None, device: Any = None) -> Devices:
-    """The Devices to plan for: ``devices`` or, when None, measured (``detect``, collective) or
-    the defaults; its world size set to ``world_size``, its memory limit filled in (the limit
-    given, else the devices', else the memory of ``device``, where the model runs: the same at
-    every world size and under every plan), and its ranks per node set to ``ranks_per_node``
-    when given. In a process group, whether a reduce-scatter copies its input is the group's
-    own (the runtime's collectives do as its backend does, whatever the devices say)."""
+                ranks_per_node: int | None = None, device: Any = None) -> Devices:
+    """The one record of the hardware a plan is made for: ``devices`` (None: the defaults)
+    with its world size set to ``world_size``, its ranks per node to ``ranks_per_node`` when
+    given, and its memory limit filled in (the limit given, else the devices', else the memory
+    of ``device``, where the model runs: the same at every world size and under every plan).
+    In a process group, whether a reduce-scatter copies its input is the group's own (the
+    runtime's collectives do as its backend does, whatever the devices say). A search without
+    given devices then plans with :func:`measured` figures."""
     from ..runtime.collectives import WORLD, group_size, scatter_copies_input
 
-    if devices is None:
-        devices = (_detected(world_size, ranks_per_node) if detect and world_size > 1
-                   else Devices())
+    devices = devices if devices is not None else Devices()
     memory = memory_limit_bytes or devices.memory_bytes or device_memory_bytes(device)
     copies = (scatter_copies_input() if group_size(WORLD) > 1
               else devices.reduce_scatter_copies_input)
     return dataclasses.replace(devices, world_size=world_size, memory_bytes=memory,
                                ranks_per_node=ranks_per_node or devices.ranks_per_node,
                                reduce_scatter_copies_input=copies)
+
+
+def measured(devices: Devices) -> Devices:
+    """``devices`` (of :func:`devices_for`) with the figures ``detect_devices`` measures on the
+    current default process group instead of its own, its world, memory limit and copies kept,
+    and its ranks per node when it names them (else the nodes detection finds from host names).
+    Collective; measured once per group. A world of one rank has nothing to measure: the
+    defaults stand."""
+    if devices.world_size <= 1:
+        return devices
+    found = _detected(devices.world_size, devices.ranks_per_node)
+    return dataclasses.replace(found, world_size=devices.world_size,
+                               memory_bytes=devices.memory_bytes,
+                               ranks_per_node=devices.ranks_per_node or found.ranks_per_node,
+                               reduce_scatter_copies_input=devices.reduce_scatter_copies_input)
 
 
 _detected_devices: dict[tuple[int, int, int | None], Devices] = {}

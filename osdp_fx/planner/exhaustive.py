@@ -36,8 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..core.buckets import Schedule
-from ..core.devices import Devices
+from ..core.setting import StepSetting
 from ..core.layout import shard_count
 from ..core.strategies import traits
 from ..cost_models.communication import all_reduce_time_s, collective_time_s, group_link
@@ -45,13 +44,9 @@ from ..cost_models.graph_facts import small_gather_key
 from ..cost_models.memory import optimizer_state_bytes, shard_numel
 from ..cost_models.overlap import OVERLAP_EFFICIENCY, gather_s
 from ..cost_models.recompute import RegionCost
-from ..cost_models.step import (
-    attributed_compute_s,
-    group_cost,
-    regathered_params,
-)
+from ..cost_models.step import attributed_compute_s, group_cost
 from ..cost_models.timeline import predict_peak_bytes
-from .analysis import Analysis, param_state, param_states, plan_step
+from .analysis import Analysis, param_state, param_states, plan_step_s
 from .results import Found
 
 EXACT_COMBINATIONS = 1024
@@ -79,10 +74,10 @@ class _RowTerms:
 
 
 def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
-               regions: Mapping[str, list[RegionCost]], *, devices: Devices, optimizer: str,
-               schedule: Schedule, scale: float) -> tuple[_RowTerms, float]:
+               regions: Mapping[str, list[RegionCost]], setting: StepSetting,
+               scale: float) -> tuple[_RowTerms, float]:
+    devices, schedule = setting.devices, setting.schedule
     facts = analysis.facts
-    base_regathered = regathered_params(facts)
     nodes_of: dict[str, int] = {}
     for name in facts.param_of.values():
         nodes_of[name] = nodes_of.get(name, 0) + 1
@@ -98,13 +93,14 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
             state = param_state(analysis, name, strategy)
             # the largest all-reduce bucket (in reduce bytes) this gradient can share
             widest = schedule.reduce_bucket_bytes * max(1.0, state.reduce_size / state.element_size)
-            cost = group_cost(state, regathered=name in base_regathered, compute_s=0.0,
-                              devices=devices, optimizer=optimizer,
+            cost = group_cost(state, regathered=name in analysis.regathered, compute_s=0.0,
+                              devices=devices, optimizer=setting.optimizer,
                               reduce_bucket_bytes=int(math.ceil(widest)))
             comm, gathered, all_reduced, key = cost.comm_s, 0.0, False, None
             if traits(strategy).sharded:
                 if prefetching:
-                    gathered = sum(gather_s(state, devices, regathered=True)) * nodes_of.get(name, 1)
+                    gathered = (gather_s(state, devices, regathered=True).total_s
+                                * nodes_of.get(name, 1))
                 key = small_gather_key(state, devices.world_size, schedule.gather_bucket_bytes)
             elif state.trainable and devices.world_size > 1:
                 # its latency share is counted once per bucket, in exhaustive_search's bound
@@ -129,8 +125,8 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
 
 
 def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
-                     regions: Mapping[str, list[RegionCost]], *, devices: Devices,
-                     optimizer: str, schedule: Schedule, scale: float) -> np.ndarray:
+                     regions: Mapping[str, list[RegionCost]], setting: StepSetting, *,
+                     scale: float) -> np.ndarray:
     """A lower bound on the predicted step time of every combination (flat, row-major over
     the groups of ``options`` then the ``regions``, options in order)::
 
@@ -142,8 +138,8 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     latency shares of the gradients in one all-reduce bucket add up to one latency; of the
     sharded parameters with one gather key, all but one may save two gathers' and a
     reduce-scatter's latency by riding in another's bucket."""
-    terms, bucket_saving = _row_terms(analysis, options, regions, devices=devices,
-                                      optimizer=optimizer, schedule=schedule, scale=scale)
+    devices = setting.devices
+    terms, bucket_saving = _row_terms(analysis, options, regions, setting, scale)
     per_group, other_s = attributed_compute_s(analysis.facts, devices)
     compute = other_s + sum(per_group.values())
     time, gathered, reduced = np.zeros(1), np.zeros(1), np.zeros(1, dtype=bool)
@@ -166,14 +162,15 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
 
 
 def peak_floor_bytes(analysis: Analysis, options: Mapping[str, list[str]],
-                     regions: Mapping[str, list[RegionCost]], *, devices: Devices,
-                     optimizer: str, scale: float = 1.0) -> np.ndarray:
+                     regions: Mapping[str, list[RegionCost]], setting: StepSetting, *,
+                     scale: float = 1.0) -> np.ndarray:
     """A lower bound on the predicted peak of every combination (flat, as
     :func:`step_time_bounds`), the larger of two moments of a steady-state step: the optimizer
     step, where every group holds its local parameter and, when trainable, its local gradient
     and optimizer state; and the turn from forward to backward, where every group holds its
     local parameter and optimizer state and every region what its policy keeps (``scale``: the
     planned over the profiled batch)."""
+    devices = setting.devices
     at_step, at_turn = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     for name, strategies in options.items():
         step_row, turn_row = [], []
@@ -183,7 +180,7 @@ def peak_floor_bytes(analysis: Analysis, options: Mapping[str, list[str]],
                                                               devices.ranks_per_node),
                                       state.row)
             local = local_numel * state.element_size
-            state_bytes = optimizer_state_bytes(local_numel, optimizer=optimizer)
+            state_bytes = optimizer_state_bytes(local_numel, optimizer=setting.optimizer)
             step_row.append(local + (local + state_bytes if state.trainable else 0))
             turn_row.append(local + (state_bytes if state.trainable else 0))
         at_step = np.add.outer(at_step, np.asarray(step_row, dtype=np.int64)).reshape(-1)
@@ -207,18 +204,17 @@ def _unravel(flat: int, shape: list[int]) -> list[int]:
 
 def exhaustive_search(
     analysis: Analysis, options: Mapping[str, list[str]],
-    regions: Mapping[str, list[RegionCost]], *, devices: Devices, optimizer: str,
-    batch_size: int, grad_accumulation: int, schedule: Schedule, target_bytes: int,
+    regions: Mapping[str, list[RegionCost]], setting: StepSetting, *, target_bytes: int,
 ) -> Found | None:
-    """The (strategies, recomputed regions) with the least predicted step time at ``batch_size``
-    whose predicted peak fits ``target_bytes``, over every combination of ``options`` (per group)
-    and the ``regions``' policies; None when none fits. Ties: the earliest combination in the
-    order of the rows and options."""
-    scale = batch_size / analysis.batch_size
-    bounds = step_time_bounds(analysis, options, regions, devices=devices, optimizer=optimizer,
-                              schedule=schedule, scale=scale)
-    floors = peak_floor_bytes(analysis, options, regions, devices=devices, optimizer=optimizer,
-                              scale=scale)
+    """The (strategies, recomputed regions) with the least predicted step time in a step as
+    ``setting`` says (at its batch size; None: the planned one) whose predicted peak fits
+    ``target_bytes``, over every combination of ``options`` (per group) and the ``regions``'
+    policies; None when none fits. Ties: the earliest combination in the order of the rows and
+    options."""
+    batch_size = setting.batch_size or analysis.plan_batch
+    scale = analysis.batch_scale(batch_size)
+    bounds = step_time_bounds(analysis, options, regions, setting, scale=scale)
+    floors = peak_floor_bytes(analysis, options, regions, setting, scale=scale)
     names, region_names = list(options), list(regions)
     order = np.argsort(bounds, kind="stable")
     order = order[floors[order] <= target_bytes]
@@ -231,18 +227,17 @@ def exhaustive_search(
         strategies = {n: options[n][j] for n, j in zip(names, choice)}
         recompute = {r: regions[r][j].policy
                      for r, j in zip(region_names, choice[len(names):]) if j}
-        step, _ = plan_step(analysis, strategies, recompute, devices=devices,
-                            optimizer=optimizer, schedule=schedule)
-        seconds = step.compute_s * scale + step.comm_s + step.optim_s
+        seconds = plan_step_s(analysis, strategies, recompute, setting.at_batch(batch_size))
         assert seconds >= bounds[flat] - 1e-9 * abs(seconds), (
             "the exact search's lower bound exceeds the step time it bounds",
             strategies, recompute, seconds, bounds[flat])
         if best is not None and seconds >= best[0]:
             continue
         peak = predict_peak_bytes(
-            analysis.captured.gm, param_states(analysis, strategies), analysis.facts, devices=devices, schedule=schedule,
-            optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch_size,
-            seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
+            analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
+            devices=setting.devices, schedule=setting.schedule, optimizer=setting.optimizer,
+            profiled_batch=analysis.batch_size, batch_size=batch_size,
+            seq_scale=analysis.seq_scale(), grad_accumulation=setting.grad_accumulation,
             recompute=recompute)
         if peak <= target_bytes:
             best = (seconds, Found(strategies, recompute))

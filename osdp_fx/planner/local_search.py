@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from ..core.buckets import Schedule
-from ..core.devices import Devices
+from ..core.setting import StepSetting
 from ..core.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP, searched_strategies
 from ..cost_models.memory import persistent_bytes
 from .analysis import Analysis, param_state, param_states
@@ -80,8 +80,8 @@ def improve(
 
 
 def refine(
-    ranked: Sequence[Ranked], *, analysis: Analysis, devices: Devices,
-    optimizer: str, schedules: Sequence[Schedule], fits: Callable[[Schedule, Found], bool],
+    ranked: Sequence[Ranked], *, analysis: Analysis, setting: StepSetting,
+    schedules: Sequence[Schedule], fits: Callable[[Schedule, Found], bool],
     step_s: Callable[[Schedule, Found], float],
 ) -> list[Ranked]:
     """``ranked`` (fastest first, from the exact search) with, before
@@ -89,6 +89,7 @@ def refine(
     ``schedules`` (each distinct plan of collectives judged once), fastest first, and the fastest
     plan of all as :func:`improve` leaves it. ``fits``, ``step_s``: the timeline's peak against
     the target and the step model's seconds, under a schedule."""
+    devices = setting.devices
     if devices.world_size < 2:
         return list(ranked)
     uniform, seen = [], set()
@@ -109,7 +110,7 @@ def refine(
     plan, recompute = ranked[0].found.strategies, ranked[0].found.recompute
     sizes = {n: param_state(analysis, n, REPLICATE) for n in largest_groups(analysis)}
     options = {n: {s: persistent_bytes(st.numel, element_size=st.element_size, strategy=s,
-                                       world_size=devices.world_size, optimizer=optimizer,
+                                       world_size=devices.world_size, optimizer=setting.optimizer,
                                        ranks_per_node=devices.ranks_per_node, row=st.row)
                    for s in searched_strategies(devices.num_nodes)} for n, st in sizes.items()}
 

@@ -1,16 +1,19 @@
-"""Planning: profile a captured model, predict what a plan costs, and search for the best plan.
+"""Planning: the one entry that ``compile_osdp`` and ``python -m osdp_fx plan`` call.
 
-``compile_osdp`` and ``python -m osdp_fx plan`` both go through here:
+:func:`plan_model` takes the captured model, the user's ``plan=`` (parsed once,
+``plan/request.py``), what a step is (:class:`~osdp_fx.core.setting.StepSetting`) and what the
+search may vary (:class:`SearchOptions`), and returns the plan in force with its predictions:
 
 1. :func:`analyze` profiles the normalised graph, cast first to the compute precision when
-   there is one (``profile_graph_pass``; on the meta device or under ``fake=True`` without
-   running it), and derives its storage and gradient facts; it profiles again only after the
-   search splits a linear;
-2. :func:`predict` attaches to a Plan the step time and the peak memory per rank that the cost
-   models predict (``cost_models.step``, ``cost_models.timeline``);
-3. the searches of ``planner/search.py`` choose the splits, the batch size, and per parameter group a
-   strategy (with the recomputed regions and the schedule) that minimises the predicted step
-   time under a memory limit.
+   there is one (``CastParams``; on the meta device or under ``fake=True`` without running
+   it), and derives its storage and gradient facts; it profiles again only after the search
+   splits a linear;
+2. a named plan (a strategy, a Plan, a plan file) is resolved against the model
+   (:func:`resolve_named`), or the searches of ``planner/search.py`` choose the splits, the
+   batch size, and per parameter group a strategy (with the recomputed regions and the
+   schedule) that minimises the predicted step time under the memory limit;
+3. :func:`predict` attaches to the Plan the step time and the peak memory per rank that the
+   cost models predict (``cost_models.step``, ``cost_models.timeline``).
 
 ``planner/analysis.py`` holds :class:`Analysis` and :func:`analyze`; this module composes them.
 """
@@ -20,70 +23,61 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 from ..core.buckets import LARGE_GATHER_BUCKET_BYTES, Schedule
-from ..core.devices import Devices
-from ..core.precision import MixedPrecision, dtype_name
+from ..core.precision import dtype_name
+from ..core.setting import StepSetting
 from ..core.strategies import traits
 from ..cost_models.recompute import recomputed_params, region_rows, region_spans
 from ..cost_models.shapes import peak_in_seq, sequence_points
-from ..cost_models.step import regathered_params
 from ..cost_models.timeline import (
     MemoryPrediction,
     predict_memory_lines,
     predict_step_memory,
 )
 from ..passes.capture import Captured
-from ..passes.manager import run_passes
-from ..passes.precision import cast_params_pass
+from ..passes.pipeline import run_pipeline
+from ..passes.precision import CastParams
 from ..passes.split_linear import apply_splits, weight_splits
-from ..plan.plan import DEFAULT_PREFETCH, Plan, Prediction, check_prefetch
-from ..plan.request import PlanRequest, build_plan, resolve_plan
-from .analysis import (  # noqa: F401  (re-exported: the planner's vocabulary)
-    Analysis,
-    analyze,
-    check_grad_accumulation,
-    check_optimizer,
-    param_specs,
-    param_states,
-    plan_step,
-    plannable_bytes,
-)
-from .search import (  # noqa: F401  (re-exported)
+from ..plan.plan import Plan, Prediction
+from ..plan.request import PlanRequest, PlanSpec, build_plan, resolve_plan
+from .analysis import Analysis, analyze, param_specs, param_states, plan_step, plan_step_s
+from .search import (
     block_gather_bytes,
     choose_splits,
     plan_peak_bytes,
     search_batch_size,
-    search_plan,
     search_schedules,
-    search_strategies,
 )
 from .search_margin import search_beyond_margin
 
 log = logging.getLogger(__name__)
 
-@dataclasses.dataclass(frozen=True)
-class PlanOptions:
-    """What the planner is asked besides the plan itself, checked once when built (the meaning
-    of each is that of ``compile_osdp``'s argument of the same name)."""
+Decide = Callable[[Callable[[], Any]], Any]
+"""Runs a searched choice and gives it to every rank (``compile_osdp``'s runs it on rank 0
+alone and broadcasts the result, or its error); planning in one process just calls it."""
 
-    optimizer: str = "adamw"
-    """The optimizer kind the memory and time predictions assume."""
+
+def _here(choose: Callable[[], Any]) -> Any:
+    return choose()
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """What the planner may vary or how it profiles, besides the step itself (the meaning of
+    each is that of ``compile_osdp``'s argument of the same name)."""
+
     batch_sizes: tuple[int, ...] | None = None
     """Candidate per-rank batch sizes for the search; None: the example's."""
     split: bool = True
     """Whether the search may split large linears into sub-linears."""
     recompute: bool = True
     """Whether the search may recompute regions in backward."""
-    prefetch: int | None = None
-    """Sharded parameters gathered ahead; None: the plan's, else ``DEFAULT_PREFETCH``."""
-    precision: MixedPrecision | None = None
-    """Mixed precision the graph is cast for before it is profiled."""
-    grad_accumulation: int = 1
-    """Micro-batches per optimizer step (all but the last inside ``no_sync()``)."""
+    vary_prefetch: bool = True
+    """Whether the search may choose the prefetch distance; False: the user fixed it
+    (``StepSetting.schedule.prefetch``), and a named plan takes it too."""
     candidates: int = 1
     """How many plans to return for autotuning: the plan in force, then the alternatives."""
     max_shape: tuple[int, int | None] | None = None
@@ -91,21 +85,11 @@ class PlanOptions:
     fake: bool = False
     """Profile under fake tensors (FLOPs and bytes only) instead of running the graph."""
 
-    def __post_init__(self) -> None:
-        check_optimizer(self.optimizer)
-        check_grad_accumulation(self.grad_accumulation)
-        if self.prefetch is not None:
-            check_prefetch(self.prefetch)
-
-    @property
-    def prefetch_or_default(self) -> int:
-        return DEFAULT_PREFETCH if self.prefetch is None else self.prefetch
-
 
 @dataclasses.dataclass(frozen=True)
 class Planned:
     """What planning a model returns: the plan in force, the alternatives autotuning may
-    measure (``PlanOptions.candidates`` > 1), and the analysis they were predicted from (for
+    measure (``SearchOptions.candidates`` > 1), and the analysis they were predicted from (for
     predicting other plans of the same model, as ``python -m osdp_fx plan`` compares)."""
 
     plan: Plan
@@ -113,96 +97,69 @@ class Planned:
     analysis: Analysis
 
 
-def resolve_named(captured: Captured, request: PlanRequest, *, world_size: int,
-                  ranks_per_node: int | None, memory_limit_bytes: int | None) -> Plan:
-    """A named plan (a strategy name, a Plan, a plan file) resolved against the captured model,
-    its splits applied to the graph: a plan that does not fit the model fails here."""
-    apply_splits(captured, request.splits)
-    plan = resolve_plan(request, param_specs(captured), world_size=world_size,
-                        ranks_per_node=ranks_per_node, memory_limit_bytes=memory_limit_bytes)
-    return dataclasses.replace(plan, splits=tuple(sorted(weight_splits(captured).items())))
+def plan_model(captured: Captured, example_inputs: tuple[Any, ...], plan: PlanSpec,
+               setting: StepSetting, options: SearchOptions = SearchOptions(), *,
+               decide: Decide = _here) -> Planned:
+    """The plan of ``plan`` (the user's ``plan=``, or its :class:`PlanRequest`) for the captured
+    model in a step as ``setting`` says, predicted.
 
-
-def make_plan(captured: Captured, example_inputs: tuple[Any, ...], **kwargs: Any) -> Plan:
-    """Profile the model and return the plan in force with its predictions (the arguments of
-    :func:`make_planned`)."""
-    return make_planned(captured, example_inputs, **kwargs).plan
-
-
-def make_planned(
-    captured: Captured,
-    example_inputs: tuple[Any, ...],
-    *,
-    plan: str | os.PathLike[str] | Plan | PlanRequest | None,
-    devices: Devices,
-    memory_limit_bytes: int | None,
-    decide: Callable[[Callable[[], Any]], Any] = lambda choose: choose(),
-    **options: Any,
-) -> Planned:
-    """:func:`plan_model` of ``plan`` (None: search; a strategy name, a Plan, a plan file:
-    resolved by :func:`resolve_named`), the other ``options`` the fields of
-    :class:`PlanOptions`."""
-    request = PlanRequest.parse(plan)
-    named = None if request.kind == "search" else resolve_named(
-        captured, request, world_size=devices.world_size, ranks_per_node=devices.ranks_per_node,
-        memory_limit_bytes=memory_limit_bytes)
-    return plan_model(captured, example_inputs, named=named,
-                      uniform=request.kind == "uniform", devices=devices,
-                      options=PlanOptions(**options), decide=decide)
-
-
-def plan_model(captured: Captured, example_inputs: tuple[Any, ...], *, named: Plan | None,
-               uniform: bool = False, devices: Devices, options: PlanOptions,
-               decide: Callable[[Callable[[], Any]], Any] = lambda choose: choose()) -> Planned:
-    """Profile the model, then predict ``named`` (a plan resolved by :func:`resolve_named`;
-    ``uniform``: named by a strategy, so it takes :func:`uniform_schedule`'s schedule) or,
-    when None, search under ``devices.memory_bytes``: first which linears to split into how
-    many parts (``options.split``, world size > 1; the graph is split in place), then a
-    strategy per parameter group with the recomputed regions and the schedule
-    (``search_schedules``), jointly over ``options.batch_sizes`` when given. ``decide`` runs
-    each searched choice and gives it to every rank (compile_osdp's runs it on rank 0 alone and
-    broadcasts the result, or its error).
-    Memory is predicted for steps of ``options.grad_accumulation`` micro-batches and at
+    A named plan (a strategy name, a Plan, a plan file) is resolved against the model first
+    (:func:`resolve_named`: one that does not fit the model fails before anything is profiled);
+    a strategy name takes :func:`uniform_schedule`'s schedule. ``plan`` None: search under
+    ``setting.devices.memory_bytes``, first which linears to split into how many parts
+    (``options.split``, world size > 1; the graph is split in place), then a strategy per
+    parameter group with the recomputed regions and the schedule (``search_schedules``), jointly
+    over ``options.batch_sizes`` when given. ``decide`` runs each searched choice. Memory is
+    predicted for steps of ``setting.grad_accumulation`` micro-batches and at
     ``options.max_shape`` ([Note: input shapes])."""
-    analysis = _profile(captured, example_inputs, search=named is None, devices=devices,
-                        options=options, decide=decide)
-    found = (_search(analysis, devices=devices, options=options, decide=decide) if named is None
-             else _Searched(_named(analysis, named, uniform=uniform, devices=devices,
-                                   options=options, decide=decide)))
+    request = PlanRequest.parse(plan)
+    named = None if request.kind == "search" else resolve_named(captured, request, setting)
+    analysis = _profile(captured, example_inputs, setting, options, search=named is None,
+                        decide=decide)
+    if named is None:
+        found = _search(analysis, setting, options, decide=decide)
+    else:
+        found = _Searched(_named(analysis, named, setting, options,
+                                 uniform=request.kind == "uniform", decide=decide))
     resolved = found.plan
-    if options.precision is not None:
+    if setting.precision is not None:
         resolved = dataclasses.replace(
-            resolved, param_dtype=dtype_name(options.precision.param_dtype),
-            reduce_dtype=dtype_name(options.precision.reduce_dtype))
-    how = dict(devices=devices, optimizer=options.optimizer,
-               grad_accumulation=options.grad_accumulation)
-    planned = predict(analysis, resolved, batch_size=found.batch_size, **how)
-    others = tuple(predict(analysis, with_schedule(
-        resolved, alt.schedule, recompute=tuple(alt.found.recompute.items()), params=tuple(
-            dataclasses.replace(p, strategy=alt.found.strategies[p.name])
-            for p in resolved.params)), **how)
+            resolved, param_dtype=dtype_name(setting.precision.param_dtype),
+            reduce_dtype=dtype_name(setting.precision.reduce_dtype))
+    planned = predict(analysis, resolved, setting.at_batch(found.batch_size))
+    others = tuple(predict(analysis, dataclasses.replace(
+        resolved, schedule=alt.schedule, recompute=tuple(alt.found.recompute.items()),
+        params=tuple(dataclasses.replace(p, strategy=alt.found.strategies[p.name])
+                     for p in resolved.params)), setting.at_batch(None))
         for alt in found.alternatives)
     return Planned(planned, others, analysis)
 
 
-def _profile(captured: Captured, example_inputs: tuple[Any, ...], *, search: bool,
-             devices: Devices, options: PlanOptions, decide: Callable[[Callable[[], Any]], Any]) -> Analysis:
+def resolve_named(captured: Captured, request: PlanRequest, setting: StepSetting) -> Plan:
+    """A named plan (a strategy name, a Plan, a plan file) resolved against the captured model
+    and ``setting``'s world, its splits applied to the graph: a plan that does not fit the
+    model fails here."""
+    apply_splits(captured, request.splits)
+    devices = setting.devices
+    plan = resolve_plan(request, param_specs(captured), world_size=devices.world_size,
+                        ranks_per_node=devices.ranks_per_node,
+                        memory_limit_bytes=devices.memory_bytes)
+    return dataclasses.replace(plan, splits=tuple(sorted(weight_splits(captured).items())))
+
+
+def _profile(captured: Captured, example_inputs: tuple[Any, ...], setting: StepSetting,
+             options: SearchOptions, *, search: bool, decide: Decide) -> Analysis:
     """The analysis of the captured graph cast to the compute precision (the profile measures
     what a step computes), after the splits searched on it; profiled again only when the
     search splits a linear."""
-    precision = options.precision
+    precision = setting.precision
     if precision is not None:
-        run_passes(captured.gm, [("cast_params",
-                                  lambda g: cast_params_pass(g, precision.param_dtype))])
+        run_pipeline(captured.gm, [CastParams(precision.param_dtype)])
     profile = functools.partial(analyze, captured, example_inputs, fake=options.fake,
                                 max_shape=options.max_shape, precision=precision)
     analysis = profile()
-    if search and options.split and devices.world_size > 1:
-        assert devices.memory_bytes is not None
-        chosen = decide(lambda: choose_splits(
-            analysis, devices=devices, memory_limit_bytes=devices.memory_bytes,
-            optimizer=options.optimizer, prefetch=options.prefetch_or_default,
-            grad_accumulation=options.grad_accumulation))
+    if search and options.split and setting.devices.world_size > 1:
+        chosen = decide(lambda: choose_splits(analysis, setting, setting.memory_limit_bytes))
         if chosen:
             apply_splits(captured, chosen)
             analysis = profile()
@@ -219,60 +176,58 @@ class _Searched:
     alternatives: tuple[Any, ...] = ()
 
 
-def _search(analysis: Analysis, *, devices: Devices, options: PlanOptions,
-            decide: Callable[[Callable[[], Any]], Any]) -> _Searched:
+def _search(analysis: Analysis, setting: StepSetting, options: SearchOptions, *,
+            decide: Decide) -> _Searched:
     """The searched plan, unpredicted."""
-    assert devices.memory_bytes is not None, "devices_for fills the memory limit"
-    limit, acc = devices.memory_bytes, options.grad_accumulation
+    limit = setting.memory_limit_bytes
     alternatives: list[Any] = []
     batch = None
     if options.batch_sizes:
-        chosen = decide(lambda: search_batch_size(
-            analysis, list(options.batch_sizes), devices=devices, memory_limit_bytes=limit,
-            optimizer=options.optimizer, prefetch=options.prefetch_or_default,
-            grad_accumulation=acc))
+        chosen = decide(lambda: search_batch_size(analysis, list(options.batch_sizes), setting,
+                                                  limit))
         batch, strategies = chosen.batch_size, chosen.strategies
-        schedule, recompute = Schedule(options.prefetch_or_default), {}
+        schedule, recompute = setting.schedule, {}
     else:
-        how = dict(devices=devices, optimizer=options.optimizer, prefetch=options.prefetch,
-                   grad_accumulation=acc, recompute=options.recompute)
         k = options.candidates
-        found = decide(lambda: search_schedules(analysis, memory_limit_bytes=limit,
-                                       alternatives=k > 1, **how))
+        how = dict(vary_prefetch=options.vary_prefetch, recompute=options.recompute)
+        found = decide(lambda: search_schedules(analysis, setting, limit, alternatives=k > 1,
+                                                **how))
         schedule, alternatives = found[0].schedule, found[1:k]
         strategies, recompute = found[0].found.strategies, found[0].found.recompute
         if k > 1:  # autotuning measures these before it trusts them
             alternatives += decide(lambda: search_beyond_margin(
-                analysis, memory_limit_bytes=limit, faster_than_s=found[0].step_s, **how))[:k]
-    captured = analysis.captured
+                analysis, setting, limit, faster_than_s=found[0].step_s, **how))[:k]
+    captured, devices = analysis.captured, setting.devices
     plan = build_plan(strategies, param_specs(captured), world_size=devices.world_size,
                       memory_limit_bytes=limit, source="search",
-                      splits=weight_splits(captured),
-                      schedule=schedule, ranks_per_node=devices.ranks_per_node,
-                      recompute=recompute)
+                      splits=weight_splits(captured), schedule=schedule,
+                      ranks_per_node=devices.ranks_per_node, recompute=recompute)
     return _Searched(plan, batch, tuple(alternatives))
 
 
-def _named(analysis: Analysis, plan: Plan, *, uniform: bool, devices: Devices,
-           options: PlanOptions, decide: Callable[[Callable[[], Any]], Any]) -> Plan:
-    """A named plan with the options' prefetch, and, for a strategy name (``uniform``), the
-    schedule of :func:`uniform_schedule`."""
-    if options.prefetch is not None:
-        plan = dataclasses.replace(plan, prefetch=options.prefetch)
+def _named(analysis: Analysis, plan: Plan, setting: StepSetting, options: SearchOptions, *,
+           uniform: bool, decide: Decide) -> Plan:
+    """A named plan with the prefetch distance the user fixed, and, for a strategy name
+    (``uniform``), the schedule of :func:`uniform_schedule`."""
+    if not options.vary_prefetch:
+        plan = dataclasses.replace(plan, schedule=dataclasses.replace(
+            plan.schedule, prefetch=setting.schedule.prefetch))
     if uniform:
-        plan = with_schedule(plan, decide(lambda: uniform_schedule(
-            analysis, plan, devices=devices, optimizer=options.optimizer,
-            grad_accumulation=options.grad_accumulation)))
+        plan = dataclasses.replace(plan, schedule=decide(
+            lambda: uniform_schedule(analysis, plan, setting)))
     return plan
 
 
-def with_schedule(plan: Plan, schedule: Schedule, **changes: Any) -> Plan:
-    """``plan`` under ``schedule`` (and any other ``changes`` of its fields)."""
-    return dataclasses.replace(plan, **dataclasses.asdict(schedule), **changes)
+def uniform_plan(analysis: Analysis, strategy: str, setting: StepSetting) -> Plan:
+    """Every parameter group under ``strategy``, with :func:`uniform_schedule`'s schedule:
+    what a plan named by a strategy runs (unpredicted)."""
+    devices = setting.devices
+    plan = resolve_plan(strategy, param_specs(analysis.captured), world_size=devices.world_size,
+                        ranks_per_node=devices.ranks_per_node)
+    return dataclasses.replace(plan, schedule=uniform_schedule(analysis, plan, setting))
 
 
-def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
-                     grad_accumulation: int = 1) -> Schedule:
+def uniform_schedule(analysis: Analysis, plan: Plan, setting: StepSetting) -> Schedule:
     """The schedule of a plan named by a strategy ("full_shard"): where the model has repeated
     blocks (transformer layers: recomputable regions), FSDP2's, which ``fully_shard`` on each
     block gives: one all-gather per block (a gather bucket of the most bytes one block gathers,
@@ -297,7 +252,7 @@ def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimi
     if not any(traits(s.strategy).sharded and not traits(s.strategy).needs_mesh
                for s in states.values()):
         return default  # nothing is bucketed (the mesh strategies never are)
-    block = block_gather_bytes(analysis, devices.world_size)
+    block = block_gather_bytes(analysis, setting.devices.world_size)
     if block is not None:
         return dataclasses.replace(default,
                                    gather_bucket_bytes=max(block, LARGE_GATHER_BUCKET_BYTES),
@@ -305,9 +260,8 @@ def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimi
     recompute = dict(plan.recompute)
 
     def peak(schedule: Schedule) -> int:
-        return _memory(analysis, states, recompute, schedule, devices=devices,
-                       optimizer=optimizer, batch=analysis.plan_batch,
-                       grad_accumulation=grad_accumulation).peak_bytes
+        return _memory(analysis, states, recompute,
+                       setting.with_schedule(schedule).at_batch(None)).peak_bytes
 
     larger = dataclasses.replace(default, gather_bucket_bytes=LARGE_GATHER_BUCKET_BYTES)
     if LARGE_GATHER_BUCKET_BYTES > default.gather_bucket_bytes and (
@@ -317,80 +271,76 @@ def uniform_schedule(analysis: Analysis, plan: Plan, *, devices: Devices, optimi
 
 
 def _memory(analysis: Analysis, states: dict[str, Any], recompute: dict[str, str],
-            schedule: Schedule, *, devices: Devices, optimizer: str, batch: int,
-            grad_accumulation: int, seq: int | None = None) -> MemoryPrediction:
-    """The predicted memory of a step under ``states`` and ``schedule`` at ``batch`` per rank
-    (and sequence length ``seq``: None, the profiled one)."""
+            setting: StepSetting, seq: int | None = None) -> MemoryPrediction:
+    """The predicted memory of a step as ``setting`` says (its batch per rank: None, the
+    planned one) under ``states``, at sequence length ``seq`` (None: the planned one)."""
     return predict_step_memory(
-        analysis.captured.gm, states, analysis.facts, devices=devices, schedule=schedule,
-        optimizer=optimizer, profiled_batch=analysis.batch_size, batch_size=batch,
-        grad_accumulation=grad_accumulation, recompute=recompute,
+        analysis.captured.gm, states, analysis.facts, devices=setting.devices,
+        schedule=setting.schedule, optimizer=setting.optimizer,
+        profiled_batch=analysis.batch_size, batch_size=setting.batch_size or analysis.plan_batch,
+        grad_accumulation=setting.grad_accumulation, recompute=recompute,
         seq_scale=analysis.seq_scale(seq))
 
 
-def predict_totals(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
-                   batch_size: int | None = None, grad_accumulation: int = 1) -> tuple[float, int]:
-    """(step seconds, peak bytes per rank) of ``plan`` at ``batch_size`` per rank (default:
-    the planned one), as :func:`predict` reports them, without the rest of its prediction:
-    what a comparison row shows. Both come from the analysis's predictions of candidate plans
-    (``plan_step``, ``plan_peak_bytes``), which the search may have made already."""
-    batch = batch_size or analysis.plan_batch
+def predict_totals(analysis: Analysis, plan: Plan, setting: StepSetting) -> tuple[float, int]:
+    """(step seconds, peak bytes per rank) of ``plan`` in a step as ``setting`` says (its
+    schedule is the plan's), as :func:`predict` reports them, without the rest of its
+    prediction: what a comparison row shows. Both come from the analysis's predictions of
+    candidate plans (``plan_step``, ``plan_peak_bytes``), which the search may have made
+    already."""
+    setting = setting.with_schedule(plan.schedule)
     strategies = {p.name: p.strategy for p in plan.params}
     recompute = dict(plan.recompute)
-    step, _ = plan_step(analysis, strategies, recompute, devices=devices, optimizer=optimizer,
-                        schedule=plan.schedule)
-    peak = plan_peak_bytes(analysis, strategies, recompute, devices=devices,
-                           optimizer=optimizer, batch_size=batch,
-                           grad_accumulation=grad_accumulation, schedule=plan.schedule)
-    return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s, peak
+    return (plan_step_s(analysis, strategies, recompute, setting),
+            plan_peak_bytes(analysis, strategies, recompute, setting))
 
 
-def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
-            batch_size: int | None = None, grad_accumulation: int = 1) -> Plan:
-    """``plan`` with the predicted step time, peak memory and per-group costs attached, at
-    ``batch_size`` per rank (default: the profiled batch size); the memory of steps of
-    ``grad_accumulation`` micro-batches (all but the last inside ``no_sync()``), and the peak as
-    a function of batch size and sequence length. The step time stays that of one synchronised
-    micro-batch and optimizer step. A plan only compared at one shape needs
-    :func:`predict_totals`."""
-    batch = batch_size or analysis.plan_batch
+def predict(analysis: Analysis, plan: Plan, setting: StepSetting) -> Plan:
+    """``plan`` with the predicted step time, peak memory and per-group costs attached, in a
+    step as ``setting`` says (its batch per rank: None, the planned one; steps of its
+    ``grad_accumulation`` micro-batches, all but the last inside ``no_sync()``; the plan's own
+    schedule), and the peak as a function of batch size and sequence length. The step time
+    stays that of one synchronised micro-batch and optimizer step. A plan only compared at one
+    shape needs :func:`predict_totals`."""
+    setting = setting.with_schedule(plan.schedule).at_batch(
+        setting.batch_size or analysis.plan_batch)
+    batch = setting.batch_size
     strategies = {p.name: p.strategy for p in plan.params}
     states = param_states(analysis, strategies)
     recompute = dict(plan.recompute)
-    step, costs = plan_step(analysis, strategies, recompute, devices=devices,
-                            optimizer=optimizer, schedule=plan.schedule)
-    def memory_at(batch: int, seq: int | None) -> MemoryPrediction:
-        return _memory(analysis, states, recompute, plan.schedule, devices=devices,
-                       optimizer=optimizer, batch=batch, grad_accumulation=grad_accumulation,
-                       seq=seq)
+    step, costs = plan_step(analysis, strategies, recompute, setting)
 
-    memory = memory_at(batch, None)
+    def memory_at(seq: int | None) -> MemoryPrediction:
+        return _memory(analysis, states, recompute, setting, seq)
+
+    memory = memory_at(None)
     lines, shape_expr = None, None
     if analysis.seq_numels is not None and analysis.seq_len is not None:
         seq = analysis.plan_seq or analysis.seq_len
         found = peak_in_seq(
             lambda s: predict_memory_lines(
-                analysis.captured.gm, states, analysis.facts, devices=devices,
-                schedule=plan.schedule, optimizer=optimizer, grad_accumulation=grad_accumulation,
-                recompute=recompute, seq_scale=analysis.seq_scale(s)),
+                analysis.captured.gm, states, analysis.facts, devices=setting.devices,
+                schedule=plan.schedule, optimizer=setting.optimizer,
+                grad_accumulation=setting.grad_accumulation, recompute=recompute,
+                seq_scale=analysis.seq_scale(s)),
             sequence_points(analysis.seq_len),
             analysis.batch_size, [(b, s) for b in (1, batch, 4 * batch, 1024 * batch)
                                   for s in (2, analysis.seq_len, seq, 4 * seq, 1024 * seq)])
         lines, shape_expr = found or (None, None)
-    compute_s = step.compute_s * batch / analysis.batch_size
+    scale = analysis.batch_scale(batch)
     prediction = Prediction(
-        step_time_s=compute_s + step.comm_s + step.optim_s, compute_s=compute_s,
+        step_time_s=step.at_scale(scale), compute_s=step.compute_s * scale,
         comm_s=step.comm_s, optim_s=step.optim_s, peak_memory_bytes=memory.peak_bytes,
-        peak_at=memory.peak_at, optimizer=optimizer, batch_size=batch,
+        peak_at=memory.peak_at, optimizer=setting.optimizer, batch_size=batch,
         step_time_expr=step.step_time_expr, peak_memory_expr=memory.peak_bytes_expr,
         peak_memory_shape_expr=shape_expr, seq_len=analysis.plan_seq if lines else None,
         peak_lines=lines, profiled_shape=(analysis.batch_size, analysis.seq_len),
         first_step_peak_bytes=memory.first_step_peak_bytes,
         peak_by_category=memory.peak_by_category, memory_timeline=memory.timeline,
-        grad_accumulation=grad_accumulation, regions=region_rows(
-            analysis.facts, devices, recompute, batch / analysis.batch_size),
+        grad_accumulation=setting.grad_accumulation, regions=region_rows(
+            analysis.facts, setting.devices, recompute, scale),
     )
-    regathered = regathered_params(analysis.facts) | recomputed_params(
+    regathered = analysis.regathered | recomputed_params(
         analysis.facts, region_spans(analysis.facts, recompute))
     params = tuple(
         dataclasses.replace(p, compute_s=costs[p.name].compute_s, comm_s=costs[p.name].comm_s,
@@ -398,5 +348,3 @@ def predict(analysis: Analysis, plan: Plan, *, devices: Devices, optimizer: str,
         for p in plan.params
     )
     return dataclasses.replace(plan, params=params, prediction=prediction)
-
-

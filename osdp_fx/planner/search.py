@@ -18,13 +18,8 @@ from typing import Any
 
 from torch import fx
 
-from ..core.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_SCHEDULE,
-    Schedule,
-    candidate_schedules,
-)
-from ..core.devices import Devices
+from ..core.buckets import DEFAULT_BUCKET_BYTES, Schedule, candidate_schedules
+from ..core.setting import StepSetting
 from ..core.layout import row_numel
 from ..core.node_meta import NodeRole, osdp_meta
 from ..core.strategies import (
@@ -36,25 +31,21 @@ from ..core.strategies import (
 )
 from ..cost_models.graph_facts import ParamState
 from ..cost_models.memory import gathered_param_bytes
-from ..cost_models.overlap import gather_windows, hidden_share_s
+from ..cost_models.overlap import GatherWindow, gather_windows, hidden_share_s
 from ..cost_models.recompute import RegionCost, region_costs
-from ..cost_models.step import (
-    GroupCost,
-    group_cost,
-    regathered_params,
-)
-from ..cost_models.timeline import BATCH, predict_peak_bytes
+from ..cost_models.step import GroupCost
+from ..cost_models.timeline import predict_peak_bytes
 from ..errors import InputError, PlanError
 from ..passes.split_linear import SPLIT_FACTORS, linear_sites
-from ..plan.plan import DEFAULT_PREFETCH
 from ..units import format_bytes
 from .analysis import (
     Analysis,
     candidate_key,
     param_state,
     param_states,
-    plan_step,
+    plan_step_s,
     plannable_bytes,
+    search_cost,
 )
 from .exhaustive import EXACT_COMBINATIONS, exhaustive_search, plan_space
 from .local_search import refine
@@ -79,10 +70,20 @@ class _Solved:
     """The exact problem's own (separable) peak of the plan."""
 
 
-def choose_splits(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
-) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class _SplitOption:
+    """One option of a group in :func:`choose_splits`' problem."""
+
+    parts: int
+    """k: the parts the weight is split into (1: not split)."""
+    time_s: float
+    """Communication and optimizer seconds of its parts."""
+    persistent_bytes: int
+    transient_bytes: int
+
+
+def choose_splits(analysis: Analysis, setting: StepSetting,
+                  memory_limit_bytes: int) -> dict[str, int]:
     """Which linear weights to split into how many parts (k in 2, 4, 8).
 
     Every splittable weight gets the options k = 1 (its three strategies) and, for each k, "j of
@@ -92,9 +93,9 @@ def choose_splits(
     same exact solver as the strategy search picks one option per group; the strategies of the
     parts are then searched again on the split graph.
     """
+    devices = setting.devices
     names = list(analysis.captured.params)
     sites = linear_sites(analysis.captured.gm)
-    regathered = regathered_params(analysis.facts)
     # What the timeline's peak holds besides: gloo copies a gradient it reduce-scatters at the
     # launch while the one before may still be in flight (a gradient more), and a replicated
     # gradient is copied into its all-reduce bucket.
@@ -114,11 +115,11 @@ def choose_splits(
     for n in names:
         info = analysis.captured.params[n]
         strategies = searched_strategies(devices.num_nodes)
-        costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
-                            devices=devices, optimizer=optimizer,
-                            grad_accumulation=grad_accumulation) for st in strategies]
-        options = [(1, c.comm_s + c.optim_s, c.persistent_bytes,
-                    transient_of(c, param_state(analysis, n, c.strategy))) for c in costs]
+        costs = [search_cost(analysis, n, param_state(analysis, n, st), setting)
+                 for st in strategies]
+        options = [_SplitOption(1, c.comm_s + c.optim_s, c.persistent_bytes,
+                                transient_of(c, param_state(analysis, n, c.strategy)))
+                   for c in costs]
         site = sites.get(n)
         if site is not None and info.trainable:
             summed = _summed_input_grad_bytes(analysis, site.node)
@@ -126,23 +127,20 @@ def choose_splits(
                 if k > site.out_features:
                     break
                 part = dataclasses.replace(param_state(analysis, n, REPLICATE), numel=info.numel // k)
-                rep, full = (group_cost(dataclasses.replace(part, strategy=st),
-                                        regathered=n in regathered, compute_s=0.0,
-                                        devices=devices, optimizer=optimizer,
-                                        grad_accumulation=grad_accumulation)
+                rep, full = (search_cost(analysis, n, dataclasses.replace(part, strategy=st),
+                                         setting)
                              for st in (REPLICATE, FULL_SHARD))
                 for j in range(k + 1):
-                    options.append((
+                    options.append(_SplitOption(
                         k, j * (full.comm_s + full.optim_s) + (k - j) * (rep.comm_s + rep.optim_s),
                         j * full.persistent_bytes + (k - j) * rep.persistent_bytes,
                         max(transient_of(full, part) if j else 0,
                             transient_of(rep, part) if j < k else 0, summed)))
-        labels.append([o[0] for o in options])
-        times.append([o[1] for o in options])
-        persistent.append([o[2] for o in options])
-        transient.append([o[3] for o in options])
-    peak, _ = _activation_base(analysis, devices=devices, optimizer=optimizer, batch_size=None,
-                               schedule=Schedule(prefetch), grad_accumulation=grad_accumulation)
+        labels.append([o.parts for o in options])
+        times.append([o.time_s for o in options])
+        persistent.append([o.persistent_bytes for o in options])
+        transient.append([o.transient_bytes for o in options])
+    peak, _ = _activation_base(analysis, setting.at_batch(None))
     # the base of these options: the most sharded plan's peak less what they account for
     # (the options of k = 1 come first, in the order of the strategies searched)
     lowest = searched_strategies(devices.num_nodes).index(FULL_SHARD)
@@ -170,24 +168,22 @@ def _summed_input_grad_bytes(analysis: Analysis, linear: fx.Node) -> int:
                default=0)
 
 
-def search_batch_size(
-    analysis: Analysis, batch_sizes: Sequence[int], *, devices: Devices, memory_limit_bytes: int,
-    optimizer: str, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
-) -> BatchChoice:
+def search_batch_size(analysis: Analysis, batch_sizes: Sequence[int], setting: StepSetting,
+                      memory_limit_bytes: int) -> BatchChoice:
     """The per-rank batch size among ``batch_sizes`` and the strategies that maximise predicted
-    samples per second (``b * N / step_time(b)``) within the memory limit."""
+    samples per second (``b * N / step_time(b)``) within the memory limit, under ``setting``'s
+    schedule."""
     best: tuple[float, BatchChoice] | None = None
     for b in sorted(set(batch_sizes)):
         if not isinstance(b, int) or b < 1:
             raise InputError(f"batch_sizes must be positive ints, got {b!r}")
+        at_b = setting.at_batch(b)
         try:
-            strategies = search_strategies(analysis, devices=devices, optimizer=optimizer,
-                                           memory_limit_bytes=memory_limit_bytes, batch_size=b,
-                                           prefetch=prefetch, grad_accumulation=grad_accumulation)
+            strategies = search_strategies(analysis, at_b, memory_limit_bytes)
         except PlanError:
             continue
-        step, _ = plan_step(analysis, strategies, devices=devices, optimizer=optimizer)
-        samples_per_s = b * devices.world_size / float(step.step_time_expr.subs(BATCH, b))
+        step_s = plan_step_s(analysis, strategies, {}, at_b)
+        samples_per_s = b * setting.devices.world_size / step_s
         log.info("batch %d: %.1f samples/s predicted", b, samples_per_s)
         if best is None or samples_per_s > best[0]:
             best = (samples_per_s, BatchChoice(b, strategies))
@@ -199,70 +195,55 @@ def search_batch_size(
     return best[1]
 
 
-def _activation_base(analysis: Analysis, *, devices: Devices, optimizer: str,
-                     batch_size: int | None, grad_accumulation: int = 1,
-                     schedule: Schedule = DEFAULT_SCHEDULE,
+def _activation_base(analysis: Analysis, setting: StepSetting,
                      regions: Mapping[str, list[RegionCost]] | None = None,
                      fixed: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(peak of the most sharded plan, every region in ``regions`` fully recomputed; the
     search's base memory): that peak minus what the search itself accounts for (persistent and
     largest transient bytes), i.e. activations outside the regions."""
-    lowest = {n: FULL_SHARD if devices.world_size > 1 else REPLICATE
+    lowest = {n: FULL_SHARD if setting.devices.world_size > 1 else REPLICATE
               for n in analysis.captured.params} | dict(fixed or {})
     full = {r: opts[-1] for r, opts in (regions or {}).items()}
-    peak = plan_peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()},
-                       devices=devices, optimizer=optimizer, batch_size=batch_size,
-                       grad_accumulation=grad_accumulation, schedule=schedule)
-    regathered = regathered_params(analysis.facts)
-    costs = [group_cost(param_state(analysis, n, st), regathered=n in regathered, compute_s=0.0,
-                        devices=devices, optimizer=optimizer,
-                        grad_accumulation=grad_accumulation) for n, st in lowest.items()]
-    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
+    peak = plan_peak_bytes(analysis, lowest, {r: o.policy for r, o in full.items()}, setting)
+    costs = [search_cost(analysis, n, param_state(analysis, n, st), setting)
+             for n, st in lowest.items()]
+    scale = analysis.batch_scale(setting.batch_size)
     transient = max([c.transient_bytes for c in costs]
                     + [int(o.recomputed_bytes * scale) for o in full.values()], default=0)
     return peak, max(0, peak - sum(c.persistent_bytes for c in costs) - transient
                      - sum(int(o.kept_bytes * scale) for o in full.values()))
 
 
-def search_strategies(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    batch_size: int | None = None, prefetch: int = DEFAULT_PREFETCH, grad_accumulation: int = 1,
-    schedule: Schedule | None = None,
-) -> dict[str, str]:
+def search_strategies(analysis: Analysis, setting: StepSetting,
+                      memory_limit_bytes: int) -> dict[str, str]:
     """The per-group strategies with the least predicted step time whose predicted peak memory
-    (timeline, at ``batch_size``, default the profiled one; of steps of ``grad_accumulation``
-    micro-batches; under ``schedule``, default the default one with ``prefetch``) fits
+    (timeline, of a step as ``setting`` says: its batch size, micro-batches and schedule) fits
     ``memory_limit_bytes``, recomputing nothing. Raises PlanError when none does."""
-    return _search(analysis, {}, devices=devices, memory_limit_bytes=memory_limit_bytes,
-                   optimizer=optimizer, batch_size=batch_size, grad_accumulation=grad_accumulation,
-                   schedule=schedule or Schedule(prefetch)).strategies
+    return _search(analysis, {}, setting, memory_limit_bytes).strategies
 
 
-def search_plan(analysis: Analysis, regions: Mapping[str, list[RegionCost]] | None = None,
-                **kw: Any) -> Found:
+def search_plan(analysis: Analysis, setting: StepSetting, memory_limit_bytes: int,
+                regions: Mapping[str, list[RegionCost]] | None = None, **kw: Any) -> Found:
     """The plan (strategies, recomputed regions) with the least predicted step time that fits
-    (``kw``: those of :func:`_search`): the joint search, which also chooses per region to
+    (``kw``: the options of :func:`_search`): the joint search, which also chooses per region to
     save, recompute selectively or recompute fully (``docs/recomputation.md``), is taken when
     it is predicted faster or when nothing fits without it. ``regions``: the regions' options
     (``region_costs``; computed when not given)."""
     if regions is None:
-        regions = region_costs(analysis.facts, kw["devices"])
+        regions = region_costs(analysis.facts, setting.devices)
     try:
-        alone = _search(analysis, {}, **kw)
+        alone = _search(analysis, {}, setting, memory_limit_bytes, **kw)
     except PlanError:
         if not regions:
             raise
-        return _search(analysis, regions, **kw)
+        return _search(analysis, regions, setting, memory_limit_bytes, **kw)
     try:
-        joint = _search(analysis, regions, **kw) if regions else alone
+        joint = _search(analysis, regions, setting, memory_limit_bytes, **kw) if regions else alone
     except PlanError:
         return alone
 
     def time_s(found: Found) -> float:
-        step, _ = plan_step(analysis, found.strategies, found.recompute,
-                            devices=kw["devices"], optimizer=kw["optimizer"],
-                            schedule=kw.get("schedule", Schedule()))
-        return float(step.step_time_expr.subs(BATCH, kw.get("batch_size") or analysis.plan_batch))
+        return plan_step_s(analysis, found.strategies, found.recompute, setting)
 
     return joint if joint.recompute and time_s(joint) < time_s(alone) else alone
 
@@ -279,27 +260,23 @@ class _Row:
 
 def _problem_rows(
     analysis: Analysis, options: Mapping[str, list[str]],
-    regions: Mapping[str, list[RegionCost]], *, devices: Devices, optimizer: str,
-    batch_size: int | None, grad_accumulation: int, schedule: Schedule,
+    regions: Mapping[str, list[RegionCost]], setting: StepSetting,
     cost_tables: dict[int, dict[str, list[GroupCost]]],
 ) -> list[_Row]:
     """The exact problem's rows: each group's ``options`` (communication and optimizer time
     less what prefetching hides, costs computed once per all-reduce bucket size in
     ``cost_tables``), then each region's policies at the planned batch."""
-    regathered = regathered_params(analysis.facts)
+    schedule = setting.schedule
     table = cost_tables.get(schedule.reduce_bucket_bytes)
     if table is None:
         table = cost_tables[schedule.reduce_bucket_bytes] = {
-            n: [group_cost(param_state(analysis, n, s), regathered=n in regathered,
-                           compute_s=0.0, devices=devices, optimizer=optimizer,
-                           grad_accumulation=grad_accumulation,
-                           reduce_bucket_bytes=schedule.reduce_bucket_bytes)
+            n: [search_cost(analysis, n, param_state(analysis, n, s), setting,
+                            reduce_bucket_bytes=schedule.reduce_bucket_bytes)
                 for s in strategies]
             for n, strategies in options.items()
         }
-    scale = (batch_size or analysis.plan_batch) / analysis.batch_size
-    hidden = _hidden_shares(analysis, options, devices=devices, prefetch=schedule.prefetch,
-                            scale=scale, regathered=regathered)
+    scale = analysis.batch_scale(setting.batch_size)
+    hidden = _hidden_shares(analysis, options, setting, scale=scale)
     rows = [_Row([c.comm_s + c.optim_s - h for c, h in zip(table[n], hidden[n])],
                  [c.persistent_bytes for c in table[n]],
                  [c.transient_bytes for c in table[n]]) for n in options]
@@ -328,36 +305,28 @@ def _tighten(solve: Callable[[int], _Solved | None], target: int,
 
 
 def _search(
-    analysis: Analysis, regions: Mapping[str, list[RegionCost]], *, devices: Devices,
-    memory_limit_bytes: int, optimizer: str, batch_size: int | None = None,
-    grad_accumulation: int = 1, schedule: Schedule = DEFAULT_SCHEDULE,
-    cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None, loosen: bool = True,
-    fixed: Mapping[str, str] | None = None,
+    analysis: Analysis, regions: Mapping[str, list[RegionCost]], setting: StepSetting,
+    memory_limit_bytes: int, *, cost_tables: dict[int, dict[str, list[GroupCost]]] | None = None,
+    loosen: bool = True, fixed: Mapping[str, str] | None = None,
 ) -> Found:
     """One exact search over the parameter groups' strategies (but those ``fixed`` names, which
     keep the strategy it gives) and, as more rows of the same
     problem, the ``regions``' policies (time: the recomputed forward; persistent: what the
-    region keeps to backward; transient: what its recomputation re-creates), under
-    ``schedule`` (its memory charged). ``cost_tables``: the groups' costs by all-reduce bucket
+    region keeps to backward; transient: what its recomputation re-creates), of a step as
+    ``setting`` says (its schedule's memory charged). ``cost_tables``: the groups' costs by all-reduce bucket
     size, filled and reused across the searches of one ``search_schedules``. ``loosen``: also
     try the exact problem at looser limits that the timeline still fits (:func:`_loosen`)."""
+    devices = setting.devices
     names = list(analysis.captured.params)
     sharding_helps = devices.world_size > 1
     options = {n: searched_strategies(devices.num_nodes) if sharding_helps
                else [REPLICATE] for n in names} | {n: [s] for n, s in (fixed or {}).items()}
-    rows = _problem_rows(analysis, options, regions, devices=devices, optimizer=optimizer,
-                         batch_size=batch_size, grad_accumulation=grad_accumulation,
-                         schedule=schedule, cost_tables={} if cost_tables is None else cost_tables)
-    lowest_peak, base = _activation_base(analysis, devices=devices, optimizer=optimizer,
-                                         batch_size=batch_size, schedule=schedule,
-                                         grad_accumulation=grad_accumulation, regions=regions,
-                                         fixed=fixed)
+    rows = _problem_rows(analysis, options, regions, setting,
+                         {} if cost_tables is None else cost_tables)
+    lowest_peak, base = _activation_base(analysis, setting, regions, fixed)
     target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
     if plan_space([len(r.time_s) for r in rows]) <= EXACT_COMBINATIONS:
-        found = exhaustive_search(
-            analysis, options, regions, devices=devices, optimizer=optimizer,
-            batch_size=batch_size or analysis.plan_batch, grad_accumulation=grad_accumulation,
-            schedule=schedule, target_bytes=target)
+        found = exhaustive_search(analysis, options, regions, setting, target_bytes=target)
         if found is not None:
             return found
         raise PlanError(_no_plan_message(memory_limit_bytes, target, lowest_peak, base, regions))
@@ -373,16 +342,14 @@ def _search(
         strategies = {n: options[n][j] for n, j in zip(names, result.choices)}
         recompute = {r: opts[j].policy for (r, opts), j in
                      zip(regions.items(), result.choices[len(names):]) if j}
-        peak = plan_peak_bytes(analysis, strategies, recompute, devices=devices,
-                               optimizer=optimizer, batch_size=batch_size,
-                               grad_accumulation=grad_accumulation, schedule=schedule)
+        peak = plan_peak_bytes(analysis, strategies, recompute, setting)
         return _Solved(Found(strategies, recompute), peak, result.peak_bytes)
 
     fit, limit = _tighten(solve, target, base)
     if fit is not None:
-        found = fit.found if not loosen else _loosen(fit, limit, target, solve, lambda f: plan_step_s(
-            analysis, f, devices=devices, optimizer=optimizer, batch_size=batch_size,
-            schedule=schedule))
+        found = fit.found if not loosen else _loosen(
+            fit, limit, target, solve,
+            lambda f: plan_step_s(analysis, f.strategies, f.recompute, setting))
         counts = ", ".join(f"{n} {s}" for s in STRATEGIES
                            if (n := sum(v == s for v in found.strategies.values())))
         log.info("search: %s, %d regions recomputed, limit %s", counts, len(found.recompute),
@@ -434,45 +401,36 @@ def _loosen(fit: _Solved, limit: int, target: int, solve: Callable[[int], _Solve
     return best
 
 
-def plan_step_s(analysis: Analysis, found: Found, *, devices: Devices, optimizer: str,
-            batch_size: int | None, schedule: Schedule) -> float:
-    """The step model's seconds for a plan at the batch the search plans for."""
-    step, _ = plan_step(analysis, found.strategies, found.recompute, devices=devices,
-                        optimizer=optimizer, schedule=schedule)
-    batch = batch_size or analysis.plan_batch
-    return step.compute_s * batch / analysis.batch_size + step.comm_s + step.optim_s
-
-
-def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str], recompute: Mapping[str, str],
-                *, devices: Devices, optimizer: str, batch_size: int | None,
-                grad_accumulation: int, schedule: Schedule) -> int:
-    """The timeline's predicted peak of one candidate plan, predicted once per analysis
-    (``Analysis.peaks``)."""
-    batch = batch_size or analysis.plan_batch
-    key = candidate_key(analysis, strategies, recompute, schedule) + (
-        devices, optimizer, batch, grad_accumulation)
+def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str],
+                    recompute: Mapping[str, str], setting: StepSetting) -> int:
+    """The timeline's predicted peak of one candidate plan in a step as ``setting`` says,
+    predicted once per analysis (``Analysis.peaks``)."""
+    batch = setting.batch_size or analysis.plan_batch
+    key = candidate_key(analysis, strategies, recompute, setting.schedule) + (
+        setting.devices, setting.optimizer, batch, setting.grad_accumulation)
     peak = analysis.peaks.get(key)
     if peak is None:
         peak = analysis.peaks[key] = predict_peak_bytes(
             analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
-            devices=devices, schedule=schedule, optimizer=optimizer,
+            devices=setting.devices, schedule=setting.schedule, optimizer=setting.optimizer,
             profiled_batch=analysis.batch_size, batch_size=batch,
-            seq_scale=analysis.seq_scale(), grad_accumulation=grad_accumulation,
+            seq_scale=analysis.seq_scale(), grad_accumulation=setting.grad_accumulation,
             recompute=recompute)
     return peak
 
 
-def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], *, devices: Devices,
-                   prefetch: int, scale: float, regathered: set[str]) -> dict[str, list[float]]:
+def _hidden_shares(analysis: Analysis, options: Mapping[str, list[str]], setting: StepSetting,
+                   *, scale: float) -> dict[str, list[float]]:
     """Per group and option, the gather seconds prefetching hides (``overlap.gather_windows``):
     the exact problem then weighs a sharded group's collectives as the step model does, less
     what the computation around it hides, and not at their full time."""
-    windows = gather_windows(analysis.facts, devices, prefetch=prefetch)
+    devices = setting.devices
+    windows = gather_windows(analysis.facts, devices, prefetch=setting.schedule.prefetch)
     out = {}
     for n, opts in options.items():
-        w = windows.get(n, (0.0, 0.0))
-        out[n] = [hidden_share_s(param_state(analysis, n, s), (w[0] * scale, w[1] * scale),
-                                 devices, regathered=n in regathered) for s in opts]
+        w = windows.get(n, GatherWindow())
+        out[n] = [hidden_share_s(param_state(analysis, n, s), w.scaled(scale), devices,
+                                 regathered=n in analysis.regathered) for s in opts]
     return out
 
 
@@ -491,27 +449,32 @@ def _no_plan_message(memory_limit_bytes: int, target: int, lowest_peak: int, bas
 
 
 def search_schedules(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    prefetch: int | None = None, grad_accumulation: int = 1, alternatives: bool = False,
-    recompute: bool = True,
+    analysis: Analysis, setting: StepSetting, memory_limit_bytes: int, *,
+    vary_prefetch: bool = True, alternatives: bool = False, recompute: bool = True,
 ) -> list[Ranked]:
-    """:func:`search_plan` under each ``candidate_schedules(prefetch)`` (``alternatives``:
-    also at 90 and 80 % of the limit): plans that fit, fastest first (``rank_schedules``).
-    ``recompute`` False: no region is offered for recomputation."""
+    """:func:`search_plan` under each of ``candidate_schedules`` (``vary_prefetch`` False: at
+    ``setting.schedule``'s prefetch distance only; ``alternatives``: also at 90 and 80 % of the
+    limit): plans that fit, fastest first (``rank_schedules``). ``recompute`` False: no region
+    is offered for recomputation. The step is at the batch the analysis plans for."""
+    setting = setting.at_batch(None)
+    devices = setting.devices
     shares = (1.0, 0.9, 0.8) if alternatives else (1.0,)
-    options = [(sch, int(memory_limit_bytes * f)) for f in shares
-               for sch in candidate_schedules(prefetch, block_gather_bytes(analysis, devices.world_size))]
+    schedules = candidate_schedules(None if vary_prefetch else setting.schedule.prefetch,
+                                    block_gather_bytes(analysis, devices.world_size))
+    options = [(sch, int(memory_limit_bytes * f)) for f in shares for sch in schedules]
     regions = region_costs(analysis.facts, devices) if recompute else {}
-    search = functools.partial(search_plan, analysis, regions,
-                               devices=devices, optimizer=optimizer,
-                               grad_accumulation=grad_accumulation, cost_tables={})
+    cost_tables: dict[int, dict[str, list[GroupCost]]] = {}
+
+    def search(*, schedule: Schedule, memory_limit_bytes: int, loosen: bool = True) -> Found:
+        return search_plan(analysis, setting.with_schedule(schedule), memory_limit_bytes,
+                           regions, cost_tables=cost_tables, loosen=loosen)
 
     def score(schedule: Schedule, found: Found) -> tuple[float, Any]:
-        step, _ = plan_step(analysis, found.strategies, found.recompute, devices=devices,
-                            optimizer=optimizer, schedule=schedule)
         states = param_states(analysis, found.strategies)
-        return step.step_s, (collectives_key(analysis.facts, states, schedule, devices.world_size),
-                             tuple(sorted(found.recompute.items())))
+        return (plan_step_s(analysis, found.strategies, found.recompute,
+                            setting.with_schedule(schedule)),
+                (collectives_key(analysis.facts, states, schedule, devices.world_size),
+                 tuple(sorted(found.recompute.items()))))
 
     # Every schedule is searched without loosening (each loosening solves the problem up to
     # _MAX_LOOSENINGS more times); the fastest few are searched again with it.
@@ -531,13 +494,10 @@ def search_schedules(
                   key=lambda r: r.step_s) + ranked
     target = plannable_bytes(memory_limit_bytes, devices.memory_margin)
     return refine(  # the uniform plans and changes of the largest groups, by the models
-        best, analysis=analysis, devices=devices, optimizer=optimizer,
-        schedules=list(dict.fromkeys(o[0] for o in options)),
+        best, analysis=analysis, setting=setting, schedules=schedules,
         step_s=lambda s, f: score(s, f)[0],
-        fits=lambda s, f: plan_peak_bytes(analysis, f.strategies, f.recompute, devices=devices,
-                                          optimizer=optimizer, batch_size=None,
-                                          grad_accumulation=grad_accumulation,
-                                          schedule=s) <= target)
+        fits=lambda s, f: plan_peak_bytes(analysis, f.strategies, f.recompute,
+                                          setting.with_schedule(s)) <= target)
 
 
 def block_gather_bytes(analysis: Analysis, world_size: int) -> int | None:

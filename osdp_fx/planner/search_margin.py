@@ -13,41 +13,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core.buckets import Schedule
-from ..core.devices import Devices
+from ..core.setting import StepSetting
 from ..core.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
 from ..errors import PlanError
-from .analysis import Analysis, unmargined_limit
+from .analysis import Analysis, plan_step_s, unmargined_limit
 from .local_search import largest_groups
 from .results import Found, Ranked
-from .search import (
-    LOOSENED_SCHEDULES,
-    plan_peak_bytes,
-    plan_step_s,
-    search_schedules,
-)
+from .search import LOOSENED_SCHEDULES, plan_peak_bytes, search_schedules
 
 
 def search_beyond_margin(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    faster_than_s: float, prefetch: int | None = None, grad_accumulation: int = 1,
-    recompute: bool = True,
+    analysis: Analysis, setting: StepSetting, memory_limit_bytes: int, *, faster_than_s: float,
+    vary_prefetch: bool = True, recompute: bool = True,
 ) -> list[Ranked]:
     """Plans the models predict to fit ``memory_limit_bytes`` itself, not only its plannable
     share (``Devices.memory_margin``), and to step in less than ``faster_than_s`` (the best plan
     under the margin), fastest first: none when none does. The prediction alone does not
     promise that they fit; autotuning measures them first (``planner/autotune.py``)."""
     try:
-        found = search_schedules(analysis, devices=devices,
-                                 memory_limit_bytes=unmargined_limit(memory_limit_bytes,
-                                                                    devices.memory_margin),
-                                 optimizer=optimizer, prefetch=prefetch,
-                                 grad_accumulation=grad_accumulation, recompute=recompute)
+        found = search_schedules(
+            analysis, setting,
+            unmargined_limit(memory_limit_bytes, setting.devices.memory_margin),
+            vary_prefetch=vary_prefetch, recompute=recompute)
     except PlanError:
         return []
     schedules = list(dict.fromkeys(f.schedule for f in found[:LOOSENED_SCHEDULES]))
-    found += largest_first(analysis, devices=devices, memory_limit_bytes=memory_limit_bytes,
-                           optimizer=optimizer, schedules=schedules,
-                           grad_accumulation=grad_accumulation)
+    found += largest_first(analysis, setting, memory_limit_bytes, schedules)
     distinct: dict[tuple[Any, ...], Ranked] = {}
     for f in sorted(found, key=lambda f: f.step_s):  # fastest first; a plan found twice, once
         distinct.setdefault((f.schedule, *sorted(f.found.strategies.items()),
@@ -59,10 +50,8 @@ LARGEST_FIRST = (FULL_SHARD, SHARD_GRAD_OP)
 """The strategies of :func:`largest_first`'s plans."""
 
 
-def largest_first(
-    analysis: Analysis, *, devices: Devices, memory_limit_bytes: int, optimizer: str,
-    schedules: Sequence[Schedule], grad_accumulation: int = 1,
-) -> list[Ranked]:
+def largest_first(analysis: Analysis, setting: StepSetting, memory_limit_bytes: int,
+                  schedules: Sequence[Schedule]) -> list[Ranked]:
     """The plans a user writes by hand, "shard the k largest parameter groups, replicate the
     rest", with each strategy of :data:`LARGEST_FIRST` under each of ``schedules``: for each,
     the least k whose predicted peak is at most ``memory_limit_bytes`` (found by bisection, the
@@ -71,11 +60,11 @@ def largest_first(
     model's is not, so near the limit the solver can miss such a plan that the step model
     predicts faster (``docs/benchmarks.md``): the search beyond the margin
     offers them to autotuning too."""
-    if devices.world_size < 2:
+    if setting.devices.world_size < 2:
         return []
+    setting = setting.at_batch(None)
     names = list(analysis.captured.params)
     largest = largest_groups(analysis, None)
-    how = dict(devices=devices, optimizer=optimizer, batch_size=None)
     out: list[Ranked] = []
     for schedule in schedules:
         for strategy in LARGEST_FIRST:
@@ -84,9 +73,8 @@ def largest_first(
                 return Found({n: strategy if n in top else REPLICATE for n in names}, {})
 
             def fits(k: int) -> bool:
-                return plan_peak_bytes(analysis, plan(k).strategies, {}, schedule=schedule,
-                                       grad_accumulation=grad_accumulation,
-                                       **how) <= memory_limit_bytes
+                return plan_peak_bytes(analysis, plan(k).strategies, {},
+                                       setting.with_schedule(schedule)) <= memory_limit_bytes
 
             low, high = 0, len(largest)
             if not fits(high):
@@ -95,6 +83,6 @@ def largest_first(
                 mid = (low + high) // 2
                 low, high = (low, mid) if fits(mid) else (mid + 1, high)
             found = plan(low)
-            out.append(Ranked(plan_step_s(analysis, found, schedule=schedule, **how), schedule,
-                              found))
+            out.append(Ranked(plan_step_s(analysis, found.strategies, {},
+                                          setting.with_schedule(schedule)), schedule, found))
     return out

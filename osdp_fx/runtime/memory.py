@@ -26,6 +26,11 @@ from .storage_tracker import dense_tensors
 _active_trackers: list[LiveTensorTracker] = []
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """A key of ``t``'s storage, the same for every view of it while the storage lives."""
+    return t.untyped_storage()._cdata
+
+
 def note_resized(storage: torch.UntypedStorage) -> None:
     """Tell active trackers that ``storage`` was resized in place (not seen by the dispatcher)."""
     for tracker in _active_trackers:
@@ -53,7 +58,7 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         inputs = {
-            d.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+            storage_key(d) for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) for d in dense_tensors(t)
         }
         out = func(*args, **kwargs)

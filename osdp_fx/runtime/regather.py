@@ -33,12 +33,8 @@ import torch
 
 from .collectives import Pending
 from .hierarchy import gather_shards_start, shard_chunks
-from .memory import note_resized
+from .memory import note_resized, storage_key
 from .sharded import flat_shard, padded_numel
-
-
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,4 +1,5 @@
-"""Cost models of hybrid_shard and hierarchical on a mesh of nodes x ranks: closed forms."""
+"""Cost models of hybrid_shard and hierarchical on a mesh of nodes x ranks: closed forms (their
+collective stages and shard counts: tests/core/test_layout.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from osdp_fx.cost_models.communication import all_gather_time_s, all_reduce_time
 from osdp_fx.cost_models.graph_facts import ParamState
 from osdp_fx.cost_models.memory import param_memory, persistent_bytes
 from osdp_fx.cost_models.step import group_cost
-from osdp_fx.plan.plan import Stage, collective_stages, shard_count
 
 # 2 nodes x 8 ranks; intra-node links 80x faster than inter-node ones
 DEVICES = Devices(world_size=16, ranks_per_node=8, memory_bandwidth_bytes_per_s=1e12,
@@ -18,53 +18,6 @@ DEVICES = Devices(world_size=16, ranks_per_node=8, memory_bandwidth_bytes_per_s=
 INTRA = {"bandwidth_bytes_per_s": 1e11, "latency_s": 1e-5}
 INTER = {"bandwidth_bytes_per_s": 1.25e9, "latency_s": 5e-5}
 NUMEL = 1001  # 126 elements per rank of a node (1008 padded), 63 per rank of the world
-
-
-def stages(strategy, world=16, per_node=8, regathered=True):
-    return collective_stages(strategy, NUMEL, 4, world_size=world, ranks_per_node=per_node,
-                             regathered=regathered)
-
-
-def test_shard_counts():
-    assert [shard_count(s, 16, 8) for s in ("replicate", "shard_grad_op", "full_shard",
-                                             "hybrid_shard", "hierarchical")] == [1, 16, 16, 8, 16]
-    assert shard_count("hybrid_shard", 16, None) == 16  # one node: full_shard
-
-
-def test_hybrid_shard_stages():
-    padded = 1008 * 4
-    gather = Stage("all_gather", padded, 8, "intra")
-    assert stages("hybrid_shard") == (
-        [gather],
-        [gather, Stage("reduce_scatter", padded, 8, "intra"),
-         Stage("all_reduce", padded // 8, 2, "inter")])
-    assert stages("hybrid_shard", regathered=False)[1][0].collective == "reduce_scatter"
-
-
-def test_hierarchical_stages_carry_an_eighth_across_nodes():
-    padded = 1008 * 4
-    inter, intra = Stage("all_gather", padded // 8, 2, "inter"), Stage("all_gather", padded, 8,
-                                                                        "intra")
-    assert stages("hierarchical") == (
-        [inter, intra],
-        [inter, intra, Stage("reduce_scatter", padded, 8, "intra"),
-         Stage("reduce_scatter", padded // 8, 2, "inter")])
-    # full_shard's single stage moves the whole parameter over the world's (inter-node) ring
-    assert stages("full_shard")[0] == [Stage("all_gather", padded, 16, "world")]
-    assert Stage("all_gather", padded, 16, "world").spans_nodes(2)
-    assert not Stage("all_gather", padded, 16, "world").spans_nodes(1)
-
-
-def test_degenerate_meshes_drop_single_rank_stages():
-    # one node: hybrid_shard and hierarchical are full_shard over the node
-    for strategy in ("hybrid_shard", "hierarchical"):
-        fwd, bwd = stages(strategy, world=8, per_node=None)
-        assert [(s.collective, s.nbytes, s.ranks) for s in fwd + bwd] == [
-            (s.collective, s.nbytes, s.ranks) for s in sum(stages("full_shard", 8, None), [])]
-    # one rank per node: hybrid_shard all-reduces the whole (unsharded) gradient across nodes
-    assert stages("hybrid_shard", world=4, per_node=1) == (
-        [], [Stage("all_reduce", NUMEL * 4, 4, "inter")])
-    assert stages("hierarchical", world=1, per_node=None) == ([], [])
 
 
 def test_step_cost_closed_form():

@@ -20,7 +20,9 @@ close over), every parameter's and buffer's name, shape, dtype, device and ``req
 ``transformers`` or ``peft`` module are shared, and only where every module's class is defined
 at a module's top level (its name then says which class it is); a model with a tensor held as
 a plain attribute, or an attribute of a kind the key cannot read, is exported afresh. The
-session's first capture of a model is a real export, and an export that fails is not stored. ``tests/test_shared_captures.py`` tests the sharing itself.
+session's first capture of a model is a real export, and an export that fails is not stored.
+``tests/test_shared_captures.py`` tests the sharing itself; :func:`uninstalled` undoes it for
+the tests that need the real export (``tests/passes/test_export_real.py``).
 
 Across processes: the test ranks of every world and the pytest workers each export a model
 their process has not seen, most of them one another process of the session exported already
@@ -294,6 +296,10 @@ def kept_program(real: Any) -> Any:
     return export
 
 
+_PATCHED = ("_export_module", "_export_program")
+"""The functions of ``osdp_fx.passes.capture`` that :func:`install` wraps."""
+
+
 def install() -> None:
     """Share the captures of this process, and of the session's processes (idempotent)."""
     from osdp_fx.passes import capture
@@ -302,3 +308,20 @@ def install() -> None:
         capture._export_module = shared_export(capture._export_module)
     if not hasattr(capture._export_program, "__wrapped__"):
         capture._export_program = kept_program(capture._export_program)
+
+
+@contextlib.contextmanager
+def uninstalled() -> Iterator[None]:
+    """The real ``_export_module`` and ``_export_program`` of ``osdp_fx.passes.capture`` for the
+    duration (every capture a real ``torch.export``, nothing read from or written to the shared
+    graphs and programs); the wrappers :func:`install` put in place are put back after."""
+    from osdp_fx.passes import capture
+
+    wrappers = {name: getattr(capture, name) for name in _PATCHED}
+    for name, wrapper in wrappers.items():
+        setattr(capture, name, getattr(wrapper, "__wrapped__", wrapper))
+    try:
+        yield
+    finally:
+        for name, wrapper in wrappers.items():
+            setattr(capture, name, wrapper)

@@ -360,16 +360,16 @@ def test_prefetch_distance_is_recorded_in_the_plan_and_its_file(tmp_path, prefet
     inputs = (torch.randn(4, 256),)
     compiled = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard", prefetch=prefetch)
     gm = compiled.graph_module
-    assert compiled.plan.prefetch == prefetch
+    assert compiled.plan.schedule.prefetch == prefetch
     assert len(gathers(gm)) == 4
     assert len(prefetches(gm)) == (len(gathers(gm)) - prefetch if prefetch else 0)
     for earlier, node in zip(gathers(gm), gathers(gm)[prefetch:]) if prefetch else ():
         assert earlier.next.next is node.args[4]  # started right after that earlier gather
     compiled.plan.save(tmp_path / "plan.json")
     again = compile_osdp(copy.deepcopy(model), inputs, plan=str(tmp_path / "plan.json"))
-    assert again.plan.prefetch == prefetch and again.plan.hash() == compiled.plan.hash()
+    assert again.plan.schedule.prefetch == prefetch and again.plan.hash() == compiled.plan.hash()
     default = compile_osdp(copy.deepcopy(model), inputs, plan="full_shard")
-    assert default.plan.prefetch == 1 and default.plan.hash() != compiled.plan.hash()
+    assert default.plan.schedule.prefetch == 1 and default.plan.hash() != compiled.plan.hash()
     torch.testing.assert_close(compiled(*inputs), default(*inputs), rtol=0, atol=0)
 
 

@@ -15,8 +15,8 @@ from osdp_fx.core.precision import MixedPrecision
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import MLP, TinyGPT
 from osdp_fx.passes.capture import capture
-from osdp_fx.passes.manager import run_passes
-from osdp_fx.passes.precision import cast_params_pass
+from osdp_fx.passes.pipeline import run_pipeline
+from osdp_fx.passes.precision import CastParams
 from osdp_fx.passes.split_linear import apply_splits, linear_sites
 from osdp_fx.planner import analysis
 from osdp_fx.planner.make import make_plan
@@ -91,7 +91,7 @@ def test_splitting_a_cast_graph_makes_the_graph_of_casting_a_split_one(model_nam
         inputs, split = (torch.randint(0, 67, (2, 8)),), "transformer.h.0.mlp.c_fc.weight"
 
     def cast(c):
-        run_passes(c.gm, [("cast_params", lambda g: cast_params_pass(g, torch.bfloat16))])
+        run_pipeline(c.gm, [CastParams(torch.bfloat16)])
 
     split_first, cast_first = capture(copy.deepcopy(model), inputs), capture(model, inputs)
     sites = list(linear_sites(cast_first.gm))

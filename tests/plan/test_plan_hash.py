@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from osdp_fx import Devices
+from osdp_fx.core.buckets import Schedule
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
-from osdp_fx.planner.make import make_plan
+from osdp_fx.core.setting import StepSetting
+from osdp_fx.planner.make import SearchOptions, plan_model
 
 LIMIT = 2202009  # bytes: between the all-full_shard and all-replicate peaks of this model
 
@@ -21,9 +23,9 @@ def test_searched_plan_hash_is_pinned():
     torch.manual_seed(0)
     model = GPTWithLoss(TinyGPT(vocab=256, dim=64, depth=2, heads=4, max_seq=32))
     x = torch.randint(0, 256, (4, 32))
-    plan = make_plan(capture(model, (x,)), (x,), plan=None,
-                        devices=Devices(world_size=4, memory_bytes=LIMIT),
-                        memory_limit_bytes=LIMIT, optimizer="adamw", fake=True)
+    plan = plan_model(capture(model, (x,)), (x,), None,
+                      StepSetting(Devices(world_size=4, memory_bytes=LIMIT), optimizer="adamw"),
+                      SearchOptions(fake=True)).plan
     # Searched jointly: strategies, recomputed regions (issue 16) and the schedule (issue 18).
     # History: 444275f3306309f7 (21 / 2 / 5, prefetch 1, nothing recomputed) before both;
     # 1f1eba27c6b3f207 (21 / 1 / 6, prefetch 2, 64 KiB gather and 4 MiB all-reduce buckets,
@@ -40,6 +42,6 @@ def test_searched_plan_hash_is_pinned():
     assert plan.counts() == {"replicate": 23, "shard_grad_op": 0, "full_shard": 5,
                              "hybrid_shard": 0, "hierarchical": 0}
     assert dict(plan.recompute) == {"model.blocks.0": "full", "model.blocks.1": "full"}
-    assert (plan.prefetch, plan.gather_bucket_bytes, plan.reduce_bucket_bytes) == (
-        1, 2**20, 25 * 2**20)
+    assert plan.schedule == Schedule(prefetch=1, gather_bucket_bytes=2**20,
+                                    reduce_bucket_bytes=25 * 2**20)
     assert plan.hash() == "6085085a4bae0262"

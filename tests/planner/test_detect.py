@@ -1,8 +1,8 @@
-"""Devices: JSON round trip, detection in one process and on a real 2-rank gloo world."""
+"""Detection of Devices in one process and on a real 2-rank gloo world (the Devices record
+itself, its JSON and checks: tests/core/test_devices.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -11,7 +11,6 @@ import torch
 from harness import cases
 
 from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
-from osdp_fx.core.presets import GPU_MEMORY_MARGIN
 from osdp_fx.errors import InputError
 from osdp_fx.planner.detect import CPU_MEMORY_MARGIN, detect_devices, devices_for
 
@@ -42,36 +41,6 @@ def test_default_memory_limit_is_the_devices_memory(world_size: int, searched: b
         gpu = devices_for(None, world_size=world_size, memory_limit_bytes=None,
                           detect=searched and world_size == 1, device=torch.device("cuda", 0))
         assert gpu.memory_bytes == torch.cuda.mem_get_info(0)[1]
-
-
-def test_json_round_trip(tmp_path: Path) -> None:
-    devices = Devices(world_size=8, ranks_per_node=4, memory_bytes="16GiB",
-                      inter_node_latency_s=2e-5)
-    devices.to_json(tmp_path / "devices.json")
-    assert Devices.from_json(tmp_path / "devices.json") == devices
-
-
-def test_json_errors_name_the_problem(tmp_path: Path) -> None:
-    path = tmp_path / "devices.json"
-    path.write_text(json.dumps({"world_size": 2, "gpus": 8}))
-    with pytest.raises(InputError, match=r"unknown keys \['gpus'\]"):
-        Devices.from_json(path)
-    path.write_text("{not json")
-    with pytest.raises(InputError, match="not valid JSON"):
-        Devices.from_json(path)
-    with pytest.raises(InputError, match="cannot read"):
-        Devices.from_json(tmp_path / "missing.json")
-
-
-def test_memory_margin_is_a_share_of_the_limit(tmp_path: Path) -> None:
-    assert Devices().memory_margin == 0.03
-    assert Devices.preset("a100-sxm-40gb-8x").memory_margin == GPU_MEMORY_MARGIN == 0.10
-    devices = Devices(memory_margin=0.1)
-    devices.to_json(tmp_path / "devices.json")
-    assert Devices.from_json(tmp_path / "devices.json").memory_margin == 0.1
-    for bad in (1.0, -0.01, "3%", True):
-        with pytest.raises(InputError, match=r"memory_margin=.* is not a share of the memory"):
-            Devices(memory_margin=bad)
 
 
 def test_detect_without_process_group() -> None:

@@ -187,7 +187,7 @@ def test_the_schedule_round_trips_through_the_plan_file_and_the_runtime_honours_
     path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "full_shard",
                                 "params": {}, "gather_bucket_bytes": 2**20}))
     bucketed = compile_osdp(copy.deepcopy(model), inputs, plan=str(path))
-    assert bucketed.plan.gather_bucket_bytes == 2**20
+    assert bucketed.plan.schedule.gather_bucket_bytes == 2**20
     assert "gather buckets 1.0 MiB" in str(bucketed.plan)
     gm = bucketed.graph_module
     assert sum("all_gather_params" in str(n.target) for n in gm.graph.nodes) == 1
