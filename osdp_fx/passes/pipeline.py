@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Iterable
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, NoReturn
 
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -157,7 +157,7 @@ class GraphPass(PassBase):
                        and not r.ensured & self.invalidated
                        and frozenset({r.name, self.name}) not in COMMUTING})
 
-    def _broken(self, gm: fx.GraphModule, what: str) -> None:
+    def _broken(self, gm: fx.GraphModule, what: str) -> NoReturn:
         ran = [r.name for r in history(gm)] or "none"
         raise PassContractError(f"pass {self.name!r} {what} (passes run on this graph before: "
                                 f"{ran}; osdp_fx/passes/pipeline.py)")

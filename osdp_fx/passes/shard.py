@@ -156,7 +156,7 @@ def _read_local(graph: fx.Graph, node: fx.Node) -> None:
 
 def shard_parameters_pass(
     gm: fx.GraphModule, *, plan: Plan, world_size: int, rank: int, group: str = WORLD,
-    prefetch: int = 1, reduce_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> PassResult:
     """Shard the parameters the plan shards and insert their collectives (module docstring).
 
@@ -208,7 +208,7 @@ def shard_parameters_pass(
         n_frees += 1
 
     _bucket_gathers(gm, world_size, plan.schedule.gather_bucket_bytes)
-    _insert_prefetches(graph, prefetch)
+    _insert_prefetches(graph, plan.schedule.prefetch)
 
     in_graph = {n.target for n in param_nodes}
     for entry in plan.params:  # parameters the forward never reads: sharded all the same
@@ -237,5 +237,4 @@ class ShardParameters(GraphPass, name="shard", requires={"aliases"}, ensures={"s
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         return shard_parameters_pass(
             graph_module, plan=self.plan, world_size=self.plan.world_size, rank=self.rank,
-            group=self.group, prefetch=self.plan.schedule.prefetch,
-            reduce_dtype=self.reduce_dtype)
+            group=self.group, reduce_dtype=self.reduce_dtype)

@@ -23,7 +23,8 @@ from osdp_fx.errors import InputError
 from osdp_fx.passes.capture import capture
 from osdp_fx.passes.profile import NodeProfile, profile_graph_pass, summarize_profile
 from osdp_fx.plan.folded import folded_table
-from osdp_fx.planner.make import make_plan, make_planned
+from osdp_fx.core.setting import StepSetting
+from osdp_fx.planner.make import SearchOptions, plan_model
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -131,9 +132,10 @@ def gpt2_xl_at_1024_h100s():
     model, inputs = load_factory(str(ROOT / "osdp_fx" / "examples.py") + ":hf_gpt2_xl_meta")
     devices = Devices.preset("h100-sxm-8x", world_size=1024, memory_limit="24GiB")
     captured = capture(model, inputs)
-    planned = make_planned(captured, inputs, plan=None, devices=devices,
-                           memory_limit_bytes=devices.memory_bytes, optimizer="adamw",
-                           fake=True, precision=resolve_mixed_precision("bf16"))
+    planned = plan_model(captured, inputs, None,
+                         StepSetting(devices, optimizer="adamw",
+                                     precision=resolve_mixed_precision("bf16")),
+                         SearchOptions(fake=True))
     plan, analysis = planned.plan, planned.analysis
     return plan, analysis, devices
 
@@ -172,9 +174,10 @@ def test_h100_preset_against_llm_foundrys_published_fsdp_throughput():
     model, inputs = load_factory(str(ROOT / "osdp_fx" / "examples.py") + ":mpt_1b_meta")
     assert sum(p.numel() for p in model.parameters()) == 1_315_950_592  # the table's count
     devices = Devices.preset("h100-sxm-8x", world_size=8)
-    plan = make_plan(capture(model, inputs), inputs, plan="full_shard", devices=devices,
-                        memory_limit_bytes=None, optimizer="adamw", fake=True,
-                        precision=resolve_mixed_precision("bf16"))
+    plan = plan_model(capture(model, inputs), inputs, "full_shard",
+                      StepSetting(devices, optimizer="adamw",
+                                  precision=resolve_mixed_precision("bf16")),
+                      SearchOptions(fake=True)).plan
     tokens_per_s = 14 * 2048 / plan.prediction.step_time_s
     assert 1.0 < tokens_per_s / 45_455 < 2.0
     assert plan.prediction.peak_memory_bytes < 80 * GiB

@@ -1,4 +1,5 @@
-"""clip_grad_norm_ on real gloo worlds equals torch's clipping in one process on the full batch."""
+"""clip_grad_norm_ on real gloo worlds equals torch's clipping in one process on the full batch
+(in one process at world size 1: tests/training/test_clip.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import pytest
 import torch
 from harness import clip_cases as cc
 
-from osdp_fx import Devices, clip_grad_norm_, compile_osdp
-from osdp_fx.errors import InputError
+from osdp_fx import Devices
 
 INF = math.inf
 MAX_NORM = {2.0: 0.1, INF: 0.02}  # below every step's norm (asserted), so clipping happens
@@ -115,30 +115,3 @@ def test_nonfinite_gradient_on_one_rank(worlds, plan, norm_type):
         assert "non-finite" in r["error"] and "error_if_nonfinite=False" in r["error"]
         assert "unexpected" not in r
         assert torch.isnan(r["norm"])
-
-
-def test_one_process_and_input_errors():
-    """World size 1 (no process group): the same as torch; bad arguments raise InputError."""
-    net, loss_fn = cc.build("gpt")
-    ref, _ = cc.build("gpt")
-    (batch,) = cc.batches("gpt", global_batch=2, steps=1)
-    compiled = compile_osdp(net, batch[:1], plan="full_shard")
-    loss_fn(compiled(*batch[:1]), batch).backward()
-    loss_fn(ref(*batch[:1]), batch).backward()
-    norm = clip_grad_norm_(compiled, 0.1, "inf")
-    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, INF))
-    full = compiled.full_grads()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(full[name], p.grad, rtol=0, atol=1e-7)
-
-    with pytest.raises(InputError, match="module returned by compile_osdp.*got TinyGPT.*"
-                                         "torch.nn.utils.clip_grad_norm_"):
-        clip_grad_norm_(ref, 1.0)
-    with pytest.raises(InputError, match="got list"):
-        clip_grad_norm_(list(ref.parameters()), 1.0)
-    with pytest.raises(InputError, match="norm_type must be a positive number or inf"):
-        clip_grad_norm_(compiled, 1.0, 0)
-    with pytest.raises(InputError, match="max_norm must be a number"):
-        clip_grad_norm_(compiled, "big")
-    with pytest.raises(InputError, match="max_norm must be >= 0"):
-        clip_grad_norm_(compiled, -1.0)

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from osdp_fx import compile_osdp
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.passes.capture import capture
 from osdp_fx.plan.plan import MESH_STRATEGIES
-from osdp_fx.planner.make import make_plan
+from osdp_fx.planner.make import plan_model
 from osdp_fx.runtime.collectives import all_gather_flat
 from osdp_fx.runtime.hierarchy import (
     gather_shards_start,
@@ -87,6 +88,6 @@ def predicted_peak_bytes(model: str, plan: str, devices: Any, *, local_batch: in
     ``devices`` (AdamW), planned offline in this process."""
     net, _ = build(model)
     (batch,) = batches(model, global_batch=local_batch, steps=1)
-    resolved = make_plan(capture(net, batch[:1]), batch[:1], plan=plan, devices=devices,
-                            memory_limit_bytes=None, optimizer="adamw")
+    resolved = plan_model(capture(net, batch[:1]), batch[:1], plan,
+                          StepSetting(devices, optimizer="adamw")).plan
     return resolved.peak_memory_bytes

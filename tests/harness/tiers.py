@@ -4,7 +4,10 @@
 core, plan, planner, cost_models and passes, and of each multi-process feature a few cases on
 the cheap models (the MLP, TinyGPT) in 2-rank worlds (4 for the two-node mesh): parity of every
 strategy, checkpoints, clipping, mixed precision, accumulation, recomputation, meta init, export,
-memory prediction. ``pytest`` runs everything, ``pytest -m slow`` only the rest.
+memory prediction; and one real ``torch.export`` of a Hugging Face Llama per plan, with the
+suite's shared captures undone (``passes/test_export_real.py``, a few seconds: every other test
+of a Hugging Face model gets a shared capture, ``harness/shared_captures.py``). ``pytest`` runs
+everything, ``pytest -m slow`` only the rest.
 
 A test is slow when its module is in ``SLOW_MODULES``, or its module is in ``FAST_CASES`` and
 the predicate there says no to the test (its function name and parameters), or its module is in
@@ -74,7 +77,6 @@ FAST_CASES: dict[str, Predicate] = {
         test_resume_at_the_same_world_size_is_bitwise_exact=_is(model="mlp")),
     "distributed/test_clip.py": _names(
         "test_frozen_parameters_are_skipped", "test_nonfinite_gradient_on_one_rank",
-        "test_one_process_and_input_errors",
         test_clipped_training_matches_single_process=_is(model="mlp", world_size=2,
                                                          plan=("full_shard", "mixed"))),
     "distributed/test_export.py": _is(model="gpt"),

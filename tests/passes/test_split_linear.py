@@ -12,14 +12,15 @@ from torch import nn
 from osdp_fx import Devices, compile_osdp
 from osdp_fx.core.node_meta import NodeRole, osdp_meta
 from osdp_fx.core.precision import MixedPrecision
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import MLP, TinyGPT
+from osdp_fx.passes import profile as profile_module
 from osdp_fx.passes.capture import capture
 from osdp_fx.passes.pipeline import run_pipeline
 from osdp_fx.passes.precision import CastParams
 from osdp_fx.passes.split_linear import apply_splits, linear_sites
-from osdp_fx.planner import analysis
-from osdp_fx.planner.make import make_plan
+from osdp_fx.planner.make import SearchOptions, plan_model
 
 
 def count(gm, name):
@@ -152,16 +153,16 @@ def test_a_searched_plan_that_splits_a_biased_linear_loads_back(tmp_path):
     torch.manual_seed(0)
     model, x = MLP((64, 1024, 1024, 64)), torch.randn(8, 64)  # every linear has a bias
     devices = Devices(world_size=2, memory_bytes=12 * 2**20)
-    searched = make_plan(capture(copy.deepcopy(model), (x,)), (x,), plan=None, devices=devices,
-                         memory_limit_bytes=devices.memory_bytes, fake=True)
+    searched = plan_model(capture(copy.deepcopy(model), (x,)), (x,), None, StepSetting(devices),
+                          SearchOptions(fake=True)).plan
     assert dict(searched.splits) == {"layers.1.weight": 4}  # the search split it
     saved, old = tmp_path / "plan.json", tmp_path / "old.json"
     searched.save(saved)
     data = json.loads(saved.read_text())
     old.write_text(json.dumps({**data, "splits": {**data["splits"], "layers.1.bias": 4}}))
     for path in (saved, old):
-        loaded = make_plan(capture(copy.deepcopy(model), (x,)), (x,), plan=str(path),
-                           devices=devices, memory_limit_bytes=devices.memory_bytes, fake=True)
+        loaded = plan_model(capture(copy.deepcopy(model), (x,)), (x,), str(path),
+                            StepSetting(devices), SearchOptions(fake=True)).plan
         assert loaded.hash() == searched.hash(), path.name
 
 
@@ -172,16 +173,15 @@ def test_a_mixed_precision_search_splits_the_graph_in_the_compute_dtype(
     """In bf16 the model is cast, then profiled and its splits searched on that profile (what
     a step holds in bf16); it is profiled again only after a split."""
     runs = []
-    profile = analysis.profile_graph_pass
-    monkeypatch.setattr(analysis, "profile_graph_pass",
+    profile = profile_module.profile_graph_pass
+    monkeypatch.setattr(profile_module, "profile_graph_pass",
                         lambda *a, **k: runs.append(1) or profile(*a, **k))
     torch.manual_seed(0)
     model, x = MLP((64, 1024, 1024, 64)), torch.randn(8, 64)
     devices = Devices(world_size=2, memory_bytes=limit_mib * 2**20)
     captured = capture(model, (x,))
-    searched = make_plan(captured, (x,), plan=None, devices=devices,
-                         memory_limit_bytes=devices.memory_bytes, fake=True,
-                         precision=MixedPrecision())
+    searched = plan_model(captured, (x,), None, StepSetting(devices, precision=MixedPrecision()),
+                          SearchOptions(fake=True)).plan
     assert (dict(searched.splits), len(runs)) == (splits, profiles)
     assert searched.peak_memory_bytes <= devices.memory_bytes
     assert searched.param_dtype == "bfloat16"

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from osdp_fx.core.devices import Devices
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.examples import MLP, GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
 from osdp_fx.plan.folded import fold, folded_table, format_indices
 from osdp_fx.plan.request import build_plan
-from osdp_fx.planner.make import make_plan, param_specs
+from osdp_fx.planner.make import SearchOptions, param_specs, plan_model
 
 
 def names_of_block(i: int) -> list[str]:
@@ -76,8 +77,8 @@ def _gpt_plan(strategies, depth=6, world_size=8):
     specs = param_specs(captured)
     plan = build_plan({s.name: strategies(s.name) for s in specs}, specs, world_size=world_size)
     devices = Devices(world_size=world_size, memory_bytes=2**30)
-    planned = make_plan(captured, inputs, plan=plan, devices=devices,
-                           memory_limit_bytes=None, optimizer="adamw", fake=True)
+    planned = plan_model(captured, inputs, plan, StepSetting(devices, optimizer="adamw"),
+                         SearchOptions(fake=True)).plan
     return planned
 
 

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from osdp_fx import Devices
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.errors import InputError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
 from osdp_fx.plan.plot import plot_memory_timeline
 from osdp_fx.plan.request import resolve_plan
-from osdp_fx.planner.make import make_plan
+from osdp_fx.planner.make import SearchOptions, plan_model
 
 pytest.importorskip("matplotlib")
 
@@ -21,9 +22,9 @@ def test_plot_of_a_planned_model_and_its_categories(tmp_path):
     model = GPTWithLoss(TinyGPT(vocab=64, dim=32, depth=2, heads=2, max_seq=16))
     x = torch.randint(0, 64, (2, 16))
     captured = capture(model, (x,))
-    plan = make_plan(captured, (x,), plan="full_shard",
-                        devices=Devices(world_size=4, memory_bytes=2**30),
-                        memory_limit_bytes=2**30, optimizer="adamw", fake=True)
+    plan = plan_model(captured, (x,), "full_shard",
+                      StepSetting(Devices(world_size=4, memory_bytes=2**30), optimizer="adamw"),
+                      SearchOptions(fake=True)).plan
     pr = plan.prediction
     # the peak's categories add up to the peak, and every point of the timeline is at most it
     assert sum(b for _, b in pr.peak_by_category) == pr.peak_memory_bytes

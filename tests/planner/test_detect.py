@@ -12,7 +12,7 @@ from harness import cases
 
 from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
 from osdp_fx.errors import InputError
-from osdp_fx.planner.detect import CPU_MEMORY_MARGIN, detect_devices, devices_for
+from osdp_fx.planner.detect import CPU_MEMORY_MARGIN, detect_devices, devices_for, measured
 
 MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s")
 
@@ -29,17 +29,22 @@ def test_default_memory_limit_is_the_devices_memory(world_size: int, searched: b
     """Without a limit, what the devices say, else the memory of the device the model runs on:
     the same at every world size and for named plans as for the search (no detection here:
     a Devices is given, or there is no process group to detect)."""
-    cpu = devices_for(None, world_size=world_size, memory_limit_bytes=None,
-                      detect=searched and world_size == 1, device=torch.device("cpu"))
+    def found(devices: Devices, given: bool) -> Devices:
+        # a search without given Devices plans with measured figures (nothing to measure in
+        # a world of one rank; no process group here for more)
+        return measured(devices) if searched and not given and world_size == 1 else devices
+
+    cpu = found(devices_for(None, world_size=world_size, memory_limit_bytes=None,
+                            device=torch.device("cpu")), given=False)
     assert cpu.memory_bytes == DEFAULT_CPU_MEMORY_BYTES == 4 * 2**30
-    given = devices_for(Devices(memory_bytes=2**30), world_size=world_size,
-                        memory_limit_bytes=None, detect=searched, device=torch.device("cpu"))
+    given = found(devices_for(Devices(memory_bytes=2**30), world_size=world_size,
+                              memory_limit_bytes=None, device=torch.device("cpu")), given=True)
     assert given.memory_bytes == 2**30
-    assert devices_for(given, world_size=world_size, memory_limit_bytes=3 * 2**30,
-                       detect=searched).memory_bytes == 3 * 2**30
+    assert found(devices_for(given, world_size=world_size, memory_limit_bytes=3 * 2**30),
+                 given=True).memory_bytes == 3 * 2**30
     if torch.cuda.is_available():
-        gpu = devices_for(None, world_size=world_size, memory_limit_bytes=None,
-                          detect=searched and world_size == 1, device=torch.device("cuda", 0))
+        gpu = found(devices_for(None, world_size=world_size, memory_limit_bytes=None,
+                                device=torch.device("cuda", 0)), given=False)
         assert gpu.memory_bytes == torch.cuda.mem_get_info(0)[1]
 
 

@@ -6,6 +6,7 @@ import torch
 
 from osdp_fx.core.buckets import Schedule
 from osdp_fx.core.devices import Devices
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.core.strategies import REPLICATE
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
@@ -31,6 +32,6 @@ def test_search_at_world_one_with_more_than_64_groups():
     x = torch.randint(0, 64, (2, 8))
     analysis = analyze(capture(net, (x,)), (x,), fake=True)
     assert len(analysis.captured.params) > 64
-    found = search_plan(analysis, devices=Devices(world_size=1), memory_limit_bytes=2**30,
-                        optimizer="adamw", schedule=Schedule())
+    found = search_plan(analysis, StepSetting(Devices(world_size=1), optimizer="adamw",
+                                              schedule=Schedule()), 2**30)
     assert set(found.strategies.values()) == {REPLICATE}

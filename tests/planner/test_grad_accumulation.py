@@ -11,10 +11,12 @@ from test_make import MIB, profiled_gpt
 from osdp_fx import compile_osdp
 from osdp_fx.core.devices import Devices
 from osdp_fx.core.layout import row_numel, shard_numel
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.errors import InputError
 from osdp_fx.plan.request import build_plan, resolve_plan
 from osdp_fx.planner.analysis import MEMORY_MARGIN
-from osdp_fx.planner.make import param_specs, predict, search_strategies
+from osdp_fx.planner.make import param_specs, predict
+from osdp_fx.planner.search import search_strategies
 
 WORLD = 8
 
@@ -26,7 +28,7 @@ def planned():
 
 def _predict(planned, plan, k):
     _, _, analysis, devices = planned
-    return predict(analysis, plan, devices=devices, optimizer="adamw", grad_accumulation=k)
+    return predict(analysis, plan, StepSetting(devices, optimizer="adamw", grad_accumulation=k))
 
 
 @pytest.mark.parametrize("strategy", ["shard_grad_op", "full_shard"])
@@ -57,8 +59,8 @@ def test_the_search_plans_for_the_micro_batches(planned):
     devices = Devices(world_size=WORLD, memory_bytes=limit)
     plans = {}
     for k in (1, 3):
-        strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
-                                       optimizer="adamw", grad_accumulation=k)
+        strategies = search_strategies(
+            analysis, StepSetting(devices, optimizer="adamw", grad_accumulation=k), limit)
         plans[k] = build_plan(strategies, specs, world_size=WORLD)
     planned_for_3 = _predict(planned, plans[3], 3).peak_memory_bytes
     assert planned_for_3 <= limit * (1 - MEMORY_MARGIN) + 1

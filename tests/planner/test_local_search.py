@@ -7,11 +7,11 @@ from test_schedule_search import _gpt, _predicted
 
 from osdp_fx import Devices
 from osdp_fx.core.buckets import Schedule, candidate_schedules
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.core.strategies import searched_strategies
 from osdp_fx.planner.local_search import IMPROVED_GROUPS, improve, largest_groups
-from osdp_fx.planner.make import search_schedules
-from osdp_fx.planner.results import Found
-from osdp_fx.planner.search import plan_peak_bytes, plan_step_s
+from osdp_fx.planner.analysis import plan_step_s
+from osdp_fx.planner.search import plan_peak_bytes, search_schedules
 
 
 def test_improve_takes_the_fastest_fitting_change_each_round_toward_more_bytes_held():
@@ -76,12 +76,12 @@ def test_the_searched_plan_has_no_faster_single_change_of_a_large_group_that_fit
     sharded = _predicted(analysis, "full_shard", Schedule()).peak_memory_bytes
     limit = sharded + (replicated - sharded) // 5
     devices = Devices(world_size=4, memory_bytes=limit)
-    how = dict(devices=devices, optimizer="adamw", batch_size=None)
-    best = search_schedules(analysis, memory_limit_bytes=limit, devices=devices,
-                            optimizer="adamw")[0]
+    setting = StepSetting(devices, optimizer="adamw")
+    best = search_schedules(analysis, setting, limit)[0]
     seconds, schedule = best.step_s, best.schedule
     plan, recompute = best.found.strategies, best.found.recompute
-    assert plan_step_s(analysis, Found(plan, recompute), schedule=schedule, **how) == seconds
+    at = setting.with_schedule(schedule)
+    assert plan_step_s(analysis, plan, recompute, at) == seconds
     order = ["replicate", "shard_grad_op", "full_shard"]  # most bytes held first
     groups = largest_groups(analysis)
     assert len(groups) == IMPROVED_GROUPS
@@ -90,10 +90,8 @@ def test_the_searched_plan_has_no_faster_single_change_of_a_large_group_that_fit
             if order.index(strategy) >= order.index(plan[name]):
                 continue
             trial = {**plan, name: strategy}
-            if plan_peak_bytes(analysis, trial, recompute, schedule=schedule,
-                               grad_accumulation=1, **how) <= 0.97 * limit:
-                assert plan_step_s(analysis, Found(trial, recompute), schedule=schedule,
-                                   **how) >= seconds, (name, strategy)
+            if plan_peak_bytes(analysis, trial, recompute, at) <= 0.97 * limit:
+                assert plan_step_s(analysis, trial, recompute, at) >= seconds, (name, strategy)
 
 
 def test_the_searched_plan_is_predicted_no_slower_than_a_uniform_plan_that_fits():
@@ -107,14 +105,13 @@ def test_the_searched_plan_is_predicted_no_slower_than_a_uniform_plan_that_fits(
     sharded = _predicted(analysis, "full_shard", Schedule()).peak_memory_bytes
     limit = sharded + (replicated - sharded) * 9 // 10
     devices = Devices(world_size=4, memory_bytes=limit)
-    how = dict(devices=devices, optimizer="adamw", batch_size=None)
-    seconds = search_schedules(analysis, memory_limit_bytes=limit, devices=devices,
-                               optimizer="adamw")[0].step_s
+    setting = StepSetting(devices, optimizer="adamw")
+    seconds = search_schedules(analysis, setting, limit)[0].step_s
     fitting = []
     for strategy in ("replicate", "shard_grad_op", "full_shard"):
         plan = {n: strategy for n in analysis.captured.params}
         for schedule in candidate_schedules():
-            if plan_peak_bytes(analysis, plan, {}, schedule=schedule, grad_accumulation=1,
-                               **how) <= 0.97 * limit:
-                fitting.append(plan_step_s(analysis, Found(plan, {}), schedule=schedule, **how))
+            at = setting.with_schedule(schedule)
+            if plan_peak_bytes(analysis, plan, {}, at) <= 0.97 * limit:
+                fitting.append(plan_step_s(analysis, plan, {}, at))
     assert fitting and seconds <= min(fitting)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from osdp_fx.core.devices import Devices
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.core.strategies import MESH_STRATEGIES
 from osdp_fx.cost_models.timeline import BATCH
 from osdp_fx.errors import PlanError
@@ -18,14 +19,8 @@ from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
 from osdp_fx.plan.request import build_plan, resolve_plan
 from osdp_fx.planner.analysis import MEMORY_MARGIN, plannable_bytes
-from osdp_fx.planner.make import (
-    make_plan,
-    make_planned,
-    param_specs,
-    predict,
-    search_batch_size,
-    search_strategies,
-)
+from osdp_fx.planner.make import SearchOptions, param_specs, plan_model, predict
+from osdp_fx.planner.search import search_batch_size, search_strategies
 
 MIB = 2**20
 
@@ -35,8 +30,7 @@ def profiled_gpt(devices, vocab=512):
     model = GPTWithLoss(TinyGPT(vocab=vocab, dim=64, depth=2, heads=4, max_seq=32))
     inputs = (torch.randint(0, vocab, (4, 32)),)
     captured = capture(model, inputs)
-    planned = make_planned(captured, inputs, plan="replicate", devices=devices,
-                           memory_limit_bytes=None, optimizer="adamw")
+    planned = plan_model(captured, inputs, "replicate", StepSetting(devices, optimizer="adamw"))
     analysis = planned.analysis
     return captured, inputs, analysis, devices
 
@@ -53,7 +47,7 @@ def uniform(analysis, captured, devices, name, batch=None):
                          ranks_per_node=devices.ranks_per_node) if isinstance(name, str)
             else build_plan(name, specs, world_size=devices.world_size,
                             ranks_per_node=devices.ranks_per_node))
-    return predict(analysis, plan, devices=devices, optimizer="adamw", batch_size=batch)
+    return predict(analysis, plan, StepSetting(devices, optimizer="adamw", batch_size=batch))
 
 
 def test_search_beats_uniform_plans_that_fit(planned):
@@ -62,10 +56,9 @@ def test_search_beats_uniform_plans_that_fit(planned):
     fsdp = uniform(analysis, captured, devices, "full_shard")
     limit = (ddp.peak_memory_bytes + fsdp.peak_memory_bytes) // 2
     limited = Devices(world_size=8, memory_bytes=limit)
-    strategies = search_strategies(analysis, devices=limited, memory_limit_bytes=limit,
-                                   optimizer="adamw")
+    strategies = search_strategies(analysis, StepSetting(limited, optimizer="adamw"), limit)
     plan = predict(analysis, build_plan(strategies, param_specs(captured), world_size=8),
-                   devices=limited, optimizer="adamw")
+                   StepSetting(limited, optimizer="adamw"))
     assert plan.peak_memory_bytes <= limit < ddp.peak_memory_bytes
     assert plan.step_time_s <= fsdp.step_time_s * (1 + 1e-9)
     assert plan.counts()["replicate"] < len(plan.params)
@@ -76,11 +69,11 @@ def test_batch_size_search_picks_the_fastest_batch_that_fits(planned):
     limit = uniform(analysis, captured, devices, "full_shard", batch=16).peak_memory_bytes
     candidates = [1, 2, 4, 8, 16, 32, 64]
     limited = Devices(world_size=8, memory_bytes=limit)
-    found = search_batch_size(analysis, candidates, devices=limited,
-                              memory_limit_bytes=limit, optimizer="adamw")
+    found = search_batch_size(analysis, candidates, StepSetting(limited, optimizer="adamw"),
+                              limit)
     chosen, strategies = found.batch_size, found.strategies
     plan = predict(analysis, build_plan(strategies, param_specs(captured), world_size=8),
-                   devices=limited, optimizer="adamw", batch_size=chosen)
+                   StepSetting(limited, optimizer="adamw", batch_size=chosen))
     assert plan.peak_memory_bytes <= limit
     best = plan.prediction.batch_size * 8 / plan.step_time_s
     for b in candidates:
@@ -97,8 +90,9 @@ def test_nothing_fits_at_any_batch_size(planned):
     captured, inputs, _, _ = planned
     tiny = 64 * 1024
     with pytest.raises(PlanError, match="at any of the batch sizes"):
-        make_plan(captured, inputs, plan=None, devices=Devices(world_size=8, memory_bytes=tiny),
-                  memory_limit_bytes=tiny, optimizer="adamw", batch_sizes=[1, 2])
+        plan_model(captured, inputs, None,
+                   StepSetting(Devices(world_size=8, memory_bytes=tiny), optimizer="adamw"),
+                   SearchOptions(batch_sizes=(1, 2)))
 
 
 def test_predictions_are_functions_of_the_batch_size(planned):
@@ -127,8 +121,8 @@ def two_nodes():
 
 
 def search(analysis, devices):
-    return search_strategies(analysis, devices=devices, memory_limit_bytes=devices.memory_bytes,
-                             optimizer="adamw")
+    return search_strategies(analysis, StepSetting(devices, optimizer="adamw"),
+                             devices.memory_bytes)
 
 
 def test_search_picks_hybrid_shard_when_inter_node_links_are_slow(two_nodes):

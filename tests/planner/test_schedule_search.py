@@ -21,22 +21,23 @@ from osdp_fx.core.buckets import (
     candidate_schedules,
 )
 from osdp_fx.cost_models.graph_facts import ParamState, sharded_gather_buckets
-from osdp_fx.cost_models.overlap import exposed_gather_s
+from osdp_fx.core.setting import StepSetting
+from osdp_fx.cost_models.overlap import TimedGather, exposed_gather_s
 from osdp_fx.cost_models.step import bucket_copy_s
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
 from osdp_fx.plan.request import build_plan
 from osdp_fx.planner.make import (
+    SearchOptions,
     analyze,
-    make_planned,
     param_specs,
     param_states,
+    plan_model,
     predict,
-    search_schedules,
 )
 from osdp_fx.planner.schedule_search import rank_schedules
-from osdp_fx.planner.search import block_gather_bytes
+from osdp_fx.planner.search import block_gather_bytes, search_schedules
 
 
 def _replay_step_by_step(compute_s, gathers):
@@ -69,19 +70,25 @@ def test_exposed_gather_time_equals_the_step_by_step_replay_to_the_bit():
             use = rnd.randint(0, n + 2)  # some used past the last step: never waited for
             gathers.append((rnd.randint(0, use), use, rnd.random() * 2e-3))
         gathers.sort(key=lambda g: (g[0], g[1]))
-        assert exposed_gather_s(compute, gathers) == _replay_step_by_step(compute, gathers)
+        assert exposed_gather_s(compute, _timed(gathers)) == _replay_step_by_step(compute,
+                                                                                  gathers)
+
+
+def _timed(gathers):
+    """(issued at, used at, seconds) triples as the replay's records."""
+    return [TimedGather(*g) for g in gathers]
 
 
 def test_exposed_gather_time_of_a_two_lane_replay():
     compute = [1.0, 1.0, 1.0]
     # at its use: the computation waits for all of each gather
-    assert exposed_gather_s(compute, [(0, 0, 0.5), (1, 1, 0.5), (2, 2, 0.5)]) == 1.5
+    assert exposed_gather_s(compute, _timed([(0, 0, 0.5), (1, 1, 0.5), (2, 2, 0.5)])) == 1.5
     # started one step ahead: the first waits, the others hide under a step of compute
-    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 1, 0.5), (1, 2, 0.5)]) == 0.5
+    assert exposed_gather_s(compute, _timed([(0, 0, 0.5), (0, 1, 0.5), (1, 2, 0.5)])) == 0.5
     # a gather longer than the compute in between is hidden only in part
-    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 1, 2.0)]) == 0.5 + 1.0
+    assert exposed_gather_s(compute, _timed([(0, 0, 0.5), (0, 1, 2.0)])) == 0.5 + 1.0
     # one link: two gathers started together run one after the other
-    assert exposed_gather_s(compute, [(0, 0, 0.5), (0, 2, 1.5), (0, 2, 1.5)]) == 0.5 + 1.0
+    assert exposed_gather_s(compute, _timed([(0, 0, 0.5), (0, 2, 1.5), (0, 2, 1.5)])) == 0.5 + 1.0
 
 
 def _gpt(dim: int = 64):
@@ -94,7 +101,7 @@ def _gpt(dim: int = 64):
 def _predicted(analysis, strategy: str, schedule: Schedule):
     specs = param_specs(analysis.captured)
     plan = build_plan({s.name: strategy for s in specs}, specs, world_size=4, schedule=schedule)
-    return predict(analysis, plan, devices=Devices(world_size=4), optimizer="adamw")
+    return predict(analysis, plan, StepSetting(Devices(world_size=4), optimizer="adamw"))
 
 
 def test_deeper_prefetch_costs_memory_and_saves_predicted_time():
@@ -131,7 +138,7 @@ def test_a_bucket_pays_for_copying_its_members_through_its_flat_buffers():
     slow, fast = (predict(analysis, build_plan(
         {s.name: "full_shard" for s in param_specs(analysis.captured)},
         param_specs(analysis.captured), world_size=4, schedule=Schedule(1, 2**21)),
-        devices=Devices(world_size=4, memory_bandwidth_bytes_per_s=b), optimizer="adamw")
+        StepSetting(Devices(world_size=4, memory_bandwidth_bytes_per_s=b), optimizer="adamw"))
         for b in (1e8, 1e12))
     # one bucket of 1.6 MiB gathered over 4 ranks, re-gathered, reduced: about 12 MiB moved
     extra = slow.prediction.comm_s - fast.prediction.comm_s
@@ -148,20 +155,20 @@ def test_smaller_all_reduce_buckets_pay_more_latency():
 def test_the_schedule_search_ranks_distinct_plans_that_fit():
     analysis = _gpt()
     limit = 2202009
-    found = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
-                             memory_limit_bytes=limit, optimizer="adamw", alternatives=True)
+    setting = StepSetting(Devices(world_size=4, memory_bytes=limit), optimizer="adamw")
+    found = search_schedules(analysis, setting, limit, alternatives=True)
     times = [f.step_s for f in found]
     assert times == sorted(times) and len(found) >= 3
     plans = [predict(analysis, build_plan(f.found.strategies, param_specs(analysis.captured),
                                           world_size=4, schedule=f.schedule,
                                           recompute=f.found.recompute),
-                     devices=Devices(world_size=4), optimizer="adamw")
+                     StepSetting(Devices(world_size=4), optimizer="adamw"))
              for f in found]
     assert all(p.peak_memory_bytes <= limit for p in plans)
     assert len({p.hash() for p in plans}) == len(plans)
     assert [p.step_time_s for p in plans] == pytest.approx(times)
-    only = search_schedules(analysis, devices=Devices(world_size=4, memory_bytes=limit),
-                            memory_limit_bytes=limit, optimizer="adamw", prefetch=0)
+    only = search_schedules(analysis, setting.with_schedule(Schedule(prefetch=0)), limit,
+                            vary_prefetch=False)
     assert {f.schedule.prefetch for f in only} == {0}
     assert len(candidate_schedules()) == 12 and candidate_schedules()[0] == Schedule()
     assert Schedule(2, 2**20) in candidate_schedules()
@@ -229,12 +236,11 @@ def test_a_limit_the_most_sharded_plan_fits_always_gets_a_plan():
 
     analysis = _gpt()
     devices = Devices(world_size=4)
-    lowest, _ = _activation_base(analysis, devices=devices, optimizer="adamw",
-                                 batch_size=None, schedule=Schedule(1))
+    lowest, _ = _activation_base(analysis, StepSetting(devices, optimizer="adamw",
+                                                       schedule=Schedule(1)))
     for extra in range(1, 6):
         limit = int(lowest / (1 - MEMORY_MARGIN)) + extra
-        strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
-                                       optimizer="adamw")
+        strategies = search_strategies(analysis, StepSetting(devices, optimizer="adamw"), limit)
         assert set(strategies.values()) <= {"full_shard", "replicate", "shard_grad_op"}
 
 
@@ -255,12 +261,11 @@ def test_recompute_false_searches_without_recomputation():
                                   recompute=recompute)
 
     limit = int((peak({}) + peak({r: "full" for r in regions})) / 2 / 0.97)
-    kw = dict(devices=Devices(world_size=4, memory_bytes=limit), memory_limit_bytes=limit,
-              optimizer="adamw")
-    recompute = search_schedules(analysis, **kw)[0].found.recompute
+    setting = StepSetting(Devices(world_size=4, memory_bytes=limit), optimizer="adamw")
+    recompute = search_schedules(analysis, setting, limit)[0].found.recompute
     assert recompute
     with pytest.raises(PlanError):
-        search_schedules(analysis, recompute=False, **kw)
+        search_schedules(analysis, setting, limit, recompute=False)
 
 
 def test_the_search_offers_gather_buckets_of_one_transformer_block():
@@ -280,8 +285,7 @@ def test_the_search_offers_gather_buckets_of_one_transformer_block():
     # bucket per block is the predicted fastest
     limit = int(_predicted(analysis, "full_shard", Schedule(1, block)).peak_memory_bytes / 0.9)
     slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
-    found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
-                             optimizer="adamw")
+    found = search_schedules(analysis, StepSetting(slow_links, optimizer="adamw"), limit)
     assert found[0].schedule.gather_bucket_bytes == block, found[0].schedule
 
 
@@ -298,8 +302,7 @@ def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_sear
     assert one.step_time_s == two.step_time_s
     limit = int((one.peak_memory_bytes + two.peak_memory_bytes) / 2 / 0.97)
     slow_links = Devices(world_size=4, memory_bytes=limit, intra_node_latency_s=0.05)
-    found = search_schedules(analysis, devices=slow_links, memory_limit_bytes=limit,
-                             optimizer="adamw")
+    found = search_schedules(analysis, StepSetting(slow_links, optimizer="adamw"), limit)
     # the exact search's fastest plan (uniform shard_grad_op, which the search also offers,
     # fits here too and is predicted faster still: local_search.refine)
     mixed = [f for f in found if len(set(f.found.strategies.values())) > 1]
@@ -319,8 +322,8 @@ def test_a_named_strategy_gathers_one_block_per_collective_as_fsdp2(dim):
     x = torch.randint(0, 256, (4, 32))
     devices = Devices(world_size=4)
     for strategy in ("shard_grad_op", "full_shard"):
-        planned = make_planned(capture(model, (x,)), (x,), plan=strategy, devices=devices,
-                               memory_limit_bytes=None, optimizer="adamw", fake=True)
+        planned = plan_model(capture(model, (x,)), (x,), strategy,
+                             StepSetting(devices, optimizer="adamw"), SearchOptions(fake=True))
         plan, analysis = planned.plan, planned.analysis
         block = block_gather_bytes(analysis, world_size=4)
         assert plan.schedule == Schedule(1, max(block, 2**20), scatters_in_flight=1), strategy
@@ -341,8 +344,8 @@ def test_a_named_strategy_without_blocks_keeps_the_peak_of_small_buckets():
     x = torch.randn(8, 256)
     devices = Devices(world_size=4)
     for strategy in ("shard_grad_op", "full_shard"):
-        planned = make_planned(capture(model, (x,)), (x,), plan=strategy, devices=devices,
-                               memory_limit_bytes=None, optimizer="adamw", fake=True)
+        planned = plan_model(capture(model, (x,)), (x,), strategy,
+                             StepSetting(devices, optimizer="adamw"), SearchOptions(fake=True))
         plan, analysis = planned.plan, planned.analysis
         assert block_gather_bytes(analysis, world_size=4) is None
         default = _predicted(analysis, strategy, Schedule()).peak_memory_bytes
@@ -363,8 +366,8 @@ def test_largest_first_shards_the_fewest_largest_groups_that_fit():
     replicated = _predicted(analysis, "replicate", Schedule()).peak_memory_bytes
     limit = (replicated + _predicted(analysis, "full_shard", Schedule()).peak_memory_bytes) // 2
     devices = Devices(world_size=4, memory_bytes=limit)
-    found = largest_first(analysis, devices=devices, memory_limit_bytes=limit, optimizer="adamw",
-                          schedules=[Schedule()])
+    setting = StepSetting(devices, optimizer="adamw")
+    found = largest_first(analysis, setting, limit, [Schedule()])
     assert [f.found.strategies[by_size[0].name] for f in found] == ["full_shard",
                                                                     "shard_grad_op"]
     for f in found:
@@ -376,12 +379,10 @@ def test_largest_first_shards_the_fewest_largest_groups_that_fit():
         def peak(k: int) -> int:
             plan = build_plan({s.name: strategies[by_size[0].name] if i < k else "replicate"
                                for i, s in enumerate(by_size)}, specs, world_size=4)
-            return predict(analysis, plan, devices=devices,
-                           optimizer="adamw").peak_memory_bytes
+            return predict(analysis, plan, setting).peak_memory_bytes
 
         assert peak(k) <= limit < peak(k - 1)
-    beyond = search_beyond_margin(analysis, devices=devices, memory_limit_bytes=limit,
-                                  optimizer="adamw", faster_than_s=float("inf"))
+    beyond = search_beyond_margin(analysis, setting, limit, faster_than_s=float("inf"))
     times = [f.step_s for f in beyond]
     assert times == sorted(times) and len(beyond) >= len(found)
 
@@ -396,10 +397,10 @@ def test_block_bytes_count_parameters_read_through_their_casts():
     x = torch.randint(0, 256, (4, 32))
     blocks = {}
     for mp in (None, "bf16"):
-        planned = make_planned(capture(model, (x,)), (x,), plan="full_shard",
-                               devices=Devices(world_size=4), memory_limit_bytes=None,
-                               optimizer="adamw", fake=True,
-                               precision=resolve_mixed_precision(mp))
+        planned = plan_model(capture(model, (x,)), (x,), "full_shard",
+                             StepSetting(Devices(world_size=4), optimizer="adamw",
+                                         precision=resolve_mixed_precision(mp)),
+                             SearchOptions(fake=True))
         blocks[mp] = block_gather_bytes(planned.analysis, world_size=4)
         assert planned.plan.schedule.gather_bucket_bytes == blocks[mp], mp
     assert blocks["bf16"] == blocks[None] > 2**20

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from osdp_fx.core.buckets import Schedule
 from osdp_fx.core.devices import Devices
 from osdp_fx.core.regions import POLICIES, find_regions
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.core.strategies import FULL_SHARD, REPLICATE, SHARD_GRAD_OP
 from osdp_fx.cost_models.recompute import region_costs
 from osdp_fx.cost_models.step import predict_step_time
@@ -44,6 +45,7 @@ from osdp_fx.planner.search import search_plan
 OPTIMIZER = "adamw"
 DEVICES = Devices(world_size=2)
 SCHEDULE = Schedule()
+SETTING = StepSetting(DEVICES, optimizer=OPTIMIZER, schedule=SCHEDULE)
 MATRICES = ("qkv.weight", "proj.weight", "fc.weight", "out.weight")
 
 
@@ -101,10 +103,8 @@ def test_joint_search_equals_brute_force(case, share):
     limit = int((low + share * (high - low)) / (1 - 0.03)) + 1
     fitting = [s for s in scores if s[0] <= plannable_bytes(limit)]
     try:
-        found = search_plan(analysis, devices=DEVICES, memory_limit_bytes=limit,
-                            optimizer=OPTIMIZER, schedule=SCHEDULE, fixed={
-                                n: REPLICATE for n, p in analysis.captured.params.items()
-                                if not p.trainable})
+        found = search_plan(analysis, SETTING, limit, fixed={
+            n: REPLICATE for n, p in analysis.captured.params.items() if not p.trainable})
         strategies, recompute = found.strategies, found.recompute
     except PlanError:
         assert not fitting, (min(fitting, key=lambda s: s[1])[:2], limit)
@@ -120,9 +120,8 @@ def _check_bounds(analysis, groups, scores):
     options = {n: [REPLICATE, SHARD_GRAD_OP, FULL_SHARD] if n in groups else [REPLICATE]
                for n in analysis.captured.params}
     regions = region_costs(analysis.facts, DEVICES)
-    bounds = step_time_bounds(analysis, options, regions, devices=DEVICES, optimizer=OPTIMIZER,
-                              schedule=SCHEDULE, scale=1.0)
-    floors = peak_floor_bytes(analysis, options, regions, devices=DEVICES, optimizer=OPTIMIZER)
+    bounds = step_time_bounds(analysis, options, regions, SETTING, scale=1.0)
+    floors = peak_floor_bytes(analysis, options, regions, SETTING)
     shape = [len(o) for o in options.values()] + [len(o) for o in regions.values()]
     for peak, seconds, strategies, recompute in scores:
         index = [options[n].index(strategies[n]) for n in options] + [
