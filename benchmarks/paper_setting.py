@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from osdp_fx.core.devices import Devices  # noqa: E402
 from osdp_fx.core.precision import resolve_mixed_precision  # noqa: E402
+from osdp_fx.core.setting import StepSetting  # noqa: E402
 from osdp_fx.examples import GPTWithLoss, TinyGPT  # noqa: E402
 from osdp_fx.passes.capture import capture  # noqa: E402
 from osdp_fx.plan.request import resolve_plan  # noqa: E402
-from osdp_fx.planner.make import make_planned, param_specs, predict  # noqa: E402
+from osdp_fx.planner.make import SearchOptions, param_specs, plan_model, predict  # noqa: E402
 from osdp_fx.units import format_bytes  # noqa: E402
 
 GiB = 2**30
@@ -67,16 +68,16 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     model, inputs = build(args.seq, 1, args.depth)
     captured = capture(model, inputs)
-    planned = make_planned(captured, inputs, plan=None, devices=devices,
-                           memory_limit_bytes=devices.memory_bytes, optimizer="adamw",
-                           fake=True, batch_sizes=batch_sizes, precision=precision)
+    setting = StepSetting(devices, optimizer="adamw", precision=precision)
+    planned = plan_model(captured, inputs, None, setting,
+                         SearchOptions(fake=True, batch_sizes=tuple(batch_sizes)))
     plan, analysis = planned.plan, planned.analysis
     rows = [("searched (osdp-fx)", plan)]
     for name, label in (("replicate", "all replicate (DDP)"), ("full_shard", "all full_shard (FSDP)")):
         uniform = resolve_plan(name, param_specs(captured), world_size=devices.world_size)
         best = None
         for b in batch_sizes:  # its own best batch size that fits
-            p = predict(analysis, uniform, devices=devices, optimizer="adamw", batch_size=b)
+            p = predict(analysis, uniform, setting.at_batch(b))
             if p.peak_memory_bytes <= devices.memory_bytes and (
                     best is None or b / p.step_time_s > best[0]):
                 best = (b / p.step_time_s, p)

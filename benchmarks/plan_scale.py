@@ -49,12 +49,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from osdp_fx import compile_osdp  # noqa: E402
 from osdp_fx.core.devices import Devices  # noqa: E402
 from osdp_fx.core.regions import find_regions  # noqa: E402
+from osdp_fx.core.setting import StepSetting  # noqa: E402
 from osdp_fx.cost_models.timeline import predict_step_memory  # noqa: E402
 from osdp_fx.examples import gpt2_48_layers_meta, hf_gpt2_meta  # noqa: E402
 from osdp_fx.passes.capture import capture  # noqa: E402
 from osdp_fx.planner.analysis import MEMORY_MARGIN, param_states  # noqa: E402
-from osdp_fx.planner.make import analyze, choose_splits, search_strategies  # noqa: E402
-from osdp_fx.planner.search import search_plan, search_schedules  # noqa: E402
+from osdp_fx.planner.make import analyze  # noqa: E402
+from osdp_fx.planner.search import (  # noqa: E402
+    choose_splits,
+    search_plan,
+    search_schedules,
+    search_strategies,
+)
 from osdp_fx.units import parse_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,13 +193,12 @@ def searches(world_size: int, limit: int) -> None:
     start = time.perf_counter()
     analysis = analyze(captured, inputs, fake=True)
     profile_s = time.perf_counter() - start
-    devices = Devices(world_size=world_size, memory_bytes=limit)
+    setting = StepSetting(Devices(world_size=world_size, memory_bytes=limit), optimizer="adamw")
     start = time.perf_counter()
-    splits = choose_splits(analysis, devices=devices, memory_limit_bytes=limit, optimizer="adamw")
+    splits = choose_splits(analysis, setting, limit)
     split_search_s = time.perf_counter() - start
     start = time.perf_counter()
-    strategies = search_strategies(analysis, devices=devices, memory_limit_bytes=limit,
-                                   optimizer="adamw")
+    strategies = search_strategies(analysis, setting, limit)
     search_s = time.perf_counter() - start
     counts: dict[str, int] = {}
     for s in strategies.values():
@@ -221,13 +226,12 @@ def joint_search(analysis, world_size: int) -> dict[str, object]:
     regions = find_regions(analysis.captured.gm.graph)
     low, high = peak({r: "full" for r in regions}), peak({})
     limit = int((low + high) / 2 / (1 - MEMORY_MARGIN))
-    devices = Devices(world_size=world_size, memory_bytes=limit)
-    kw = dict(devices=devices, memory_limit_bytes=limit, optimizer="adamw")
+    setting = StepSetting(Devices(world_size=world_size, memory_bytes=limit), optimizer="adamw")
     start = time.perf_counter()
-    recompute = search_plan(analysis, **kw).recompute
+    recompute = search_plan(analysis, setting, limit).recompute
     once_s = time.perf_counter() - start
     start = time.perf_counter()
-    ranked = search_schedules(analysis, **kw)
+    ranked = search_schedules(analysis, setting, limit)
     schedules_s = time.perf_counter() - start
     return {"joint_limit_bytes": limit, "full_shard_peak_bytes": high,
             "joint_regions_recomputed": len(recompute), "joint_search_seconds": round(once_s, 3),

@@ -17,13 +17,13 @@ from osdp_fx.core.devices import Devices
 from osdp_fx.core.node_meta import osdp_meta
 from osdp_fx.core.precision import resolve_mixed_precision
 from osdp_fx.core.presets import PRESETS, get_preset
+from osdp_fx.core.setting import StepSetting
 from osdp_fx.cost_models.compute import node_compute_time_s
 from osdp_fx.cost_models.step import attributed_compute_s
 from osdp_fx.errors import InputError
 from osdp_fx.passes.capture import capture
 from osdp_fx.passes.profile import NodeProfile, profile_graph_pass, summarize_profile
 from osdp_fx.plan.folded import folded_table
-from osdp_fx.core.setting import StepSetting
 from osdp_fx.planner.make import SearchOptions, plan_model
 
 ROOT = Path(__file__).resolve().parents[2]
