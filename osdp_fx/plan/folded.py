@@ -5,8 +5,8 @@ A GPT-2 XL plan has 580 parameter groups, 48 blocks of 12 that are the same but 
 c_attn.weight`` is ``model.transformer.h.12`` (the first all-digit name component whose
 container holds two or more indices), and blocks of one container whose members match (same
 relative names, shapes, dtypes, strategies, notes, bytes per rank and collectives: a
-:func:`param_signature`) make one pattern, printed as one line ``model.transformer.h.0-47``
-(indices need not be consecutive: ``h.0-30,32``). A container whose blocks all differ (an MLP
+:func:`param_signature`) make one pattern, printed as one line ``h.0-47`` (under the prefix
+common to every name, ``model.transformer.``; indices need not be consecutive: ``h.0-30,32``). A container whose blocks all differ (an MLP
 ``layers.0/1/2`` of different widths) folds nothing: its parameters keep a line each.
 
 :func:`folded_table` prints a Plan that way, with totals and the predicted peak memory by
@@ -30,10 +30,11 @@ from .table import params_line
 if TYPE_CHECKING:
     from .plan import ParamPlan, Plan
 
-__all__ = ["Fold", "fold", "folded_table", "format_indices", "param_signature"]
+__all__ = ["Fold", "common_prefix", "fold", "folded_table", "format_indices", "param_signature"]
 
 NAME_WIDTH = 40
-"""Longest name shown in the first column (longer ones lose their middle)."""
+"""Longest name shown in the first column (longer ones lose their start and keep their tail,
+after the prefix common to every name is dropped: :func:`common_prefix`)."""
 _SHORT = {"replicate": "rep", "shard_grad_op": "sgo", "full_shard": "fs",
           "hybrid_shard": "hs", "hierarchical": "hier"}
 """Strategy abbreviations, used when a block's strategy list would be too long."""
@@ -127,11 +128,26 @@ def param_signature(plan: Plan, p: ParamPlan) -> tuple[Any, ...]:
             tuple(map(str, fwd)), tuple(map(str, bwd)))
 
 
+def common_prefix(names: Sequence[str]) -> str:
+    """The leading components every name shares, with their dot ('base_model.model.' for a peft
+    model's parameters), never a name's last component; '' when there is none."""
+    parents = [name.split(".")[:-1] for name in names]
+    if not parents:
+        return ""
+    common: list[str] = []
+    for parts in zip(*parents):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return "".join(part + "." for part in common)
+
+
 def _short_name(name: str, width: int = NAME_WIDTH) -> str:
+    """``name``, or '...' and its last ``width - 3`` characters when it is longer than ``width``
+    (the tail tells a parameter from its neighbours)."""
     if len(name) <= width:
         return name
-    keep = width - 3
-    return name[:keep // 2] + "..." + name[len(name) - (keep - keep // 2):]
+    return "..." + name[len(name) - (width - 3):]
 
 
 def _count(n: float) -> str:
@@ -156,9 +172,15 @@ def _ms(values: list[float | None], blocks: int) -> str:
 
 
 def folded_table(plan: Plan, *, width: int = 120) -> str:
-    """The plan with repeated blocks folded (module docstring), in lines under ``width``: a
-    table too wide abbreviates its strategy lists, then shortens long names in the middle."""
+    """The plan with repeated blocks folded (module docstring), in lines under ``width``: names
+    lose the prefix common to all of them (the header says which), and a table too wide
+    abbreviates its strategy lists, then cuts long names at their start."""
     params = list(plan.params)
+    prefix = common_prefix([p.name for p in params])
+
+    def local(name: str) -> str:
+        return name[len(prefix):] if name.startswith(prefix) else name
+
     order = list(plan.counts())
     predicted = plan.prediction is not None
     lines_, tied = [], []
@@ -172,7 +194,7 @@ def folded_table(plan: Plan, *, width: int = 120) -> str:
         else:
             strategy = dict.fromkeys((False, True), p.strategy + (f" ({p.note})" if p.note else ""))
             if p.aliases:
-                tied.append(f"{p.name} = {', '.join(p.aliases)}")
+                tied.append(f"{local(p.name)} = {', '.join(map(local, p.aliases))}")
         moved = sum(st.nbytes for q in members for st in sum(plan.collectives_of(q), []))
         row = [str(len(f.blocks)) if f.folded else "", _count(sum(q.numel for q in members)),
                format_bytes(sum(q.shard_bytes(plan.world_size, plan.ranks_per_node)
@@ -181,7 +203,7 @@ def folded_table(plan: Plan, *, width: int = 120) -> str:
         if predicted:
             row += [_ms([q.compute_s for q in everyone], len(f.blocks)),
                     _ms([q.comm_s for q in everyone], len(f.blocks))]
-        label = f.label + ("*" if not f.folded and p.aliases else "")
+        label = local(f.label) + ("*" if not f.folded and p.aliases else "")
         lines_.append((label, strategy, row))
     head = ["parameters", "x", "strategy", "numel", "per rank", "moved"]
     if predicted:
@@ -205,7 +227,7 @@ def folded_table(plan: Plan, *, width: int = 120) -> str:
     abbreviated = any(strategy[False] != strategy[short or len(strategy[False]) >
                                                   STRATEGY_WIDTH]
                       for _, strategy, _ in lines_)
-    lines = _header(plan, width)
+    lines = _header(plan, width, prefix)
     lines.append(table)
     notes = ["x: blocks folded into the line (numel, bytes and times are per block); moved: "
              "bytes of collectives per step" + ("; compute, comm: predicted ms per step"
@@ -221,7 +243,7 @@ def folded_table(plan: Plan, *, width: int = 120) -> str:
     return "\n".join(lines)
 
 
-def _header(plan: Plan, width: int) -> list[str]:
+def _header(plan: Plan, width: int, prefix: str = "") -> list[str]:
     mesh = (f" = {plan.num_nodes} nodes x {plan.ranks_per_node} ranks"
             if plan.num_nodes > 1 else "")
     counts = ", ".join(f"{n} {s}" for s, n in plan.counts().items() if n)
@@ -234,6 +256,8 @@ def _header(plan: Plan, width: int) -> list[str]:
     text += (f"; prefetch {plan.schedule.prefetch}, buckets {format_bytes(plan.schedule.gather_bucket_bytes)} "
              f"(gather) / {format_bytes(plan.schedule.reduce_bucket_bytes)} (all-reduce), "
              f"{plan.schedule.scatters_in_flight} in flight")
+    if prefix:
+        text += f"; names under {prefix}"
     return textwrap.wrap(text, width=width - 1, subsequent_indent="  ")
 
 
