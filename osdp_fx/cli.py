@@ -104,13 +104,19 @@ def _devices_arg(args: argparse.Namespace) -> Any:
     """The Devices of ``--devices`` (a preset name or a Devices JSON file; the defaults when
     not given) for ``--world-size`` ranks, ``--ranks-per-node`` when given, under the limit of
     ``--memory`` when given (``devices_for``: else the devices', else the CPU's default)."""
+    import os
+
     from .core.devices import Devices
-    from .core.presets import PRESETS
+    from .core.presets import PRESETS, unknown_preset_message
+    from .errors import InputError
     from .planner.detect import devices_for
     from .units import parse_bytes
 
     if args.devices in PRESETS:
         devices = Devices.preset(args.devices, world_size=args.world_size)
+    elif args.devices and not os.path.exists(args.devices):
+        raise InputError(unknown_preset_message(args.devices, "--devices: neither a file nor a "
+                                                "device preset:"))
     else:
         devices = Devices.from_json(args.devices) if args.devices else Devices()
     memory = getattr(args, "memory", None)
@@ -146,10 +152,10 @@ def plan_command(args: argparse.Namespace) -> int:
     from .units import format_bytes
 
     start = time.perf_counter()
+    devices = _devices_arg(args)  # a misspelt --devices fails before the model is built
     with progress.task("build model"):
         model, inputs = load_factory(args.factory)
     torch.set_num_threads(args.threads)
-    devices = _devices_arg(args)
     limit = devices.memory_bytes
     # Figures of hardware one describes give node times by roofline, never this machine's clock.
     fake = args.fake or args.devices is not None
@@ -333,7 +339,7 @@ def devices_command(args: argparse.Namespace) -> int:
     wrapped(f"{preset.name}: {preset.summary}")
     wrapped(f"efficiencies: compute {preset.compute_efficiency:.3f}, memory "
             f"{preset.memory_efficiency:.2f}, links {preset.link_efficiency:.3f} (osdp_fx/"
-            "presets.py, [Note: preset efficiencies])")
+            "core/presets.py, [Note: preset efficiencies])")
     if preset.notes:
         wrapped(f"notes: {preset.notes}")
     print("sources:")

@@ -215,3 +215,14 @@ def test_the_readme_example_runs_and_resumes_as_written(tmp_path):
         assert proc.returncode == 0, proc.stdout[-6000:]
         assert f"after step {steps}: loss" in proc.stdout, proc.stdout[-3000:]
         assert "Plan for world size 2" in proc.stdout
+
+
+def test_every_module_path_the_docs_name_exists():
+    """Every ``osdp_fx/<path>.py`` README.md and docs/*.md mention is a file (a module that moved,
+    ``osdp_fx/presets.py`` to ``osdp_fx/core/presets.py``, leaves no stale path behind)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {(page.name, path) for page in pages
+             for path in re.findall(r"osdp_fx/[\w/]+\.py", page.read_text())}
+    assert len(named) > 5  # the check sees the paths
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).is_file())
+    assert not missing, "\n".join(missing)

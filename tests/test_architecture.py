@@ -135,3 +135,10 @@ def test_every_module_is_in_the_architecture_doc():
     missing = [m for m, path in MODULES.items() if path.name != "__init__.py"
                and str(path.relative_to(PACKAGE)) not in doc]
     assert not missing, missing
+
+
+def test_test_files_have_distinct_names():
+    """pytest imports test files by their base name (the test folders are not packages), so two
+    files of one name in different folders fail to collect together (``import file mismatch``)."""
+    names = sorted(p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py"))
+    assert not {n for n in names if names.count(n) > 1}

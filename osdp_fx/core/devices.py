@@ -29,6 +29,19 @@ DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_
 """Dtype names ``Devices.compute_flops_per_s_by_dtype`` takes (torch's, without 'torch.')."""
 
 
+_POSITIVE_RATES = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s",
+                   "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
+_NON_NEGATIVE_TIMES = ("intra_node_latency_s", "inter_node_latency_s", "selective_op_time_s")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class Devices:
     """The devices a plan is made for. Figures are per rank unless a name says otherwise."""
@@ -85,10 +98,11 @@ class Devices:
     unless stated, e.g. to plan offline for a gloo world."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if not _is_int(self.world_size) or self.world_size < 1:
             raise InputError(f"Devices.world_size must be a positive int, got {self.world_size!r}")
         if self.ranks_per_node is not None and (
-            self.ranks_per_node < 1 or self.world_size % self.ranks_per_node
+            not _is_int(self.ranks_per_node) or self.ranks_per_node < 1
+            or self.world_size % self.ranks_per_node
         ):
             raise InputError(
                 f"Devices.ranks_per_node={self.ranks_per_node} must divide world_size="
@@ -98,6 +112,16 @@ class Devices:
         if self.memory_bytes is not None:
             object.__setattr__(self, "memory_bytes", parse_bytes(self.memory_bytes))
         _check_margin(self.memory_margin)
+        for name in _POSITIVE_RATES:
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < float("inf"):
+                raise InputError(f"Devices.{name} must be a positive, finite number, got "
+                                 f"{value!r}")
+        for name in _NON_NEGATIVE_TIMES:
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < float("inf"):
+                raise InputError(f"Devices.{name} must be a non-negative, finite number of "
+                                 f"seconds, got {value!r}")
         _check_collective_links(self.collective_links)
         for name, keys, low, what in (
                 ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),

@@ -37,6 +37,7 @@ NIC). This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 from ..errors import InputError
@@ -235,15 +236,29 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 """Every preset by name."""
 
 
+def closest_presets(name: str) -> list[str]:
+    """The presets ``name`` most likely meant: those it begins (``h100``: both H100 presets),
+    else the closest by spelling (difflib), else none."""
+    key = name.strip().lower()
+    starting = [p for p in PRESETS if key and p.startswith(key)]
+    return starting or difflib.get_close_matches(key, list(PRESETS), n=1)
+
+
+def unknown_preset_message(name: str, what: str = "unknown device preset") -> str:
+    """'unknown device preset NAME; did you mean ...? presets are ...' and the fixes."""
+    close = closest_presets(name)
+    guess = f"; did you mean {' or '.join(map(repr, close))}?" if close else ";"
+    return (f"{what} {name!r}{guess} presets are {', '.join(PRESETS)} (python -m "
+            "osdp_fx devices lists them), or give a Devices JSON file (Devices.to_json; "
+            "python -m osdp_fx devices NAME --json FILE writes one to edit)")
+
+
 def get_preset(name: str) -> Preset:
-    """The preset called ``name``; InputError listing the names otherwise."""
+    """The preset called ``name``; InputError listing the names (and the closest) otherwise."""
     try:
         return PRESETS[name]
     except KeyError:
-        raise InputError(
-            f"unknown device preset {name!r}; presets are {', '.join(PRESETS)} (python -m "
-            "osdp_fx devices lists them), or give a Devices JSON file (Devices.to_json)"
-        ) from None
+        raise InputError(unknown_preset_message(name)) from None
 
 
 def preset_figures(name: str, *, world_size: int | None = None,

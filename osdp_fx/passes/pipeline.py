@@ -127,8 +127,8 @@ class GraphPass(PassBase):
         gm = result.graph_module
         gm.meta[PROPERTIES_KEY], gm.meta[HISTORY_KEY] = after, ran
         self.ensures(gm)
-        log.info("pass %s: %s in %.3f s", self.name,
-                 "modified" if result.modified else "no change", time.perf_counter() - start)
+        log.debug("pass %s: %s in %.3f s", self.name,
+                  "modified" if result.modified else "no change", time.perf_counter() - start)
         return result
 
     def requires(self, graph_module: fx.GraphModule) -> None:

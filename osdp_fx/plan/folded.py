@@ -6,8 +6,9 @@ c_attn.weight`` is ``model.transformer.h.12`` (the first all-digit name componen
 container holds two or more indices), and blocks of one container whose members match (same
 relative names, shapes, dtypes, strategies, notes, bytes per rank and collectives: a
 :func:`param_signature`) make one pattern, printed as one line ``h.0-47`` (under the prefix
-common to every name, ``model.transformer.``; indices need not be consecutive: ``h.0-30,32``). A container whose blocks all differ (an MLP
-``layers.0/1/2`` of different widths) folds nothing: its parameters keep a line each.
+common to every name, ``model.transformer.``; indices need not be consecutive:
+``h.0-30,32``). A container whose blocks all differ (an MLP ``layers.0/1/2`` of different
+widths) folds nothing: its parameters keep a line each.
 
 :func:`folded_table` prints a Plan that way, with totals and the predicted peak memory by
 category, in lines under ``width`` columns; ``Plan.table()`` (``str(plan)``) keeps the full
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["Fold", "common_prefix", "fold", "folded_table", "format_indices", "param_signature"]
 
 NAME_WIDTH = 40
-"""Longest name shown in the first column (longer ones lose their start and keep their tail,
-after the prefix common to every name is dropped: :func:`common_prefix`)."""
+"""Names are cut to this many characters (losing their start, keeping their tail) before
+strategy lists are abbreviated, when a table is too wide; the prefix common to every name is
+dropped first (:func:`common_prefix`)."""
 _SHORT = {"replicate": "rep", "shard_grad_op": "sgo", "full_shard": "fs",
           "hybrid_shard": "hs", "hierarchical": "hier"}
 """Strategy abbreviations, used when a block's strategy list would be too long."""
@@ -130,7 +132,9 @@ def param_signature(plan: Plan, p: ParamPlan) -> tuple[Any, ...]:
 
 def common_prefix(names: Sequence[str]) -> str:
     """The leading components every name shares, with their dot ('base_model.model.' for a peft
-    model's parameters), never a name's last component; '' when there is none."""
+    model's parameters), never a name's last component nor the container of an index (what
+    is left never starts with a block index: 'layers.0.weight' keeps 'layers.'); '' when there
+    is none."""
     parents = [name.split(".")[:-1] for name in names]
     if not parents:
         return ""
@@ -139,6 +143,8 @@ def common_prefix(names: Sequence[str]) -> str:
         if any(part != parts[0] for part in parts):
             break
         common.append(parts[0])
+    while common and any(name.split(".")[len(common)].isdigit() for name in names):
+        common.pop()
     return "".join(part + "." for part in common)
 
 
@@ -215,11 +221,15 @@ def folded_table(plan: Plan, *, width: int = 120) -> str:
                 for label, strategy, row in lines_]
         return tabulate(rows, headers=head, disable_numparse=True)
 
-    name_width, short = NAME_WIDTH, False
+    # names as long as they are, down to NAME_WIDTH, then strategies abbreviated, then names
+    # down to 16 characters, until the table fits
+    name_width, short = max([NAME_WIDTH, *(len(label) for label, _, _ in lines_)]), False
     table = render(name_width, short)
     while max(map(len, table.splitlines())) >= width and (not short or name_width > 16):
         excess = max(map(len, table.splitlines())) - width + 1
-        if not short:
+        if name_width > NAME_WIDTH:
+            name_width = max(NAME_WIDTH, name_width - excess)
+        elif not short:
             short = True
         else:
             name_width = max(16, name_width - excess)

@@ -352,8 +352,8 @@ def _search(
             lambda f: plan_step_s(analysis, f.strategies, f.recompute, setting))
         counts = ", ".join(f"{n} {s}" for s in STRATEGIES
                            if (n := sum(v == s for v in found.strategies.values())))
-        log.info("search: %s, %d regions recomputed, limit %s", counts, len(found.recompute),
-                 format_bytes(memory_limit_bytes))
+        log.debug("search candidate: %s, %d regions recomputed, limit %s", counts,
+                  len(found.recompute), format_bytes(memory_limit_bytes))
         return found
     if lowest_peak <= target:  # the tightening gave up, but the most sharded plan fits
         return Found({n: FULL_SHARD if sharding_helps else REPLICATE for n in names}

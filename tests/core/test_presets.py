@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,26 @@ def test_devices_command_lists_and_writes_presets(tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "NVIDIA H100 Tensor Core GPU datasheet" in shown and "MAMF" in shown
     assert Devices.from_json(path) == Devices.preset("h100-sxm-8x", world_size=16)
+    # the file it names exists where it says
+    named = set(re.findall(r"osdp_fx/[\w/]+\.py", " ".join(shown.split()).replace("/ ", "/")))
+    assert named and all((ROOT / n).is_file() for n in named), named
+
+
+@pytest.mark.parametrize("given, closest", [
+    ("h200", None),
+    ("h100", "'h100-sxm-8x' or 'h100-pcie-8x'"),
+    ("a100-sxm-80gb", "'a100-sxm-80gb-8x'"),
+])
+def test_a_devices_that_is_neither_preset_nor_file_lists_the_presets(given, closest, capsys):
+    """``--devices h200``: no H200 preset and no such file; the error lists the presets (and
+    the closest when there is one) before the model is built, instead of a file not read."""
+    assert main(["plan", "no/such/factory.py:f", "--devices", given]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"neither a file nor a device preset: {given!r}" in err, err
+    assert all(name in err for name in PRESETS) and "cannot read" not in err, err
+    assert ("did you mean " + closest in err) if closest else "did you mean" not in err, err
+    with pytest.raises(InputError, match="did you mean 'l4-8x'"):
+        get_preset("l4-4x")
 
 
 def test_every_option_has_help_and_plan_help_shows_an_example():
@@ -163,8 +184,9 @@ def test_gpt2_xl_folded_plan_fits_in_40_lines(gpt2_xl_at_1024_h100s):
     lines = folded_table(plan).splitlines()
     assert len(plan.params) == 580
     assert len(lines) <= 40 and max(map(len, lines)) <= 120, "\n".join(lines)
-    assert any(line.startswith("model.transformer.h.") and "-" in line.split()[0]
+    assert any(line.startswith("h.") and "-" in line.split()[0]
                for line in lines)  # the 48 blocks are folded
+    assert "names under model.transformer." in " ".join(lines)  # the prefix every name shares
 
 
 def test_h100_preset_against_llm_foundrys_published_fsdp_throughput():

@@ -8,12 +8,13 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from osdp_fx.core.devices import Devices
 from osdp_fx.core.setting import StepSetting
 from osdp_fx.examples import MLP, GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
-from osdp_fx.plan.folded import fold, folded_table, format_indices
+from osdp_fx.plan.folded import common_prefix, fold, folded_table, format_indices
 from osdp_fx.plan.request import build_plan
 from osdp_fx.planner.make import SearchOptions, param_specs, plan_model
 
@@ -88,13 +89,15 @@ def test_folded_view_of_a_planned_gpt():
     text = folded_table(plan)
     lines = text.splitlines()
     assert max(map(len, lines)) < 120, text
-    rows = {line.split()[0]: line for line in lines if line.startswith("model.")}
+    assert "names under model." in text  # every name's common prefix, dropped from the rows
+    rows = {line.split()[0]: line for line in lines
+            if line.startswith(("blocks.", "tok.", "pos.", "ln_f."))}
     # blocks 0, 1, 3, 4, 5 share a pattern; block 2 (its fc replicated) is listed by member
-    assert "model.blocks.0-1,3-5" in rows
-    folded = rows["model.blocks.0-1,3-5"].split()
-    assert folded[1] == "5" and "11 replicate, 1 full_shard" in rows["model.blocks.0-1,3-5"]
-    assert "model.blocks.2.fc.weight" in rows and "model.blocks.2.ln1.weight" in rows
-    assert "model.tok.weight*" in rows and "* tied: model.tok.weight = model.head.weight" in text
+    assert "blocks.0-1,3-5" in rows
+    folded = rows["blocks.0-1,3-5"].split()
+    assert folded[1] == "5" and "11 replicate, 1 full_shard" in rows["blocks.0-1,3-5"]
+    assert "blocks.2.fc.weight" in rows and "blocks.2.ln1.weight" in rows
+    assert "tok.weight*" in rows and "* tied: tok.weight = head.weight" in text
     assert "peak memory by category: " in text and "predicted per rank" in text
     # str(plan) is still the full table, one row per group
     full = str(plan)
@@ -107,7 +110,7 @@ def test_times_do_not_stop_folding_but_are_averaged_per_block():
     params = tuple(dataclasses.replace(p, compute_s=(p.compute_s or 0) * (1 + i * 1e-3))
                    for i, p in enumerate(plan.params))  # measured times differ a little
     text = folded_table(dataclasses.replace(plan, params=params))
-    row = next(line for line in text.splitlines() if line.startswith("model.blocks.0-2"))
+    row = next(line for line in text.splitlines() if line.startswith("blocks.0-2"))
     blocks = [p for p in params if p.name.startswith("model.blocks.")]
     assert float(row.split()[-2]) == pytest.approx(
         sum(p.compute_s for p in blocks) * 1e3 / 3, abs=1e-3)
@@ -121,3 +124,75 @@ def test_a_model_without_repeated_blocks_prints_every_parameter():
     for s in specs:
         assert any(line.startswith(s.name) for line in text.splitlines()), s.name
     assert "layers.0-" not in text and "comm" not in text.splitlines()[1]  # nothing predicted
+
+
+class _LoraLinear(nn.Module):
+    """peft's naming: ``base_layer``, ``lora_A.default``, ``lora_B.default``."""
+
+    def __init__(self, dim: int, r: int = 2):
+        super().__init__()
+        self.base_layer = nn.Linear(dim, dim, bias=False)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(dim, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, dim, bias=False)})
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+class _PeftLike(nn.Module):
+    """``base_model.model.model.layers.N.self_attn.q_proj...`` and ``base_model.model.lm_head``,
+    as ``get_peft_model`` names a Llama's parameters."""
+
+    def __init__(self, dim: int = 16, depth: int = 4):
+        super().__init__()
+        layers = nn.ModuleList()
+        for _ in range(depth):
+            layer = nn.Module()
+            layer.self_attn = nn.Module()
+            layer.self_attn.q_proj = _LoraLinear(dim)
+            layers.append(layer)
+        causal_lm = nn.Module()
+        causal_lm.model = nn.Module()
+        causal_lm.model.layers = layers
+        causal_lm.lm_head = nn.Linear(dim, dim, bias=False)
+        self.base_model = nn.Module()
+        self.base_model.model = causal_lm
+
+    def forward(self, x):
+        for layer in self.base_model.model.model.layers:
+            x = layer.self_attn.q_proj(x)
+        return self.base_model.model.lm_head(x)
+
+
+def test_peft_names_drop_their_common_prefix_and_keep_their_tail():
+    captured = capture(_PeftLike(), (torch.randn(2, 16),))
+    specs = param_specs(captured)
+    names = [s.name for s in specs]
+    assert common_prefix(names) == "base_model.model."
+    # layer 2's adapters planned apart: its members get a line each, under their long names
+    plan = build_plan({n: "full_shard" if ".2." in n and "lora_" in n else "replicate"
+                       for n in names}, specs, world_size=4)
+    text = folded_table(plan)
+    header, table = text.split("\nparameters ", 1)
+    assert "names under base_model.model." in " ".join(map(str.strip, header.splitlines()))
+    rows = table.splitlines()[2:]
+    assert not any("base_model.model." in row for row in rows), text
+    assert any(row.startswith("model.layers.0-1,3 ") for row in rows), text
+    assert any(row.startswith("lm_head.weight ") for row in rows), text
+    # a name longer than the column loses its start and keeps its tail, never its middle
+    lora_a = "model.layers.2.self_attn.q_proj.lora_A.default.weight"
+    assert any(row.startswith(lora_a + " ") for row in rows), text  # 120 columns: it fits
+    narrow = folded_table(plan, width=80)
+    assert max(map(len, narrow.splitlines())) < 80, narrow
+    cut = [row.split()[0] for row in narrow.splitlines() if row.startswith("...")]
+    assert cut and all(any(n.endswith(c[3:]) for n in names) for c in cut), narrow
+
+
+def test_common_prefix_is_whole_components_and_never_a_last_one():
+    assert common_prefix(["a.b.c.weight", "a.b.d.weight"]) == "a.b."
+    assert common_prefix(["ab.weight", "ac.weight"]) == ""  # not a part of a component
+    assert common_prefix(["a.weight"]) == "a."
+    assert common_prefix(["weight", "a.weight"]) == ""
+    assert common_prefix([]) == ""
+    assert common_prefix(["layers.0.weight", "layers.1.weight"]) == ""  # no name starts '0.'
+    assert common_prefix(["m.layers.0.w", "m.layers.1.w"]) == "m."

@@ -189,7 +189,8 @@ def test_plan_command_plans_a_hugging_face_model_built_on_meta(capsys):
             if line.startswith(("searched", "all "))}
     searched, fsdp = rows["searched (osdp-fx)"], rows["all full_shard (FSDP)"]
     assert searched[-1] == "yes" and float(searched[2]) <= float(fsdp[3]) * (1 + 1e-6)
-    assert "model.transformer.wte.weight" in out
+    assert "names under model.transformer." in out
+    assert any(line.startswith("wte.weight") for line in out.splitlines())
 
 
 def test_plan_command_compares_with_fsdp_and_ddp_checkpointed_where_they_do_not_fit(capsys):
