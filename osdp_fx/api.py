@@ -34,8 +34,16 @@ from .passes.shard import ShardParameters
 from .plan.plan import Plan
 from .plan.request import PlanRequest
 from .planner.autotune import autotune_plans, check_autotune
-from .planner.cache import CachedPlan, PlanCache, cache_dir, plan_key
-from .planner.detect import devices_for, measured
+from .planner.cache import (
+    DEVICES_FOLDER,
+    CachedPlan,
+    DevicesCache,
+    PlanCache,
+    cache_dir,
+    devices_key,
+    plan_key,
+)
+from .planner.detect import devices_for, measured, with_figures
 from .planner.make import SearchOptions, plan_model
 from .runtime.collectives import WORLD, broadcast_, group_rank, group_size
 from .runtime.hierarchy import init_mesh, ranks_per_node_for
@@ -86,7 +94,10 @@ def compile_osdp(
             arguments (a single tensor is accepted; ``()`` with ``example_kwargs``). Batch
             (dimension 0) and sequence length (dimension 1) may differ from call to call.
         devices: the cluster; None means the current default process group (world size 1 when
-            torch.distributed is not initialised). Its ``ranks_per_node`` sets the mesh of
+            torch.distributed is not initialised), its figures measured on the machine it runs
+            on (``detect_devices``, collective) and kept next to the plan cache (``plan_cache``)
+            so that a restart does not measure again; ``compiled.plan.prediction.figures`` says
+            where the figures came from. Its ``ranks_per_node`` sets the mesh of
             nodes x ranks per node that hybrid_shard and hierarchical use; without it, torchrun's
             ``LOCAL_WORLD_SIZE``, else one node (``docs/multi-node.md``).
         plan: a strategy for every parameter (``"replicate"``, ``"shard_grad_op"``,
@@ -179,8 +190,8 @@ def compile_osdp(
     if cached is not None:  # planned before: the saved plan, named
         request, devices = PlanRequest("file", path=str(cached.path), data=cached.plan), \
             cached.devices
-    elif request.kind == "search" and given is None:
-        devices = measured(devices)  # collective
+    elif given is None:
+        devices = _measured_devices(devices, plan_cache, device)  # collective
     setting = dataclasses.replace(setting, devices=devices)
     with progress.stage("plan (profile, search)" if request.kind == "search"
                         else "plan (profile)", log, times):
@@ -275,6 +286,27 @@ def _cached_plan(plan_cache: Any, request: PlanRequest, captured: Captured,
     log.info("plan cache: %s", f"using {cached.path}" if cached is not None
              else f"no plan in {directory} for this model, inputs, devices and options")
     return cache, key, cached
+
+
+def _measured_devices(devices: Devices, plan_cache: Any, device: torch.device) -> Devices:
+    """``devices`` (the world asked for) with the figures of the machine it runs on (collective):
+    rank 0's cached measurement of this machine, world and backend when the cache holds one
+    (``planner/cache.py``, next to the plans), else measured now (``detect_devices``) and
+    cached by rank 0."""
+    directory = cache_dir(plan_cache)
+    store = DevicesCache(directory / DEVICES_FOLDER) if directory is not None else None
+    key = ""
+    if store is not None:
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else ""
+        key = devices_key(devices, backend=backend, device=device)
+        found = _decided_on_rank0(lambda: store.get(key))
+        if found is not None:
+            log.info("devices: the figures measured before on this machine, %s", found.path)
+            return with_figures(devices, found.devices)
+    result = measured(devices)
+    if store is not None and (group_rank(WORLD) if devices.world_size > 1 else 0) == 0:
+        log.info("devices: measured, kept as %s", store.put(key, result))
+    return result
 
 
 def _prepare_graph(captured: Captured, plan: Plan, inputs: tuple[Any, ...],

@@ -149,6 +149,17 @@ class Devices:
         return hash(tuple(frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     @property
+    def figures(self) -> str:
+        """Where the figures come from, as a plan reports it: ``"detected"`` (measured on the
+        running machine), ``"preset:<name>"``, ``"defaults"`` (``Devices()``'s, CPU-like) or
+        ``"given"`` (written by hand)."""
+        if self.source:
+            return self.source
+        default = _DEFAULTS
+        same = all(getattr(self, name) == getattr(default, name) for name in _FIGURES)
+        return "defaults" if same else "given"
+
+    @property
     def num_nodes(self) -> int:
         return self.world_size // (self.ranks_per_node or self.world_size)
 
@@ -234,3 +245,10 @@ def device_memory_bytes(device: Any = None) -> int:
 
         return int(torch.cuda.mem_get_info(device)[1])
     return DEFAULT_CPU_MEMORY_BYTES
+
+
+_FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "optimizer_element_time_s",
+            "optimizer_tensor_time_s", "compute_flops_per_s_by_dtype")
+"""The fields of :class:`Devices` that are rates and times (not the world or the limit)."""
+
+_DEFAULTS = Devices()

@@ -211,6 +211,9 @@ class Prediction:
                                               batch))
     regions: tuple[RegionPrediction, ...] = ()
     """The recomputed regions: what each saves and recomputes."""
+    figures: str = ""
+    """Where the rates the time was predicted with come from (``Devices.figures``): "detected",
+    "preset:<name>", "defaults" or "given"."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

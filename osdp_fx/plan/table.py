@@ -68,6 +68,7 @@ def plan_table(plan: Any) -> str:
         pr = plan.prediction
         lines.append(
             f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}"
+            + (f", figures {pr.figures}" if pr.figures else "")
             + (f" x sequence {pr.seq_len}" if pr.seq_len else "")
             + (f", memory of {pr.grad_accumulation} micro-batches per step with no_sync"
                if pr.grad_accumulation > 1 else "") + "): step "

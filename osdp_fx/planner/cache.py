@@ -20,6 +20,11 @@ An entry holds the plan's JSON (``docs/plan-format.md``) and the ``Devices`` it 
 (measured ones included), so that a hit predicts with the same figures. Rank 0 looks the key up
 and every rank takes its answer; rank 0 writes an entry, atomically, once the plan is final.
 
+The same directory keeps, in its ``devices/`` folder (:class:`DevicesCache`), what
+``compile_osdp`` measured of the machine when it was given no ``Devices``: keyed by the host, the
+device, the world and its backend, and the code that measures (:func:`devices_key`), so that a
+restart plans with the same figures without measuring again.
+
 Where: ``compile_osdp(plan_cache=...)`` (a directory; False: off), else the environment
 variable ``OSDP_FX_PLAN_CACHE`` (a directory; ``off`` or ``0``: off), else
 ``$XDG_CACHE_HOME/osdp_fx/plans`` (``~/.cache/osdp_fx/plans``).
@@ -32,6 +37,7 @@ import functools
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -133,18 +139,77 @@ class PlanCache:
             if entry.get("key") != key:
                 return None
             return CachedPlan(path, entry["plan"], Devices(**entry["devices"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, InputError):
             return None
 
     def put(self, key: str, plan: Plan, devices: Devices) -> Path | None:
         """Write the entry of ``key`` (atomically); None when the directory is not writable."""
+        return _write_entry(self.path(key), {"key": key, "plan": plan.to_dict(),
+                                             "devices": dataclasses.asdict(devices)})
+
+
+def _write_entry(path: Path, entry: dict[str, Any]) -> Path | None:
+    """Write ``entry`` as JSON at ``path`` atomically (a temporary file, then a rename); None
+    when its directory is not writable."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entry, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
+DEVICES_FOLDER = "devices"
+"""The subdirectory of the plan cache that keeps measured devices (:class:`DevicesCache`)."""
+
+
+def devices_key(devices: Devices, *, backend: str, device: torch.device) -> str:
+    """The key of a measurement (``detect_devices``) of this machine for the world of
+    ``devices``: the host's name, the device's kind and name and the CPU threads torch uses,
+    the world's size, ranks per node and backend, and the code that measures (the versions of
+    osdp-fx and torch and :func:`code_digest`)."""
+    facts = {
+        "versions": [VERSION, torch.__version__, code_digest()],
+        "host": socket.gethostname(),
+        "device": [device.type, torch.cuda.get_device_name(device)
+                   if device.type == "cuda" else "", torch.get_num_threads()],
+        "world": [devices.world_size, devices.ranks_per_node, backend],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedDevices:
+    """One measurement in the cache."""
+
+    path: Path
+    devices: Devices
+
+
+class DevicesCache:
+    """Measured devices by :func:`devices_key`, in one directory (the plan cache's
+    :data:`DEVICES_FOLDER`): a restart of the same job on the same machines does not measure
+    again, and plans with the same figures."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key[:32]}.json"
+
+    def get(self, key: str) -> CachedDevices | None:
+        """The measurement of ``key``, or None (absent or unreadable: then it is measured)."""
         path = self.path(key)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": key, "plan": plan.to_dict(),
-                                       "devices": dataclasses.asdict(devices)}, indent=1))
-            os.replace(tmp, path)
-        except OSError:
+            entry = json.loads(path.read_text())
+            if entry.get("key") != key:
+                return None
+            return CachedDevices(path, Devices(**entry["devices"]))
+        except (OSError, ValueError, KeyError, TypeError, InputError):
             return None
-        return path
+
+    def put(self, key: str, devices: Devices) -> Path | None:
+        """Write the measurement of ``key`` (atomically); None when not writable."""
+        return _write_entry(self.path(key), {"key": key, "devices": dataclasses.asdict(devices)})

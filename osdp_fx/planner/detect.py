@@ -453,14 +453,18 @@ def measured(devices: Devices) -> Devices:
     """``devices`` (of :func:`devices_for`) with the figures ``detect_devices`` measures on the
     current default process group instead of its own, its world, memory limit and copies kept,
     and its ranks per node when it names them (else the nodes detection finds from host names).
-    Collective; measured once per group. A world of one rank has nothing to measure: the
-    defaults stand."""
-    if devices.world_size <= 1:
-        return devices
-    found = _detected(devices.world_size, devices.ranks_per_node)
-    return dataclasses.replace(found, world_size=devices.world_size,
+    Collective; measured once per process group (in a world of one process without one, once
+    per process)."""
+    return with_figures(devices, _detected(devices.world_size, devices.ranks_per_node))
+
+
+def with_figures(devices: Devices, figures: Devices) -> Devices:
+    """The rates and times of ``figures`` (``detect_devices``'s, or a cached measurement) for
+    the world of ``devices``: its world size, memory limit and copies kept, its ranks per node
+    when it names them (else the measurement's)."""
+    return dataclasses.replace(figures, world_size=devices.world_size,
                                memory_bytes=devices.memory_bytes,
-                               ranks_per_node=devices.ranks_per_node or found.ranks_per_node,
+                               ranks_per_node=devices.ranks_per_node or figures.ranks_per_node,
                                reduce_scatter_copies_input=devices.reduce_scatter_copies_input)
 
 

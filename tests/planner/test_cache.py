@@ -108,3 +108,50 @@ def test_rank_0_decides_for_every_rank(worlds, tmp_path):
     alone = cache_cases.compile_twice(0, 1, cache=str(tmp_path))
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert alone["hashes"][0] == alone["hashes"][1]
+
+
+def test_without_devices_the_machine_is_measured_once_and_kept(tmp_path, caplog, monkeypatch):
+    """``devices=None``: the figures are measured on this machine (``detect_devices``), the
+    plan says so, and the measurement is kept next to the plans: a restart (a new process:
+    here the in-process figures forgotten) reads it instead of measuring again."""
+    from osdp_fx.planner import detect
+
+    calls = []
+    real = detect.detect_devices
+    monkeypatch.setattr(detect, "detect_devices", lambda **kw: calls.append(kw) or real(**kw))
+    monkeypatch.setattr(detect, "_detected_devices", {})
+
+    def compile_mlp():
+        torch.manual_seed(0)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="osdp_fx.api"):
+            return compile_osdp(MLP((32, 64, 8)), (torch.randn(4, 32),), plan="replicate",
+                                plan_cache=tmp_path)
+
+    first = compile_mlp()
+    assert len(calls) == 1
+    assert first.plan.prediction.figures == "detected"
+    assert "figures detected" in str(first.plan)
+    kept = list((tmp_path / "devices").glob("*.json"))
+    assert len(kept) == 1
+
+    monkeypatch.setattr(detect, "_detected_devices", {})  # a new process
+    second = compile_mlp()
+    assert len(calls) == 1  # not measured again
+    assert any(f"measured before on this machine, {kept[0]}" in r.getMessage()
+               for r in caplog.records)
+    assert second.plan.prediction.step_time_s == first.plan.prediction.step_time_s
+
+
+def test_given_devices_are_not_measured_and_say_where_they_come_from(monkeypatch):
+    from osdp_fx.planner import detect
+
+    monkeypatch.setattr(detect, "detect_devices", lambda **kw: pytest.fail("measured"))
+    net, x = MLP((32, 64, 8)), torch.randn(4, 32)
+    assert compile_osdp(net, (x,), Devices(), plan="replicate",
+                        plan_cache=False).plan.prediction.figures == "defaults"
+    assert compile_osdp(net, (x,), Devices(compute_flops_per_s=3e11), plan="replicate",
+                        plan_cache=False).plan.prediction.figures == "given"
+    assert compile_osdp(net, (x,), Devices.preset("h100-sxm-8x", world_size=1),
+                        plan="replicate", plan_cache=False).plan.prediction.figures == (
+                            "preset:h100-sxm-8x")
