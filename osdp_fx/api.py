@@ -190,13 +190,15 @@ def compile_osdp(
     if cached is not None:  # planned before: the saved plan, named
         request, devices = PlanRequest("file", path=str(cached.path), data=cached.plan), \
             cached.devices
-    elif given is None:
-        devices = _measured_devices(devices, plan_cache, device)  # collective
-    setting = dataclasses.replace(setting, devices=devices)
+    measure = None if cached is not None or given is not None else functools.partial(
+        _measured_devices, plan_cache=plan_cache, device=device)  # collective
     with progress.stage("plan (profile, search)" if request.kind == "search"
                         else "plan (profile)", log, times):
-        planned = plan_model(captured, inputs, request, setting, options,
-                             decide=_decided_on_rank0)
+        planned = plan_model(captured, inputs, request,
+                             dataclasses.replace(setting, devices=devices), options,
+                             decide=_decided_on_rank0, measure=measure)
+    setting = planned.setting
+    devices = setting.devices
     _prepare_graph(captured, planned.plan, inputs, times)
     candidates = (planned.plan, *planned.alternatives)
     _agree(captured, candidates, on_meta=on_meta, device=device)
@@ -288,7 +290,7 @@ def _cached_plan(plan_cache: Any, request: PlanRequest, captured: Captured,
     return cache, key, cached
 
 
-def _measured_devices(devices: Devices, plan_cache: Any, device: torch.device) -> Devices:
+def _measured_devices(devices: Devices, *, plan_cache: Any, device: torch.device) -> Devices:
     """``devices`` (the world asked for) with the figures of the machine it runs on (collective):
     rank 0's cached measurement of this machine, world and backend when the cache holds one
     (``planner/cache.py``, next to the plans), else measured now (``detect_devices``) and

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.buckets import LARGE_GATHER_BUCKET_BYTES, Schedule
+from ..core.devices import Devices
 from ..core.precision import dtype_name
 from ..core.setting import StepSetting
 from ..core.strategies import traits
@@ -89,17 +90,20 @@ class SearchOptions:
 @dataclasses.dataclass(frozen=True)
 class Planned:
     """What planning a model returns: the plan in force, the alternatives autotuning may
-    measure (``SearchOptions.candidates`` > 1), and the analysis they were predicted from (for
-    predicting other plans of the same model, as ``python -m osdp_fx plan`` compares)."""
+    measure (``SearchOptions.candidates`` > 1), the analysis they were predicted from (for
+    predicting other plans of the same model, as ``python -m osdp_fx plan`` compares), and the
+    step they were planned for (its devices measured, when ``plan_model`` was asked to)."""
 
     plan: Plan
     alternatives: tuple[Plan, ...]
     analysis: Analysis
+    setting: StepSetting
 
 
 def plan_model(captured: Captured, example_inputs: tuple[Any, ...], plan: PlanSpec,
                setting: StepSetting, options: SearchOptions = SearchOptions(), *,
-               decide: Decide = _here) -> Planned:
+               decide: Decide = _here,
+               measure: Callable[[Devices], Devices] | None = None) -> Planned:
     """The plan of ``plan`` (the user's ``plan=``, or its :class:`PlanRequest`) for the captured
     model in a step as ``setting`` says, predicted.
 
@@ -109,11 +113,15 @@ def plan_model(captured: Captured, example_inputs: tuple[Any, ...], plan: PlanSp
     ``setting.devices.memory_bytes``, first which linears to split into how many parts
     (``options.split``, world size > 1; the graph is split in place), then a strategy per
     parameter group with the recomputed regions and the schedule (``search_schedules``), jointly
-    over ``options.batch_sizes`` when given. ``decide`` runs each searched choice. Memory is
-    predicted for steps of ``setting.grad_accumulation`` micro-batches and at
+    over ``options.batch_sizes`` when given. ``decide`` runs each searched choice; ``measure``
+    gives the step's devices their measured figures (collective: after a named plan is resolved,
+    so that one that does not fit the model fails on every rank before any collective). Memory
+    is predicted for steps of ``setting.grad_accumulation`` micro-batches and at
     ``options.max_shape`` ([Note: input shapes])."""
     request = PlanRequest.parse(plan)
     named = None if request.kind == "search" else resolve_named(captured, request, setting)
+    if measure is not None:
+        setting = dataclasses.replace(setting, devices=measure(setting.devices))
     analysis = _profile(captured, example_inputs, setting, options, search=named is None,
                         decide=decide)
     if named is None:
@@ -132,7 +140,7 @@ def plan_model(captured: Captured, example_inputs: tuple[Any, ...], plan: PlanSp
         params=tuple(dataclasses.replace(p, strategy=alt.found.strategies[p.name])
                      for p in resolved.params)), setting.at_batch(None))
         for alt in found.alternatives)
-    return Planned(planned, others, analysis)
+    return Planned(planned, others, analysis, setting)
 
 
 def resolve_named(captured: Captured, request: PlanRequest, setting: StepSetting) -> Plan:
