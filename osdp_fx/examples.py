@@ -94,15 +94,32 @@ def gpt2_48_layers_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randint(0, 50257, (1, 1024), device="meta"),)
 
 
-def mpt_1b_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """A GPT of the shape of llm-foundry's MPT-1b benchmark (24 layers, hidden 2048, 16 heads,
-    vocab 50368, learned positions, biases, tied embedding: 1,315,950,592 parameters, the count
-    its benchmark table gives) at sequence 2048 and micro batch 14 per rank, its 8 x H100
-    FULL_SHARD configuration; built on the meta device (docs/benchmarks.md validates the
-    h100-sxm-8x preset on it)."""
+MPT_SHAPES: dict[str, tuple[int, int, int]] = {
+    "125m": (768, 12, 12), "350m": (1024, 24, 16), "760m": (1536, 24, 12),
+    "1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
+    "30b": (7168, 48, 64), "70b": (8192, 80, 64),
+}
+"""(hidden size, layers, heads) of llm-foundry's MPT benchmark models, by name."""
+
+
+def mpt_meta(name: str, *, seq: int = 2048,
+             batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A GPT of the shape of llm-foundry's MPT model ``name`` (:data:`MPT_SHAPES`; vocab 50368,
+    learned positions, biases, a tied embedding: the parameter count its benchmark tables give
+    at each sequence length) at sequence ``seq`` and micro batch ``batch`` per rank, built on
+    the meta device (``benchmarks/published.py`` predicts the published rows with it)."""
+    dim, depth, heads = MPT_SHAPES[name]
     with torch.device("meta"):
-        model = GPTWithLoss(TinyGPT(vocab=50368, dim=2048, depth=24, heads=16, max_seq=2048))
-    return model, (torch.randint(0, 50368, (14, 2048), device="meta"),)
+        model = GPTWithLoss(TinyGPT(vocab=50368, dim=dim, depth=depth, heads=heads,
+                                    max_seq=seq))
+    return model, (torch.randint(0, 50368, (batch, seq), device="meta"),)
+
+
+def mpt_1b_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """MPT-1b (24 layers, hidden 2048, 16 heads: 1,315,950,592 parameters) at sequence 2048 and
+    micro batch 14 per rank, its 8 x H100 FULL_SHARD configuration (:func:`mpt_meta`;
+    docs/benchmarks.md validates the h100-sxm-8x preset on it)."""
+    return mpt_meta("1b", seq=2048, batch=14)
 
 
 def hf_gpt2_xl_meta() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
