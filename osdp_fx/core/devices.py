@@ -61,9 +61,12 @@ class Devices:
     intra_node_latency_s: float = 5e-5
     """Fixed cost of one collective step inside a node."""
     inter_node_bandwidth_bytes_per_s: float = 1.25e9
-    """Per-rank bus bandwidth of collectives across nodes."""
+    """Bandwidth of one rank's network link across nodes. A collective over one rank per node
+    runs at it; a ring over several ranks of every node spreads its crossings over all of a
+    node's links, at ``min(intra_node_bandwidth_bytes_per_s, ranks_per_node x this)``
+    ([Note: rings across nodes] in ``cost_models/communication.py``)."""
     inter_node_latency_s: float = 1e-4
-    """Fixed cost of one collective step across nodes."""
+    """Fixed cost of one collective step across nodes (a ring's crossing steps)."""
     collective_links: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Link figures of one collective in one scope, where it runs unlike the scope's figures
     above: keys ``"<scope>.<collective>"`` (scope ``intra_node`` or ``inter_node``; collective

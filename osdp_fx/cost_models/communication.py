@@ -9,8 +9,11 @@ sends ``n / p`` bytes per rank over a link of bandwidth ``B`` (bytes/s) and pays
 - all-reduce = reduce-scatter + all-gather:  ``2 (p-1)/p * n / B + 2 (p-1) * alpha``
 
 ``n`` is always the *total* (unsharded, padded) size of the tensor in bytes. ``B`` is the bus
-bandwidth one rank sees; a ring over ranks on several nodes goes as fast as its slowest link, so
-a group spanning nodes uses the inter-node figures of :class:`~osdp_fx.core.devices.Devices`.
+bandwidth one rank sees. A group inside one node runs at the intra-node figures of
+:class:`~osdp_fx.core.devices.Devices`; one rank per node (hybrid sharding's cross-node groups)
+at its inter-node figures, one rank's network link; a ring over several ranks of each of several
+nodes as NCCL runs it, its hops across nodes spread over every network link of a node
+([Note: rings across nodes], :func:`group_link`).
 
 All functions are pure; :func:`fit_link` inverts the model to turn measured collective times into
 a :class:`Link` (used by ``detect_devices``).
@@ -39,6 +42,8 @@ __all__ = [
     "collective_time_s",
     "fit_link",
     "group_link",
+    "network_link",
+    "scope_link",
     "reduce_scatter_time_s",
 ]
 
@@ -128,27 +133,68 @@ _TIME_FUNCTIONS = {
 }
 
 
-def group_link(
-    devices: Devices, collective: Collective, *, group_size: int | None = None,
-    spans_nodes: bool | None = None,
-) -> Link:
-    """The link figures ``collective`` over ``group_size`` ranks of ``devices`` runs at: its own
-    entry in ``devices.collective_links`` where there is one, else the scope's figures.
-
-    ``group_size`` defaults to the whole world. Ranks are assumed placed node by node, so a group
-    of consecutive ranks spans nodes when it is larger than ``devices.ranks_per_node``; pass
-    ``spans_nodes`` to say so explicitly (e.g. True for the ranks with the same local index on
-    every node, as in the cross-group all-reduce of hybrid sharding).
-    """
-    size = devices.world_size if group_size is None else group_size
-    if spans_nodes is None:
-        spans_nodes = devices.ranks_per_node is not None and size > devices.ranks_per_node
-    scope = "inter_node" if spans_nodes else "intra_node"
+def scope_link(devices: Devices, collective: Collective, scope: str) -> Link:
+    """The figures of one scope (``"intra_node"``: a node's links; ``"inter_node"``: one rank's
+    network link) for ``collective``: its own entry in ``devices.collective_links`` where there
+    is one, else the scope's figures."""
     own = devices.collective_links.get(f"{scope}.{collective}")
     if own is not None:
         return Link(own["bandwidth_bytes_per_s"], own["latency_s"])
     return Link(getattr(devices, f"{scope}_bandwidth_bytes_per_s"),
                 getattr(devices, f"{scope}_latency_s"))
+
+
+def group_link(
+    devices: Devices, collective: Collective, *, group_size: int | None = None,
+    spans_nodes: bool | None = None,
+) -> Link:
+    """The link figures ``collective`` over ``group_size`` ranks of ``devices`` runs at, one
+    ring step's latency and the bus bandwidth one rank sees (:func:`scope_link` per scope).
+
+    ``group_size`` defaults to the whole world. Ranks are assumed placed node by node, so a group
+    of consecutive ranks spans nodes when it is larger than ``devices.ranks_per_node``; pass
+    ``spans_nodes`` to say so explicitly (e.g. True for the ranks with the same local index on
+    every node, as in the cross-group all-reduce of hybrid sharding: a group spanning nodes that
+    is no larger than the number of nodes has one rank per node).
+
+    [Note: rings across nodes] NCCL runs a collective over ``R`` ranks of each of ``m`` nodes as
+    rings through every rank of a node in turn, one ring per channel, and routes the channels'
+    hops from node to node through different ranks' network links: the node's traffic to the
+    next node is spread over its ``R`` links, so the ring moves data at
+    ``min(B_intra, R * B_net)`` per rank (``B_net``: one rank's network link, the inter-node
+    figure), and of a ring's ``m R - 1`` steps ``m - 1`` cross nodes at the inter-node latency
+    and the others stay in a node (their latencies averaged over the steps here). This is the
+    ring bandwidth of NCCL's tuning model on NVSwitch nodes (meta-pytorch/autoparallel
+    ``cost_models/nccl_cost_model.py`` ports it) and its ring latency of intra- and inter-node
+    steps; trees and NVLS are not modelled.
+    """
+    size = devices.world_size if group_size is None else group_size
+    if spans_nodes is None:
+        spans_nodes = devices.ranks_per_node is not None and size > devices.ranks_per_node
+    if not spans_nodes:
+        return scope_link(devices, collective, "intra_node")
+    net = scope_link(devices, collective, "inter_node")
+    per_node = devices.ranks_per_node or size
+    nodes = size // per_node
+    if size <= devices.num_nodes or nodes < 2 or per_node < 2:
+        return net  # one rank per node: each crossing over one rank's link
+    intra = scope_link(devices, collective, "intra_node")
+    steps = size - 1
+    return Link(min(intra.bandwidth_bytes_per_s, per_node * net.bandwidth_bytes_per_s),
+                ((size - nodes) * intra.latency_s + (nodes - 1) * net.latency_s) / steps)
+
+
+def network_link(world: Link, intra: Link, *, world_size: int, ranks_per_node: int) -> Link:
+    """The network figures of one rank that make a ring over the whole world of ``world_size``
+    ranks, ``ranks_per_node`` a node, run at ``world`` (its measured bus bandwidth and mean
+    step latency) given the node's ``intra`` figures: :func:`group_link`'s rule inverted
+    ([Note: rings across nodes]). Its bandwidth is ``world``'s over the ranks of a node, so that
+    a ring of every rank of every node runs at ``world``'s again (or at the node's, when that is
+    less); its latency is what the ``nodes - 1`` crossing steps take beyond the others."""
+    nodes = world_size // ranks_per_node
+    crossing = (world.latency_s * (world_size - 1)
+                - (world_size - nodes) * intra.latency_s) / max(1, nodes - 1)
+    return Link(world.bandwidth_bytes_per_s / ranks_per_node, max(crossing, _MIN_LATENCY_S))
 
 
 def collective_time_s(

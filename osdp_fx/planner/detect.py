@@ -24,7 +24,7 @@ from typing import Any
 from ..core.devices import OPTIMIZERS, Devices, device_memory_bytes
 from ..core.presets import GPU_MEMORY_MARGIN
 from ..core.strategies import COLLECTIVES
-from ..cost_models.communication import CollectiveSample, fit_link
+from ..cost_models.communication import CollectiveSample, Link, fit_link, network_link
 from ..errors import InputError
 from ..units import parse_bytes
 
@@ -346,7 +346,9 @@ def _all_reduce_floats(
 
 
 def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, float]:
-    """Fit intra-node figures on this node's ranks and inter-node figures on the whole group."""
+    """Fit intra-node figures on this node's ranks, and on the whole group the ring that gives
+    each rank's inter-node (network) figures (``communication.network_link``: [Note: rings
+    across nodes])."""
     import torch.distributed as dist
 
     measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (scope, ranks, keys)
@@ -371,6 +373,7 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
     times = _all_reduce_floats(times, "max", group, device, True)
 
     figures: dict[str, Any] = {"collective_links": {}}
+    intra: dict[str, Link] = {}
     for scope, size, keys in measured:
         samples = [
             CollectiveSample(collective, nbytes, size, times.pop(0))  # type: ignore[arg-type]
@@ -381,6 +384,11 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
         # figures are the all-reduce's.
         for collective in COLLECTIVES:
             link = fit_link([x for x in samples if x.collective == collective])
+            if scope == "intra_node":
+                intra[collective] = link
+            else:  # the whole group's ring: one rank's network figures that give it
+                link = network_link(link, intra.get(collective, link), world_size=size,
+                                    ranks_per_node=ranks_per_node)
             figures["collective_links"][f"{scope}.{collective}"] = {
                 "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
             if collective == "all_reduce":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -17,6 +19,7 @@ from osdp_fx.cost_models.communication import (
     collective_time_s,
     fit_link,
     group_link,
+    network_link,
     reduce_scatter_time_s,
 )
 from osdp_fx.errors import InputError
@@ -49,14 +52,21 @@ def test_group_link_chooses_intra_or_inter_node() -> None:
                       intra_node_latency_s=1e-6, inter_node_bandwidth_bytes_per_s=1e10,
                       inter_node_latency_s=1e-5)
     intra, inter = Link(1e11, 1e-6), Link(1e10, 1e-5)
-    assert group_link(devices, "all_gather") == inter  # the world spans both nodes
+    # the world spans both nodes: NCCL's ring through every rank of a node, its two crossings
+    # spread over the node's four network links, one of its seven steps crossing nodes
+    ring = Link(min(1e11, 4 * 1e10), (6 * 1e-6 + 1 * 1e-5) / 7)
+    assert group_link(devices, "all_gather") == ring
     assert group_link(devices, "all_gather", group_size=4) == intra
+    # one rank per node: each crossing over that rank's own link
     assert group_link(devices, "all_reduce", group_size=2, spans_nodes=True) == inter
     assert group_link(Devices(world_size=8), "reduce_scatter", group_size=8) == Link(
         Devices().intra_node_bandwidth_bytes_per_s, Devices().intra_node_latency_s)
     n = 64e6
     assert collective_time_s("all_gather", n, devices) == pytest.approx(
-        all_gather_time_s(n, 8, bandwidth_bytes_per_s=1e10, latency_s=1e-5))
+        all_gather_time_s(n, 8, bandwidth_bytes_per_s=4e10, latency_s=ring.latency_s))
+    # slower links across nodes than the node's: the node's links bound the ring
+    fast_net = dataclasses.replace(devices, inter_node_bandwidth_bytes_per_s=5e10)
+    assert group_link(fast_net, "all_gather").bandwidth_bytes_per_s == 1e11
     assert collective_time_s("all_reduce", n, devices, group_size=4) == pytest.approx(
         all_reduce_time_s(n, 4, bandwidth_bytes_per_s=1e11, latency_s=1e-6))
     # a spanning group is slower than a node-local one of the same size
@@ -114,10 +124,14 @@ def test_collective_links_override_only_their_collective_and_scope(tmp_path) -> 
     assert collective_time_s("all_gather", n, measured, group_size=2) == pytest.approx(
         (2 - 1) / 2 * n / 1e9 + (2 - 1) * 1e-3)
     assert group_link(measured, "all_gather", group_size=2) == Link(1e9, 1e-3)
-    # every other collective, and the all-gather across nodes, at the scope's figures
-    for collective, size in (("reduce_scatter", 2), ("all_reduce", 2), ("all_gather", 4)):
+    # every other collective at the scope's figures
+    for collective, size in (("reduce_scatter", 2), ("all_reduce", 2), ("reduce_scatter", 4)):
         assert collective_time_s(collective, n, measured, group_size=size) == (
             collective_time_s(collective, n, plain, group_size=size))
+    # the all-gather across nodes runs through the node's links at their own figures
+    assert group_link(measured, "all_gather", group_size=4) == Link(
+        min(1e9, 2 * plain.inter_node_bandwidth_bytes_per_s),
+        (2 * 1e-3 + 1 * plain.inter_node_latency_s) / 3)
     measured.to_json(tmp_path / "devices.json")
     assert Devices.from_json(tmp_path / "devices.json") == measured
 
@@ -132,3 +146,21 @@ def test_collective_links_override_only_their_collective_and_scope(tmp_path) -> 
 def test_collective_links_are_checked(links, match) -> None:
     with pytest.raises(InputError, match=match):
         Devices(collective_links=links)
+
+
+@pytest.mark.parametrize("world_size, ranks_per_node", [(16, 8), (64, 8), (8, 2), (6, 1)])
+def test_network_link_inverts_the_ring_across_nodes(world_size, ranks_per_node) -> None:
+    """``detect_devices`` times a ring over the whole world and keeps one rank's network
+    figures (``network_link``): a ring over the whole world then runs at the timed figures
+    again, whatever the node's own."""
+    intra = Link(2e11, 3e-6)
+    timed = Link(6e10, 2e-5)
+    net = network_link(timed, intra, world_size=world_size, ranks_per_node=ranks_per_node)
+    devices = Devices(world_size=world_size, ranks_per_node=ranks_per_node,
+                      intra_node_bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s,
+                      intra_node_latency_s=intra.latency_s,
+                      inter_node_bandwidth_bytes_per_s=net.bandwidth_bytes_per_s,
+                      inter_node_latency_s=net.latency_s)
+    ring = group_link(devices, "all_reduce")
+    assert ring.bandwidth_bytes_per_s == pytest.approx(timed.bandwidth_bytes_per_s)
+    assert ring.latency_s == pytest.approx(timed.latency_s)

@@ -110,8 +110,9 @@ def test_predictions_are_functions_of_the_batch_size(planned):
 TWO_NODES = Devices(world_size=16, ranks_per_node=8, memory_bytes="1GiB",
                     compute_flops_per_s=1e14, memory_bandwidth_bytes_per_s=1e12,
                     intra_node_bandwidth_bytes_per_s=1e11, intra_node_latency_s=1e-5,
-                    inter_node_bandwidth_bytes_per_s=1.25e9, inter_node_latency_s=5e-5)
-"""2 nodes x 8 GPUs; the inter-node links 80x slower than the intra-node ones."""
+                    inter_node_bandwidth_bytes_per_s=1.25e7, inter_node_latency_s=5e-5)
+"""2 nodes x 8 GPUs; a ring across both nodes, its crossings spread over a node's 8 network
+links, 1000x slower than one inside a node ([Note: rings across nodes])."""
 
 
 @pytest.fixture(scope="module")
