@@ -219,8 +219,9 @@ def joint_search(analysis, world_size: int) -> dict[str, object]:
     def peak(recompute: dict[str, str]) -> int:
         states = param_states(analysis, {n: "full_shard" for n in analysis.captured.params})
         return predict_step_memory(analysis.captured.gm, states, analysis.facts,
-                                   devices=Devices(world_size=world_size),
-                                   optimizer="adamw", profiled_batch=analysis.batch_size,
+                                   setting=StepSetting(Devices(world_size=world_size),
+                                                       optimizer="adamw"),
+                                   profiled_batch=analysis.batch_size,
                                    recompute=recompute).peak_bytes
 
     regions = find_regions(analysis.captured.gm.graph)

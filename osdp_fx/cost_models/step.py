@@ -41,8 +41,9 @@ from collections.abc import Mapping
 import sympy
 from torch import fx
 
-from ..core.buckets import DEFAULT_BUCKET_BYTES, Schedule, plan_buckets
+from ..core.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from ..core.devices import Devices
+from ..core.setting import StepSetting
 from ..core.layout import shard_count
 from ..core.strategies import traits
 from ..plan.plan import collective_stages
@@ -236,16 +237,16 @@ def predict_step_time(
     params: Mapping[str, ParamState],
     facts: GraphFacts,
     *,
-    devices: Devices,
-    optimizer: str,
+    setting: StepSetting,
     profiled_batch: int,
     recompute: Mapping[str, str] | None = None,
-    schedule: Schedule = Schedule(),
 ) -> tuple[StepTime, dict[str, GroupCost]]:
-    """Step time of ``gm`` under the strategies in ``params`` and ``schedule``, and each
+    """Step time of ``gm`` under the strategies in ``params``, on ``setting``'s devices with its
+    optimizer and schedule, at the profiled batch (``StepTime.at_scale`` scales it), and each
     group's costs (without the overlap credit, which belongs to the step); the regions
     ``recompute`` names run their recomputed operators' forward once more in backward and
     re-gather every sharded parameter they read."""
+    devices, schedule = setting.devices, setting.schedule
     per_group, other_s = attributed_compute_s(facts, devices)
     spans = region_spans(facts, recompute or {})
     other_s += recompute_time_s(facts, spans, devices)
@@ -261,7 +262,7 @@ def predict_step_time(
         filled.update(dict.fromkeys(members, nbytes))
     costs = {
         name: group_cost(state, regathered=name in regathered, compute_s=per_group.get(name, 0.0),
-                         devices=devices, optimizer=optimizer,
+                         devices=devices, optimizer=setting.optimizer,
                          reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes))
         for name, state in params.items()
     }

@@ -79,10 +79,11 @@ from collections.abc import Mapping
 import torch
 from torch import fx
 
-from ..core.buckets import DEFAULT_SCHEDULE, Schedule
+from ..core.buckets import Schedule
 from ..core.devices import Devices
 from ..core.layout import shard_count
 from ..core.node_meta import NodeRole, osdp_meta
+from ..core.setting import StepSetting
 from ..core.strategies import traits
 from .envelope import BATCH  # noqa: F401  (BATCH re-exported)
 from .envelope import envelope as _envelope
@@ -589,11 +590,8 @@ def _step_timeline(
     gm: fx.GraphModule,
     params: Mapping[str, ParamState],
     facts: GraphFacts | None,
+    setting: StepSetting,
     *,
-    devices: Devices,
-    schedule: Schedule,
-    optimizer: str,
-    grad_accumulation: int,
     recompute: Mapping[str, str] | None,
     seq_scale: Mapping[str, tuple[float, ...]] | None,
 ) -> tuple[Timeline, dict[Category, int], tuple[tuple[float, str], ...], list[fx.Node], int]:
@@ -605,14 +603,15 @@ def _step_timeline(
     if seq_scale:  # every reader of the profile (recompute.py too) sees the scaled bytes
         facts = facts.derive(_rescaled_facts, seq_scale)
     regions = tuple(sorted((recompute or {}).items()))
-    step = _Step(facts, params, devices, schedule, optimizer, grad_accumulation,
-                 facts.derive(_region_spans, regions))
+    step = _Step(facts, params, setting.devices, setting.schedule, setting.optimizer,
+                 setting.grad_accumulation, facts.derive(_region_spans, regions))
     tl = facts.derive(_activations, regions).copy()
     base = {Category.PARAMETERS: constant_bytes(gm), Category.OPTIMIZER_STATE: 0}
     gathers = _gathers(step)
     local_bytes, replicated_ready, bucket_grads = _add_params(tl, step, gathers, base)
     _add_scatters(tl, step, _add_buckets(tl, step, gathers, bucket_grads))
-    if devices.world_size > 1:
+    if step.devices.world_size > 1:
+        schedule = step.schedule
         replicated_buckets(tl, params, replicated_ready, bucket_bytes=schedule.reduce_bucket_bytes,
                            in_flight=schedule.scatters_in_flight, end=step.grad_sync)
     _add_optimizer_step(tl, step, local_bytes)
@@ -626,12 +625,8 @@ def predict_step_memory(
     params: Mapping[str, ParamState],
     facts: GraphFacts | None = None,
     *,
-    devices: Devices,
-    schedule: Schedule = DEFAULT_SCHEDULE,
-    optimizer: str = "adamw",
+    setting: StepSetting,
     profiled_batch: int = 1,
-    batch_size: int | None = None,
-    grad_accumulation: int = 1,
     recompute: Mapping[str, str] | None = None,
     seq_scale: Mapping[str, tuple[float, ...]] | None = None,
 ) -> MemoryPrediction:
@@ -640,20 +635,20 @@ def predict_step_memory(
     ``gm`` is the normalised graph (parameters as ``get_attr`` nodes whose ``osdp_meta.param``
     names the group), profiled by ``profile_graph_pass`` at ``profiled_batch``; ``params`` maps
     each parameter group to its size and strategy; ``facts``: ``graph_facts`` of ``gm`` (an
-    ``Analysis`` holds them; None: derived here, once per call); ``batch_size`` scales
-    activations. ``devices``: the world size, the ranks per node (None: one node; they size
-    hybrid_shard's shards and hierarchical's stages) and whether a reduce-scatter copies a
-    gradient it is handed at its launch (``Devices.reduce_scatter_copies_input``);
-    ``schedule``: the prefetch distance, the two bucket sizes and the gradient collectives in
-    flight. ``grad_accumulation`` k > 1: a step is k micro-batches, the first k - 1 run inside
-    ``no_sync()`` (see "Gradient accumulation" in the module docstring); the peak is that of
-    the micro-batch that holds the most. ``recompute``: the regions recomputed, by policy;
+    ``Analysis`` holds them; None: derived here, once per call). ``setting``: the step; its
+    ``batch_size`` (None: ``profiled_batch``) scales activations; its devices give the world
+    size, the ranks per node (None: one node; they size hybrid_shard's shards and
+    hierarchical's stages) and whether a reduce-scatter copies a gradient it is handed at its
+    launch (``Devices.reduce_scatter_copies_input``); its schedule the prefetch distance, the
+    two bucket sizes and the gradient collectives in flight; its ``grad_accumulation`` k > 1: a
+    step is k micro-batches, the first k - 1 run inside ``no_sync()`` (see "Gradient
+    accumulation" in the module docstring), the peak that of the micro-batch that holds the
+    most. ``recompute``: the regions recomputed, by policy;
     ``seq_scale``: activations at another sequence length (``shapes.py``).
     """
-    tl, base, micros, nodes, optim_t = _step_timeline(
-        gm, params, facts, devices=devices, schedule=schedule, optimizer=optimizer,
-        grad_accumulation=grad_accumulation, recompute=recompute, seq_scale=seq_scale)
-    batch = batch_size or profiled_batch
+    tl, base, micros, nodes, optim_t = _step_timeline(gm, params, facts, setting,
+                                                      recompute=recompute, seq_scale=seq_scale)
+    batch = setting.batch_size or profiled_batch
     steady = _steady(tl, base, micros)
     # The first step: the optimizer allocates its state in its first step() (torch.optim's
     # lazy ``_init_group``), after backward, while the gradients are alive.
@@ -703,29 +698,24 @@ def _lines(steady: list[tuple[float, dict[Category, tuple[int, int]]]]) -> list[
 
 
 def predict_memory_lines(gm: fx.GraphModule, params: Mapping[str, ParamState],
-                         facts: GraphFacts | None = None, *, devices: Devices,
-                         schedule: Schedule = DEFAULT_SCHEDULE, optimizer: str = "adamw",
-                         grad_accumulation: int = 1, recompute: Mapping[str, str] | None = None,
+                         facts: GraphFacts | None = None, *, setting: StepSetting,
+                         recompute: Mapping[str, str] | None = None,
                          seq_scale: Mapping[str, tuple[float, ...]] | None = None,
                          ) -> tuple[tuple[int, int], ...]:
     """``predict_step_memory(...).lines`` (the same arguments) without the rest of the
     prediction: what the peak over shapes is fitted from (``shapes.peak_in_seq``)."""
-    tl, base, micros, _, _ = _step_timeline(
-        gm, params, facts, devices=devices, schedule=schedule, optimizer=optimizer,
-        grad_accumulation=grad_accumulation, recompute=recompute, seq_scale=seq_scale)
+    tl, base, micros, _, _ = _step_timeline(gm, params, facts, setting, recompute=recompute,
+                                            seq_scale=seq_scale)
     return tuple(_lines(_steady(tl, base, micros)))
 
 
 def predict_peak_bytes(gm: fx.GraphModule, params: Mapping[str, ParamState],
-                       facts: GraphFacts | None = None, *, devices: Devices,
-                       schedule: Schedule = DEFAULT_SCHEDULE, optimizer: str = "adamw",
-                       profiled_batch: int = 1, batch_size: int | None = None,
-                       grad_accumulation: int = 1, recompute: Mapping[str, str] | None = None,
+                       facts: GraphFacts | None = None, *, setting: StepSetting,
+                       profiled_batch: int = 1, recompute: Mapping[str, str] | None = None,
                        seq_scale: Mapping[str, tuple[float, ...]] | None = None) -> int:
     """``predict_step_memory(...).peak_bytes`` (the same arguments) without the rest of the
     prediction: what the searches check a candidate plan with."""
-    tl, base, micros, _, _ = _step_timeline(
-        gm, params, facts, devices=devices, schedule=schedule, optimizer=optimizer,
-        grad_accumulation=grad_accumulation, recompute=recompute, seq_scale=seq_scale)
-    batch = batch_size or profiled_batch
+    tl, base, micros, _, _ = _step_timeline(gm, params, facts, setting, recompute=recompute,
+                                            seq_scale=seq_scale)
+    batch = setting.batch_size or profiled_batch
     return max(tl.peak(base, micro, batch, profiled_batch) for _, micro in micros)

@@ -313,8 +313,7 @@ def plan_step(analysis: Analysis, strategies: Mapping[str, str],
     if step is None:
         step = analysis.steps[key] = predict_step_time(
             analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
-            devices=setting.devices, optimizer=setting.optimizer,
-            profiled_batch=analysis.batch_size, recompute=recompute, schedule=setting.schedule)
+            setting=setting, profiled_batch=analysis.batch_size, recompute=recompute)
     return step
 
 

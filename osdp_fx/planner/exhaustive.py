@@ -235,10 +235,8 @@ def exhaustive_search(
             continue
         peak = predict_peak_bytes(
             analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
-            devices=setting.devices, schedule=setting.schedule, optimizer=setting.optimizer,
-            profiled_batch=analysis.batch_size, batch_size=batch_size,
-            seq_scale=analysis.seq_scale(), grad_accumulation=setting.grad_accumulation,
-            recompute=recompute)
+            setting=setting.at_batch(batch_size), profiled_batch=analysis.batch_size,
+            seq_scale=analysis.seq_scale(), recompute=recompute)
         if peak <= target_bytes:
             best = (seconds, Found(strategies, recompute))
     return None if best is None else best[1]

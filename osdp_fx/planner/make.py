@@ -283,10 +283,9 @@ def _memory(analysis: Analysis, states: dict[str, Any], recompute: dict[str, str
     """The predicted memory of a step as ``setting`` says (its batch per rank: None, the
     planned one) under ``states``, at sequence length ``seq`` (None: the planned one)."""
     return predict_step_memory(
-        analysis.captured.gm, states, analysis.facts, devices=setting.devices,
-        schedule=setting.schedule, optimizer=setting.optimizer,
-        profiled_batch=analysis.batch_size, batch_size=setting.batch_size or analysis.plan_batch,
-        grad_accumulation=setting.grad_accumulation, recompute=recompute,
+        analysis.captured.gm, states, analysis.facts,
+        setting=setting.at_batch(setting.batch_size or analysis.plan_batch),
+        profiled_batch=analysis.batch_size, recompute=recompute,
         seq_scale=analysis.seq_scale(seq))
 
 
@@ -327,10 +326,8 @@ def predict(analysis: Analysis, plan: Plan, setting: StepSetting) -> Plan:
         seq = analysis.plan_seq or analysis.seq_len
         found = peak_in_seq(
             lambda s: predict_memory_lines(
-                analysis.captured.gm, states, analysis.facts, devices=setting.devices,
-                schedule=plan.schedule, optimizer=setting.optimizer,
-                grad_accumulation=setting.grad_accumulation, recompute=recompute,
-                seq_scale=analysis.seq_scale(s)),
+                analysis.captured.gm, states, analysis.facts, setting=setting,
+                recompute=recompute, seq_scale=analysis.seq_scale(s)),
             sequence_points(analysis.seq_len),
             analysis.batch_size, [(b, s) for b in (1, batch, 4 * batch, 1024 * batch)
                                   for s in (2, analysis.seq_len, seq, 4 * seq, 1024 * seq)])

@@ -412,10 +412,8 @@ def plan_peak_bytes(analysis: Analysis, strategies: Mapping[str, str],
     if peak is None:
         peak = analysis.peaks[key] = predict_peak_bytes(
             analysis.captured.gm, param_states(analysis, strategies), analysis.facts,
-            devices=setting.devices, schedule=setting.schedule, optimizer=setting.optimizer,
-            profiled_batch=analysis.batch_size, batch_size=batch,
-            seq_scale=analysis.seq_scale(), grad_accumulation=setting.grad_accumulation,
-            recompute=recompute)
+            setting=setting.at_batch(batch), profiled_batch=analysis.batch_size,
+            seq_scale=analysis.seq_scale(), recompute=recompute)
     return peak
 
 

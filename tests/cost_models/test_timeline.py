@@ -45,6 +45,7 @@ def test_the_searches_peak_equals_the_full_prediction():
 
     from osdp_fx.core.buckets import Schedule
     from osdp_fx.core.devices import Devices
+    from osdp_fx.core.setting import StepSetting
     from osdp_fx.cost_models.timeline import predict_peak_bytes, predict_step_memory
     from osdp_fx.examples import GPTWithLoss, TinyGPT
     from osdp_fx.passes.capture import capture
@@ -57,11 +58,14 @@ def test_the_searches_peak_equals_the_full_prediction():
     names = list(analysis.captured.params)
     mixed = {n: ("replicate", "shard_grad_op", "full_shard")[i % 3] for i, n in enumerate(names)}
     for strategies in (mixed, {n: "full_shard" for n in names}, {n: "replicate" for n in names}):
-        for kw in ({}, {"recompute": {"model.blocks.0": "full", "model.blocks.1": "selective"}},
-                   {"grad_accumulation": 3, "batch_size": 5},
-                   {"schedule": Schedule(prefetch=2, reduce_bucket_bytes=4096,
-                                         gather_bucket_bytes=1 << 20)}):
-            args = dict(devices=Devices(world_size=2), optimizer="adamw", profiled_batch=2, **kw)
+        for kw, step in (({}, {}),
+                         ({"recompute": {"model.blocks.0": "full",
+                                         "model.blocks.1": "selective"}}, {}),
+                         ({}, {"grad_accumulation": 3, "batch_size": 5}),
+                         ({}, {"schedule": Schedule(prefetch=2, reduce_bucket_bytes=4096,
+                                                    gather_bucket_bytes=1 << 20)})):
+            args = dict(setting=StepSetting(Devices(world_size=2), optimizer="adamw", **step),
+                        profiled_batch=2, **kw)
             states = param_states(analysis, strategies)
             full = predict_step_memory(analysis.captured.gm, states, **args).peak_bytes
             assert predict_peak_bytes(analysis.captured.gm, states, **args) == full, kw

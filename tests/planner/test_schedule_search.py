@@ -257,8 +257,8 @@ def test_recompute_false_searches_without_recomputation():
 
     def peak(recompute):
         return predict_peak_bytes(analysis.captured.gm, param_states(analysis, every),
-                                  devices=Devices(world_size=4), profiled_batch=analysis.batch_size,
-                                  recompute=recompute)
+                                  setting=StepSetting(Devices(world_size=4)),
+                                  profiled_batch=analysis.batch_size, recompute=recompute)
 
     limit = int((peak({}) + peak({r: "full" for r in regions})) / 2 / 0.97)
     setting = StepSetting(Devices(world_size=4, memory_bytes=limit), optimizer="adamw")

@@ -79,14 +79,13 @@ def _scores(analysis):
         states = param_states(analysis, chosen)
         for policies in itertools.product([str(p) for p in POLICIES], repeat=len(regions)):
             recompute = {r: p for r, p in zip(regions, policies) if p != "save"}
+            setting = StepSetting(DEVICES, optimizer=OPTIMIZER, schedule=SCHEDULE)
             peak = predict_step_memory(
-                analysis.captured.gm, states, devices=DEVICES, optimizer=OPTIMIZER,
-                profiled_batch=analysis.batch_size, recompute=recompute,
-                schedule=SCHEDULE).peak_bytes
+                analysis.captured.gm, states, setting=setting,
+                profiled_batch=analysis.batch_size, recompute=recompute).peak_bytes
             step, _ = predict_step_time(analysis.captured.gm, states, analysis.facts,
-                                        devices=DEVICES, optimizer=OPTIMIZER,
-                                        profiled_batch=analysis.batch_size, recompute=recompute,
-                                        schedule=SCHEDULE)
+                                        setting=setting, profiled_batch=analysis.batch_size,
+                                        recompute=recompute)
             out.append((peak, step.step_s, chosen, recompute))
     return out
 
