@@ -253,3 +253,38 @@ def test_a_restart_takes_the_cached_plan_in_a_new_process() -> None:
     (first, restart) = [[cell.strip() for cell in row] for row in rows]
     assert first[4] == "searched, saved the plan" and restart[4] == "took the saved plan"
     assert first[5] == restart[5]
+
+
+def test_published_rows_are_predicted_and_reported() -> None:
+    """benchmarks/published.py on two H100 rows: a table row each and the JSON summary, the
+    ratios those rows' predicted over published throughput (no assertion on their values)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "published.py"), "--table", "h100",
+           "--rows", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    rows = [line for line in lines if line.startswith("| h100 | 13b | 2048 |")]
+    assert len(rows) == 2, proc.stdout
+    summary = json.loads(lines[-1])
+    assert summary["rows"] == 2 and len(summary["ratios"]) == 2
+    assert all(r > 0 for r in summary["ratios"])
+
+
+def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None:
+    """benchmarks/prediction_accuracy.py on the MLP, one round of one step: every plan is
+    compiled, timed and reported under both kinds of devices."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "prediction_accuracy.py"), "--world-size",
+           "2", "--models", "mlp", "--rounds", "1", "--steps", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    plans = ("replicate", "shard_grad_op", "full_shard", "hybrid_shard", "hierarchical",
+             "full_shard, 64 KiB buckets", "searched")
+    for devices in ("devices=None", "detect_devices()"):
+        for plan in plans:
+            assert any(line.startswith(f"| mlp | {devices} | {plan} |") for line in lines), (
+                devices, plan, proc.stdout)
+    summary = json.loads(lines[-1])
+    assert summary["cases"] == 2 * len(plans)
