@@ -14,6 +14,7 @@ What it shows:
 
 The Llama is tiny and built from a configuration with random weights, so nothing is
 downloaded. For a real fine-tune, load a pretrained model with ``from_pretrained`` instead.
+Needs the Hugging Face extra: ``pip install -e ".[hf]"`` (transformers, peft).
 
 On the CPU, one process or two:
 
