@@ -67,6 +67,7 @@ from memory_timeline import build  # noqa: E402
 from osdp_fx import compile_osdp, detect_devices  # noqa: E402
 from osdp_fx.errors import PlanError  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
+from osdp_fx.runtime.sharded import local_of  # noqa: E402
 from osdp_fx.runtime.storage_tracker import StorageTracker  # noqa: E402
 from osdp_fx.units import format_bytes, parse_bytes  # noqa: E402
 
@@ -144,7 +145,7 @@ class _Run:
 def _round_robin(runs: list[_Run], rounds: int) -> None:
     """Time ``rounds`` steps of every run, in turn, the order rotated each round; a step's time
     is the slowest rank's."""
-    for r in range(rounds):
+    for r in range(rounds if runs else 0):  # nothing to time when no plan fits
         k = r % len(runs)
         for run in runs[k:] + runs[:k]:
             dist.barrier()
@@ -198,10 +199,12 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
         tracker = StorageTracker()
         with tracker:
             run.step()
-        own = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (
+        # a sharded parameter (and its optimizer state) is a DTensor: what this rank holds is
+        # its local tensor's storage (the DTensor's own storage is sized like the whole tensor)
+        own = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in map(local_of, (
             *compiled.parameters(), *compiled.buffers(), x,
             *(v for s in run.opt.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor)))}
+              if isinstance(v, torch.Tensor))))}
         peak = torch.tensor([float(tracker.peak_bytes - tracker.start_bytes + sum(own.values()))])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         pr = compiled.plan.prediction
