@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from osdp_fx import Devices  # noqa: E402
 from osdp_fx.core.precision import MixedPrecision  # noqa: E402
 from osdp_fx.core.setting import StepSetting  # noqa: E402
-from osdp_fx.examples import MPT_SHAPES, mpt_meta  # noqa: E402
+from osdp_fx.examples import mpt_meta  # noqa: E402
 from osdp_fx.passes.capture import capture  # noqa: E402
 from osdp_fx.planner.make import SearchOptions, plan_model, predict  # noqa: E402
 

@@ -24,7 +24,6 @@ from ..core.strategies import traits
 from ..cost_models.graph_facts import GraphFacts, ParamState, graph_facts
 from ..cost_models.shapes import node_factors
 from ..cost_models.step import GroupCost, StepTime, group_cost, predict_step_time, regathered_params
-from ..errors import InputError
 from ..passes.capture import Captured, unchanged_state
 from ..passes.pipeline import run_pipeline
 from ..passes.profile import ProfileGraph, SlowestRankTimes
