@@ -156,7 +156,7 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int,
         rows.append({"plan": label, "predicted_s": pr.step_time_s,
                      "measured_s": float(measured), "predicted_bytes": pr.peak_memory_bytes,
                      "measured_bytes": peak, "figures": pr.figures,
-                     "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s)})
+                     "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s, pr.host_s)})
     return rows
 
 
@@ -182,7 +182,7 @@ def main() -> None:
     rows = run_world(args.world_size, measure, models, args.optimizer, args.rounds, args.steps,
                      args.ranks_per_node or args.world_size, timeout_s=1800)[0]
     print("| model | devices | plan | step ms predicted | measured | error | peak MiB "
-          "predicted | measured | error | predicted compute / comm / optimizer ms |")
+          "predicted | measured | error | predicted compute / comm / optimizer / host ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     worst_time = worst_memory = 0.0
     within = 0

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..units import parse_bytes
-from .strategies import COLLECTIVES
+from .strategies import COLLECTIVES, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ DEFAULT_CPU_MEMORY_BYTES = 4 * 2**30
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 """The optimizer kinds cost models know (torch.optim.SGD without and with momentum, Adam, AdamW)."""
+_STRATEGIES = tuple(s.value for s in Strategy)
 DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 """Dtype names ``Devices.compute_flops_per_s_by_dtype`` takes (torch's, without 'torch.')."""
 
@@ -81,6 +82,24 @@ class Devices:
     optimizer_tensor_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured fixed time per parameter tensor of an optimizer step (its kernel launches and
     Python), by optimizer kind; 0 for a kind missing here."""
+    optimizer_sharded_tensor_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Measured fixed time per parameter tensor of an optimizer step over a sharded parameter
+    (a ``DTensor``, as the compiled module hands it to the optimizer: its dispatch runs Python
+    per operator), by optimizer kind; a kind missing here takes ``optimizer_tensor_time_s``."""
+    param_host_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Measured host time the runtime spends per parameter group per step, beyond the time of
+    its collectives and of the operators that read it, by strategy (``"replicate"``,
+    ``"shard_grad_op"``, ``"full_shard"``, ...): a sharded group's copies into and out of its
+    gather bucket's flat buffers, its cast and ``DTensor`` views, the saved-tensor handle that
+    re-gathers a freed parameter, its gradient packed for the reduce-scatter and the reduced
+    shard accumulated into ``.grad``; a replicated group's gradient hook and bucket copies.
+    ``detect`` measures it ([Note: the host lane] in ``cost_models/step.py``); 0 for a
+    strategy missing here (datasheet presets: their runs are not host-bound)."""
+    host_overlaps_device: bool = False
+    """Whether the host runs ahead of the device: a GPU, whose kernels queue while the CPU
+    dispatches the next ones, so a step takes the longer of the host's and the device's
+    lanes; False on the CPU, where the host computes, and every host second is a second of
+    the step ([Note: the host lane])."""
     selective_op_time_s: float = 0.0
     """Time torch's selective activation checkpointing adds per operator of a selectively
     recomputed region, in forward and in the recomputation together (its dispatch mode runs
@@ -129,13 +148,19 @@ class Devices:
         for name, keys, low, what in (
                 ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),
                 ("optimizer_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
+                ("optimizer_sharded_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
+                ("param_host_time_s", _STRATEGIES, 0, "non-negative seconds"),
                 ("compute_flops_per_s_by_dtype", DTYPES, 1e-300, "positive FLOP/s")):
             bad = {k: v for k, v in getattr(self, name).items() if k not in keys
                    or not isinstance(v, (int, float)) or not low <= v < float("inf")}
             if bad:
-                raise InputError(f"Devices.{name} has invalid entries {bad}: keys are "
-                                 f"{'optimizer kinds' if keys is OPTIMIZERS else 'dtype names'}"
+                kind = {id(OPTIMIZERS): "optimizer kinds", id(_STRATEGIES): "strategies"}.get(
+                    id(keys), "dtype names")
+                raise InputError(f"Devices.{name} has invalid entries {bad}: keys are {kind}"
                                  f" ({', '.join(keys)}), values {what}")
+        if not isinstance(self.host_overlaps_device, bool):
+            raise InputError(f"Devices.host_overlaps_device must be True or False, got "
+                             f"{self.host_overlaps_device!r}")
 
     def __hash__(self) -> int:
         return self._fingerprint_hash
@@ -251,7 +276,8 @@ def device_memory_bytes(device: Any = None) -> int:
 
 
 _FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "optimizer_element_time_s",
-            "optimizer_tensor_time_s", "compute_flops_per_s_by_dtype")
+            "optimizer_tensor_time_s", "optimizer_sharded_tensor_time_s", "param_host_time_s",
+            "host_overlaps_device", "compute_flops_per_s_by_dtype")
 """The fields of :class:`Devices` that are rates and times (not the world or the limit)."""
 
 _DEFAULTS = Devices()

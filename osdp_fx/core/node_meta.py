@@ -83,6 +83,10 @@ class NodeProfile:
     grad_passthrough: tuple[str, ...] = ()
     """Names of the argument nodes whose gradient the backward returns as the output's gradient
     itself, the same storage (an addition's two operands, a clone): no new tensor."""
+    host_time_s: float | None = None
+    """Median host seconds dispatching the node's forward and backward together, where the
+    host runs apart from the device (a GPU: [Note: timing a node on a GPU]); None where the
+    host computes (the CPU, whose node times are host times) or unmeasured."""
     compute_dtype: str = ""
     """Dtype the node computes in (its first floating input's, else output's, e.g. 'bfloat16';
     '' when it has none): the roofline takes that dtype's throughput (``Devices.flops_per_s``)."""

@@ -23,7 +23,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   gradient in backward), ``Pp`` for shard_grad_op (the full gradient before its reduce-scatter).
 
 A plan's predicted step time is total compute + the communication of every group + the
-optimizer - the all-gather time its prefetching hides under computation (:mod:`.overlap`; the
+optimizer + the runtime's host time (``Devices.param_host_time_s`` per group; where the host
+runs ahead of the device, a GPU, the longer of the host's and the device's lanes: [Note: the
+host lane]) - the all-gather time its prefetching hides under computation (:mod:`.overlap`; the
 runtime also runs gradient reduce-scatters and all-reduces asynchronously during backward, which
 the model does not credit: on this project's 2-core CPU machine gloo's threads compete with the
 computation). The plan's schedule (``buckets.Schedule``) sets the prefetch distance, which small
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
+from typing import Any
 
 import sympy
 from torch import fx
@@ -83,16 +86,30 @@ class GroupCost:
     """Search memory held for the whole step (see module docstring)."""
     transient_bytes: int
     """Search memory held while the group's operators run."""
+    host_s: float = 0.0
+    """Host time the runtime spends on the group in a step beyond its collectives and
+    operators (``Devices.param_host_time_s``; [Note: the host lane])."""
+
+    @property
+    def strategy_s(self) -> float:
+        """What the group's strategy costs in a step besides its computation: collectives,
+        optimizer and the runtime's host time (the search's per-group time)."""
+        return self.comm_s + self.optim_s + self.host_s
 
 
-def optimizer_time_s(optimizer: str, numel: int, devices: Devices) -> float:
+def optimizer_time_s(optimizer: str, numel: int, devices: Devices, *,
+                     sharded: bool = False) -> float:
     """One optimizer step over one parameter tensor of ``numel`` elements: the measured
     per-tensor and per-element times of ``devices`` where known, else memory-bound
-    (``OPTIMIZER_BYTES_PER_ELEMENT`` over the memory bandwidth)."""
+    (``OPTIMIZER_BYTES_PER_ELEMENT`` over the memory bandwidth); ``sharded``: the tensor is a
+    sharded parameter (a DTensor), at the per-tensor time measured over those where known."""
     per_element = devices.optimizer_element_time_s.get(optimizer)
     if per_element is None:
         per_element = OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / devices.memory_bandwidth_bytes_per_s
-    return devices.optimizer_tensor_time_s.get(optimizer, 0.0) + numel * per_element
+    per_tensor = devices.optimizer_tensor_time_s.get(optimizer, 0.0)
+    if sharded:
+        per_tensor = devices.optimizer_sharded_tensor_time_s.get(optimizer, per_tensor)
+    return per_tensor + numel * per_element
 
 
 def regathered_params(facts: GraphFacts) -> set[str]:
@@ -174,7 +191,7 @@ def group_cost(
     persistent, transient, optim_s = local, 0, 0.0
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
-        optim_s = optimizer_time_s(optimizer, local_numel, devices)
+        optim_s = optimizer_time_s(optimizer, local_numel, devices, sharded=t.sharded)
         if t.sharded and grad_accumulation > 1:
             persistent += padded_numel * state.reduce_size
     if t.keeps_gathered:
@@ -188,12 +205,33 @@ def group_cost(
         strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
         comm_bytes=sum(st.nbytes for st in stages), optim_s=optim_s,
         persistent_bytes=persistent, transient_bytes=transient,
+        host_s=devices.param_host_time_s.get(state.strategy, 0.0),
     )
+
+
+# [Note: the host lane]
+# A compiled step runs on three lanes: the host (Python and the runtime: dispatching operators,
+# the runtime's per-parameter work around its collectives, the optimizer's per-tensor
+# dispatch), the device (the operators' kernels) and the link (the collectives). The host time
+# the runtime spends per parameter group beyond its collectives' and operators' time is
+# measured by ``detect_devices`` (``planner/host_probe.py``: ``Devices.param_host_time_s``, by
+# strategy) and charged to the group (``GroupCost.host_s``); the optimizer's per-tensor time
+# over sharded parameters (DTensors) is measured apart (``optimizer_sharded_tensor_time_s``).
+# Where the host is the device (the CPU: ``Devices.host_overlaps_device`` False), the lanes
+# are one: every host second is a second of the step, and the step is compute + communication
+# + optimizer + host. Where the host runs ahead of the device (a GPU), forward and backward
+# end when the later of the two lanes does, the device lane (computation and the
+# communication it waits for) or the host lane (the operators' dispatch, which the profiler
+# times apart from their kernels on a GPU, [Note: timing a node on a GPU] in
+# ``passes/profile_node.py``, and the runtime's host time), and the optimizer step follows
+# both: max(compute + communication, dispatch + host) + optimizer. The lanes are summed over
+# the step, not replayed operator by operator: a host lane that falls behind in forward and
+# catches up in backward is credited as if it never stalled the device.
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    """Predicted time of one training step on one rank."""
+    """Predicted time of one training step on one rank ([Note: the host lane])."""
 
     compute_s: float
     """Forward + backward of every operator."""
@@ -203,6 +241,13 @@ class StepTime:
     """Optimizer step."""
     step_time_expr: sympy.Expr
     """Step time as a function of the per-rank batch size ``BATCH``."""
+    host_s: float = 0.0
+    """The runtime's host time (the groups' ``GroupCost.host_s``)."""
+    dispatch_s: float = 0.0
+    """The operators' dispatch on the host where it runs apart from their device time (a
+    GPU's profile, ``NodeProfile.host_time_s``); 0 where the host computes."""
+    host_overlaps_device: bool = False
+    """Whether the host lane runs beside the device's (``Devices.host_overlaps_device``)."""
 
     @property
     def step_s(self) -> float:
@@ -211,8 +256,24 @@ class StepTime:
 
     def at_scale(self, batch_scale: float) -> float:
         """The step at ``batch_scale`` times the profiled batch size: the computation scales
-        with the batch, communication and the optimizer step do not."""
-        return self.compute_s * batch_scale + self.comm_s + self.optim_s
+        with the batch, communication, the optimizer step and the host time do not."""
+        return lanes_s(self.compute_s * batch_scale, self.comm_s, self.optim_s, self.host_s,
+                       dispatch_s=self.dispatch_s, host_overlaps_device=self.host_overlaps_device)
+
+
+def lanes_s(compute_s: Any, comm_s: Any, optim_s: Any, host_s: Any, *, dispatch_s: Any = 0.0,
+            host_overlaps_device: bool) -> Any:
+    """A step's critical path through its lanes ([Note: the host lane]): numbers, or sympy
+    expressions (the step as a function of the batch). One lane (the CPU): every second
+    adds; the operators' dispatch is their compute there and is not counted again. Two: the
+    device's (compute + communication) and the host's (dispatch + the runtime's host time) run
+    side by side, and the optimizer step follows both."""
+    if not host_overlaps_device:
+        return compute_s + comm_s + optim_s + host_s
+    device, host = compute_s + comm_s, dispatch_s + host_s
+    if isinstance(device, sympy.Expr) or isinstance(host, sympy.Expr):
+        return sympy.Max(device, host) + optim_s
+    return max(device, host) + optim_s
 
 
 def bucket_copy_s(state: ParamState, devices: Devices, *, again: bool) -> float:
@@ -293,5 +354,10 @@ def predict_step_time(
         facts, params, devices, prefetch=schedule.prefetch,
         gather_bucket_bytes=schedule.gather_bucket_bytes, regathered=regathered)
     optim_s = sum(c.optim_s for c in costs.values())
-    expr = sympy.Float(compute_s) * BATCH / profiled_batch + sympy.Float(comm_s + optim_s)
-    return StepTime(compute_s, comm_s, optim_s, expr), costs
+    host_s = sum(c.host_s for c in costs.values())
+    dispatch_s = sum(facts.profile[n].host_time_s or 0.0 for n in facts.nodes)
+    overlaps = devices.host_overlaps_device
+    expr = lanes_s(sympy.Float(compute_s) * BATCH / profiled_batch, sympy.Float(comm_s),
+                   sympy.Float(optim_s), sympy.Float(host_s), dispatch_s=sympy.Float(dispatch_s),
+                   host_overlaps_device=overlaps)
+    return StepTime(compute_s, comm_s, optim_s, expr, host_s, dispatch_s, overlaps), costs

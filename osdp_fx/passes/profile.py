@@ -56,6 +56,7 @@ from .profile_node import (
     PreparedInputs,
     detached,
     differentiable,
+    Timing,
     median_time_s,
     outputs_read,
     outputs_to_differentiate,
@@ -528,7 +529,7 @@ class NodeProfiler(fx.Interpreter):
         """Run one compute node alone on copies of its inputs and measure it (the module
         docstring). Returns the node's value for its users and its profile."""
 
-        def timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
+        def timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> Timing:
             return median_time_s(setup, run, warmup=self.warmup, repeats=self.repeats,
                                  gpu=on_gpu)
 
@@ -574,17 +575,21 @@ class NodeProfiler(fx.Interpreter):
 
         fwd_time_s: float | None = None
         bwd_time_s: float | None = None
+        host_time_s: float | None = None
         if self.fake_mode is None:
-            fwd_time_s = timed(lambda: self.prepare_inputs(n, args, kwargs),
-                               lambda prepared: self.call(n, prepared))
-            bwd_time_s = 0.0
+            fwd = timed(lambda: self.prepare_inputs(n, args, kwargs),
+                        lambda prepared: self.call(n, prepared))
+            bwd = Timing(0.0, None if fwd.host_s is None else 0.0)
             if has_backward:
-                bwd_time_s = timed(
+                bwd = timed(
                     lambda: None,
                     lambda _: torch.autograd.grad(
                         grad_outputs, inputs.leaves, seeds, allow_unused=True, retain_graph=True
                     ),
                 )
+            fwd_time_s, bwd_time_s = fwd.time_s, bwd.time_s
+            if fwd.host_s is not None and bwd.host_s is not None:
+                host_time_s = fwd.host_s + bwd.host_s
 
         saved_storages = {k: v for k, v in saved.items() if k not in self.param_storages}
         output_storages = {storage_key(t) for t in outputs}
@@ -602,6 +607,7 @@ class NodeProfiler(fx.Interpreter):
             param_bytes=0,
             fwd_time_s=fwd_time_s,
             bwd_time_s=bwd_time_s,
+            host_time_s=host_time_s,
             saved_params=tuple(sorted({inputs.storages[k] for k in saved
                                        if k in self.param_storages and k in inputs.storages})),
             saved_output_bytes=sum(v for k, v in saved_storages.items()

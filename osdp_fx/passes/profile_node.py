@@ -76,11 +76,22 @@ takes to dispatch one node, so that the GPU's clock times the node's kernels alo
 timing a node on a GPU])."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A node's measured time: its device's, and on a GPU its host's apart."""
+
+    time_s: float
+    """Median seconds of the node's work (on a GPU, its kernels')."""
+    host_s: float | None = None
+    """Median seconds the host spends dispatching it, where that runs apart from the device
+    (a GPU); None where the host computes (the CPU): there the two are one."""
+
+
 def median_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, warmup: int,
-                  repeats: int, gpu: bool = False) -> float:
+                  repeats: int, gpu: bool = False) -> Timing:
     """Median seconds of ``run(setup())`` over ``repeats`` runs after ``warmup`` (device work
-    waited for; ``gpu``, where the node's tensors are on a CUDA device: its kernels' time,
-    [Note: timing a node on a GPU])."""
+    waited for; ``gpu``, where the node's tensors are on a CUDA device: its kernels' time and,
+    apart, its dispatch's, [Note: timing a node on a GPU])."""
     if gpu:
         return _median_gpu_time_s(setup, run, warmup=warmup, repeats=repeats)
     times: list[float] = []
@@ -94,11 +105,11 @@ def median_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, warmup
         if i >= warmup:
             times.append(elapsed)
         del out, state
-    return statistics.median(times)
+    return Timing(statistics.median(times))
 
 
 def _median_gpu_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, warmup: int,
-                       repeats: int) -> float:
+                       repeats: int) -> Timing:
     """[Note: timing a node on a GPU]
 
     A step on a GPU runs as a pipeline: the CPU dispatches each operator and goes on while the
@@ -109,23 +120,27 @@ def _median_gpu_time_s(setup: Callable[[], Any], run: Callable[[Any], Any], *, w
     either way, a whole model's nodes added up to several times its measured forward and
     backward (``docs/benchmarks.md``, "On a GPU"). Here a busy kernel
     (``torch.cuda._sleep``) holds the GPU while the node is dispatched, and CUDA events around
-    the node time its kernels alone: the node's time is its kernels' time. A step's dispatch is
-    not counted, so a model whose kernels are shorter than their launches is predicted faster
-    than it runs."""
+    the node time its kernels alone: the node's time is its kernels' time. The host's clock
+    around the same call, while the GPU is held, times the node's dispatch alone: the host
+    lane of the step model ([Note: the host lane] in ``cost_models/step.py``)."""
     times: list[float] = []
+    host: list[float] = []
     for i in range(warmup + repeats):
         state = setup()
         torch.cuda.synchronize()
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         torch.cuda._sleep(GPU_SLEEP_CYCLES)
         start.record()
+        issued = time.perf_counter()
         out = run(state)
+        dispatched = time.perf_counter() - issued
         end.record()
         end.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end) / 1e3)
+            host.append(dispatched)
         del out, state
-    return statistics.median(times)
+    return Timing(statistics.median(times), statistics.median(host))
 
 
 def transient_bytes(tracker: Any) -> int:

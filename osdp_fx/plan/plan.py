@@ -157,7 +157,9 @@ class Prediction:
     """What the cost models predict for one training step of a plan, per rank."""
 
     step_time_s: float
-    """Compute + communication + optimizer time of one step."""
+    """Compute + communication + optimizer + the runtime's host time of one step (where the
+    host runs ahead of the device, a GPU, the longer of the host's and the device's lanes:
+    [Note: the host lane] in ``cost_models/step.py``)."""
     compute_s: float
     """Forward and backward of every operator."""
     comm_s: float
@@ -214,6 +216,9 @@ class Prediction:
     figures: str = ""
     """Where the rates the time was predicted with come from (``Devices.figures``): "detected",
     "preset:<name>", "defaults" or "given"."""
+    host_s: float = 0.0
+    """The runtime's host time per step beyond its collectives and operators (measured per
+    parameter by ``detect_devices``; 0 with figures that do not measure it)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -26,6 +26,7 @@ from ..core.presets import GPU_MEMORY_MARGIN
 from ..core.strategies import COLLECTIVES
 from ..cost_models.communication import CollectiveSample, Link, fit_link, network_link
 from ..errors import InputError
+from .host_probe import param_host_times, sharded_optimizer_tensor_times
 from ..units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ def detect_devices(
     alpha-beta model to each of all-gather, reduce-scatter and all-reduce over sizes from 4 KiB to
     16 MiB, the bandwidth and latency of each collective inside a node (ranks sharing a host name)
     and across nodes (``collective_links``; the scope's figures are the all-reduce's).
+    What the runtime itself costs on the host is measured over the default group (``group``
+    None): per parameter per step by strategy, and the optimizer's per-tensor time over
+    sharded parameters (``host_probe.py``).
     Figures that cannot be measured (inter-node on one node, all collectives without an
     initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
     defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
@@ -106,6 +110,8 @@ def detect_devices(
     measured = _all_reduce_floats([*per_element, *per_tensor], "max", group, device, distributed)
     selective_s, = _all_reduce_floats([_selective_op_time_s(device)], "max", group, device,
                                       distributed)
+    if group is None:  # the runtime's collectives run over the default group
+        figures.update(_host_figures(device, optimizers, barrier, world_size, distributed))
     figures.update(
         selective_op_time_s=selective_s,
         compute_flops_per_s=flops_per_s,
@@ -122,9 +128,30 @@ def detect_devices(
         source="detected", **figures,
         memory_margin=CPU_MEMORY_MARGIN if device.type == "cpu" else GPU_MEMORY_MARGIN,
         reduce_scatter_copies_input=distributed and process_group_copies_input(group),
+        host_overlaps_device=device.type == "cuda",
     )
     log.info("detected %s", devices)
     return devices
+
+
+def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], object] | None,
+                  world_size: int, distributed: bool) -> dict[str, Any]:
+    """What the runtime costs on the host (``host_probe.py``): per parameter per step by
+    strategy, and the optimizer's per-tensor time over sharded parameters; the slowest rank's."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if distributed else 0
+
+    def timer(fn: Callable[[], object]) -> float:
+        return _median_time_s(fn, device, barrier=barrier)
+
+    param_s = param_host_times(timer, world_size=world_size, rank=rank)
+    optimizer_s = sharded_optimizer_tensor_times(timer, tuple(optimizers), _optimizer,
+                                                 world_size=world_size, rank=rank)
+    slowest = _all_reduce_floats([*param_s.values(), *optimizer_s], "max", None, device,
+                                 distributed)
+    return {"param_host_time_s": dict(zip(param_s, slowest[:len(param_s)])),
+            "optimizer_sharded_tensor_time_s": dict(zip(optimizers, slowest[len(param_s):]))}
 
 
 def _ranks_per_node_from_hosts(group: Any) -> int:

@@ -108,7 +108,7 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
                 comm -= all_reduce_time_s(0, devices.world_size, latency_s=link.latency_s * share,
                                           bandwidth_bytes_per_s=link.bandwidth_bytes_per_s)
                 all_reduced = True
-            t_row.append(comm + cost.optim_s)
+            t_row.append(comm + cost.optim_s + cost.host_s)
             g_row.append(gathered)
             r_row.append(all_reduced)
             k_row.append(None if key is None else (key, nodes_of.get(name, 1)))

@@ -117,7 +117,7 @@ def choose_splits(analysis: Analysis, setting: StepSetting,
         strategies = searched_strategies(devices.num_nodes)
         costs = [search_cost(analysis, n, param_state(analysis, n, st), setting)
                  for st in strategies]
-        options = [_SplitOption(1, c.comm_s + c.optim_s, c.persistent_bytes,
+        options = [_SplitOption(1, c.strategy_s, c.persistent_bytes,
                                 transient_of(c, param_state(analysis, n, c.strategy)))
                    for c in costs]
         site = sites.get(n)
@@ -132,7 +132,7 @@ def choose_splits(analysis: Analysis, setting: StepSetting,
                              for st in (REPLICATE, FULL_SHARD))
                 for j in range(k + 1):
                     options.append(_SplitOption(
-                        k, j * (full.comm_s + full.optim_s) + (k - j) * (rep.comm_s + rep.optim_s),
+                        k, j * full.strategy_s + (k - j) * rep.strategy_s,
                         j * full.persistent_bytes + (k - j) * rep.persistent_bytes,
                         max(transient_of(full, part) if j else 0,
                             transient_of(rep, part) if j < k else 0, summed)))
@@ -277,7 +277,7 @@ def _problem_rows(
         }
     scale = analysis.batch_scale(setting.batch_size)
     hidden = _hidden_shares(analysis, options, setting, scale=scale)
-    rows = [_Row([c.comm_s + c.optim_s - h for c, h in zip(table[n], hidden[n])],
+    rows = [_Row([c.strategy_s - h for c, h in zip(table[n], hidden[n])],
                  [c.persistent_bytes for c in table[n]],
                  [c.transient_bytes for c in table[n]]) for n in options]
     rows += [_Row([o.recompute_s * scale for o in opts], [int(o.kept_bytes * scale) for o in opts],

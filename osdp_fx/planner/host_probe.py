@@ -1,0 +1,152 @@
+"""What the runtime itself costs on the host, measured: ``detect_devices``'s probe of the figures
+``Devices.param_host_time_s`` and ``Devices.optimizer_sharded_tensor_time_s``.
+
+A compiled step spends host time that neither its operators' profile nor its collectives'
+link figures hold ([Note: the host lane] in ``cost_models/step.py``): per sharded parameter,
+its copies into and out of its gather bucket's flat buffers, its ``DTensor`` views, the handle
+that re-gathers it in backward, its gradient's packing and the accumulation of the reduced
+shard; per replicated parameter, the reducer's hook and bucket copies; per sharded parameter
+in the optimizer, the ``DTensor`` dispatch of its update.
+
+The probe runs what a compiled module runs, through the runtime's own functions
+(``runtime/forward.py``'s ``ModuleRuntime``, ``runtime/params.py``'s gathers): a chain of
+``k`` small square matmuls whose weights are gathered in one bucket (the way the runtime
+gathers small parameters), forward and backward, once with ``k = 8`` and once with ``k = 40``.
+The difference divided by 32 is one parameter's time; the same chain over plain tensors, timed
+the same way, is subtracted (its operators are the profile's). The collectives are the same in
+both runs (one bucket), so their time cancels too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..core.strategies import Strategy, traits
+
+PROBE_PARAMS = (8, 40)
+"""The probe's two chain lengths (parameters per bucket)."""
+PROBE_SIDE = 16
+"""Side of the probe's square weights: 1 KiB each in fp32, far below any gather bucket."""
+_MEASURED = (Strategy.REPLICATE, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+"""Strategies the probe runs; hybrid_shard and hierarchical free and re-gather like full_shard
+and take its figure (their two-level collectives' time is their links')."""
+
+
+def param_host_times(timer: Callable[[Callable[[], object]], float], *, world_size: int,
+                     rank: int) -> dict[str, float]:
+    """Host seconds per parameter per step of the runtime under each strategy (module
+    docstring), over the default process group (or one process without one). ``timer(fn)``
+    gives ``fn``'s time as ``detect_devices`` takes it (on every rank together)."""
+    plain = _slope(timer, lambda k: _plain_step(k))
+    times = {}
+    for strategy in _MEASURED:
+        step = _slope(timer, lambda k, s=strategy: _runtime_step(s, k, world_size, rank))
+        times[strategy.value] = max(0.0, step - plain)
+    for strategy in Strategy:
+        times.setdefault(strategy.value, times[Strategy.FULL_SHARD.value])
+    return times
+
+
+def sharded_optimizer_tensor_times(
+    timer: Callable[[Callable[[], object]], float], optimizers: tuple[str, ...],
+    make_optimizer: Callable[[str, list[Any]], Any], *, world_size: int, rank: int,
+) -> list[float]:
+    """Per optimizer kind, the step time per tensor over 64 small sharded parameters (DTensors,
+    as the compiled module hands them to the optimizer)."""
+    import torch
+
+    from ..runtime.params import make_shard
+    from ..runtime.sharded import as_dtensor
+
+    side = PROBE_SIDE
+    times = []
+    for kind in optimizers:
+        params = [as_dtensor(make_shard(torch.nn.Parameter(torch.randn(side, side)),
+                                        world_size=world_size, rank=rank),
+                             (side, side), Strategy.FULL_SHARD.value, world_size=world_size,
+                             ranks_per_node=None, rank=rank)
+                  for _ in range(64)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer = make_optimizer(kind, params)
+        optimizer.step()  # creates the state
+        times.append(timer(optimizer.step) / len(params))
+    return times
+
+
+def _slope(timer: Callable[[Callable[[], object]], float],
+           build: Callable[[int], Callable[[], object]]) -> float:
+    low, high = PROBE_PARAMS
+    return (timer(build(high)) - timer(build(low))) / (high - low)
+
+
+def _plain_step(k: int) -> Callable[[], object]:
+    import torch
+
+    weights = [torch.nn.Parameter(torch.randn(PROBE_SIDE, PROBE_SIDE)) for _ in range(k)]
+    x = torch.randn(4, PROBE_SIDE)
+
+    def step() -> None:
+        y = x
+        for w in weights:
+            y = y @ w
+        y.sum().backward()
+        for w in weights:
+            w.grad = None
+
+    return step
+
+
+def _runtime_step(strategy: Strategy, k: int, world_size: int,
+                  rank: int) -> Callable[[], object]:
+    """One forward and backward of the probe's chain as a compiled module runs it under
+    ``strategy`` (gradients set to None after each, as ``zero_grad()`` does)."""
+    import torch
+
+    from ..runtime.accumulation import GradSync, HeldGrads
+    from ..runtime.collectives import WORLD
+    from ..runtime.forward import ModuleRuntime
+    from ..runtime.params import (
+        GradReduceScatters,
+        all_gather_params,
+        free_param,
+        make_shard,
+    )
+    from ..runtime.reducer import GradReducer
+    from ..runtime.sharded import as_dtensor
+
+    side, shape = PROBE_SIDE, (PROBE_SIDE, PROBE_SIDE)
+    fulls = [torch.nn.Parameter(torch.randn(shape)) for _ in range(k)]
+    t = traits(strategy)
+    if t.sharded:
+        params = [as_dtensor(make_shard(f, world_size=world_size, rank=rank), shape,
+                             strategy.value, world_size=world_size, ranks_per_node=None,
+                             rank=rank) for f in fulls]
+        replicated = []
+    else:
+        params = replicated = fulls
+    held = HeldGrads()
+    runtime = ModuleRuntime(
+        GradSync(GradReducer(replicated, WORLD), GradReduceScatters(held=held), held),
+        regather=t.freed_after_forward, prefetch=1)
+    x = torch.randn(4, side)
+
+    def step() -> None:
+        with runtime.forward() as scope:
+            if t.sharded:
+                weights = all_gather_params(tuple(params), (shape,) * k, strategy.value, WORLD,
+                                            regather_together=True)
+            else:
+                weights = params
+            y = x
+            for w in weights:
+                y = y @ w
+                if t.freed_after_forward:
+                    free_param(w)
+            scope.output = y.sum()
+        scope.end().backward()
+        for p in params:
+            p.grad = None
+
+    return step

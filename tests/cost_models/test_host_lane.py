@@ -1,0 +1,120 @@
+"""The host lane of the step model ([Note: the host lane] in ``cost_models/step.py``): the
+runtime's measured host time per parameter group, the optimizer's per-tensor time over sharded
+parameters, and the step's critical path through the lanes, checked against figures worked by
+hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import sympy
+import torch
+
+from osdp_fx import Devices
+from osdp_fx.core.setting import StepSetting
+from osdp_fx.cost_models.step import StepTime, lanes_s, optimizer_time_s
+from osdp_fx.errors import InputError
+from osdp_fx.examples import MLP
+from osdp_fx.passes.capture import capture
+from osdp_fx.planner.make import plan_model
+
+DEVICES = Devices(world_size=2, memory_bytes=2**30, compute_flops_per_s=1e9,
+                  memory_bandwidth_bytes_per_s=1e10)
+
+
+def _planned(plan: str, devices: Devices):
+    torch.manual_seed(0)
+    model, x = MLP((64, 128, 128, 64)), torch.randn(8, 64)
+    return plan_model(capture(model, (x,)), (x,), plan, StepSetting(devices, optimizer="sgd"))
+
+
+def test_one_lane_adds_every_host_second_and_two_lanes_take_the_longer() -> None:
+    # the CPU: compute 3 + communication 2 + optimizer 1 + host 5
+    assert lanes_s(3.0, 2.0, 1.0, 5.0, host_overlaps_device=False) == 11.0
+    # a GPU: the host lane (5) outlasts the device's (3 + 2); the optimizer follows both
+    assert lanes_s(3.0, 2.0, 1.0, 5.0, host_overlaps_device=True) == 6.0
+    # ... and a device lane (3 + 2) that outlasts a short host lane (1)
+    assert lanes_s(3.0, 2.0, 1.0, 1.0, host_overlaps_device=True) == 6.0
+    assert lanes_s(3.0, 2.5, 1.0, 1.0, host_overlaps_device=True) == 6.5
+    # the operators' dispatch (a GPU's profile) joins the host lane; on the CPU it is their
+    # compute, counted once
+    assert lanes_s(3.0, 2.0, 1.0, 1.0, dispatch_s=4.5, host_overlaps_device=True) == 6.5
+    assert lanes_s(3.0, 2.0, 1.0, 1.0, dispatch_s=4.5, host_overlaps_device=False) == 7.0
+    step = StepTime(compute_s=3.0, comm_s=2.0, optim_s=1.0, step_time_expr=sympy.Float(0),
+                    host_s=1.0, dispatch_s=4.5, host_overlaps_device=True)
+    assert step.step_s == 6.5  # host-bound: dispatch 4.5 + runtime 1 > compute 3 + comm 2
+    assert step.at_scale(2.0) == 9.0  # device-bound at twice the batch: 6 + 2 + optimizer 1
+    b = sympy.Symbol("b", positive=True)
+    expr = lanes_s(3 * b, sympy.Float(2), sympy.Float(1), sympy.Float(5), host_overlaps_device=True)
+    assert float(expr.subs(b, 1)) == 6.0  # host-bound at a small batch
+    assert float(expr.subs(b, 4)) == 15.0  # device-bound at a large one
+
+
+def test_the_optimizer_over_sharded_parameters_takes_its_own_per_tensor_time() -> None:
+    devices = Devices(optimizer_element_time_s={"sgd": 1e-9},
+                      optimizer_tensor_time_s={"sgd": 2e-6},
+                      optimizer_sharded_tensor_time_s={"sgd": 30e-6})
+    assert optimizer_time_s("sgd", 1000, devices) == pytest.approx(2e-6 + 1e-6)
+    assert optimizer_time_s("sgd", 1000, devices, sharded=True) == pytest.approx(30e-6 + 1e-6)
+    # a kind not measured over sharded parameters keeps the plain per-tensor time
+    plain = Devices(optimizer_element_time_s={"sgd": 1e-9}, optimizer_tensor_time_s={"sgd": 2e-6})
+    assert optimizer_time_s("sgd", 1000, plain, sharded=True) == pytest.approx(3e-6)
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "shard_grad_op", "full_shard"])
+def test_each_group_pays_its_strategys_host_time_once_per_step(strategy: str) -> None:
+    base = _planned(strategy, DEVICES).plan
+    per_group = {"replicate": 1e-4, "shard_grad_op": 2e-4, "full_shard": 3e-4}
+    host = _planned(strategy, Devices(**{**_fields(DEVICES),
+                                         "param_host_time_s": per_group})).plan
+    groups = len(base.params)
+    assert groups == 6  # three linears, weight and bias
+    assert host.prediction.host_s == pytest.approx(groups * per_group[strategy])
+    # one lane: the step grows by exactly that, nothing else changes
+    assert host.step_time_s == pytest.approx(base.step_time_s + groups * per_group[strategy])
+    assert host.prediction.compute_s == pytest.approx(base.prediction.compute_s)
+    assert host.prediction.comm_s == pytest.approx(base.prediction.comm_s)
+    assert host.peak_memory_bytes == base.peak_memory_bytes
+
+
+def test_a_host_lane_beside_the_device_counts_only_where_it_is_the_longer() -> None:
+    fields = _fields(DEVICES)
+    base = _planned("full_shard", Devices(**fields, host_overlaps_device=True)).plan.prediction
+    device_lane = base.compute_s + base.comm_s
+    short = _planned("full_shard", Devices(**fields, host_overlaps_device=True,
+                                           param_host_time_s={"full_shard": 1e-9})).plan
+    assert short.step_time_s == pytest.approx(base.step_time_s)  # hidden behind the device
+    long = _planned("full_shard", Devices(**fields, host_overlaps_device=True,
+                                          param_host_time_s={"full_shard": 1.0})).plan
+    assert long.prediction.host_s == pytest.approx(6.0)
+    assert long.step_time_s == pytest.approx(6.0 + base.optim_s)  # the host lane is the step
+    assert long.step_time_s > device_lane + base.optim_s
+
+
+def test_host_figures_are_checked() -> None:
+    with pytest.raises(InputError, match="param_host_time_s.*strategies"):
+        Devices(param_host_time_s={"fsdp": 1e-4})
+    with pytest.raises(InputError, match="optimizer_sharded_tensor_time_s"):
+        Devices(optimizer_sharded_tensor_time_s={"sgd": -1.0})
+    with pytest.raises(InputError, match="host_overlaps_device"):
+        Devices(host_overlaps_device="yes")  # type: ignore[arg-type]
+    assert Devices(param_host_time_s={"full_shard": 1e-4}).figures == "given"
+
+
+def test_detect_devices_measures_the_host_figures_in_one_process() -> None:
+    from osdp_fx import detect_devices
+
+    devices = detect_devices()
+    assert set(devices.param_host_time_s) == {"replicate", "shard_grad_op", "full_shard",
+                                              "hybrid_shard", "hierarchical"}
+    assert all(0 <= t < 0.1 and math.isfinite(t) for t in devices.param_host_time_s.values())
+    assert set(devices.optimizer_sharded_tensor_time_s) == {"sgd", "sgd_momentum", "adam",
+                                                            "adamw"}
+    assert devices.host_overlaps_device is False  # this CPU
+
+
+def _fields(devices: Devices) -> dict:
+    return {"world_size": devices.world_size, "memory_bytes": devices.memory_bytes,
+            "compute_flops_per_s": devices.compute_flops_per_s,
+            "memory_bandwidth_bytes_per_s": devices.memory_bandwidth_bytes_per_s}
