@@ -16,12 +16,15 @@ with every block recomputed where the row checkpoints activations, and AdamW (MP
 decoupled AdamW). The script prints the predicted and the published step, and predicted over
 published throughput per row.
 
-No constant is fitted to these rows: every row is validation.
+One constant is fitted to these rows, the share of the matmul rate a fused attention kernel
+reaches (``presets.ATTENTION_EFFICIENCY``), on the five rows of :data:`FIT_ROWS`; every other
+row is validation, and the table says which is which. ``--fit`` fits it again (the share that
+minimises the squared log error of the five rows' throughput) and prints it.
 
-    python benchmarks/published.py [--table h100|a100-40gb|all] [--rows N]
+    python benchmarks/published.py [--table h100|a100-40gb|all] [--rows N] [--fit]
 
 Prints a Markdown table and, last, one JSON line: per row the ratio, and how many rows are
-within 20 % of their published throughput.
+within 20 % of their published throughput (of the validation rows and of all).
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -124,8 +129,19 @@ def _rows() -> list[Row]:
             + [Row("a100-40gb", m, s, g, b, c, True, t, n) for m, s, g, b, c, t, n in a100])
 
 
-def predict_row(row: Row) -> dict[str, float]:
-    """The row's predicted step under ``full_shard`` (module docstring)."""
+FIT_ROWS = (("a100-40gb", "125m", 16), ("a100-40gb", "125m", 128), ("a100-40gb", "350m", 64),
+            ("h100", "760m", 16), ("h100", "1b", 8))
+"""(table, model, GPUs) of the rows ``presets.ATTENTION_EFFICIENCY`` is fitted on: the smallest
+models of both tables, where attention is the largest share of the step."""
+
+
+def is_fit_row(row: Row) -> bool:
+    return (row.table, row.model, row.gpus) in FIT_ROWS
+
+
+def plan_row(row: Row) -> tuple[Any, Any]:
+    """The row's model profiled and planned ``full_shard`` (module docstring): the planned
+    model and its plan, every block recomputed where the row checkpoints."""
     model, inputs = mpt_meta(row.model, seq=row.seq, batch=row.micro_batch)
     assert sum(p.numel() for p in model.parameters()) == row.num_params, row
     precision = MixedPrecision(torch.bfloat16,
@@ -137,8 +153,43 @@ def predict_row(row: Row) -> dict[str, float]:
     plan = planned.plan
     if row.checkpointing:
         regions = planned.analysis.facts.regions
-        plan = predict(planned.analysis, dataclasses.replace(
-            plan, recompute=tuple((r, "full") for r in regions)), planned.setting)
+        plan = dataclasses.replace(plan, recompute=tuple((r, "full") for r in regions))
+    return planned, plan
+
+
+def step_at(planned: Any, plan: Any, attention_efficiency: float) -> float:
+    """The planned row's predicted step with fused attention at ``attention_efficiency``."""
+    setting = planned.setting
+    devices = dataclasses.replace(setting.devices, attention_efficiency=attention_efficiency)
+    return predict(planned.analysis, plan, dataclasses.replace(setting, devices=devices)
+                   ).prediction.step_time_s
+
+
+def fit_attention_efficiency(rows: list[Row]) -> float:
+    """The attention efficiency that minimises the squared log error of ``rows``' predicted
+    throughput (golden-section search over (0.05, 1]: the error is unimodal in it)."""
+    planned = [(row, *plan_row(row)) for row in rows]
+
+    def error(e: float) -> float:
+        return sum(math.log(row.published_step_s / step_at(p, plan, e)) ** 2
+                   for row, p, plan in planned)
+
+    low, high = 0.05, 1.0
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(30):
+        a, b = high - golden * (high - low), low + golden * (high - low)
+        if error(a) < error(b):
+            high = b
+        else:
+            low = a
+    return (low + high) / 2
+
+
+def predict_row(row: Row) -> dict[str, float]:
+    """The row's predicted step under ``full_shard`` (module docstring)."""
+    planned, plan = plan_row(row)
+    if plan is not planned.plan:
+        plan = predict(planned.analysis, plan, planned.setting)
     pr = plan.prediction
     return {"step_s": pr.step_time_s, "compute_s": pr.compute_s, "comm_s": pr.comm_s,
             "optim_s": pr.optim_s, "peak_bytes": pr.peak_memory_bytes}
@@ -148,24 +199,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", choices=["h100", "a100-40gb", "all"], default="all")
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows")
+    parser.add_argument("--fit", action="store_true",
+                        help="fit presets.ATTENTION_EFFICIENCY on FIT_ROWS and print it")
     args = parser.parse_args()
+    if args.fit:
+        fitted = fit_attention_efficiency([r for r in _rows() if is_fit_row(r)])
+        print(json.dumps({"attention_efficiency": round(fitted, 3), "rows": FIT_ROWS}))
+        return
     rows = [r for r in _rows() if args.table in ("all", r.table)][:args.rows]
     print("| table | model | seq | GPUs | micro batch | ckpt | published step ms | predicted "
-          "step ms (compute / comm / optimizer) | predicted / published throughput |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    ratios = []
+          "step ms (compute / comm / optimizer) | predicted / published throughput | row |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios, validation = [], []
     for row in rows:
         start = time.perf_counter()
         p = predict_row(row)
         ratio = row.published_step_s / p["step_s"]
         ratios.append(ratio)
+        if not is_fit_row(row):
+            validation.append(ratio)
         print(f"| {row.table} | {row.model} | {row.seq} | {row.gpus} | {row.micro_batch} | "
               f"{'yes' if row.checkpointing else 'no'} | {row.published_step_s * 1e3:.1f} | "
               f"{p['step_s'] * 1e3:.1f} ({p['compute_s'] * 1e3:.1f} / {p['comm_s'] * 1e3:.1f} / "
-              f"{p['optim_s'] * 1e3:.1f}) | {ratio:.2f} |", flush=True)
+              f"{p['optim_s'] * 1e3:.1f}) | {ratio:.2f} | "
+              f"{'fit' if is_fit_row(row) else 'validation'} |", flush=True)
         print(f"  planned in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     within = sum(abs(r - 1) <= TOLERANCE for r in ratios)
     print(json.dumps({"rows": len(rows), "within_20_percent": within,
+                      "validation_rows": len(validation),
+                      "validation_within_20_percent": sum(abs(r - 1) <= TOLERANCE
+                                                          for r in validation),
                       "ratios": [round(r, 3) for r in ratios]}))
 
 

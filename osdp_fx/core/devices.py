@@ -104,6 +104,11 @@ class Devices:
     """Time torch's selective activation checkpointing adds per operator of a selectively
     recomputed region, in forward and in the recomputation together (its dispatch mode runs
     Python around every operator); measured by ``detect``, 0 when not measured."""
+    attention_efficiency: float = 1.0
+    """Share of the matmul rate (:meth:`flops_per_s`) a fused attention kernel (scaled
+    dot-product attention) reaches where its time is estimated, not measured (a roofline:
+    ``cost_models/compute.py``). Presets set ``presets.ATTENTION_EFFICIENCY``, fitted on five
+    published rows; 1.0 by hand and from ``detect``, whose profiles measure every node."""
     compute_flops_per_s_by_dtype: dict[str, float] = dataclasses.field(default_factory=dict)
     """Sustained matmul throughput of operators computing in a dtype ("bfloat16", ...) where it
     differs from ``compute_flops_per_s`` (tensor cores); the roofline uses :meth:`flops_per_s`."""
@@ -145,6 +150,9 @@ class Devices:
                 raise InputError(f"Devices.{name} must be a non-negative, finite number of "
                                  f"seconds, got {value!r}")
         _check_collective_links(self.collective_links)
+        if not _is_number(self.attention_efficiency) or not 0 < self.attention_efficiency <= 1:
+            raise InputError(f"Devices.attention_efficiency must be a share of the matmul rate "
+                             f"in (0, 1], got {self.attention_efficiency!r}")
         for name, keys, low, what in (
                 ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),
                 ("optimizer_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
@@ -277,7 +285,7 @@ def device_memory_bytes(device: Any = None) -> int:
 
 _FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "optimizer_element_time_s",
             "optimizer_tensor_time_s", "optimizer_sharded_tensor_time_s", "param_host_time_s",
-            "host_overlaps_device", "compute_flops_per_s_by_dtype")
+            "host_overlaps_device", "attention_efficiency", "compute_flops_per_s_by_dtype")
 """The fields of :class:`Devices` that are rates and times (not the world or the limit)."""
 
 _DEFAULTS = Devices()

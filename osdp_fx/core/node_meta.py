@@ -83,6 +83,9 @@ class NodeProfile:
     grad_passthrough: tuple[str, ...] = ()
     """Names of the argument nodes whose gradient the backward returns as the output's gradient
     itself, the same storage (an addition's two operands, a clone): no new tensor."""
+    attention: bool = False
+    """The node is a fused attention kernel (scaled dot-product attention): a roofline
+    estimate of it runs at ``Devices.attention_efficiency`` of the matmul rate."""
     host_time_s: float | None = None
     """Median host seconds dispatching the node's forward and backward together, where the
     host runs apart from the device (a GPU: [Note: timing a node on a GPU]); None where the

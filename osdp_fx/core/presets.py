@@ -60,6 +60,13 @@ COMPUTE_EFFICIENCY_A100_SXM = 271.2 / 312
 """MAMF / peak, A100 SXM bf16 (same table)."""
 COMPUTE_EFFICIENCY_ASSUMED = 0.80
 """For GPUs without a MAMF measurement: H100 SXM's, rounded (an assumption)."""
+ATTENTION_EFFICIENCY = 0.32
+"""Share of the matmul rate a fused attention kernel reaches where its time is estimated
+(``Devices.attention_efficiency``). Fitted, the one constant fitted to published runs: by
+``python benchmarks/published.py --fit`` on five rows of llm-foundry's MPT tables, the
+smallest models, where attention is the largest share of the step (``published.FIT_ROWS``:
+A100 125m on 16 and 128 GPUs, A100 350m on 64, H100 760m on 16, H100 1b on 8); every other
+row is validation (``docs/cost-models.md``)."""
 MEMORY_EFFICIENCY = 0.85
 """Sustained over datasheet memory bandwidth (an assumption, see the note)."""
 LINK_EFFICIENCY = 235 / 300
@@ -128,6 +135,7 @@ class Preset:
                 self.inter_node_link_bytes_per_s * self.link_efficiency,
             "inter_node_latency_s": self.inter_node_latency_s,
             "memory_margin": GPU_MEMORY_MARGIN,
+            "attention_efficiency": ATTENTION_EFFICIENCY,
             "source": f"preset:{self.name}",
         }
 

@@ -2,9 +2,9 @@
 
 Where the profile pass measured a node (``NodeProfile.fwd_time_s``/``bwd_time_s`` not None) the
 measurement is used; otherwise (``fake=True`` profiles, or hardware one plans for but does not
-have) a roofline::
+have) a roofline whose two terms add ([Note: an additive roofline])::
 
-    time_s = max(flops / devices.flops_per_s(dtype), bytes / devices.memory_bandwidth_bytes_per_s)
+    time_s = flops / devices.flops_per_s(dtype) + bytes / devices.memory_bandwidth_bytes_per_s
 
 where ``dtype`` is the dtype the node computes in (``NodeProfile.compute_dtype``):
 ``Devices.compute_flops_per_s_by_dtype`` gives tensor-core throughputs (a hardware preset, e.g.
@@ -58,18 +58,30 @@ class ComputeTime:
         return self.fwd_s + self.bwd_s
 
 
+# [Note: an additive roofline]
+# An operator's arithmetic and its memory traffic are added, not overlapped: ``flops / FLOP/s +
+# bytes / bandwidth``, where the textbook roofline takes the larger. Far from the ridge point
+# (FLOP/s over bandwidth, about 300 FLOPs per byte on an H100 in bf16) the two agree: a large
+# matmul is its arithmetic, an elementwise operator its traffic. Near the ridge, where the
+# linears of a small transformer sit (d = 768 over 16 Ki tokens: 370 FLOPs per byte), the
+# maximum credits the kernel with its peak rate, which measured matmuls there do not reach;
+# the sum gives it about half. Against llm-foundry's published MPT runs
+# (``benchmarks/published.py``, no constant fitted) the maximum predicted a 125m 1.6x too
+# fast and a 13b 1.01-1.15x; the sum 1.30-1.35x and 0.94-1.08x (``docs/benchmarks.md``). A
+# measured node (the profile's time) is not a roofline and is taken as measured.
 def roofline_time_s(flops: float, bytes_moved: float, devices: Devices, *,
-                    dtype: str = "") -> float:
-    """``max(flops / compute throughput, bytes / memory bandwidth)`` on one device of
-    ``devices``, at the throughput of ``dtype`` (a torch dtype name; '' for the default)."""
+                    dtype: str = "", efficiency: float = 1.0) -> float:
+    """``flops / compute throughput + bytes / memory bandwidth`` on one device of ``devices``,
+    at ``efficiency`` times the throughput of ``dtype`` (a torch dtype name; '' for the
+    default): [Note: an additive roofline]."""
     if devices.compute_flops_per_s <= 0 or devices.memory_bandwidth_bytes_per_s <= 0:
         raise InputError(
             f"Devices.compute_flops_per_s ({devices.compute_flops_per_s}) and "
             f"memory_bandwidth_bytes_per_s ({devices.memory_bandwidth_bytes_per_s}) must be "
             f"positive: fix them, or measure them with detect_devices()"
         )
-    return max(flops / devices.flops_per_s(dtype),
-               bytes_moved / devices.memory_bandwidth_bytes_per_s)
+    return (flops / (devices.flops_per_s(dtype) * efficiency)
+            + bytes_moved / devices.memory_bandwidth_bytes_per_s)
 
 
 def forward_bytes(profile: NodeProfile) -> int:
@@ -97,10 +109,13 @@ def node_compute_time_s(profile: NodeProfile | None, devices: Devices) -> Comput
     bwd_s = profile.bwd_time_s
     measured = fwd_s is not None and bwd_s is not None
     dtype = profile.compute_dtype
+    efficiency = devices.attention_efficiency if profile.attention else 1.0
     if fwd_s is None:
-        fwd_s = roofline_time_s(profile.fwd_flops, forward_bytes(profile), devices, dtype=dtype)
+        fwd_s = roofline_time_s(profile.fwd_flops, forward_bytes(profile), devices, dtype=dtype,
+                                efficiency=efficiency)
     if bwd_s is None:
-        bwd_s = roofline_time_s(profile.bwd_flops, backward_bytes(profile), devices, dtype=dtype)
+        bwd_s = roofline_time_s(profile.bwd_flops, backward_bytes(profile), devices, dtype=dtype,
+                                efficiency=efficiency)
     return ComputeTime(fwd_s=fwd_s, bwd_s=bwd_s, measured=measured)
 
 

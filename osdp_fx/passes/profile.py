@@ -168,6 +168,19 @@ def summarize_profile(gm: fx.GraphModule) -> ProfileSummary:
     )
 
 
+_ATTENTION_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "flex_attention")
+"""Names of torch's fused attention operators (the functional one, the aten kernels export
+leaves, and flex attention)."""
+
+
+def is_attention(n: fx.Node) -> bool:
+    """Whether ``n`` calls a fused attention operator (``NodeProfile.attention``)."""
+    name = getattr(n.target, "__name__", None) or str(n.target)
+    return n.op == "call_function" and name.split(".")[0] in _ATTENTION_OPS
+
+
 def profile_graph_pass(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -618,6 +631,7 @@ class NodeProfiler(fx.Interpreter):
             grad_passthrough=tuple(sorted(passthrough)),
             compute_dtype=next((str(t.dtype).removeprefix("torch.") for t in _tensor_list(
                 (inputs.args, inputs.kwargs, outputs)) if t.dtype.is_floating_point), ""),
+            attention=is_attention(n),
         )
         return detached(result), profile
 

@@ -190,18 +190,21 @@ def test_gpt2_xl_folded_plan_fits_in_40_lines(gpt2_xl_at_1024_h100s):
 
 
 def test_h100_preset_against_llm_foundrys_published_fsdp_throughput():
-    """docs/benchmarks.md: MPT-1b, 8 x H100, FULL_SHARD, micro batch 14 x 2048 tokens: 45,455
-    tokens/s per GPU published (llm-foundry's benchmark table); the preset predicts 1.46x that.
-    Pinned loosely: the prediction must stay optimistic but within 2x."""
-    model, inputs = load_factory(str(ROOT / "osdp_fx" / "examples.py") + ":mpt_1b_meta")
+    """docs/benchmarks.md: MPT-1b, 16 x H100, FULL_SHARD, micro batch 20 x 2048 tokens: 46,037
+    tokens/s per GPU published (llm-foundry's benchmark table), a validation row of
+    ``benchmarks/published.py`` (not one ``presets.ATTENTION_EFFICIENCY`` is fitted on): the
+    preset's prediction within 20 % of it."""
+    from osdp_fx.examples import mpt_meta
+
+    model, inputs = mpt_meta("1b", seq=2048, batch=20)
     assert sum(p.numel() for p in model.parameters()) == 1_315_950_592  # the table's count
-    devices = Devices.preset("h100-sxm-8x", world_size=8)
+    devices = Devices.preset("h100-sxm-8x", world_size=16)
     plan = plan_model(capture(model, inputs), inputs, "full_shard",
                       StepSetting(devices, optimizer="adamw",
                                   precision=resolve_mixed_precision("bf16")),
                       SearchOptions(fake=True)).plan
-    tokens_per_s = 14 * 2048 / plan.prediction.step_time_s
-    assert 1.0 < tokens_per_s / 45_455 < 2.0
+    tokens_per_s = 20 * 2048 / plan.prediction.step_time_s
+    assert 0.8 < tokens_per_s / 46_037 < 1.2
     assert plan.prediction.peak_memory_bytes < 80 * GiB
 
 
