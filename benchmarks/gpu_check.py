@@ -460,7 +460,7 @@ def _systems(cfg: Any, world: int, device: torch.device, x: torch.Tensor, device
         pred = osdp.plan.prediction
         s.info.update(predicted_step_s=osdp.plan.step_time_s,
                       predicted_peak_bytes=osdp.plan.peak_memory_bytes,
-                      predicted_phases_s=[pred.compute_s, pred.comm_s, pred.optim_s],
+                      predicted_phases_s=[pred.compute_s, pred.comm_s, pred.optim_s, pred.host_s],
                       gather_bucket_bytes=osdp.plan.schedule.gather_bucket_bytes)
         systems.append(s)
     return systems
@@ -612,7 +612,8 @@ def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
     """Median step times; each osdp-fx plan against its baseline (``baseline[plan]``)."""
     by_name = {r["system"]: r for r in rows}
     lines = ["| system | plan | step (ms) | fwd / bwd / opt (ms) | predicted (ms): compute / "
-             "comm / optimizer | vs baseline |", "|---|---|---|---|---|---|"]
+             "comm / optimizer / runtime host | predicted / measured | vs baseline |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         base = by_name.get(baseline.get(r["plan"], ""))
         ratio = f"{r['step_s'] / base['step_s']:.3f}x {base['system'].split()[0]}" if (
@@ -620,9 +621,11 @@ def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
         pred = f"{r['predicted_step_s'] * 1e3:.1f}" if r.get("predicted_step_s") else ""
         if r.get("predicted_phases_s"):
             pred += ": " + " / ".join(f"{t * 1e3:.1f}" for t in r["predicted_phases_s"])
+        accuracy = (f"{r['predicted_step_s'] / r['step_s']:.2f}" if r.get("predicted_step_s")
+                    else "")
         lines.append(f"| {r['system']} | {r['plan']} | {r['step_s'] * 1e3:.1f} | "
                      f"{r['forward_s'] * 1e3:.1f} / {r['backward_s'] * 1e3:.1f} / "
-                     f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {ratio} |")
+                     f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {accuracy} | {ratio} |")
     return "\n".join(lines)
 
 
