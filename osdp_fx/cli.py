@@ -339,7 +339,9 @@ def devices_command(args: argparse.Namespace) -> int:
     wrapped(f"{preset.name}: {preset.summary}")
     wrapped(f"efficiencies: compute {preset.compute_efficiency:.3f}, memory "
             f"{preset.memory_efficiency:.2f}, links {preset.link_efficiency:.3f} (osdp_fx/"
-            "core/presets.py, [Note: preset efficiencies])")
+            "core/presets.py, [Note: preset efficiencies]); fused attention at "
+            f"{devices.attention_efficiency:.2f} of the matmul rate (fitted on five published "
+            "runs, ATTENTION_EFFICIENCY)")
     if preset.notes:
         wrapped(f"notes: {preset.notes}")
     print("sources:")
