@@ -12,13 +12,15 @@ The probe runs what a compiled module runs, through the runtime's own functions
 (``runtime/forward.py``'s ``ModuleRuntime``, ``runtime/params.py``'s gathers): a chain of
 ``k`` small square matmuls whose weights are gathered in one bucket (the way the runtime
 gathers small parameters), forward and backward, once with ``k = 8`` and once with ``k = 40``.
-The difference divided by 32 is one parameter's time; the same chain over plain tensors, timed
-the same way, is subtracted (its operators are the profile's). The collectives are the same in
+The difference divided by 32 is one parameter's time (the median of three such differences);
+the same chain over plain tensors, timed the same way, is subtracted (its operators are the
+profile's). The collectives are the same in
 both runs (one bucket), so their time cancels too.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -75,10 +77,18 @@ def sharded_optimizer_tensor_times(
     return times
 
 
+PROBE_REPEATS = 3
+"""Times each slope is measured; the median is kept (a step of collectives between processes
+that share cores varies from run to run, and one slope of two such times can be off by more
+than the figure)."""
+
+
 def _slope(timer: Callable[[Callable[[], object]], float],
            build: Callable[[int], Callable[[], object]]) -> float:
     low, high = PROBE_PARAMS
-    return (timer(build(high)) - timer(build(low))) / (high - low)
+    short, long = build(low), build(high)
+    return statistics.median((timer(long) - timer(short)) / (high - low)
+                             for _ in range(PROBE_REPEATS))
 
 
 def _plain_step(k: int) -> Callable[[], object]:
