@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import memory_cases
+from harness import memory_cases, moe_memory_cases
 
 TOLERANCE = 0.05
 UNIFORM = ("replicate", "shard_grad_op", "full_shard")
@@ -155,3 +155,27 @@ def test_bucketed_regathers_are_predicted_from_above_and_closely(worlds, prefetc
         assert not _check(r, f"rank {rank}")
         for _, peak in r["measured"][1:]:
             assert 0.97 * r["steady"] <= peak <= r["steady"], (peak, r["steady"], r["peak_at"])
+
+
+def test_the_promise_holds_for_searched_mixed_plans_on_a_mixture_of_experts(worlds, tmp_path):
+    """A tiny Hugging Face Mixtral called with keywords and labels (issue 57: the plan searched
+    at 1.15x full_shard's peak was reported 8-11 % over its prediction at every shape):
+    full_shard, the searched plan and a written mix of the three strategies, each within the
+    tolerance at four shapes on every rank, the searched plan under its limit."""
+    results = worlds(2).run(moe_memory_cases.train_measured, plan_dir=str(tmp_path))
+    problems = []
+    for rank, r in enumerate(results):
+        assert r["full_shard"]["counts"]["full_shard"] == sum(r["full_shard"]["counts"].values())
+        assert sum(1 for c in r["mixed"]["counts"].values() if c) == 3, r["mixed"]["counts"]
+        assert r["searched"]["fits"], r["searched"]
+        for label, run in r.items():
+            for shape, measured, predicted in run["steps"]:
+                error = measured / predicted - 1
+                if abs(error) > TOLERANCE:
+                    problems.append(f"{label} rank {rank} at {shape}: measured {measured} B, "
+                                    f"predicted {predicted} B ({error:+.1%}; {run['counts']}, "
+                                    f"peak at {run['peak_at']}: {run['breakdown']})")
+                if label == "searched" and measured > run["limit"]:
+                    problems.append(f"searched rank {rank} at {shape}: measured {measured} B "
+                                    f"over the limit {run['limit']} B")
+    assert not problems, "\n".join(problems)
