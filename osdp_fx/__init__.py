@@ -16,6 +16,7 @@ from .core.precision import MixedPrecision
 from .errors import (
                      CaptureError,
                      CheckpointError,
+                     CollectiveError,
                      InputError,
                      OSDPError,
                      PlanError,
@@ -29,5 +30,5 @@ from .training.clip import clip_grad_norm_
 
 __all__ = ["compile_osdp", "clip_grad_norm_", "detect_devices", "Devices", "MixedPrecision", "OSDPModule", "Plan",
            "load_checkpoint", "save_checkpoint", "OSDPError", "CaptureError", "CheckpointError",
-           "InputError", "PlanError", "PlanMismatchError"]
+           "CollectiveError", "InputError", "PlanError", "PlanMismatchError"]
 __version__ = VERSION

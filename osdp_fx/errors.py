@@ -25,3 +25,9 @@ class InputError(OSDPError):
 
 class CheckpointError(OSDPError):
     """A checkpoint could not be saved or does not fit the model or optimizer it is loaded into."""
+
+
+class CollectiveError(OSDPError):
+    """A collective every rank must call did not complete: this rank called it and the others
+    did not join it within the process group's timeout (a call made on one rank alone, or
+    another rank failed or is far behind)."""

@@ -18,14 +18,14 @@ from .core.strategies import traits
 from .errors import InputError
 from .plan.plan import Plan
 from .runtime.accumulation import GradSync, HeldGrads
-from .runtime.collectives import WORLD, group_rank
+from .runtime.collectives import WORLD, every_rank, group_rank
 from .runtime.compile_support import release_graphs, run_eagerly, under_torch_compile
 from .runtime.compiled_regions import CompiledRegions, build_regions
 from .runtime.forward import ModuleRuntime
 from .runtime.param_table import ParamTable
 from .runtime.params import GradReduceScatters
 from .runtime.reducer import GradReducer
-from .runtime.sharded import is_dtensor, local_of
+from .runtime.sharded import is_dtensor, is_split_chunks, local_of, split_signature
 
 
 def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
@@ -44,11 +44,18 @@ def _grad_sync(table: ParamTable, reduce_dtype: torch.dtype | None) -> GradSync:
 class OSDPModule(nn.Module):
     """A compiled model: called like the original, parameters are this rank's shards.
 
-    Parameter and buffer names are the model's own (a split weight's parts are
-    ``<weight>_part<i>``). ``parameters()`` yields a sharded parameter as a ``DTensor`` of its
-    shape sharded on dim 0 (as FSDP2 does; ``runtime/sharded.py``) and a replicated one as the
-    full tensor; after ``backward()`` every ``.grad`` holds the gradient averaged over ranks,
-    laid out like its parameter (``no_sync()`` accumulates without it).
+    Parameter and buffer names and shapes are the model's own. ``parameters()`` yields a
+    sharded parameter as a ``DTensor`` of its shape sharded on dim 0 (as FSDP2 does;
+    ``runtime/sharded.py``) and a replicated one as the full tensor (a ``Replicate()``
+    DTensor where the plan shards others). A weight the plan splits into parts
+    (``docs/splitting.md``) is one parameter too, of its name and shape, whose storage holds
+    this rank's parts (a DTensor whose local tensor is the parts' local data one after
+    another where a part is sharded: [Note: split parameters]); ``plan[name]`` lists its
+    parts. After ``backward()`` every ``.grad`` holds the gradient averaged over ranks, laid
+    out like its parameter (``no_sync()`` accumulates without it).
+
+    ``state_dict()`` is local (no collective), as FSDP2's; ``full_state_dict()``,
+    ``full_grads()`` and checkpoints (``training/checkpoint.py``) are collective.
     """
 
     def __init__(self, table: ParamTable, *, captured_by: str,
@@ -100,6 +107,12 @@ class OSDPModule(nn.Module):
         self._runtime.grad_sync.drop()
         super().zero_grad(set_to_none)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # ``to()``, ``double()``, ...: a split weight's parts view its converted storage
+        out = super()._apply(fn, recurse)
+        self._table.repoint()
+        return out
+
     def train(self, mode: bool = True) -> OSDPModule:
         self._gm.training = mode
         if self._regions is not None:
@@ -146,33 +159,36 @@ class OSDPModule(nn.Module):
     # ---- state --------------------------------------------------------------------------
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> Any:
-        """The sharded state dict, as FSDP2's: the keys of the original ``model.state_dict()``
-        (a tied weight under each of its names), a sharded parameter as its ``DTensor`` (global
-        shape and placement: ``torch.distributed.checkpoint`` saves and loads it, each rank its
-        rows), a replicated one and the buffers as they are. A weight the plan splits is
-        gathered and given as a new DTensor of its whole shape (collective then: every rank
-        calls it). ``full_state_dict()`` gives full tensors instead."""
+        """The sharded state dict, as FSDP2's, local: no collective, so one rank may call it
+        alone. The keys of the original ``model.state_dict()`` (a tied weight under each of its
+        names); each parameter as the module holds it, sharing its storage: a sharded one as
+        its ``DTensor`` (global shape and placement: ``torch.distributed.checkpoint`` saves and
+        loads it, each rank its rows), a replicated one and the buffers as they are. A weight
+        the plan splits is its one parameter (a DTensor as held, whose local tensor tells
+        ``torch.distributed.checkpoint`` where each part's rows lie: ``SplitChunks`` in
+        ``runtime/sharded.py``; ``keep_vars=True`` gives the parameters themselves, whose local
+        tensor does not: save the default one). ``full_state_dict()`` gives full tensors
+        instead (collective)."""
         if args:
             raise InputError("OSDPModule.state_dict takes keyword arguments only "
                              "(destination=, prefix=, keep_vars=)")
         table = self._table
         out: Any = OrderedDict() if destination is None else destination
-        wholes: dict[str, torch.Tensor] = {}
         for key in table.state_keys:
             canon = table.alias_to_name.get(key)
-            if canon is None:
-                value = table.buffer(key)
-            else:
-                if canon not in wholes:
-                    wholes[canon] = table.whole(canon)
-                value = wholes[canon]
-            out[prefix + key] = value if keep_vars else value.detach()
+            value = table.buffer(key) if canon is None else table.param(canon)
+            if not keep_vars:
+                value = table.checkpointable(canon) if canon in table.splits else value.detach()
+            out[prefix + key] = value
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict keyed like the original model's: the sharded one ``state_dict()``
         returns (DTensors, loaded shard by shard, or gathered first where the placement
-        differs, collective then) or full tensors (``full_state_dict()``, the plain model's).
+        differs, collective then; a split weight's from a model under other splits or
+        strategies is refused, before anything is loaded: ``dcp.load`` it into this module's
+        ``state_dict()``, or use ``load_checkpoint`` or ``load_full_state_dict``) or full
+        tensors (``full_state_dict()``, the plain model's).
         A tied weight needs one of its names. ``strict``: missing or unexpected keys raise
         InputError; otherwise they are returned, as ``nn.Module.load_state_dict`` does."""
         if assign:
@@ -188,8 +204,21 @@ class OSDPModule(nn.Module):
                 f"load_state_dict: the state dict does not match the model (missing: "
                 f"{missing[:5]}, unexpected: {unexpected[:5]}); pass compiled.state_dict(), "
                 "compiled.full_state_dict() or the original model's state_dict()")
+        foreign = [k for k, v in state_dict.items()
+                   if k in canon_of and is_dtensor(v) and (
+                       is_split_chunks(local_of(v)) or hasattr(v, "_osdp_signature"))
+                   and not _same_layout(table.param(canon_of[k]), v,
+                                        table.signature(canon_of[k]))]
+        if foreign:  # its local tensor is not a chunk of the weight: full_tensor() would lie
+            raise InputError(
+                f"load_state_dict: {foreign[:3]} hold split weights' state from a model "
+                "compiled under other splits or strategies, which this one cannot take shard "
+                "by shard; load it through torch.distributed.checkpoint (dcp.save it, then "
+                "dcp.load into this module's state_dict()), with osdp_fx.load_checkpoint, or "
+                "pass full tensors (the source's full_state_dict()) to load_full_state_dict")
         done: set[str] = set()
-        with torch.no_grad():
+        with torch.no_grad(), every_rank("load_state_dict() of DTensors laid out otherwise than "
+                                         "the module's (gathered)", _FIX_LOAD):
             for key, value in state_dict.items():
                 canon = canon_of.get(key)
                 if key in unexpected or canon in done:
@@ -202,8 +231,8 @@ class OSDPModule(nn.Module):
                 if tuple(value.shape) != tuple(shape):
                     raise InputError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, "
                                      f"the model expects {shape}")
-                param = table.local(canon) if canon not in table.splits else None
-                if param is not None and _same_layout(param, value):
+                param = table.param(canon)
+                if _same_layout(param, value, table.signature(canon)):
                     local_of(param).copy_(local_of(value))
                     continue
                 full = value.full_tensor() if is_dtensor(value) else value
@@ -216,31 +245,35 @@ class OSDPModule(nn.Module):
         """Full tensors under exactly the keys of the original ``model.state_dict()``, loadable
         into the original, unwrapped model class.
 
-        Collective: every rank must call it. Tied parameters are one tensor under each name.
-        ``rank0_only``: other ranks return an empty dict (they still take part in the gathers).
-        ``cpu_offload``: the tensors are moved to the CPU one by one as they are gathered.
+        Collective: every rank must call it (``state_dict()`` is the local one). Tied
+        parameters are one tensor under each name. ``rank0_only``: other ranks return an empty
+        dict (they still take part in the gathers). ``cpu_offload``: the tensors are moved to
+        the CPU one by one as they are gathered. Called on some ranks only, it raises
+        ``CollectiveError`` on those within the process group's timeout.
         """
         table = self._table
         keep = not rank0_only or group_rank(WORLD) == 0
         gathered: dict[str, torch.Tensor] = {}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for key in table.state_keys:
-            canon = table.alias_to_name.get(key)
-            if canon is None:
-                value = table.buffer(key).detach().clone()
-            else:
-                if canon not in gathered:
-                    full = table.full(canon)
-                    assert full is not None, canon
-                    gathered[canon] = full.cpu() if cpu_offload else full
-                value = gathered[canon]
-            if keep:
-                out[key] = value.cpu() if cpu_offload else value
+        with every_rank("full_state_dict()", _FIX_FULL):
+            for key in table.state_keys:
+                canon = table.alias_to_name.get(key)
+                if canon is None:
+                    value = table.buffer(key).detach().clone()
+                else:
+                    if canon not in gathered:
+                        full = table.full(canon)
+                        assert full is not None, canon
+                        gathered[canon] = full.cpu() if cpu_offload else full
+                    value = gathered[canon]
+                if keep:
+                    out[key] = value.cpu() if cpu_offload else value
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Full averaged gradients by canonical parameter name (collective; for inspection)."""
-        return {name: self._table.full(name, grad=True) for name in self._table.groups}
+        with every_rank("full_grads()", "Call it on every rank, after the same backward."):
+            return {name: self._table.full(name, grad=True) for name in self._table.groups}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full tensors (keys of the original ``model.state_dict()``) into this rank's shards."""
@@ -269,13 +302,31 @@ class OSDPModule(nn.Module):
                         table.load(part, full)
 
 
-def _same_layout(param: torch.Tensor, value: torch.Tensor) -> bool:
+_FIX_FULL = ("Call full_state_dict() on every rank (rank0_only=True keeps the result on rank 0 "
+             "alone), or state_dict() where one rank alone needs the state: it is local.")
+_FIX_LOAD = ("Call load_state_dict() on every rank, or pass each rank the state_dict() of a "
+             "module compiled under the same plan (loaded without a collective).")
+
+
+def _same_layout(param: torch.Tensor, value: torch.Tensor,
+                 signature: tuple[Any, ...] | None = None) -> bool:
     """Whether ``value`` holds on this rank exactly what ``param`` does (the same placement over
-    the same mesh, or both plain)."""
+    the same mesh and the same local shape, or both plain; a split weight's, whose layout is
+    ``signature``, the same parts where ``value`` says which)."""
     if is_dtensor(param) != is_dtensor(value):
         return False
     if not is_dtensor(param):
         return True
+    if local_of(param).shape != local_of(value).shape:
+        return False
+    # a split weight's state from state_dict(), or (keep_vars=True) its parameter itself
+    theirs = split_signature(local_of(value)) or getattr(value, "_osdp_signature", None)
+    if theirs is not None and theirs != signature:
+        return False
+    if signature is not None and theirs is None and (
+            local_of(param).untyped_storage().data_ptr()
+            != local_of(value).untyped_storage().data_ptr()):
+        return False  # a plain DTensor of this shape is a Shard(0) chunk, not these parts
     return (tuple(value.placements) == tuple(param.placements)  # type: ignore[attr-defined]
             and value.device_mesh == param.device_mesh)  # type: ignore[attr-defined]
 

@@ -197,3 +197,19 @@ class SplitSpec:
     bias_of: str | None = None
     """For a linear's bias: the weight whose split it follows (a plan's ``splits`` names the
     weight alone)."""
+
+
+def split_weights(names: list[str] | tuple[str, ...] | dict[str, object]) -> dict[str, str]:
+    """Among parameter group names, the parts of split weights (``<weight>_part<i>``,
+    ``passes/split_linear.py``: ``_part0``, ``_part1``, ... all present) and the weight each is
+    a part of. The cost models read a plan's groups with it: the runtime shows a split weight
+    as one parameter, whose gradient holds every part's."""
+    names = set(names)
+    out: dict[str, str] = {}
+    for name in names:
+        base, sep, index = name.rpartition("_part")
+        if not sep or not index.isdigit() or f"{base}_part1" not in names:
+            continue
+        if all(f"{base}_part{i}" in names for i in range(int(index) + 1)):
+            out[name] = base
+    return out

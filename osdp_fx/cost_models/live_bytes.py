@@ -229,4 +229,6 @@ def describe_time(t: float, nodes: list[fx.Node]) -> str:
             return f"reduce-scatter after backward of {nodes[2 * n - 1 - int(t)].name}"
         node = nodes[2 * n - 1 - math.ceil(t)].name
         return f"re-gather before backward of {node}" if t % 1 else f"backward of {node}"
+    if 2 * n < t < 2 * n + 1:
+        return "end of backward: a split weight's gradient joined"
     return "gradient all-reduce" if t == 2 * n else "optimizer step"

@@ -10,7 +10,8 @@ reports the largest live total.
 Time points: forward of node ``i`` is ``t = i``; backward of node ``i`` is ``t = 2N - 1 - i``
 (reverse order), and a reduce-scatter that follows it ``t + 0.5``; the second stage of a
 two-stage (hierarchical) gather before a forward or backward at ``t`` is ``t - 0.25``; the
-end-of-backward gradient all-reduce is ``t = 2N``; the optimizer step is ``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
+end-of-backward gradient all-reduce is ``t = 2N`` (split weights' gradients joined just after);
+the optimizer step is ``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
 
 What is alive, per rank (N ranks, R per node, P bytes of a parameter, Pp = N * ceil(rows / N)
 rows padded; for hybrid_shard read R for N throughout):
@@ -49,6 +50,12 @@ rows padded; for hybrid_shard read R for N throughout):
   through ``grad_ready``), or at the end of backward; the Pp/N
   shard gradient from the start of the reduce-scatter to the end (``hierarchical``: its first,
   intra-node stage also holds a Pp / R block until the reduce-scatter completes);
+* a split weight's gradient (its parts' in one tensor, as the compiled module shows the weight
+  as one parameter): from the accumulation of its first replicated part's gradient, else from
+  the end of backward (between ``t = 2N`` and the optimizer step, one weight after another),
+  until the optimizer step; a sharded part's Pp/N shard gradient from its reduce-scatter's
+  launch until it completes, or until that gradient exists; the replicated part's gradient a
+  backward computes is a new tensor at its backward, added into it (:class:`_SplitGrads`);
 * gradient all-reduce: flat buckets of the replicated gradients (``GradReducer``'s buckets), each
   from when its last gradient is ready until the bucket ``schedule.scatters_in_flight`` later
   starts or backward ends;
@@ -81,7 +88,7 @@ from torch import fx
 
 from ..core.buckets import Schedule
 from ..core.devices import Devices
-from ..core.layout import shard_count
+from ..core.layout import shard_count, split_weights
 from ..core.node_meta import NodeRole, osdp_meta
 from ..core.setting import StepSetting
 from ..core.strategies import traits
@@ -244,6 +251,26 @@ class _GradPiece:
     """The shard gradient the reduce-scatter leaves on this rank."""
     block_bytes: int
     """``hierarchical``: the intra-node stage's block held until the reduce-scatter completes."""
+    split: str | None = None
+    """The split weight it is a part of: its shard gradient lands in the weight's gradient
+    (:class:`_SplitGrads`), not in one of its own."""
+
+
+@dataclasses.dataclass
+class _SplitGrads:
+    """The gradient of one split weight ([Note: split parameters], ``runtime/sharded.py``): one
+    tensor holding every part's (a replicated part's whole, a sharded part's shard) until the
+    optimizer step, allocated when autograd accumulates its first replicated part's gradient,
+    else once backward has reduced every sharded part (the end of backward); a sharded part's
+    shard is its own tensor from its reduce-scatter's launch until it is added into it."""
+
+    nbytes: int = 0
+    """Its bytes: every trainable part's local gradient."""
+    starts: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    """(micro-batch, when) a replicated part's gradient is accumulated."""
+    shards: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)
+    """(gather bucket, reduce-scatter launch, bytes) of each sharded part's shard gradient
+    (synchronised micro-batches only)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,12 +464,16 @@ def _add_gathered(tl: Timeline, step: _Step, gathers: _Gathers, node: fx.Node,
 
 
 def _add_param_gradient(tl: Timeline, step: _Step, gathers: _Gathers, node: fx.Node,
-                        state: ParamState, size: _ParamSizes) -> tuple[float, _GradPiece | None]:
+                        state: ParamState, size: _ParamSizes,
+                        split: tuple[str, _SplitGrads] | None = None,
+                        ) -> tuple[float, _GradPiece | None]:
     """The gradient of one trainable parameter node until its collective: a replicated one's
     in ``.grad`` (from the start of a micro-batch where earlier ones accumulated it), summed
     out of place where several operators read the parameter. Returns when it is complete
     (-1: it gets none) and, when sharded, what its reduce-scatter holds of it (the caller
-    charges those per gather bucket)."""
+    charges those per gather bucket). A part of a split weight (``split``: the weight and its
+    gradient) has its gradient in the weight's: a replicated part's this backward computes is
+    added into it, a new tensor until then; the caller charges the weight's."""
     facts, bwd, pos, at = step.facts, step.bwd, step.facts.pos, gathers.at
     t = traits(state.strategy)
     grad_uses = [u for u in gathers.uses_of[node] if facts.requires_grad[u]]
@@ -462,10 +493,19 @@ def _add_param_gradient(tl: Timeline, step: _Step, gathers: _Gathers, node: fx.N
     if t.sharded:
         held = size.padded // state.element_size * state.reduce_size
         ranks_per_node = step.devices.ranks_per_node
+        if split is not None:
+            split[1].nbytes += size.padded // size.chunks
         return grad_done, _GradPiece(grad_start, grad_done, state.numel * state.compute_size,
                                      held, size.padded // size.chunks,
                                      held // ranks_per_node if size.staged and ranks_per_node
-                                     else 0)
+                                     else 0, split[0] if split is not None else None)
+    if split is not None:
+        split[1].nbytes += size.full
+        tl.alive(grad_start, grad_done, size.full, Category.GRADIENTS, scaled=False)
+        for micro, since in ((SYNC, 0 if step.accumulating else grad_start),
+                             (LOCAL, 0 if step.grad_accumulation > 2 else grad_start)):
+            split[1].starts.append((micro, since))
+        return grad_done, None
     # accumulated by earlier micro-batches: alive from the start, and this backward's
     # gradient is a new tensor until autograd adds it to ``.grad``
     for micro, since in ((SYNC, 0 if step.accumulating else grad_start),
@@ -478,40 +518,87 @@ def _add_param_gradient(tl: Timeline, step: _Step, gathers: _Gathers, node: fx.N
 
 
 def _add_params(tl: Timeline, step: _Step, gathers: _Gathers, base: dict[Category, int],
+                splits: dict[str, _SplitGrads],
                 ) -> tuple[list[int], dict[str, float], dict[int, list[_GradPiece]]]:
     """Every parameter node's local bytes and optimizer state (added to ``base``), gathered
-    copies and gradients. Returns the trainable groups' local bytes, when each replicated
-    gradient is ready for its all-reduce, and the sharded gradients by gather bucket."""
+    copies and gradients (a split weight's gathered into ``splits``). Returns the trainable
+    parameters' local bytes (a split weight's one parameter's), when each replicated gradient
+    is ready for its all-reduce, and the sharded gradients by gather bucket."""
     local_bytes: list[int] = []
+    split_bytes: dict[str, int] = defaultdict(int)
     replicated_ready: dict[str, float] = {}
     bucket_grads: dict[int, list[_GradPiece]] = defaultdict(list)
+    weight_of = _split_weights(tuple(step.params))
     for node, name in step.facts.param_of.items():
         state = step.params[name]
         size = _param_sizes(state, step.devices)
         base[Category.PARAMETERS] += size.local
+        weight = weight_of.get(name)
         if state.trainable:
             base[Category.OPTIMIZER_STATE] += optimizer_state_bytes(size.local_numel,
                                                                     optimizer=step.optimizer)
-            local_bytes.append(size.local)
+            if weight is None:
+                local_bytes.append(size.local)
+            else:
+                split_bytes[weight] += size.local
         if not gathers.uses_of[node]:
             continue
         _add_gathered(tl, step, gathers, node, state, size)
         if not state.trainable:
             continue
-        done, piece = _add_param_gradient(tl, step, gathers, node, state, size)
+        split = (weight, splits.setdefault(weight, _SplitGrads())) if weight else None
+        done, piece = _add_param_gradient(tl, step, gathers, node, state, size, split)
         if piece is not None:
             bucket_grads[gathers.bucket_of[node]].append(piece)
         elif done >= 0:
             replicated_ready[name] = done + 0.5
-    return local_bytes, replicated_ready, bucket_grads
+    return local_bytes + list(split_bytes.values()), replicated_ready, bucket_grads
+
+
+@functools.lru_cache(maxsize=256)
+def _split_weights(names: tuple[str, ...]) -> dict[str, str]:
+    """``core.layout.split_weights`` of a plan's group names (the same for every candidate
+    plan of a search)."""
+    return split_weights(names)
+
+
+def _add_split_grads(tl: Timeline, step: _Step, splits: Mapping[str, _SplitGrads],
+                     completed: Mapping[int, float]) -> None:
+    """Each split weight's gradient until the optimizer step, from its first replicated part's
+    accumulation, else from the end of backward (the weights one after another, in the order
+    their first shard completed), and its sharded parts' shards from their reduce-scatter's
+    launch until then, or until it completes (``completed``: per gather bucket) where the
+    gradient exists by then."""
+    def first_done(grads: _SplitGrads) -> float:
+        return min((completed[b] for b, _, _ in grads.shards), default=step.grad_sync)
+
+    joined = [g for g in sorted(splits.values(), key=first_done) if g.shards]
+    for grads in splits.values():
+        replicated = [t for m, t in grads.starts if m == SYNC]
+        if replicated:
+            since = min(replicated)
+        else:  # joined at the end of backward, one weight after another
+            since = step.grad_sync + (joined.index(grads) + 1) / (len(joined) + 1)
+        for bucket, launch, nbytes in grads.shards:
+            until = max(completed[bucket], since) if replicated else since
+            tl.alive(launch, until, nbytes, Category.GRADIENTS, scaled=False, only=SYNC)
+        if replicated or grads.shards:
+            tl.alive(since, step.optim_t, grads.nbytes, Category.GRADIENTS, scaled=False,
+                     only=SYNC)
+        local = [t for m, t in grads.starts if m == LOCAL]
+        if local:  # a no_sync micro-batch: a replicated part's accumulation allocates it
+            tl.alive(min(local), step.optim_t, grads.nbytes, Category.GRADIENTS, scaled=False,
+                     only=LOCAL)
 
 
 def _add_buckets(tl: Timeline, step: _Step, gathers: _Gathers,
-                 bucket_grads: Mapping[int, list[_GradPiece]]) -> list[_Scatter]:
+                 bucket_grads: Mapping[int, list[_GradPiece]],
+                 splits: Mapping[str, _SplitGrads]) -> list[_Scatter]:
     """Per gather bucket: the flat buffer of a bucket of several parameters until it is split,
-    its gradients until their reduce-scatter, the shard gradients it leaves, and, accumulating,
-    the buffer the micro-batches add their gradients into. Returns the reduce-scatters, in
-    bucket order."""
+    its gradients until their reduce-scatter, the shard gradients it leaves (a split weight's
+    part's: in the weight's gradient, allocated by the launch at the latest), and,
+    accumulating, the buffer the micro-batches add their gradients into. Returns the
+    reduce-scatters, in bucket order."""
     params, world_size = step.params, step.devices.world_size
     param_of, optim_t = step.facts.param_of, step.optim_t
     scatters: list[_Scatter] = []
@@ -544,7 +631,11 @@ def _add_buckets(tl: Timeline, step: _Step, gathers: _Gathers,
                          only=SYNC)
             scatters.append(_Scatter(launch, launch, held, held_block, i))
         for g in grads:
-            tl.alive(launch, optim_t, g.shard_bytes, Category.GRADIENTS, scaled=False, only=SYNC)
+            if g.split is not None:
+                splits[g.split].shards.append((i, launch, g.shard_bytes))
+            else:
+                tl.alive(launch, optim_t, g.shard_bytes, Category.GRADIENTS, scaled=False,
+                         only=SYNC)
         # Accumulating: the synchronised backward adds into the held buffer and reduce-scatters
         # it; a no_sync backward adds its gradients into it (the first allocates it).
         if step.accumulating:
@@ -557,17 +648,19 @@ def _add_buckets(tl: Timeline, step: _Step, gathers: _Gathers,
     return scatters
 
 
-def _add_scatters(tl: Timeline, step: _Step, scatters: list[_Scatter]) -> None:
+def _add_scatters(tl: Timeline, step: _Step, scatters: list[_Scatter]) -> dict[int, float]:
     """The reduce-scatters in flight. At most ``schedule.scatters_in_flight`` run at once:
     starting one more completes the oldest; the rest complete at the end of backward. Those
     launched at one time point start in the order autograd runs their all-gathers' backward:
-    the all-gather issued last first."""
+    the all-gather issued last first. Returns when each completes, by gather bucket."""
     in_flight = step.schedule.scatters_in_flight
     ordered = sorted(scatters, key=lambda s: (s.launch, -s.bucket))
+    completed: dict[int, float] = {}
     for i, s in enumerate(ordered):
         later = i + in_flight
         # completed (and its buffer freed) before the later one starts
         done = ordered[later].launch - 0.0625 if later < len(ordered) else step.grad_sync
+        completed[s.bucket] = done
         if s.since < s.launch:  # the gradient itself, handed to the reduce-scatter at its
             # launch (gloo: copied then, so both are alive at the launch)
             copies = step.devices.reduce_scatter_copies_input
@@ -575,6 +668,7 @@ def _add_scatters(tl: Timeline, step: _Step, scatters: list[_Scatter]) -> None:
                      Category.GRADIENTS, scaled=False, only=SYNC)
         tl.alive(s.launch, done, s.held_bytes, Category.COMMUNICATION, scaled=False, only=SYNC)
         tl.alive(s.launch, done, s.block_bytes, Category.COMMUNICATION, scaled=False, only=SYNC)
+    return completed
 
 
 def _add_optimizer_step(tl: Timeline, step: _Step, local_bytes: list[int]) -> None:
@@ -608,8 +702,10 @@ def _step_timeline(
     tl = facts.derive(_activations, regions).copy()
     base = {Category.PARAMETERS: constant_bytes(gm), Category.OPTIMIZER_STATE: 0}
     gathers = _gathers(step)
-    local_bytes, replicated_ready, bucket_grads = _add_params(tl, step, gathers, base)
-    _add_scatters(tl, step, _add_buckets(tl, step, gathers, bucket_grads))
+    splits: dict[str, _SplitGrads] = {}
+    local_bytes, replicated_ready, bucket_grads = _add_params(tl, step, gathers, base, splits)
+    completed = _add_scatters(tl, step, _add_buckets(tl, step, gathers, bucket_grads, splits))
+    _add_split_grads(tl, step, splits, completed)
     if step.devices.world_size > 1:
         schedule = step.schedule
         replicated_buckets(tl, params, replicated_ready, bucket_bytes=schedule.reduce_bucket_bytes,

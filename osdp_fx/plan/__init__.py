@@ -6,6 +6,6 @@ Imports ``core`` only.
 
 from __future__ import annotations
 
-from .plan import ParamPlan, Plan, Prediction
+from .plan import ParamPlan, Plan, Prediction, SplitPlan
 
-__all__ = ["ParamPlan", "Plan", "Prediction"]
+__all__ = ["ParamPlan", "Plan", "Prediction", "SplitPlan"]

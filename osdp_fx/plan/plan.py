@@ -133,6 +133,49 @@ class ParamPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """What ``plan[name]`` gives for a parameter the plan splits (``docs/splitting.md``): the
+    model's name and the parts, each a :class:`ParamPlan` of its own (``<name>_part<i>``, in
+    order along the split dimension) with its own strategy. The compiled module shows the
+    parameter as one, under ``name``; the parts are the plan's parameter groups."""
+
+    name: str
+    """The parameter's name in the model (a linear's weight, or its bias)."""
+    parts: tuple[ParamPlan, ...]
+    """The parts, in order."""
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """Each part's strategy, in order."""
+        return tuple(p.strategy for p in self.parts)
+
+    @property
+    def strategy(self) -> str:
+        """The parts' strategy when they share one, else ``"mixed"`` (see :attr:`strategies`)."""
+        return self.parts[0].strategy if len(set(self.strategies)) == 1 else "mixed"
+
+    @property
+    def dtype(self) -> str:
+        return self.parts[0].dtype
+
+    @property
+    def trainable(self) -> bool:
+        return self.parts[0].trainable
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def shard_bytes(self, world_size: int, ranks_per_node: int | None = None) -> int:
+        """Bytes one rank holds of every part together."""
+        return sum(p.shard_bytes(world_size, ranks_per_node) for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
 class RegionPrediction:
     """What one recomputed region saves and recomputes (``cost_models.recompute``)."""
 
@@ -304,13 +347,36 @@ class Plan:
                 )
 
     # ---- lookup -------------------------------------------------------------------------
-    def __getitem__(self, name: str) -> ParamPlan:
+    def __getitem__(self, name: str) -> ParamPlan | SplitPlan:
+        """The decision for ``name``: a parameter group's :class:`ParamPlan` (by its name, an
+        alias, or a part's name ``<weight>_part<i>``), or, for a parameter the plan splits, a
+        :class:`SplitPlan` listing its parts. KeyError for a name the plan does not hold."""
         for p in self.params:
             if p.name == name or name in p.aliases:
                 return p
+        parts = self.parts_of(name)
+        if parts:
+            return SplitPlan(name, parts)
         raise KeyError(name)
 
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def parts_of(self, name: str) -> tuple[ParamPlan, ...]:
+        """The parts the plan splits parameter ``name`` into (a linear's weight, or its bias),
+        in order; empty when it does not split it."""
+        by_name = {p.name: p for p in self.params}
+        parts = []
+        while f"{name}_part{len(parts)}" in by_name:
+            parts.append(by_name[f"{name}_part{len(parts)}"])
+        return tuple(parts) if len(parts) > 1 else ()
+
     def strategy_of(self, name: str) -> str:
+        """The strategy of ``name`` (``"mixed"`` for a split parameter whose parts differ)."""
         return self[name].strategy
 
     def counts(self) -> dict[str, int]:
@@ -405,8 +471,19 @@ class Plan:
         return self.table()
 
     def explain(self, name: str) -> str:
-        """Why one parameter group runs the way it does, and what that costs per step."""
-        p = self[name]
+        """Why one parameter group runs the way it does, and what that costs per step; for a
+        parameter the plan splits (``name`` as the model names it), each of its parts."""
+        entry = self[name]
+        if isinstance(entry, SplitPlan):
+            lines = [f"{name}: split into {len(entry.parts)} parts ({', '.join(entry.strategies)}"
+                     f"), {format_bytes(entry.nbytes)} full; the compiled module shows it as "
+                     "one parameter"]
+            for part in entry.parts:
+                lines += ["  " + line for line in self._explain_group(part)]
+            return "\n".join(lines)
+        return "\n".join(self._explain_group(entry))
+
+    def _explain_group(self, p: ParamPlan) -> list[str]:
         fwd, bwd = self.collectives_of(p)
         lines = [
             f"{p.name}: {p.strategy}" + (f" ({p.note})" if p.note else ""),
@@ -416,7 +493,7 @@ class Plan:
         ]
         if p.aliases:
             lines.append(f"  tied to: {', '.join(p.aliases)}")
-        return "\n".join(lines)
+        return lines
 
 
 def recomputed_regions(pairs: Any) -> tuple[tuple[str, str], ...]:

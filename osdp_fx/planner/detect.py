@@ -70,8 +70,16 @@ def detect_devices(
     Figures that cannot be measured (inter-node on one node, all collectives without an
     initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
     defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
-    ``ranks_per_node`` overrides the node layout found from host names.
+    ``ranks_per_node`` overrides the node layout found from host names. The benchmarks draw
+    their tensors from a forked random generator: the caller's random stream is untouched.
     """
+    import torch
+
+    with torch.random.fork_rng():
+        return _detect(memory_limit=memory_limit, group=group, ranks_per_node=ranks_per_node)
+
+
+def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int | None) -> Devices:
     optimizers = OPTIMIZERS
     import torch
     import torch.distributed as dist

@@ -21,13 +21,16 @@ order reuse, and nothing waits.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..core.layout import WORLD, shard_numel  # noqa: F401  (re-exported)
+from ..errors import CollectiveError
 from .memory import note_resized
 
 _named_groups: dict[str, Any] = {}
@@ -244,3 +247,39 @@ def pad_flat(tensor: torch.Tensor, padded_numel: int) -> torch.Tensor:
     out = flat.new_zeros(padded_numel)
     out[: flat.numel()] = flat
     return out
+
+
+_LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
+"""What gloo (and the TCP store) say when a collective's other ranks never join it."""
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that timed out or lost a peer (torch raises
+    ``RuntimeError`` or its ``DistBackendError`` for both)."""
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _LOST_PEER)
+
+
+def collective_error(what: str, fix: str, exc: BaseException) -> CollectiveError:
+    """The error of a collective that ``what`` runs and that every rank must call, which timed
+    out on this rank (``exc``, torch's), naming ``fix``."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return CollectiveError(
+        f"{what} is collective: every rank must call it, and rank {group_rank(WORLD)} called "
+        f"it alone, or another rank failed or is far behind (the others did not join its "
+        f"collective within the process group's timeout: {type(exc).__name__}: {first}). "
+        f"{fix}")
+
+
+@contextlib.contextmanager
+def every_rank(what: str, fix: str) -> Iterator[None]:
+    """Around collectives every rank must call (``what``: the call, e.g.
+    ``"full_state_dict()"``): one that times out, or loses a peer, raises
+    :class:`~osdp_fx.errors.CollectiveError` naming the problem and ``fix`` instead of torch's
+    error. A rank that calls alone then fails within the process group's timeout (on gloo;
+    NCCL's watchdog may abort the process at the timeout instead)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not lost_peer(exc):
+            raise
+        raise collective_error(what, fix, exc) from exc

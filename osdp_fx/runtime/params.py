@@ -50,7 +50,14 @@ from .regather import (
     split_gathered,
     start_params,
 )
-from .sharded import accumulate_grad, flat_shard, local_of, padded_numel
+from .sharded import (
+    SplitGrads,
+    accumulate_grad,
+    flat_shard,
+    local_of,
+    padded_numel,
+    split_of,
+)
 
 _local = threading.local()
 
@@ -132,6 +139,8 @@ class GradReduceScatters:
             tuple[list[torch.Tensor], Pending, int, torch.Tensor | None]] = (
             collections.deque())
         self._queued = False
+        self._holding: dict[int, SplitGrads] = {}
+        """Split weights holding reduced chunks of their parts (``SplitGrads.add``)."""
 
     def start(self, shard: torch.Tensor, grad_full: torch.Tensor, group: str,
               padded_numel: int, reduce_dtype: torch.dtype | None = None) -> None:
@@ -145,6 +154,7 @@ class GradReduceScatters:
         grad = pad_flat(cast(grad_full, reduce_dtype), padded_numel)
         owned = grad.untyped_storage().data_ptr() != grad_full.untyped_storage().data_ptr()
         self.start_flat([shard], grad, group, owned=owned)
+
 
     def buffer(self, shards: list[torch.Tensor], numel: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
@@ -165,8 +175,7 @@ class GradReduceScatters:
         pending = reduce_scatter_shards_start(flat, group, consume=owned)
         self._in_flight.append((shards, pending, averaging_ranks(group), flat if owned else None))
 
-    @staticmethod
-    def _complete(shards: list[torch.Tensor], pending: Pending, world: int,
+    def _complete(self, shards: list[torch.Tensor], pending: Pending, world: int,
                   owned: torch.Tensor | None) -> None:
         chunk = pending.wait().div_(world)
         if owned is not None:
@@ -175,26 +184,43 @@ class GradReduceScatters:
             storage = owned.untyped_storage()
             storage.resize_(0)
             note_resized(storage)
+        kept = False
         for shard, grad in zip(shards, chunk.split([padded_numel(s) for s in shards])):
             grad = grad.to(shard.dtype) if len(shards) == 1 else grad.to(shard.dtype, copy=True)
+            split = split_of(shard)
+            if split is not None:  # a split weight's part: into the weight's gradient
+                held = split[0].add(split[1], grad)
+                if held:  # until the weight's gradient exists (at the latest: finish)
+                    self._holding[id(split[0])] = split[0]
+                kept = kept or (held and grad.untyped_storage().data_ptr()
+                                == chunk.untyped_storage().data_ptr())
+                continue
             accumulate_grad(shard, grad)
-        storage = chunk.untyped_storage()
-        if all(local_of(s.grad).untyped_storage().data_ptr() != storage.data_ptr()
-               for s in shards):
+            kept = kept or (local_of(shard.grad).untyped_storage().data_ptr()
+                            == chunk.untyped_storage().data_ptr())
+        if not kept:
             # copied out; gloo's worker may still hold the output for a few milliseconds
+            storage = chunk.untyped_storage()
             storage.resize_(0)
             note_resized(storage)
 
     def finish(self) -> None:
-        """Complete every reduce-scatter in flight (end of backward)."""
+        """Complete every reduce-scatter in flight (end of backward); then each split weight
+        whose parts' chunks wait for its gradient gets it, one after another."""
         self._queued = False
         while self._in_flight:
             self._complete(*self._in_flight.popleft())
+        holding, self._holding = self._holding, {}
+        for split in holding.values():
+            split.join()
 
     def reset(self) -> None:
         """Forget what a failed backward left (autograd drops its end-of-backward callback)."""
         self._queued = False
         self._in_flight.clear()
+        for split in self._holding.values():
+            split.drop()
+        self._holding.clear()
 
 
 class _AllGatherParam(torch.autograd.Function):

@@ -11,6 +11,9 @@ the oldest (divide by the world size, copy back into the ``.grad`` tensors, free
 callback queued on the autograd engine starts what is left (parameters without a gradient in
 this backward are skipped) and completes everything when backward ends.
 
+A part of a split weight is one of ``params``: its gradient is its view of the weight's
+gradient (``sharded.grad_of``, [Note: split parameters]).
+
 A backward of a forward run inside ``OSDPModule.no_sync()`` pauses the reducer (:meth:`pause`):
 its gradients stay in ``.grad``, and the next synchronised backward all-reduces the sum
 ([Note: no_sync] in ``accumulation.py``).
@@ -30,7 +33,7 @@ from torch import nn
 from ..core.buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
 from .collectives import all_reduce_sum_start, group_size
 from .memory import note_resized
-from .sharded import local_of
+from .sharded import grad_of, local_of
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +106,12 @@ class GradReducer:
 
     def _start(self, index: int) -> None:
         self._next = index + 1
-        bucket = [p for p in self.buckets[index] if p.grad is not None]
+        bucket = [p for p in self.buckets[index] if grad_of(p) is not None]
         if not bucket:
             return
         while len(self._in_flight) >= self.max_in_flight:
             self._complete(*self._in_flight.popleft())
-        flat = torch.cat([local_of(p.grad).reshape(-1) for p in bucket])
+        flat = torch.cat([local_of(grad_of(p)).reshape(-1) for p in bucket])
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)
         self._in_flight.append((bucket, flat, all_reduce_sum_start(flat, self.group)))
@@ -119,7 +122,7 @@ class GradReducer:
         offset = 0
         for p in bucket:
             n = p.numel()
-            grad = local_of(p.grad)
+            grad = local_of(grad_of(p))
             grad.copy_(flat[offset:offset + n].view_as(grad))
             offset += n
         # The collective is complete, but gloo's worker may hold the buffer for a few more

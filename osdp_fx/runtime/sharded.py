@@ -23,12 +23,37 @@ parameter they stay plain tensors, as DDP's.
 
 Without a process group (world size 1, none initialised) there is no mesh: a sharded parameter
 is then the whole tensor, a plain parameter of its shape over the one chunk.
+
+[Note: split parameters]
+A weight the plan splits (``passes/split_linear.py``) is one parameter too, under its own name
+and of its own shape: the graph reads its parts (``<weight>_part<i>``, each a group of the plan
+with its own strategy), which are views of that parameter's storage, not parameters of the
+module. Where no part holds a chunk (every part replicated, or one chunk each), the parameter
+is the whole weight and each part a slice of it along the split dimension (a ``Replicate()``
+DTensor where the plan shards other parameters, as replicated ones are). Otherwise this rank's
+local tensor is its parts' local data concatenated, in order: a sharded part's padded flat
+chunk, a replicated part's rows (:class:`SplitGrads`); the parameter is then a ``DTensor`` of the
+weight's shape on the mesh of its first sharded part. That local tensor is not a ``Shard(0)``
+chunk of the weight: elementwise operations (optimizers) and the runtime read it as they
+should; ``full_tensor()`` does not, nor does ``torch.nn.utils.clip_grad_norm_`` where a part is
+replicated (``osdp_fx.clip_grad_norm_`` does). ``state_dict()`` gives it with a local tensor that
+tells ``torch.distributed.checkpoint`` where each part's rows lie (:class:`SplitChunks`).
+
+Gradients land in the parameter's ``.grad``, laid out like it: a replicated part's gradient is
+accumulated by autograd into its view of it (:meth:`SplitGrads.prepare`, which allocates the
+gradient, zero, if there is none yet), a sharded part's reduced shard is added into its view,
+or held until the gradient exists, at the latest until backward ends, when the held shards
+make it (:meth:`SplitGrads.add`, :meth:`SplitGrads.join`). The parts never hold a ``.grad``
+outside their accumulation, so ``zero_grad`` on the parameter (the module's or an
+optimizer's) leaves nothing stale behind. Converting the module (``to()``, ``double()``)
+points the parts at the converted storage again (``ParamTable.repoint``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,6 +63,7 @@ from torch import nn
 from ..core.layout import row_numel, shard_layout, shard_numel
 from .collectives import pad_flat
 from .hierarchy import checkpoint_mesh
+from .memory import note_resized
 
 
 @functools.cache
@@ -158,15 +184,178 @@ def accumulate_grad(param: torch.Tensor, chunk: torch.Tensor) -> None:
         flat.add_(chunk[:flat.numel()])
 
 
-def whole_rows(full: torch.Tensor, *, world_size: int, rank: int) -> torch.Tensor:
-    """A DTensor of ``full``'s shape sharded on dim 0 over the world (in rank order), this
-    rank's ``torch.chunk`` rows of ``full`` copied as its local tensor."""
-    from torch.distributed.tensor import DTensor
+class SplitGrads:
+    """Where the parts of one split weight lie in the parameter the user sees, and its
+    gradient ([Note: split parameters]).
 
-    rows = full.shape[0] if full.dim() else 1
-    per_rank = -(-rows // world_size)
-    mine = full.reshape(rows, *full.shape[1:])[rank * per_rank:(rank + 1) * per_rank].clone()
-    mesh, placements = checkpoint_mesh("full_shard", world_size=world_size, ranks_per_node=None,
-                                       device_type=full.device.type)
-    return DTensor.from_local(mine, mesh, placements, shape=full.shape, stride=full.stride(),
-                              run_check=False)
+    ``param`` is that parameter; part ``i`` holds ``numels[i]`` elements of its local tensor
+    from ``offsets[i]`` (``flat``), or, where the local tensor is the whole weight (not
+    ``flat``), the slice ``[starts[i], starts[i] + sizes[i])`` along ``dim``. A part's view of
+    a tensor laid out like the parameter is the part's own layout: a sharded part's padded flat
+    chunk (1-D), a replicated part's tensor of its shape.
+
+    The gradient: a replicated part's is accumulated by autograd into its view of it
+    (:meth:`prepare`, which allocates it); a sharded part's reduced chunk is added into its
+    view (:meth:`add`), or, while the parameter has no gradient yet, held until it gets one
+    (a replicated part's accumulation) or until backward ends (:meth:`join`, one weight after
+    another): so the gradient is allocated as late as its first replicated part, or once every
+    sharded part is reduced, and a split weight's sharded parts hold no more than their
+    shards meanwhile, as separate parameters did."""
+
+    def __init__(self, param: nn.Parameter, *, flat: bool, dim: int,
+                 shapes: Sequence[tuple[int, ...]], numels: Sequence[int],
+                 sharded: Sequence[bool]) -> None:
+        self.param = param
+        self.flat, self.dim = flat, dim
+        self.shapes, self.numels, self.sharded = tuple(shapes), tuple(numels), tuple(sharded)
+        self.offsets = tuple(sum(numels[:i]) for i in range(len(numels)))
+        self.starts = tuple(sum(s[dim] for s in shapes[:i]) for i in range(len(shapes)))
+        self.held: dict[int, torch.Tensor] = {}
+        """Sharded parts' reduced chunks waiting for the parameter's gradient."""
+
+    def view(self, t: torch.Tensor, index: int) -> torch.Tensor:
+        """Part ``index``'s view of ``t`` (laid out like the parameter: a DTensor, or plain)."""
+        local = local_of(t)
+        if not self.flat:
+            return local.narrow(self.dim, self.starts[index], self.shapes[index][self.dim])
+        part = local.reshape(-1)[self.offsets[index]:self.offsets[index] + self.numels[index]]
+        return part if self.sharded[index] else part.view(self.shapes[index])
+
+    def grad(self, index: int) -> torch.Tensor | None:
+        """Part ``index``'s view of the parameter's gradient (None when it has none)."""
+        grad = self.param.grad
+        return None if grad is None else self.view(grad, index)
+
+    def ensure_grad(self) -> torch.Tensor:
+        """The parameter's gradient, allocated (zero, laid out like the parameter) if it has
+        none, with the chunks held for it added (and released)."""
+        grad = self.param.grad
+        if grad is None:
+            local = local_of(self.param)
+            grad = like(self.param, torch.zeros(local.numel(), dtype=local.dtype,
+                                                device=local.device))
+            self.param.grad = grad
+        held, self.held = self.held, {}
+        for index, chunk in held.items():
+            self._add(grad, index, chunk)
+            _release(chunk)
+        return grad
+
+    def prepare(self, part: torch.Tensor, index: int) -> None:
+        """Before autograd accumulates part ``index``'s gradient: its ``.grad`` is its view of
+        the parameter's gradient (allocated if need be), which autograd adds into in place."""
+        part.grad = self.view(self.ensure_grad(), index)
+
+    def add(self, index: int, chunk: torch.Tensor) -> bool:
+        """Add a sharded part's reduced gradient ``chunk`` (its layout, a tensor of its own) to
+        its view of the gradient; held instead while the parameter has none (True: ``chunk`` is
+        kept, not to be released)."""
+        if self.param.grad is None:
+            if index in self.held:  # a second backward without zero_grad in between
+                self.held[index].add_(chunk)
+                return False
+            self.held[index] = chunk
+            return True
+        self._add(self.param.grad, index, chunk)
+        return False
+
+    def _add(self, grad: torch.Tensor, index: int, chunk: torch.Tensor) -> None:
+        view = self.view(grad, index)
+        view.add_(chunk[:view.numel()].view_as(view))
+
+    def join(self) -> None:
+        """End of backward: the chunks held make the parameter's gradient."""
+        if self.held:
+            self.ensure_grad()
+
+    def drop(self) -> None:
+        """Forget the chunks held (a failed backward)."""
+        self.held.clear()
+
+
+def _release(t: torch.Tensor) -> None:
+    """Free the memory of ``t``'s storage now (gloo's worker may still refer to it)."""
+    storage = t.untyped_storage()
+    storage.resize_(0)
+    note_resized(storage)
+
+
+def split_of(t: torch.Tensor) -> tuple[SplitGrads, int] | None:
+    """The split weight ``t`` is a part of, and which (None for any other tensor)."""
+    return getattr(t, "_osdp_split", None)
+
+
+def grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s gradient: for a part of a split weight, its view of the weight's gradient."""
+    split = split_of(t)
+    return t.grad if split is None else split[0].grad(split[1])
+
+
+Chunk = tuple[tuple[int, ...], tuple[int, ...], int, int]
+"""Where a split weight's part lies (:class:`SplitChunks`): its offsets and sizes in the
+weight, and its first element and element count in the flat local tensor."""
+
+
+class SplitChunks(torch.Tensor):
+    """The local tensor of a split weight's DTensor as ``state_dict()`` gives it: the
+    parameter's local tensor (the same storage; operations on it are a plain tensor's) that
+    also tells ``torch.distributed.checkpoint`` where in the weight each of its parts' rows lie
+    (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, which a
+    DTensor asks its local tensor for), so DCP saves and loads each part's rows at their place
+    in the weight: a checkpoint written from it loads under any plan, and it loads any."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    _osdp_chunks: tuple[Chunk, ...]
+    _osdp_size: torch.Size
+
+    @staticmethod
+    def wrap(local: torch.Tensor, chunks: Sequence[Chunk], size: Sequence[int]) -> SplitChunks:
+        out = local.as_subclass(SplitChunks)
+        out._osdp_chunks = tuple(chunks)
+        out._osdp_size = torch.Size(size)
+        return out
+
+    def _data(self, chunk: Chunk) -> torch.Tensor:
+        _, sizes, start, count = chunk
+        return self.as_subclass(torch.Tensor).reshape(-1)[start:start + count].view(sizes)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(
+            index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                properties=TensorProperties.create_from_tensor(self._data(c)),
+                size=self._osdp_size))
+            for c in self._osdp_chunks for offsets, sizes, _, _ in [c]]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z))
+                for o, z, _, _ in self._osdp_chunks]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        for chunk in self._osdp_chunks:
+            if torch.Size(chunk[0]) == index.offset:
+                return self._data(chunk)
+        raise ValueError(f"no part of this split weight lies at {tuple(index.offset)} "
+                         f"({index.fqn})")
+
+
+def is_split_chunks(t: torch.Tensor) -> bool:
+    return isinstance(t, SplitChunks)
+
+
+def split_signature(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What a :class:`SplitChunks` holds where (None for any other tensor)."""
+    if not isinstance(t, SplitChunks):
+        return None
+    return (tuple(t._osdp_size), tuple((o, z) for o, z, _, _ in t._osdp_chunks))

@@ -66,7 +66,13 @@ from ..core.layout import row_numel, shard_numel
 from ..core.strategies import traits
 from ..errors import CheckpointError, InputError, OSDPError
 from ..module import OSDPModule
-from ..runtime.collectives import WORLD, group_rank, group_size
+from ..runtime.collectives import (
+    WORLD,
+    every_rank,
+    group_rank,
+    group_size,
+    lost_peer,
+)
 from ..runtime.hierarchy import checkpoint_mesh
 from ..runtime.regather import gather_full
 from ..runtime.sharded import is_dtensor, local_of
@@ -226,21 +232,26 @@ def _param_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer) -> list
 
 def _unit_names(compiled: OSDPModule, optimizer: torch.optim.Optimizer,
                 units: dict[str, tuple[str, ...]]) -> list[list[str]]:
-    """The units of each of the optimizer's param groups; InputError when a split weight's
-    parts are not all in one param group."""
-    of_part = {part: unit for unit, parts in units.items() for part in parts}
-    out = []
-    for i, names in enumerate(_param_names(compiled, optimizer)):
-        # (a trainable_only checkpoint's units leave out the frozen parameters, which an
-        # optimizer may hold but never updates)
-        found = list(dict.fromkeys(of_part[n] for n in names if n in of_part))
-        partial = [u for u in found if not set(units[u]) <= set(names)]
-        if partial:
-            raise InputError(
-                f"the optimizer's param group {i} holds some parts of the split weight(s) "
-                f"{partial[:3]} but not all; put every part of a split weight "
-                f"({', '.join(units[partial[0]])}) in the same param group")
-        out.append(found)
+    """The units of each of the optimizer's param groups (a split weight is one parameter of
+    the module: its unit, or, in a version 1 checkpoint, its parts' units)."""
+    of_group = _units_of_groups(compiled, units)
+    # (a trainable_only checkpoint's units leave out the frozen parameters, which an optimizer
+    # may hold but never updates)
+    return [[u for n in names for u in of_group.get(n, ())]
+            for names in _param_names(compiled, optimizer)]
+
+
+def _units_of_groups(compiled: OSDPModule,
+                     units: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """Each parameter (group) of the module and the units that hold it: itself, or (version
+    1) a split weight's parts."""
+    table = compiled.param_table
+    out: dict[str, tuple[str, ...]] = {}
+    for group in table.groups:
+        if group in units:
+            out[group] = (group,)
+        else:  # a version 1 checkpoint's parts (or nothing: a frozen one, trainable_only)
+            out[group] = tuple(p for p in table.parts(group) if p in units and p != group)
     return out
 
 
@@ -264,13 +275,22 @@ def _agree(error: str | None, what: str, *, cleanup: Any = None) -> None:
     raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}:\n{lines}")
 
 
+_FIX = ("Call save_checkpoint and load_checkpoint on every rank, with the same path; where one "
+        "rank alone needs the state, use compiled.state_dict(), which is local.")
+
+
 def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
-    """(fn's result, None), or (None, the error) when it raises; OSDPError messages verbatim."""
+    """(fn's result, None), or (None, the error) when it raises; OSDPError messages verbatim.
+    A collective of ``fn`` that the other ranks never joined raises at once (agreeing on the
+    error would wait for them as long again): ``every_rank`` around the call makes it a
+    CollectiveError."""
     try:
         return fn(*args, **kwargs), None
     except OSDPError as exc:
         return None, str(exc)
     except (Exception, CheckpointException) as exc:
+        if lost_peer(exc):
+            raise
         return None, _first_line(exc)
 
 
@@ -302,12 +322,19 @@ def save_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
             ``load_checkpoint`` then loads them and leaves the others as they are.
 
     Collective: every rank must call it. Raises CheckpointError on every rank when any rank
-    fails; the previous checkpoint at ``path`` is then left unchanged.
+    fails; the previous checkpoint at ``path`` is then left unchanged. Called on some ranks
+    only, it raises CollectiveError on those within the process group's timeout.
     """
     path = os.fspath(path)
     if not isinstance(compiled, OSDPModule):
         raise InputError(f"save_checkpoint needs the module compile_osdp returned, got "
                          f"{type(compiled).__name__}")
+    with every_rank("save_checkpoint()", _FIX):
+        _save(path, compiled, optimizer, extra, trainable_only)
+
+
+def _save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optimizer | None,
+          extra: Any, trainable_only: bool) -> None:
     state, error = _attempt(_state_to_save, path, compiled, optimizer, extra, trainable_only)
     _agree(error, f"save_checkpoint({path!r})")
     saving = path.rstrip(os.sep) + _SAVING_SUFFIX
@@ -349,16 +376,15 @@ def _state_to_save(path: str, compiled: OSDPModule, optimizer: torch.optim.Optim
         entries: dict[str, dict[str, Any]] = {}
         for unit in (u for names in groups for u in names):
             parts = units[unit]
-            states = [optimizer.state.get(table.local(part), {}) for part in parts]
+            param = table.param(unit)
             entries[unit] = {}
-            for key, value in states[0].items():
+            for key, value in optimizer.state.get(param, {}).items():
                 if not isinstance(value, torch.Tensor):
                     entries[unit][key] = ("value", value)
-                elif value.shape == table.local(parts[0]).shape and value.dim() > 0:
+                elif value.shape == param.shape and value.dim() > 0:
                     entries[unit][key] = ("like_param", None)
-                    state[f"optim.{unit}.{key}"] = _to_save(
-                        compiled, layouts, unit, parts,
-                        {part: st[key] for part, st in zip(parts, states)})
+                    state[f"optim.{unit}.{key}"] = _to_save(compiled, layouts, unit, parts,
+                                                            table.views(unit, value))
                 else:
                     entries[unit][key] = ("tensor", None)
                     state[f"optim.{unit}.{key}"] = value.detach()
@@ -409,19 +435,21 @@ def load_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
     parameters in each param group as the saved one. Returns the ``extra`` that was saved.
 
     Collective: every rank must call it. Raises CheckpointError on every rank when the
-    checkpoint is missing or does not fit; nothing is loaded then.
+    checkpoint is missing or does not fit; nothing is loaded then. Called on some ranks only,
+    it raises CollectiveError on those within the process group's timeout.
     """
     path = os.fspath(path)
     if not isinstance(compiled, OSDPModule):
         raise InputError(f"load_checkpoint needs the module compile_osdp returned, got "
                          f"{type(compiled).__name__}")
-    reading, error = _attempt(_Reading, path, compiled, optimizer)
-    _agree(error, f"load_checkpoint({path!r})")
-    _, error = _attempt(dcp.load, reading.state, checkpoint_id=path)
-    _agree(error, f"load_checkpoint({path!r})")
-    reading.finish()
-    if optimizer is not None:
-        optimizer.load_state_dict(reading.optimizer_state(optimizer))
+    with every_rank("load_checkpoint()", _FIX):
+        reading, error = _attempt(_Reading, path, compiled, optimizer)
+        _agree(error, f"load_checkpoint({path!r})")
+        _, error = _attempt(dcp.load, reading.state, checkpoint_id=path)
+        _agree(error, f"load_checkpoint({path!r})")
+        reading.finish()
+        if optimizer is not None:
+            optimizer.load_state_dict(reading.optimizer_state(optimizer))
     return reading.info["extra"]
 
 
@@ -502,8 +530,7 @@ class _Reading:
                 else:
                     target = torch.zeros(meta.size, dtype=dtype)
                     self.state[f"optim.{unit}.{key}"] = target
-                    for part in parts:  # the parts of a split weight share its step
-                        self.optim[(part, key)] = target  # each its own copy: finish()
+                    self.optim[(unit, key)] = target
 
     def finish(self) -> None:
         """After ``dcp.load``: buffers copied in; each weight loaded whole gathered from its
@@ -513,37 +540,40 @@ class _Reading:
         with torch.no_grad():
             for key, loaded in self.buffers.items():
                 table.buffer(key).copy_(loaded)
-            copied: set[int] = set()
-            for part_key, target in self.optim.items():  # a weight's state shared by its parts
-                if id(target) in copied:
-                    self.optim[part_key] = target.clone()
-                copied.add(id(target))
             for (unit, key), lay in self.whole.items():
                 flat = (gather_full(lay.local, (lay.numel,), WORLD) if lay.sharded
                         else local_of(lay.local))
-                full = flat.reshape(table.full_shape(unit))
-                for part, piece in table.pieces(unit, full):
-                    if key:
-                        self.optim[(part, key)] = table.to_local(
-                            part, piece.contiguous()).detach().clone()
-                    else:
+                full = flat.reshape(table.full_shape(unit)).contiguous()
+                if key:  # laid out like the unit's parameter (a split weight's, or a part's)
+                    self.optim[(unit, key)] = table.to_local(unit, full).detach().clone()
+                else:
+                    for part, piece in table.pieces(unit, full):
                         table.load(part, piece.contiguous())
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The loaded state as a ``torch.optim`` state dict with this optimizer's indices
         (``load_state_dict`` pairs the indices of each group with its parameters in order)."""
-        saved = self.info["optimizer"]
-        parts_of = _param_names(self.compiled, optimizer)
-        index = {name: i for i, name in enumerate(n for g in parts_of for n in g)}
-        state = {
-            index[part]: {key: value if kind == "value" else self.optim[(part, key)]
-                          for key, (kind, value) in entries.items()}
-            for unit, entries in saved["state"].items() if entries
-            for part in self.units[unit]
-        }
+        saved, table = self.info["optimizer"], self.compiled.param_table
+        names_of = _param_names(self.compiled, optimizer)
+        index = {name: i for i, name in enumerate(n for g in names_of for n in g)}
+        state: dict[int, dict[str, Any]] = {}
+        for group, units in _units_of_groups(self.compiled, self.units).items():
+            units = tuple(u for u in units if saved["state"].get(u))
+            if not units or group not in index:
+                continue
+            entries = saved["state"][units[0]]
+            value: dict[str, Any] = {}
+            for key, (kind, saved_value) in entries.items():
+                if kind == "value":
+                    value[key] = saved_value
+                elif kind == "tensor" or units == (group,):
+                    value[key] = self.optim[(units[0], key)]
+                else:  # version 1: a split weight's parts, each saved as a unit
+                    value[key] = table.join(group, {u: self.optim[(u, key)] for u in units})
+            state[index[group]] = value
         param_groups = [{**{k: v for k, v in saved_group.items() if k != "params"},
                          "params": [index[n] for n in names]}
-                        for saved_group, names in zip(saved["param_groups"], parts_of)]
+                        for saved_group, names in zip(saved["param_groups"], names_of)]
         return {"state": state, "param_groups": param_groups}
 
 

@@ -13,6 +13,9 @@ were the full (unsharded) gradients of one process, and every rank gets the same
 * A replicated parameter's ``.grad`` is already averaged and identical on every rank, so it is
   counted once: each rank adds its local value after the all-reduce, never into it.
 * Parameters without a gradient (frozen, non-float, unused this step) are skipped.
+* A split weight's parts are counted each by its own strategy (a replicated part once, a
+  sharded one by its rows on each rank), from their views of the weight's gradient; the
+  weight's gradient is scaled once.
 
 Every gradient is then multiplied in place by ``min(1, max_norm / (total + 1e-6))``, exactly as
 torch does.
@@ -81,30 +84,33 @@ def clip_grad_norm_(
             "use 2.0 (Euclidean) or float('inf') (largest absolute element)"
         )
 
-    sharded: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, copies of each element)
-    replicated: list[torch.nn.Parameter] = []
+    sharded: list[tuple[torch.Tensor | None, int]] = []  # (gradient, copies of each element)
+    replicated: list[torch.Tensor | None] = []
     table = compiled.param_table
     for entry in table.entries.values():  # one entry per group: tied parameters counted once
-        param = table.local(entry.name)
-        if not param.requires_grad:
+        if not table.local(entry.name).requires_grad:
             continue
+        # a part of a split weight: its view of the weight's gradient, laid out as the part is
+        grad = table.grad(entry.name)
         if not entry.sharded:
-            replicated.append(param)
+            replicated.append(grad)
         else:
-            sharded.append((param, entry.layout.copies))
+            sharded.append((grad, entry.layout.copies))
+    # what is scaled: each parameter's gradient once (a split weight's, not its parts')
+    trainable = [table.param(g) for g in table.groups if table.param(g).requires_grad]
 
-    trainable = [q for q, _ in sharded] + replicated
     if not trainable:
         return torch.tensor(0.0)
     # Chosen from the parameters (the same on every rank), not from which grads exist.
     acc = torch.float64 if any(q.dtype == torch.float64 for q in trainable) else torch.float32
     device = trainable[0].device
 
-    # a sharded gradient's local tensor holds this rank's rows, without the padding
-    local = {copies: [local_of(q.grad).reshape(-1) for q, c in sharded
-                      if c == copies and q.grad is not None]
+    # a sharded gradient's local tensor holds this rank's rows, without the padding (a split
+    # weight's part's, with its zero padding)
+    local = {copies: [local_of(g).reshape(-1) for g, c in sharded
+                      if c == copies and g is not None]
              for copies in sorted({c for _, c in sharded})}
-    rep = [local_of(q.grad) for q in replicated if q.grad is not None]
+    rep = [local_of(g) for g in replicated if g is not None]
     if math.isinf(p):
         total = _max_abs([g for grads in local.values() for g in grads], acc, device)
         if sharded and group_size(WORLD) > 1:

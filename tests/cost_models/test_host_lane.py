@@ -105,7 +105,11 @@ def test_host_figures_are_checked() -> None:
 def test_detect_devices_measures_the_host_figures_in_one_process() -> None:
     from osdp_fx import detect_devices
 
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
     devices = detect_devices()
+    assert torch.equal(torch.rand(3), expected)  # the caller's random stream is untouched
     assert set(devices.param_host_time_s) == {"replicate", "shard_grad_op", "full_shard",
                                               "hybrid_shard", "hierarchical"}
     assert all(0 <= t < 0.1 and math.isfinite(t) for t in devices.param_host_time_s.values())

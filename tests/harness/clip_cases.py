@@ -65,7 +65,8 @@ def write_mixed_plan(name: str, path: str, strategies: list[str] = MIXED) -> str
 
 def write_split_plan(path: str) -> str:
     """The MLP's middle linear (11x27) split in 3 uneven parts (4, 4, 3 rows), one part per
-    strategy (docs/splitting.md): every part is a parameter of its own and counts once."""
+    strategy, the rest full_shard (docs/splitting.md): the weight stays one parameter holding
+    its parts, and each part counts once."""
     parts = {f"layers.1.{kind}_part{i}": s for kind in ("weight", "bias")
              for i, s in enumerate(["full_shard", "replicate", "shard_grad_op"])}
     with open(path, "w") as f:

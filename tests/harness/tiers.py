@@ -98,6 +98,9 @@ FAST_CASES: dict[str, Predicate] = {
         test_recompute_matches_single_process=_is(strategy="mixed")),
     "distributed/test_reducer.py": _everything,
     "distributed/test_state.py": _everything,
+    # a split weight as one parameter: one world for every case; one lone collective's own
+    "distributed/test_split_identity.py": lambda name, params: params.get("call") in (
+        None, "full_state_dict"),
     "distributed/test_two_models.py": _is(plan="mixed"),
     # hypothesis: world size 1 (in this process) in the fast tier, the gloo worlds in the slow
     "property/test_equivalence.py": _is(world_size=1),

@@ -152,10 +152,12 @@ def test_a_searched_plan_that_splits_a_biased_linear_loads_back(tmp_path):
     plans saved before this was fixed do, loads the same."""
     torch.manual_seed(0)
     model, x = MLP((64, 1024, 1024, 64)), torch.randn(8, 64)  # every linear has a bias
-    devices = Devices(world_size=2, memory_bytes=12 * 2**20)
+    # (AdamW's step holds temporaries of the split weight's whole local shard, one parameter
+    # since issue 58: the limit that makes the search split it is higher than the 12 MiB it was)
+    devices = Devices(world_size=2, memory_bytes=16 * 2**20)
     searched = plan_model(capture(copy.deepcopy(model), (x,)), (x,), None, StepSetting(devices),
                           SearchOptions(fake=True)).plan
-    assert dict(searched.splits) == {"layers.1.weight": 4}  # the search split it
+    assert dict(searched.splits) == {"layers.1.weight": 2}  # the search split it
     saved, old = tmp_path / "plan.json", tmp_path / "old.json"
     searched.save(saved)
     data = json.loads(saved.read_text())
@@ -167,11 +169,14 @@ def test_a_searched_plan_that_splits_a_biased_linear_loads_back(tmp_path):
 
 
 @pytest.mark.parametrize("limit_mib, splits, profiles", [
-    (11, {"layers.1.weight": 8}, 2), (12, {"layers.1.weight": 4}, 2), (32, {}, 1)])
+    (7, {"layers.1.weight": 4}, 2), (9, {"layers.1.weight": 2}, 2), (32, {}, 1)])
 def test_a_mixed_precision_search_splits_the_graph_in_the_compute_dtype(
         monkeypatch, limit_mib, splits, profiles):
     """In bf16 the model is cast, then profiled and its splits searched on that profile (what
-    a step holds in bf16); it is profiled again only after a split."""
+    a step holds in bf16); it is profiled again only after a split: into more parts under a
+    tighter limit. With SGD: under AdamW the step's peak is its optimizer step, whose
+    temporaries are the split weight's whole local shard (one parameter since issue 58), which
+    no split reduces."""
     runs = []
     profile = profile_module.profile_graph_pass
     monkeypatch.setattr(profile_module, "profile_graph_pass",
@@ -180,7 +185,8 @@ def test_a_mixed_precision_search_splits_the_graph_in_the_compute_dtype(
     model, x = MLP((64, 1024, 1024, 64)), torch.randn(8, 64)
     devices = Devices(world_size=2, memory_bytes=limit_mib * 2**20)
     captured = capture(model, (x,))
-    searched = plan_model(captured, (x,), None, StepSetting(devices, precision=MixedPrecision()),
+    searched = plan_model(captured, (x,), None,
+                          StepSetting(devices, optimizer="sgd", precision=MixedPrecision()),
                           SearchOptions(fake=True)).plan
     assert (dict(searched.splits), len(runs)) == (splits, profiles)
     assert searched.peak_memory_bytes <= devices.memory_bytes
