@@ -14,6 +14,10 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
 * optimizer time ``optim_s(g, s)``: the measured per-tensor time plus the measured per-element
   time of the optimizer kind times the local numel (``detect_devices``); without measurements
   memory-bound, ``bytes_per_element(optimizer) * local numel / memory bandwidth``;
+* host time ``host_s(g, s)``: what the runtime spends on the host per step for a group under
+  ``s`` beyond its collectives and operators, measured (``Devices.param_host_time_s``; a
+  sharded group's optimizer step at the per-tensor time measured over DTensors); [Note: the
+  host lane];
 * compute time (forward + backward of the operators that read the group; the same for every
   strategy, attributed to the largest group an operator reads, for display); a recomputed
   region adds the forward of the operators it recomputes (:mod:`.recompute`);
