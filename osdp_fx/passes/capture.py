@@ -41,6 +41,7 @@ from torch import fx, nn
 from ..core.node_meta import NodeRole, set_osdp_meta
 from ..errors import CaptureError, InputError
 from .pipeline import properties
+from .quantized import replace_bnb_linears
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +138,17 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     forward asks for a value, as Hugging Face models do), it is captured by torch.export alone,
     and the meta device that export writes into the graph's tensor factories (``arange``,
     ``to``, ...) is replaced by ``device``, where the model's tensors will be materialised.
+
+    Every bitsandbytes ``Linear4bit`` (nf4) of ``model`` is first replaced, in place and under
+    its name, by an ``NF4Linear`` (``passes/quantized.py``): the user's model holds the
+    NF4Linears afterwards, and still runs eagerly with the same outputs.
     """
     if not isinstance(model, nn.Module):
         raise InputError(
             f"compile_osdp needs a torch.nn.Module, got {type(model).__name__}; "
             "wrap your function in an nn.Module whose parameters are attributes"
         )
+    replace_bnb_linears(model)  # before any forward: bitsandbytes repacks on a no-grad one
     _check_plain_tensors(model)
     on_meta = is_on_meta(model)
     rejection = _rejection(model, example_inputs)

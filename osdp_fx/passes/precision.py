@@ -4,7 +4,9 @@ After every floating parameter's ``get_attr`` a ``cast_param`` node (role ``"cas
 parameter in the compute dtype to all its users; after every placeholder a ``cast_input`` node
 casts a floating input; the dtype assertions torch.export leaves in a graph
 (``aten._assert_tensor_metadata``) are removed. Run on the captured graph before profiling, so that the profile measures
-the low-precision computation. The shard pass later folds a sharded parameter's cast into its
+the low-precision computation. A parameter read only by a quantized op in its stored dtype (an
+NF4 weight's float32 scales, ``passes/quantized.py``'s ``reads_stored_dtype``) is not cast. The
+shard pass later folds a sharded parameter's cast into its
 all-gather (the shard is cast before it is gathered).
 
 Before::
@@ -31,6 +33,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
 from ..core.precision import cast_input, cast_param
 from .pipeline import GraphPass
+from .quantized import reads_stored_dtype
 
 
 def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
@@ -38,7 +41,7 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     params = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM
-              and gm.get_parameter(n.target).is_floating_point()]
+              and gm.get_parameter(n.target).is_floating_point() and not reads_stored_dtype(n)]
     for node in [*placeholders, *params]:
         if node.op == "placeholder":
             with graph.inserting_after(placeholders[-1]):

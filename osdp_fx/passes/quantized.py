@@ -1,0 +1,213 @@
+"""bitsandbytes 4-bit (NF4) linears as plain frozen tensors and one custom op (issue 59).
+
+A ``bitsandbytes.nn.Linear4bit`` keeps its quantization state (the scales) in a Python object
+hanging off its weight, which osdp-fx cannot see, shard or broadcast, and its forward does not
+survive ``torch.export``. :func:`replace_bnb_linears` (run by capture, before any forward)
+replaces each by an :class:`NF4Linear`, in place and under the same name, whose packed weight
+and every quant-state tensor are registered frozen parameters (``requires_grad=False``): the
+planner plans, shards and gathers them like any frozen group. Its forward is one node,
+``torch.ops.osdp.linear_nf4``, whose autograd saves the packed weight and its scales (not the
+dequantized weight) and dequantizes again in backward, as bitsandbytes' ``MatMul4Bit`` does.
+
+One 4-bit weight ``W [N, K]`` (blocks of ``blocksize`` consecutive row-major elements):
+
+=================  =========  ==========================  ==========================
+parameter          dtype      shape                       what
+=================  =========  ==========================  ==========================
+``weight``         uint8      ``[N*K/2, 1]``              two codes a byte, high nibble first
+``absmax``         float32    ``[N*K/blocksize]``         one scale a block
+nested (double quantization): ``absmax`` is uint8 codes of ``scale - offset``, and
+``absmax2``        float32    ``[ceil(N*K/blocksize/256)]``  a scale per 256 codes
+``absmax_code``    float32    ``[256]``                   bitsandbytes' dynamic 8-bit map
+``absmax_offset``  float32    ``[]``                      the mean scale
+=================  =========  ==========================  ==========================
+
+The op reads these in their stored dtypes, so the mixed-precision pass leaves a parameter whose
+every user is this op uncast (:func:`reads_stored_dtype`, ``passes/precision.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from ..errors import InputError
+
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+            -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+            0.07958029955625534, 0.16093020141124725, 0.24611230492591858, 0.33791524171829224,
+            0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+def _blockwise(values: Tensor, scales: Tensor, block: int) -> Tensor:
+    """``values[i] * scales[i // block]`` in float32 (the last block may be short)."""
+    n = values.numel()
+    full = n - n % block
+    out = torch.empty(n, dtype=torch.float32, device=values.device)
+    out[:full] = (values[:full].view(-1, block) * scales[: full // block].view(-1, 1)).reshape(-1)
+    if full < n:
+        out[full:] = values[full:] * scales[full // block]
+    return out
+
+
+def dequantize_nf4(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+                   absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
+                   shape: tuple[int, int] | list[int], dtype: torch.dtype) -> Tensor:
+    """The weight of ``shape`` in ``dtype``, bitwise equal to bitsandbytes'
+    ``functional.dequantize_4bit`` (float32 arithmetic, then the cast)."""
+    torch._check(absmax.dtype in (torch.float32, torch.uint8),
+                 lambda: f"NF4 absmax must stay float32 or uint8, got {absmax.dtype}")
+    torch._check(absmax2 is None or absmax2.dtype == torch.float32,
+                 lambda: f"NF4 absmax2 must stay float32, got {absmax2.dtype}")
+    n = math.prod(shape)
+    scales = absmax
+    if absmax2 is not None:
+        assert absmax_code is not None and absmax_offset is not None
+        codes = absmax_code.float()[absmax.reshape(-1).long()]
+        scales = _blockwise(codes, absmax2.float(), 256) + absmax_offset.float()
+    flat = weight.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    idx = torch.stack((flat >> 4, flat & 0xF), dim=-1).reshape(-1)[:n].long()
+    table = torch.tensor(NF4_CODE, dtype=torch.float32, device=weight.device)
+    return _blockwise(table[idx], scales.reshape(-1).float(), blocksize).view(*shape).to(dtype)
+
+
+@torch.library.custom_op("osdp::linear_nf4", mutates_args=())
+def linear_nf4(x: Tensor, weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+               absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
+               out_features: int, in_features: int) -> Tensor:
+    """``F.linear(x, W)`` with ``W`` the dequantized NF4 weight, in ``x``'s dtype."""
+    w = dequantize_nf4(weight, absmax, absmax2, absmax_code, absmax_offset, blocksize,
+                       (out_features, in_features), x.dtype)
+    return F.linear(x, w)
+
+
+@linear_nf4.register_fake
+def _linear_nf4_fake(x: Tensor, weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+                     absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
+                     out_features: int, in_features: int) -> Tensor:
+    torch._check(x.shape[-1] == in_features)
+    torch._check(weight.numel() * 2 >= out_features * in_features)
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+    _, weight, absmax, absmax2, code, offset, blocksize, n, k = inputs
+    ctx.meta = (blocksize, n, k, absmax2 is not None)
+    # the packed weight and its scales, not the dequantized weight (4x the bytes)
+    ctx.save_for_backward(weight, absmax, *((absmax2, code, offset) if absmax2 is not None else ()))
+
+
+def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
+    blocksize, n, k, nested = ctx.meta
+    weight, absmax, *rest = ctx.saved_tensors
+    absmax2, code, offset = rest if nested else (None, None, None)
+    w = dequantize_nf4(weight, absmax, absmax2, code, offset, blocksize, (n, k), grad.dtype)
+    grad_x = grad @ w if ctx.needs_input_grad[0] else None
+    return grad_x, None, None, None, None, None, None, None, None
+
+
+linear_nf4.register_autograd(_backward, setup_context=_setup_context)
+
+_STORED_DTYPE_OPS = (torch.ops.osdp.linear_nf4.default,)
+
+
+def reads_stored_dtype(node: fx.Node) -> bool:
+    """Whether every user of parameter node ``node`` is a quantized op that reads it in its
+    stored dtype (an NF4 weight's scales): mixed precision must not cast it."""
+    return bool(node.users) and all(u.op == "call_function" and u.target in _STORED_DTYPE_OPS
+                                    for u in node.users)
+
+
+def _frozen(t: Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=False)
+
+
+class NF4Linear(nn.Module):
+    """A bitsandbytes ``Linear4bit`` (nf4) as plain frozen parameters (the module docstring's
+    table) and one ``osdp::linear_nf4`` call. Computes in ``compute_dtype`` (the input's when
+    None) and returns the input's dtype, as ``Linear4bit`` does; the bias stays outside the op
+    and keeps its ``requires_grad``."""
+
+    def __init__(self, weight: Tensor, absmax: Tensor, *, blocksize: int, out_features: int,
+                 in_features: int, compute_dtype: torch.dtype | None = None,
+                 bias: nn.Parameter | None = None, absmax2: Tensor | None = None,
+                 absmax_code: Tensor | None = None, absmax_offset: Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = _frozen(weight)
+        self.absmax = _frozen(absmax)
+        self.absmax2 = _frozen(absmax2)
+        self.absmax_code = _frozen(absmax_code)
+        self.absmax_offset = _frozen(absmax_offset)
+        self.bias = bias
+        self.blocksize, self.out_features, self.in_features = blocksize, out_features, in_features
+        self.compute_dtype = compute_dtype
+
+    @classmethod
+    def from_bnb(cls, module: nn.Module, name: str = "") -> NF4Linear:
+        """The NF4Linear of bitsandbytes ``Linear4bit`` ``module`` (named ``name``)."""
+        weight = module.weight
+        state = getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
+        if state is None:
+            raise InputError(
+                f"Linear4bit {name!r} has no quantization state (its weight was never "
+                "quantized); load the model with BitsAndBytesConfig(load_in_4bit=True) or move "
+                "it to its device before compile_osdp")
+        if state.quant_type != "nf4":
+            raise InputError(
+                f"Linear4bit {name!r} is quantized as {state.quant_type!r}; osdp-fx handles "
+                "bitsandbytes 4-bit weights of quant_type 'nf4' only: quantize with "
+                "BitsAndBytesConfig(bnb_4bit_quant_type='nf4')")
+        n, k = state.shape
+        if getattr(state, "packing_format_for_cpu", False) or tuple(weight.shape) != (
+                math.ceil(n * k / 2), 1) or weight.dtype != torch.uint8:
+            raise InputError(
+                f"Linear4bit {name!r}'s packed weight is in bitsandbytes' CPU layout (shape "
+                f"{tuple(weight.shape)}, dtype {weight.dtype}): bitsandbytes repacks it in place "
+                "on a CPU forward in eval mode or under no_grad, and osdp-fx reads the standard "
+                "layout [N*K/2, 1] uint8. Call compile_osdp before running the model under "
+                "no_grad or in eval mode (load it again if it has run)")
+        nested = bool(state.nested)
+        return cls(weight.data, state.absmax, blocksize=state.blocksize, out_features=n,
+                   in_features=k, compute_dtype=getattr(module, "compute_dtype", None),
+                   bias=module.bias,
+                   absmax2=state.state2.absmax if nested else None,
+                   absmax_code=state.state2.code if nested else None,
+                   absmax_offset=state.offset if nested else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        y = linear_nf4(x, self.weight, self.absmax, self.absmax2, self.absmax_code,
+                       self.absmax_offset, self.blocksize, self.out_features, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"blocksize={self.blocksize}, nested={self.absmax2 is not None}")
+
+
+def replace_bnb_linears(model: nn.Module) -> int:
+    """Replace every ``bitsandbytes.nn.Linear4bit`` in ``model`` by an :class:`NF4Linear`, in
+    place and under its name (a peft LoRA layer around it keeps its ``base_layer``); returns
+    how many. Without bitsandbytes imported there is none, and nothing is imported."""
+    bnb = sys.modules.get("bitsandbytes")
+    linear4bit = getattr(getattr(bnb, "nn", None), "Linear4bit", None)
+    if linear4bit is None:
+        return 0
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, linear4bit):
+                full = f"{parent_name}.{name}" if parent_name else name
+                setattr(parent, name, NF4Linear.from_bnb(child, full))
+                count += 1
+    return count

@@ -1,0 +1,125 @@
+"""QLoRA (issue 59): a peft LoRA model on a bitsandbytes 4-bit (nf4) base compiles (its
+Linear4bits replaced by NF4Linear), its adapters train like one process on the global batch
+at world 2, and full_shard shards the packed weights and their scales. The NF4 kernel is
+bitwise equal to bitsandbytes'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from harness import qlora_cases  # noqa: E402
+
+from osdp_fx.errors import InputError  # noqa: E402
+from osdp_fx.passes.quantized import NF4Linear, dequantize_nf4, replace_bnb_linears  # noqa: E402
+
+PLANS = ("full_shard", "replicate")
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("shape", [(64, 64), (96, 40), (300, 257)])
+def test_the_nf4_kernel_equals_bitsandbytes_dequantize_4bit(nested, shape):
+    import bitsandbytes.functional as BF
+
+    torch.manual_seed(0)
+    p = bnb.nn.Params4bit(torch.randn(*shape, dtype=torch.bfloat16), requires_grad=False,
+                          quant_type="nf4", compress_statistics=nested).to("cpu")
+    qs = p.quant_state
+    got = dequantize_nf4(p.data, qs.absmax, qs.state2.absmax if nested else None,
+                         qs.state2.code if nested else None, qs.offset if nested else None,
+                         qs.blocksize, qs.shape, qs.dtype)
+    assert torch.equal(got, BF.dequantize_4bit(p.data, qs))
+
+
+def _linear4bit(quant_type="nf4", bias=False):
+    torch.manual_seed(0)
+    q = bnb.nn.Linear4bit(40, 96, bias=bias, compute_dtype=torch.bfloat16, quant_type=quant_type)
+    q.weight = bnb.nn.Params4bit(torch.randn(96, 40, dtype=torch.bfloat16), requires_grad=False,
+                                 quant_type=quant_type).to("cpu")
+    return q
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_nf4linear_gives_bitsandbytes_output_and_input_gradient_only(bias):
+    q = _linear4bit(bias=bias)
+    holder = torch.nn.Sequential(q)
+    assert replace_bnb_linears(holder) == 1
+    lin = holder[0]
+    assert isinstance(lin, NF4Linear)
+    assert all(not p.requires_grad for n, p in lin.named_parameters() if n != "bias")
+    x = torch.randn(3, 40, dtype=torch.bfloat16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = lin(x), q(x_ref)
+    if bias:  # bitsandbytes adds the bias inside its matmul (one rounding), NF4Linear after it
+        torch.testing.assert_close(y, y_ref, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(y, y_ref)
+    y.float().square().sum().backward()
+    y_ref.float().square().sum().backward()
+    err = ((x.grad.float() - x_ref.grad.float()).norm() / x_ref.grad.float().norm()).item()
+    assert err < 1e-2, err
+    assert lin.weight.grad is None and lin.absmax.grad is None
+    assert not bias or lin.bias.grad is not None
+
+
+def test_fp4_and_a_cpu_repacked_weight_are_refused_with_the_fix():
+    with pytest.raises(InputError, match="nf4"):
+        replace_bnb_linears(torch.nn.Sequential(_linear4bit("fp4")))
+    q = _linear4bit()
+    q.weight.data = q.weight.data.view(-1, 2)  # not the standard [N*K/2, 1] layout
+    with pytest.raises(InputError, match="before running the model under no_grad"):
+        replace_bnb_linears(torch.nn.Sequential(q))
+
+
+@pytest.fixture(scope="module")
+def trained(worlds):
+    return worlds(2).run(qlora_cases.train, plans=PLANS, timeout_s=600)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_qlora_adapters_train_like_one_process(trained, plan):
+    ref = trained[0]["reference"]
+    for r in trained:
+        run = r[plan]
+        assert run["replaced"] == 14  # the user's model holds the NF4Linears
+        assert set(run["adapters"]) == set(ref["adapters"]) and len(ref["adapters"]) == 28
+        for key, after in ref["adapters"].items():
+            expected = after - ref["initial"][key]
+            got = run["adapters"][key] - ref["initial"][key]
+            err = ((got - expected).norm() / expected.norm()).item()
+            assert err < 2e-2, (plan, key, err)
+    mean = torch.tensor([r[plan]["losses"] for r in trained]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref["losses"]), rtol=0, atol=1e-2)
+
+
+def test_full_shard_holds_a_share_of_the_4bit_weights(trained):
+    for r in trained:
+        run = r["full_shard"]
+        quantized = [n for n in run["strategies"] if ".base_layer." in n]
+        assert quantized and all(run["strategies"][n] == "full_shard" for n in quantized)
+        assert run["quantized_local_bytes"] <= 0.6 * run["quantized_bytes"]
+        rep = r["replicate"]
+        assert rep["quantized_local_bytes"] >= rep["quantized_bytes"]
+
+
+def test_mixed_precision_leaves_the_packed_weights_and_scales_uncast():
+    """In one process, nested (double) quantization: no cast of a 4-bit weight's tensors, and
+    the loss of the bf16 compile is the eager model's."""
+    from osdp_fx import compile_osdp
+    from osdp_fx.core.node_meta import NodeRole, osdp_meta
+
+    model = qlora_cases.build(nested=True)
+    ids = qlora_cases.batch(0, 0)
+    compiled = compile_osdp(model, (), example_kwargs={"input_ids": ids, "labels": ids},
+                            plan="replicate", mixed_precision="bf16", plan_cache=False)
+    cast = {str(n.args[0].target) for n in compiled.graph_module.graph.nodes
+            if osdp_meta(n).role == NodeRole.CAST}
+    assert cast and not {c for c in cast if ".base_layer." in c}
+    with torch.no_grad():
+        eager = model(input_ids=ids, labels=ids).loss
+        got = compiled(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, eager, rtol=0, atol=2e-2)

@@ -1,0 +1,127 @@
+"""QLoRA (issue 59): a tiny Hugging Face Llama whose linears are bitsandbytes 4-bit (nf4)
+``Linear4bit``, wrapped with peft LoRA, trained by osdp-fx; rank 0 also trains the eager model
+(its Linear4bits replaced by ``NF4Linear``, bitwise equal to bitsandbytes) on the global
+batch."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from osdp_fx import compile_osdp
+from osdp_fx.passes.quantized import replace_bnb_linears
+
+from .held import held_bytes
+
+VOCAB, BATCH, SEQ, LR, STEPS = 128, 2, 8, 0.5, 2
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_linears(model: nn.Module, *, nested: bool = False) -> int:
+    """Replace every projection ``nn.Linear`` of ``model`` by a bitsandbytes ``Linear4bit``
+    (nf4, computing in bfloat16) quantized from its weight, as ``from_pretrained`` with a
+    ``BitsAndBytesConfig(load_in_4bit=True)`` would; returns how many."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in PROJECTIONS and isinstance(child, nn.Linear):
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4",
+                                      compress_statistics=nested)
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                                             quant_type="nf4",
+                                             compress_statistics=nested).to("cpu")
+                setattr(parent, name, q)
+                count += 1
+    return count
+
+
+def build(*, nested: bool = False) -> nn.Module:
+    """The tiny Llama (hidden 64, 2 layers, GQA 4/2, random bf16 weights, seed 0), its linears
+    4-bit, with LoRA r=4 on all seven projections (``lora_B`` made nonzero), in train mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                      max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    assert quantize_linears(model, nested=nested) == 14
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                  target_modules=list(PROJECTIONS)))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return peft_model.train()
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def quantized_names(model: nn.Module) -> set[str]:
+    """The parameters of the 4-bit weights: packed weights and their scales."""
+    return {n for n, _ in model.named_parameters() if ".base_layer." in n}
+
+
+def _train(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], dict]:
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, opt
+
+
+def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "replicate"),
+          nested: bool = False) -> dict[str, Any]:
+    """Each plan's losses, adapters after :data:`STEPS` SGD steps, the bytes this rank holds
+    of the 4-bit weights and the model's; rank 0's ``reference``: one process on every rank's
+    batches."""
+    out: dict[str, Any] = {}
+    for plan in plans:
+        gc.collect()
+        model = build(nested=nested)
+        ids = batch(0, rank)
+        compiled = compile_osdp(model, (), example_kwargs={"input_ids": ids, "labels": ids},
+                                plan=plan, optimizer="sgd", plan_cache=False)
+        quantized = quantized_names(compiled)
+        losses, _ = _train(compiled, [batch(s, rank) for s in range(STEPS)])
+        state = compiled.full_state_dict()
+        out[plan] = {
+            "losses": losses,
+            "adapters": {k: v.float() for k, v in state.items() if "lora_" in k},
+            "quantized_local_bytes": sum(held_bytes(p) for n, p in compiled.named_parameters()
+                                         if n in quantized),
+            "quantized_bytes": sum(state[n].numel() * state[n].element_size()
+                                   for n in quantized),
+            "strategies": {p.name: p.strategy for p in compiled.plan.params},
+            "replaced": sum(type(m).__name__ == "NF4Linear" for m in model.modules()),
+        }
+        del compiled, model
+    if rank == 0:
+        model = build(nested=nested)
+        replace_bnb_linears(model)
+        initial = {k: v.detach().float().clone() for k, v in model.state_dict().items()
+                   if "lora_" in k}
+        losses, _ = _train(model, [torch.cat([batch(s, r) for r in range(world)])
+                                   for s in range(STEPS)])
+        out["reference"] = {
+            "losses": losses, "initial": initial,
+            "adapters": {k: v.detach().float().clone() for k, v in model.state_dict().items()
+                         if "lora_" in k}}
+    return out
