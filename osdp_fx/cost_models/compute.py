@@ -66,9 +66,10 @@ class ComputeTime:
 # linears of a small transformer sit (d = 768 over 16 Ki tokens: 370 FLOPs per byte), the
 # maximum credits the kernel with its peak rate, which measured matmuls there do not reach;
 # the sum gives it about half. Against llm-foundry's published MPT runs
-# (``benchmarks/published.py``, no constant fitted) the maximum predicted a 125m 1.6x too
-# fast and a 13b 1.01-1.15x; the sum 1.30-1.35x and 0.94-1.08x (``docs/benchmarks.md``). A
-# measured node (the profile's time) is not a roofline and is taken as measured.
+# (``benchmarks/published.py``) the maximum predicted small models too fast, the smaller the
+# more; the sum closes most of that gap with nothing fitted (the figures: ``docs/benchmarks.md``,
+# "Every published llm-foundry FSDP row"). A measured node (the profile's time) is not a
+# roofline and is taken as measured.
 def roofline_time_s(flops: float, bytes_moved: float, devices: Devices, *,
                     dtype: str = "", efficiency: float = 1.0) -> float:
     """``flops / compute throughput + bytes / memory bandwidth`` on one device of ``devices``,

@@ -169,6 +169,7 @@ def summarize_profile(gm: fx.GraphModule) -> ProfileSummary:
 
 
 _ATTENTION_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                   "flex_attention")
 """Names of torch's fused attention operators (the functional one, the aten kernels export
