@@ -25,6 +25,8 @@ After::
 from __future__ import annotations
 
 import dataclasses
+import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -51,15 +53,15 @@ def cast_params_pass(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
             with graph.inserting_after(node):
                 cast = param_cast_node(graph, node, dtype)
         node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
-    # torch.export records the dtypes it traced with; they no longer hold
-    asserts = [n for n in graph.nodes
-               if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default]
-    for node in asserts:
-        graph.erase_node(node)
-    pinned = 0
-    for sub in gm.modules():  # nested graphs too (torch.export's wrap_with_set_grad_enabled)
-        if isinstance(sub, fx.GraphModule):
-            pinned += _retarget_traced_conversions(sub, dtype)
+    # torch.export records the dtypes it traced with, in nested regions too; they no longer hold
+    asserts = 0
+    graphs = [sub for sub in gm.modules() if isinstance(sub, fx.GraphModule)]
+    for sub in graphs:
+        for node in [n for n in sub.graph.nodes if n.op == "call_function"
+                     and n.target is torch.ops.aten._assert_tensor_metadata.default]:
+            sub.graph.erase_node(node)
+            asserts += 1
+    pinned = _retarget_traced_conversions(gm, dtype)
     changed = bool(placeholders or params or asserts or pinned)
     graph.lint()
     gm.recompile()
@@ -89,29 +91,195 @@ _DTYPE_KWARG_CONVERSIONS = (torch.ops.aten.to.dtype_layout, torch.ops.aten._to_c
 
 
 def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
-    """Make every conversion :func:`_traced_as_same_dtype_conversion` or
-    :func:`_converts_to_its_params_dtype` finds convert to the compute ``dtype``; returns how
-    many there were."""
-    nodes = [n for n in gm.graph.nodes
-             if _traced_as_same_dtype_conversion(n) or _converts_to_its_params_dtype(gm, n)]
-    for node in nodes:
+    """Make the traced conversions of ``gm`` and its nested regions that meant the compute dtype
+    convert to ``dtype`` ([Note: conversions in low precision]); returns how many there were."""
+    flow = _LowPrecisionFlow(gm)
+    retarget = [(owner, node) for owner, node in flow.nodes()
+                if _converts_to_its_params_dtype(gm, node)
+                or (_traced_as_same_dtype_conversion(node) and flow.meant_compute_dtype(node))]
+    for _, node in retarget:
         if node.target is torch.ops.aten.to.dtype:
             node.args = (node.args[0], dtype, *node.args[2:])
         else:
             node.kwargs = {**node.kwargs, "dtype": dtype}
-    if nodes:
-        gm.graph.lint()
-        gm.recompile()
-    return len(nodes)
+    for owner in {owner for owner, _ in retarget}:
+        owner.graph.lint()
+        owner.recompile()
+    return len(retarget)
+
+
+# Note [conversions in low precision]
+# torch.export traces in float32, where ``x.to(x.dtype)`` and an explicit ``x.float()`` are
+# traced alike, as ``to(x, float32)`` of a float32 ``x``. Under mixed precision the parameters and
+# floating inputs arrive in the compute dtype, and such a conversion is given the dtype it meant:
+# - of a value computed from them (in the compute dtype): the compute dtype (a Hugging Face
+#   RMSNorm's ``.to(input_dtype)``, its rotary embedding's ``cos.to(x.dtype)`` where ``x`` is);
+# - inside an autocast-disabled region (``torch.autocast(..., enabled=False)``, traced as
+#   ``wrap_with_autocast``): float32 as traced, the region asks for it;
+# - of a value computed from neither (a buffer such as a rotary embedding's ``inv_freq``, float
+#   positions): float32 as traced, unless its result meets a value in the compute dtype before
+#   the next conversion (the rotary's cosines multiplied with the queries), when it meant the
+#   compute dtype.
+# Values flow through the regions export nests (``wrap_with_set_grad_enabled``,
+# ``wrap_with_autocast``): a region's operands are its body's placeholders and its body's outputs
+# the region's ``getitem``s. Which values are in the compute dtype is decided once, in graph
+# order, before any conversion of the third kind is retargeted.
+
+_CONVERSIONS = frozenset({torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+                          torch.ops.aten.to.device, torch.ops.aten._to_copy.default})
+
+
+class _LowPrecisionFlow:
+    """The values of a captured graph and of its nested regions that are in the compute dtype
+    under mixed precision ([Note: conversions in low precision])."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.low: set[fx.Node] = set()
+        self.autocast_off: set[fx.Node] = set()  # nodes inside an autocast-disabled region
+        self.owner: dict[fx.Node, fx.GraphModule] = {}
+        self.body: dict[fx.Node, fx.GraphModule] = {}  # a region's node -> its body
+        self.region: dict[fx.GraphModule, fx.Node] = {}  # a body -> its region's node
+        self._visit(gm, autocast_off=False)
+
+    def nodes(self) -> list[tuple[fx.GraphModule, fx.Node]]:
+        """(owning graph module, node) for every node, outer graphs' first."""
+        return [(owner, node) for node, owner in self.owner.items()]
+
+    def meant_compute_dtype(self, conversion: fx.Node) -> bool:
+        """Whether a conversion traced as float32 -> float32 meant the compute dtype."""
+        if conversion in self.autocast_off:
+            return False
+        return conversion.args[0] in self.low or self._meets_low(conversion)
+
+    def _visit(self, module: fx.GraphModule, *, autocast_off: bool) -> None:
+        for node in module.graph.nodes:
+            self.owner[node] = module
+            if autocast_off:
+                self.autocast_off.add(node)
+            body = _region_body(module, node)
+            if body is not None:
+                self.body[node], self.region[body] = body, node
+                for placeholder, operand in zip(_placeholders(body), _region_operands(node)):
+                    if operand in self.low:
+                        self.low.add(placeholder)
+                off = autocast_off or (node.target is torch.ops.higher_order.wrap_with_autocast
+                                       and node.args[2] is False)
+                self._visit(body, autocast_off=off)
+            elif self._region_output(node) is not None:
+                if self._region_output(node) in self.low:
+                    self.low.add(node)
+            elif self._lowers(node, autocast_off):
+                self.low.add(node)
+
+    def _lowers(self, node: fx.Node, autocast_off: bool) -> bool:
+        if osdp_meta(node).role in (NodeRole.CAST, NodeRole.CAST_INPUT):
+            return _floating(node.args[0])
+        if node.op != "call_function" or not _floating(node):
+            return False
+        if node.target in _CONVERSIONS:
+            dtype = _conversion_dtype(node)
+            if dtype is not None and dtype.is_floating_point and dtype.itemsize < 4:
+                return True
+            return (not autocast_off and _traced_as_same_dtype_conversion(node)
+                    and node.args[0] in self.low)
+        return any(a in self.low for a in node.all_input_nodes)
+
+    def _region_output(self, node: fx.Node) -> fx.Node | None:
+        """For ``getitem(region, i)``: the node the region's body returns at ``i``."""
+        if not (node.op == "call_function" and node.target is operator.getitem
+                and node.args[0] in self.body):
+            return None
+        returned = _output(self.body[node.args[0]]).args[0]
+        value = returned[node.args[1]]
+        return value if isinstance(value, fx.Node) else None
+
+    def _consumers(self, node: fx.Node) -> list[fx.Node]:
+        """The nodes that take ``node``'s value, across region boundaries."""
+        out: list[fx.Node] = []
+        for user in node.users:
+            if user in self.body:  # an operand of a region: its body's placeholder
+                operands = _region_operands(user)
+                out += [p for p, o in zip(_placeholders(self.body[user]), operands) if o is node]
+            elif user.op == "output" and self.owner[user] in self.region:
+                region = self.region[self.owner[user]]
+                indices = {i for i, v in enumerate(user.args[0]) if v is node}
+                out += [g for g in region.users
+                        if g.target is operator.getitem and g.args[1] in indices]
+            elif user.op != "output":
+                out.append(user)
+        return out
+
+    def _meets_low(self, start: fx.Node) -> bool:
+        """Whether ``start``'s value meets a value in the compute dtype before it is converted."""
+        seen, frontier = {start}, [start]
+        while frontier:
+            for consumer in self._consumers(frontier.pop()):
+                if consumer in seen or (consumer.op == "call_function"
+                                        and consumer.target in _CONVERSIONS):
+                    continue
+                if any(a in self.low for a in consumer.all_input_nodes):
+                    return True
+                seen.add(consumer)
+                frontier.append(consumer)
+        return False
+
+
+def _region_body(module: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The body of a region torch.export nests (a higher-order op whose operand is a graph
+    module), or None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            sub = module.get_submodule(arg.target)
+            if isinstance(sub, fx.GraphModule):
+                return sub
+    return None
+
+
+def _region_operands(node: fx.Node) -> list[Any]:
+    """A region's operands: its arguments after its body."""
+    index = next(i for i, a in enumerate(node.args)
+                 if isinstance(a, fx.Node) and a.op == "get_attr")
+    return list(node.args[index + 1:])
+
+
+def _placeholders(module: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in module.graph.nodes if n.op == "placeholder"]
+
+
+def _output(module: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(module.graph.nodes) if n.op == "output")
+
+
+def _floating(node: Any) -> bool:
+    """Whether a node's value is (or holds) a floating tensor; unknown values count as one."""
+    if not isinstance(node, fx.Node):
+        return False
+    val = node.meta.get("val")
+    if val is None:
+        return True
+    values = val if isinstance(val, (tuple, list)) else (val,)
+    return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values)
+
+
+def _conversion_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype a conversion node converts to, if it names one."""
+    if node.target in (torch.ops.aten.to.dtype, torch.ops.aten.to.device):
+        index = 1 if node.target is torch.ops.aten.to.dtype else 2
+        if len(node.args) > index and isinstance(node.args[index], torch.dtype):
+            return node.args[index]
+        return node.kwargs.get("dtype")
+    return node.kwargs.get("dtype")
 
 
 def _traced_as_same_dtype_conversion(node: fx.Node) -> bool:
     """An export-graph conversion that pins the dtype it was traced with, though it changed
     nothing then: ``x.to(device)`` becomes ``aten.to(x, dtype=float32, device=...)``, and
     ``x.to(y.dtype)`` (a Hugging Face RMSNorm's ``.to(input_dtype)``, its rotary embedding's
-    ``cos.to(x.dtype)``) becomes ``aten.to.dtype(x, float32)``. In low precision the dtype they
-    meant is the compute dtype, so they are made to convert to it. Intentional upcasts in a
-    float32 model are indistinguishable from these, so they run in the compute dtype too."""
+    ``cos.to(x.dtype)``) becomes ``aten.to.dtype(x, float32)``. An explicit ``x.float()`` of a
+    float32 ``x`` is traced alike; :class:`_LowPrecisionFlow` tells which dtype each meant
+    ([Note: conversions in low precision])."""
     if node.op != "call_function" or node.target not in (*_DTYPE_KWARG_CONVERSIONS,
                                                          torch.ops.aten.to.dtype):
         return False

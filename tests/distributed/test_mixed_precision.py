@@ -37,6 +37,18 @@ def test_training_matches_single_process_in_low_precision(worlds, tmp_path, mode
         torch.testing.assert_close(value, results[1]["state"][key], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("model", ["hf_qwen2", "hf_qwen3", "hf_gemma", "hf_phi3"])
+def test_hugging_face_families_train_in_bf16_like_one_process(worlds, model):
+    """Their rotary embeddings convert a float32 buffer inside no-grad and autocast-disabled
+    regions: it stays float32 there, as it does under FSDP2's mixed precision."""
+    results = worlds(2).run(cases.train, model=model, plan="full_shard", mixed_precision="bf16")
+    ref = cases.reference_train(model, world=2, param_dtype=torch.bfloat16)
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-3)
+    for key, value in results[0]["state"].items():
+        torch.testing.assert_close(value, ref["state"][key], rtol=0, atol=5e-3)
+
+
 def test_a_peft_lora_llama_searched_between_full_shard_and_replicate(worlds):
     """peft's LoRA (bf16 base frozen, fp32 adapters) under the plan searched at a limit a
     quarter of the way from full_shard's predicted peak to replicate's (which replicate does

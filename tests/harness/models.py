@@ -49,7 +49,35 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[Any, Batch], t
                 r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
                 init_lora_weights=False))  # B != 0: the adapters change the loss from step 1
         return llama, lambda out, batch: lm_loss(out.logits, batch[0])
+    if name in HF_FAMILIES:
+        return HF_FAMILIES[name](), lambda out, batch: lm_loss(out.logits, batch[0])
     raise ValueError(name)
+
+
+def _hf_family(config: str, model: str, **extra: Any) -> Callable[[], nn.Module]:
+    """A tiny Hugging Face causal LM of one family (random weights, grouped-query attention)."""
+
+    def make() -> nn.Module:
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        cfg = getattr(transformers, config)(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=67, max_position_embeddings=16, use_cache=False,
+            **extra)
+        return getattr(transformers, model)(cfg)
+
+    return make
+
+
+HF_FAMILIES: dict[str, Callable[[], nn.Module]] = {
+    "hf_qwen2": _hf_family("Qwen2Config", "Qwen2ForCausalLM"),
+    "hf_qwen3": _hf_family("Qwen3Config", "Qwen3ForCausalLM", head_dim=8),
+    "hf_gemma": _hf_family("GemmaConfig", "GemmaForCausalLM", head_dim=8),
+    "hf_phi3": _hf_family("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
+}
+"""Families whose rotary embeddings read a float32 buffer in a no-grad region (issue 60)."""
 
 
 def _mse(out: torch.Tensor, batch: Batch) -> torch.Tensor:
