@@ -55,6 +55,9 @@ class HeldGrads:
         entry = self._held.pop(tuple(id(s) for s in shards), None)
         return entry[1] if entry is not None else None
 
+    def holds(self, shards: Sequence[torch.Tensor]) -> bool:
+        return tuple(id(s) for s in shards) in self._held
+
     def buffer(self, shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
         """The buffer held for ``shards`` (taken), else a zero one: gradients are added to it."""
@@ -96,6 +99,9 @@ class LocalScatters:
     def buffer(self, shards: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
         return self.held.buffer(shards, numel, dtype, device)
+
+    def holds(self, shards: Sequence[torch.Tensor]) -> bool:
+        return True  # a no_sync backward adds to the held buffers
 
     def start(self, shard: torch.Tensor, grad_full: torch.Tensor, group: str,
               padded_numel: int, reduce_dtype: torch.dtype | None = None) -> None:

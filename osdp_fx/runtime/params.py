@@ -151,6 +151,16 @@ class GradReduceScatters:
             held[:grad_full.numel()].add_(grad_full.reshape(-1))
             self.start_flat([shard], held, group)
             return
+        dtype = reduce_dtype or grad_full.dtype
+        if grad_full.dim() > 0 and (dtype != grad_full.dtype or grad_full.numel() != padded_numel
+                                    or not grad_full.is_contiguous()):
+            # cast and padded to whole rows per chunk in one op
+            chunks = shard_chunks(group)
+            grad = torch.empty((chunks, padded_numel // chunks), dtype=dtype,
+                               device=grad_full.device)
+            torch._chunk_cat([grad_full], dim=0, num_chunks=chunks, out=grad)
+            self.start_flat([shard], grad.view(-1), group)
+            return
         grad = pad_flat(cast(grad_full, reduce_dtype), padded_numel)
         owned = grad.untyped_storage().data_ptr() != grad_full.untyped_storage().data_ptr()
         self.start_flat([shard], grad, group, owned=owned)
@@ -161,6 +171,10 @@ class GradReduceScatters:
         """A flat buffer for the gradients of ``shards``, zero or holding what earlier no_sync
         backwards accumulated: the caller adds its gradients, then :meth:`start_flat`."""
         return self.held.buffer(shards, numel, dtype, device)
+
+    def holds(self, shards: list[torch.Tensor]) -> bool:
+        """Whether earlier no_sync backwards hold a gradient buffer for ``shards``."""
+        return self.held.holds(shards)
 
     def start_flat(self, shards: list[torch.Tensor], flat: torch.Tensor, group: str, *,
                    owned: bool = True) -> None:
@@ -185,10 +199,18 @@ class GradReduceScatters:
             storage.resize_(0)
             note_resized(storage)
         kept = False
-        for shard, grad in zip(shards, chunk.split([padded_numel(s) for s in shards])):
-            grad = grad.to(shard.dtype) if len(shards) == 1 else grad.to(shard.dtype, copy=True)
+        dtypes = {s.dtype for s in shards}
+        if len(dtypes) == 1:  # one cast for the bucket; its members' gradients are views of it
+            chunk = chunk.to(dtypes.pop())
+            grads = chunk.split([padded_numel(s) for s in shards])
+        else:
+            grads = [g.to(s.dtype, copy=True)
+                     for s, g in zip(shards, chunk.split([padded_numel(s) for s in shards]))]
+        for shard, grad in zip(shards, grads):
             split = split_of(shard)
             if split is not None:  # a split weight's part: into the weight's gradient
+                if len(grads) > 1:  # a held chunk is released alone: a tensor of its own
+                    grad = grad.clone()
                 held = split[0].add(split[1], grad)
                 if held:  # until the weight's gradient exists (at the latest: finish)
                     self._holding[id(split[0])] = split[0]
@@ -360,6 +382,14 @@ class _AllGatherParams(torch.autograd.Function):
         present = [g for _, g in members if g is not None]
         dtype = ctx.reduce_dtype or (present[0].dtype if present else shards[0].dtype)
         total = sum(padded_numel(s) for s in shards)
+        if (len(present) == len(members) and all(g.dim() > 0 for g in present)
+                and not ctx.scatters.holds(shards)):
+            # every member's gradient, cut into ``world`` chunks of whole rows (the shards'
+            # layout), in one op that casts as it copies
+            flat = torch.empty((world, total), dtype=dtype, device=shards[0].device)
+            torch._chunk_cat(present, dim=0, num_chunks=world, out=flat)
+            ctx.scatters.start_flat(shards, flat.view(-1), ctx.group)
+            return (None,) * (5 + len(ctx.shards))
         # zero, or what no_sync backwards accumulated ([Note: no_sync]): gradients are added
         flat = ctx.scatters.buffer(shards, world * total, dtype,
                                    shards[0].device).view(world, total)

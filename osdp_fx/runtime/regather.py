@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +34,7 @@ import torch
 from .collectives import Pending
 from .hierarchy import gather_shards_start, shard_chunks
 from .memory import note_resized, storage_key
-from .sharded import flat_shard, padded_numel
+from .sharded import flat_shard, padded_numel, shaped
 
 
 @dataclasses.dataclass(eq=False)
@@ -205,33 +205,37 @@ def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def gather_full(shard: torch.Tensor, shape: tuple[int, ...], group: str,
                  pending: Pending | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     flat = (pending or gather_shards_start(cast(flat_shard(shard), dtype), group)).wait()
-    return flat[:math.prod(shape)].view(shape)
+    return shaped(flat, shape)
 
 
 def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, ...],
-                    shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+                   shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
     """The full parameters from a gather of every rank's concatenated ``shards``: row r of
     ``flat.view(world, total)`` is rank r's concatenation; each parameter is a column block.
-    Each result owns its storage (so one can be freed without the others); ``flat`` is freed."""
+    Each result owns its storage (so one can be freed without the others), copied out of
+    ``flat`` by one ``split_with_sizes_copy``; ``flat`` is freed."""
     table = flat.view(world, -1)
-    fulls, offset = [], 0
-    for shard, shape in zip(shards, shapes):
-        n = padded_numel(shard)
-        block = table[:, offset:offset + n].reshape(-1)
-        offset += n
-        if block.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
-            block = block.clone()  # a contiguous block (world 1) is a view: make it its own
-        fulls.append(block[:math.prod(shape)].view(shape))
+    sizes = [padded_numel(s) for s in shards]
+    blocks = [torch.empty(world * n, dtype=flat.dtype, device=flat.device) for n in sizes]
+    torch.split_with_sizes_copy(table, sizes, dim=1,
+                                out=[b.view(world, n) for b, n in zip(blocks, sizes)])
+    fulls = tuple(shaped(block, shape) for block, shape in zip(blocks, shapes))
     # Every member is a copy now; gloo's worker may hold the gathered buffer a few milliseconds
     # longer: release its memory at once.
     storage = flat.untyped_storage()
     storage.resize_(0)
     note_resized(storage)
-    return tuple(fulls)
+    return fulls
 
 
 def start_params(shards: tuple[torch.Tensor, ...], group: str,
-                  dtype: torch.dtype | None) -> Pending:
-    return gather_shards_start(torch.cat([cast(flat_shard(s).detach(), dtype) for s in shards]),
-                               group,
-                               consume=True)
+                 dtype: torch.dtype | None) -> Pending:
+    """Start gathering a bucket: its shards copied into one flat buffer of ``dtype`` (default:
+    theirs, promoted) by one foreach copy, which casts as it copies."""
+    with torch.no_grad():
+        flats = [flat_shard(s) for s in shards]
+        if dtype is None:
+            dtype = functools.reduce(torch.promote_types, (f.dtype for f in flats))
+        buffer = torch.empty(sum(f.numel() for f in flats), dtype=dtype, device=flats[0].device)
+        torch._foreach_copy_(list(buffer.split([f.numel() for f in flats])), flats)
+    return gather_shards_start(buffer, group, consume=True)

@@ -109,6 +109,17 @@ def flat_shard(t: torch.Tensor) -> torch.Tensor:
     return pad_flat(local, n)
 
 
+def shaped(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The first ``prod(shape)`` elements of the 1-D contiguous ``flat`` viewed at ``shape``, in
+    one operation (``flat[:n].view(shape)`` is two: the runtime does this per parameter and
+    step)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return flat.as_strided(tuple(shape), tuple(reversed(strides)), flat.storage_offset())
+
+
 def as_dtensor(flat: torch.Tensor, shape: tuple[int, ...], strategy: str, *, world_size: int,
                ranks_per_node: int | None, rank: int) -> nn.Parameter:
     """A parameter of ``shape`` over this rank's padded flat chunk ``flat`` (a leaf parameter of
@@ -161,11 +172,11 @@ def like(param: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """``flat`` (a padded flat chunk laid out like ``param``'s) as ``param`` holds it: a DTensor
     of the same placement viewing it, or the flat chunk itself viewed at ``param``'s shape."""
     if not is_dtensor(param):
-        return flat[:param.numel()].view(param.shape)
+        return shaped(flat, param.shape)
     from torch.distributed.tensor import DTensor
 
     local = local_of(param)
-    view = flat[:local.numel()].view(local.shape)
+    view = shaped(flat, local.shape)
     if flat.dtype == param.dtype:
         # the parameter's own spec (mesh, placements, global shape, stride, dtype): a runtime
         # call per gradient and step, which from_local's checks and autograd make ~15x slower
