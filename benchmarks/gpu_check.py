@@ -6,11 +6,13 @@ DIR``, within ``--budget-s``) measures three things:
 1. **Parity.** A GPT (``osdp_fx.examples``) and a Hugging Face Llama (tiny configs, random
    weights, captured by ``torch.export``) train 5 SGD steps on the GPU under ``replicate``,
    ``full_shard`` and the searched plan (at a limit halfway between those two plans' predicted
-   peaks), in fp32 and with ``mixed_precision="bf16"``, at world 1 with NCCL and at world 2 with
-   two processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU), each against
-   single-process CUDA training on the global batch: losses to 1e-5 and parameters to 1e-4 in
-   fp32, and to the tolerances of ``tests/distributed/test_mixed_precision.py`` in bf16 (losses
-   rtol 2e-2 / atol 2e-3, parameters 5e-3).
+   peaks), in fp32 and with ``mixed_precision="bf16"``, and so do tiny Qwen2, Qwen3, Gemma and
+   Phi-3 configs (``HF_FAMILIES``, built like the Llama) in bf16, at world 1 with NCCL and at
+   world 2 with two processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU),
+   each against single-process CUDA training on the global batch: losses to 1e-5 and
+   parameters to 1e-4 in fp32, and to the tolerances of
+   ``tests/distributed/test_mixed_precision.py`` in bf16 (losses rtol 2e-2 / atol 2e-3,
+   parameters 5e-3).
 2. **Memory.** A GPT of about 350M parameters (d=1024, 24 layers, sequence 1024, vocabulary
    32768, batch 8 per rank) trained with AdamW, and a LoRA fine-tune (peft, rank 16 on every
    attention and MLP projection) of a Llama of similar size (hidden 1024, 24 layers, batch 4 per
@@ -21,21 +23,29 @@ DIR``, within ``--budget-s``) measures three things:
    reserved / predicted - 1), each from a reset taken after ``compile_osdp`` returns (no
    ``gc.collect()``, no ``empty_cache()`` between steps). Each model runs in processes of its
    own, beside the parity worlds (a process's memory figures are its own): world 1 (NCCL) under
-   ``replicate`` and ``full_shard``, world 2 (gloo, two ranks on the GPU) under ``full_shard``
-   and the searched plan.
+   ``replicate``, ``full_shard`` and the binding plan, world 2 (gloo, two ranks on the GPU)
+   under those and the searched plan. The binding plan is searched at a limit of replicate's
+   predicted peak, of which the search plans within ``1 - Devices.memory_margin``, so that it
+   must shard or recompute to fit; a plan with a limit also has ``max_memory_reserved`` (the
+   larger of step 1's and steps 2+') checked against it. The GPT also runs world 1 with the
+   caching allocator's ``expandable_segments:True``, set at the start of its process.
 3. **Time.** Alone on the GPU, world 1 (NCCL), the 350M GPT with bf16 compute: osdp-fx
    ``replicate`` against DDP (under ``torch.autocast``) and osdp-fx ``full_shard`` against FSDP2
    (``fully_shard`` per block and on the root, ``MixedPrecisionPolicy(bf16, reduce fp32)``),
    timed round-robin, each step from a barrier to a device synchronize, the median of the
    rounds; osdp-fx compiles with ``detect_devices()``, and its predicted step time is shown
-   against the measured one. Then the same four under ``torch.compile`` (DDP and osdp-fx whole,
+   against the measured one. After the eager rounds, each eager system's host time per step
+   by category (collectives, copies and casts, views, optimizer, autograd, compute, other ops,
+   and Python and dispatch outside ops), from ``torch.profiler``'s CPU self times over 3
+   steps (``host_profile``). Then the same four under ``torch.compile`` (DDP and osdp-fx whole,
    FSDP2 per block as torchtitan does), round-robin after 20 warm-up steps (osdp-fx's regions
    choose compiled or eager in their first 19).
 
 Each part writes its rows as soon as it ends: ``DIR/gpu-check.md`` (the tables) and
 ``DIR/gpu-check.json``; a part that fails or runs out of ``--budget-s`` is recorded as such and
-the others still run. Exits non-zero when a parity check fails or a predicted steady peak is
-off ``max_memory_allocated`` by more than +5 % / -10 %.
+the others still run. Exits non-zero when a parity check fails, a predicted peak is off
+``max_memory_allocated`` by more than +5 % / -10 %, or ``max_memory_reserved`` is above a
+plan's memory limit.
 
 Without a GPU it prints that it has nothing to check; ``--cpu`` runs everything on the CPU at
 tiny sizes (gloo for NCCL), which checks the script itself.
@@ -87,19 +97,38 @@ def nccl() -> str:
 
 # ---- models ------------------------------------------------------------------------------
 
+HF_FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+"""The Hugging Face families :func:`build` makes besides Llama: the names of their config and
+model classes in ``transformers``."""
+
+
 def build(name: str, *, dim: int = 64, depth: int = 2, seq: int = 32, vocab: int = 256,
           heads: int = 4, lora_rank: int = 16) -> torch.nn.Module:
     """A model whose forward takes token ids and returns the LM loss (seeded: equal in every
-    process). ``"lora"`` is a peft LoRA Llama whose frozen weights are bf16."""
+    process). ``"lora"`` is a peft LoRA Llama whose frozen weights are bf16; the names of
+    :data:`HF_FAMILIES` are tiny configs of those families, built like the small Llama."""
     torch.manual_seed(0)
     if name == "gpt":
         return GPTWithLoss(TinyGPT(vocab=vocab, dim=dim, depth=depth, heads=heads, max_seq=seq))
-    if name not in ("llama", "lora"):
+    if name not in ("llama", "lora", *HF_FAMILIES):
         raise ValueError(name)
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if name in HF_FAMILIES:
+        config_class, model_class = HF_FAMILIES[name]
+        extra = {"qwen3": {"head_dim": dim // heads}, "gemma": {"head_dim": dim // heads},
+                 "phi3": {"pad_token_id": 0}}.get(name, {})
+        cfg = getattr(transformers, config_class)(
+            hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=depth,
+            num_attention_heads=heads, num_key_value_heads=2, vocab_size=vocab,
+            max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa", **extra)
+        return HFCausalLMWithLoss(getattr(transformers, model_class)(cfg))
     large = dim >= 512
     cfg = LlamaConfig(hidden_size=dim, intermediate_size=(11 * dim) // 4 if large else 2 * dim,
                       num_hidden_layers=depth, num_attention_heads=heads,
@@ -153,9 +182,15 @@ def _allocated(kind: str) -> int:
 
 
 def _plan_arg(plan: str, limits: dict[str, int]) -> dict[str, Any]:
-    """compile_osdp's ``plan`` and ``memory_limit`` for a named plan or ``"searched"`` (halfway
+    """compile_osdp's ``plan`` and ``memory_limit`` for a named plan, ``"searched"`` (halfway
     between replicate's and full_shard's predicted peaks, or 10 % above the smaller where
-    sharding saves nothing, as at world 1)."""
+    sharding saves nothing, as at world 1) or ``"binding"`` (searched at replicate's predicted
+    peak: the search plans within ``limit * (1 - Devices.memory_margin)``, so it must shard or
+    recompute to fit)."""
+    if plan == "binding":
+        if "replicate" not in limits:
+            raise OSDPError("the binding plan's limit needs replicate's prediction")
+        return {"plan": None, "memory_limit": limits["replicate"]}
     if plan != "searched":
         return {"plan": plan, "memory_limit": None}
     if not {"replicate", "full_shard"} <= set(limits):
@@ -257,7 +292,8 @@ def compare(results: list[dict[str, Any]], ref: dict[str, Any], tol: dict[str, t
 
 
 PARITY_ARGS = (5, 4, 32, 256, 0.05)  # steps, global batch, sequence, vocabulary, SGD lr
-PARITY_CASES = [(m, mp) for m in ("gpt", "llama") for mp in (None, "bf16")]
+PARITY_CASES = ([(m, mp) for m in ("gpt", "llama") for mp in (None, "bf16")]
+                + [(m, "bf16") for m in HF_FAMILIES])
 
 
 def parity_world(world: int, backend: str, timeout_s: float) -> list[dict[str, Any]]:
@@ -288,10 +324,31 @@ def memory_sizes(cpu: bool) -> dict[str, dict[str, int]]:
             "lora": dict(dim=1024, depth=24, seq=1024, vocab=32000, heads=16, batch=4)}
 
 
+def memory_worlds(model: str) -> list[tuple[int, str, list[str], bool]]:
+    """The memory part's worlds for ``model``: (world size, backend, plans, expandable
+    segments), each run in processes of its own. The GPT also runs world 1 with the caching
+    allocator's ``expandable_segments``."""
+    worlds = [(1, nccl(), ["replicate", "full_shard", "binding"], False),
+              (2, "gloo", ["replicate", "full_shard", "searched", "binding"], False)]
+    if model == "gpt":
+        worlds.append((1, nccl(), ["replicate", "full_shard", "binding"], True))
+    return worlds
+
+
 def measure_memory(rank: int, world: int, model: str, size: dict[str, int], plans: list[str],
-                   steps: int, partial: str) -> list[dict[str, Any]]:
+                   steps: int, partial: str, expandable: bool = False) -> list[dict[str, Any]]:
     """Per plan, one after the other in this process: predicted against measured peaks (rank
-    0's rows also written to ``partial``, JSON, as each plan ends)."""
+    0's rows also written to ``partial``, JSON, as each plan ends). ``expandable``: the caching
+    allocator runs with ``expandable_segments:True``, set before this function allocates on
+    the GPU (on a GPU only); each row's ``"allocator"`` says which setting the process ran
+    with, and ``"allocator_error"`` why the setting failed, if it did."""
+    allocator, allocator_error = "default", None
+    if expandable and torch.cuda.is_available():
+        try:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            allocator = "expandable_segments"
+        except (AttributeError, RuntimeError) as exc:  # private API
+            allocator_error = f"{type(exc).__name__}: {str(exc)[:300]}"
     device = _device_for(rank)
     size = dict(size)
     batch = size.pop("batch")
@@ -300,7 +357,10 @@ def measure_memory(rank: int, world: int, model: str, size: dict[str, int], plan
     out: list[dict[str, Any]] = []
     limits: dict[str, int] = {}
     for plan in plans:
-        row: dict[str, Any] = {"model": model, "world": world, "plan": plan}
+        row: dict[str, Any] = {"model": model, "world": world, "plan": plan,
+                               "allocator": allocator}
+        if allocator_error:
+            row["allocator_error"] = allocator_error
         try:
             row.update(_measure_plan(model, size, plan, x, device, world, steps, limits))
         except Exception as exc:  # noqa: BLE001 - the plan's row says what failed
@@ -355,6 +415,8 @@ def _measure_plan(model: str, size: dict[str, int], plan: str, x: torch.Tensor,
         "reserved_first": reserved[0], "reserved_steady": max(reserved[1:]),
         "predicted_step_s": pred.step_time_s, "measured_step_s": statistics.median(times[1:]),
         "limit": args["memory_limit"],
+        "reserved_within_limit": (None if args["memory_limit"] is None
+                                  else max(reserved) <= args["memory_limit"]),
     }
     del compiled, opt
     return row
@@ -378,6 +440,12 @@ def memory_off(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return off
 
 
+def reserved_over_limit(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows whose ``max_memory_reserved`` (over step 1 or steps 2+) is above their memory
+    limit (rows without a limit are not judged)."""
+    return [r for r in rows if r.get("reserved_within_limit") is False]
+
+
 # ---- 3. time -------------------------------------------------------------------------------
 
 class Autocast(torch.nn.Module):
@@ -392,10 +460,84 @@ class Autocast(torch.nn.Module):
             return self.module(x)
 
 
+HOST_CATEGORIES = ("step wall", "python and dispatch outside ops", "collectives",
+                   "copies and casts", "views", "optimizer", "autograd", "compute", "other ops")
+"""The keys of :func:`host_profile`, in the order of the host-time table."""
+
+_COLLECTIVE_WORDS = ("c10d", "nccl", "gloo", "all_gather", "reduce_scatter", "all_reduce",
+                     "record_param_comms", "broadcast")
+_COPY_OPS = frozenset(f"aten::{op}" for op in (
+    "copy_", "_to_copy", "to", "cat", "split_with_sizes_copy", "_chunk_cat", "_foreach_copy_",
+    "constant_pad_nd", "pad", "clone", "zero_", "fill_", "zeros", "empty", "empty_strided",
+    "resize_"))
+_VIEW_OPS = frozenset(f"aten::{op}" for op in (
+    "view", "reshape", "as_strided", "slice", "narrow", "t", "transpose", "expand", "unsqueeze",
+    "squeeze", "select", "detach", "alias", "_unsafe_view", "broadcast_tensors"))
+DEVICE_WAIT = "device synchronize after the step"
+"""The profiler event around :func:`host_profile`'s synchronize after each step (its wait for
+the device), which falls under "other ops"."""
+
+
+def host_category(name: str) -> str:
+    """The category of :data:`HOST_CATEGORIES` that a profiler event's name falls in (the copy
+    and view ops by their exact names, then the others by what their names contain)."""
+    if name in _COPY_OPS:
+        return "copies and casts"
+    if name in _VIEW_OPS:
+        return "views"
+    if any(word in name.lower() for word in _COLLECTIVE_WORDS):
+        return "collectives"
+    if name.startswith("Optimizer.") or "_foreach_" in name or "adam" in name.lower():
+        return "optimizer"
+    if name.startswith(("autograd::", "torch::autograd::")) or "Backward" in name:
+        return "autograd"
+    if name.startswith(("aten::", "cuda")):
+        return "compute"
+    return "other ops"
+
+
+def host_profile(step: Callable[[], None], steps: int = 3,
+                 events: list[tuple[str, float, float]] | None = None) -> dict[str, float]:
+    """Host (CPU) seconds per step by category: ``step()`` once to warm up, then ``steps``
+    times under ``torch.profiler`` (CPU activity only), each step timed with the wall clock
+    from a device synchronize to the next one. Each profiler event's self time (exclusive of
+    the events it encloses) counts under the category of its name (:func:`host_category`);
+    ``"python and dispatch outside ops"`` is the rest of the step's wall time (none when the
+    events add up to more). The synchronize after each step is an event of its own
+    (:data:`DEVICE_WAIT`), so that waiting for the device is not counted as Python. Returns the
+    means per step of :data:`HOST_CATEGORIES`, ``"step wall"`` the wall time. ``events``: a list
+    that receives the 40 events of most self time (name, self seconds and calls per step)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    step()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            _sync()
+            start = time.perf_counter()
+            step()
+            with record_function(DEVICE_WAIT):
+                _sync()
+            walls.append(time.perf_counter() - start)
+    out = dict.fromkeys(HOST_CATEGORIES, 0.0)
+    averages = prof.key_averages()
+    for event in averages:
+        out[host_category(event.key)] += event.self_cpu_time_total * 1e-6 / steps
+    if events is not None:
+        events += sorted(((e.key, e.self_cpu_time_total * 1e-6 / steps, e.count / steps)
+                          for e in averages), key=lambda e: -e[1])[:40]
+    in_events = sum(out.values())
+    out["step wall"] = statistics.mean(walls)
+    out["python and dispatch outside ops"] = max(0.0, out["step wall"] - in_events)
+    return out
+
+
 def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmup: int,
                  compiled_too: bool, deadline: float, partial: str) -> dict[str, Any]:
-    """DDP, FSDP2, osdp-fx replicate and full_shard, eager, then under torch.compile; what is
-    measured so far is also written to ``partial`` (JSON) as each half ends."""
+    """DDP, FSDP2, osdp-fx replicate and full_shard, eager, then under torch.compile; each
+    eager system's row also has its host time per step by category (``"host_s"``,
+    :func:`host_profile`). What is measured so far is also written to ``partial`` (JSON) as
+    each half ends."""
     import compare as bench
 
     device = _device_for(rank)
@@ -420,6 +562,14 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
             bench.time_round_robin(systems, rounds, warmup + (19 if compiled else 0))
             out[key] = [dict(s.row(world, cfg.batch), system=s.system, plan=s.plan)
                         for s in systems]
+            if not compiled:  # after the timed rounds: the profiler slows the steps it sees
+                for s, row in zip(systems, out[key]):
+                    try:
+                        row["host_events"] = []
+                        row["host_s"] = host_profile(lambda s=s: (s.step(), s.zero_grad()),
+                                                     steps=3, events=row["host_events"])
+                    except Exception as exc:  # noqa: BLE001 - the timed rows stand without it
+                        row["host_s"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         except Exception as exc:  # noqa: BLE001 - the part's row says what failed
             out[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
         systems = []
@@ -527,21 +677,24 @@ def run(args: argparse.Namespace) -> Report:
                                           w, b, max(10.0, left() - args.time_reserve_s))))
     if not args.skip_memory:
         for model in args.memory_models.split(","):
-            for world, backend, plans in ((1, nccl(), ["replicate", "full_shard"]),
-                                          (2, "gloo", ["replicate", "full_shard", "searched"])):
-                def measure(model=model, world=world, backend=backend, plans=plans) -> Any:
-                    partial = args.out_dir / f"memory-{model}-{world}.json"
+            for world, backend, plans, expandable in memory_worlds(model):
+                def measure(model=model, world=world, backend=backend, plans=plans,
+                            expandable=expandable) -> Any:
+                    suffix = "-expandable" if expandable else ""
+                    partial = args.out_dir / f"memory-{model}-{world}{suffix}.json"
                     try:  # rank 0's rows; ended in time for the time part to run alone
                         return run_world(world, measure_memory, model, sizes[model], plans,
-                                         args.memory_steps, str(partial), backend=backend,
+                                         args.memory_steps, str(partial), expandable,
+                                         backend=backend,
                                          timeout_s=max(10.0, left() - args.time_reserve_s),
                                          collective_timeout_s=300.0)[0]
                     except OSDPError as exc:  # the plans measured before it failed
                         rows = json.loads(partial.read_text()) if partial.exists() else []
                         return rows + [{"model": model, "world": world, "plan": "(rest)",
                                         "error": str(exc).splitlines()[0][:300]}]
-                threads.append(_in_thread(report, f"memory {model} world {world} ({backend})",
-                                          measure))
+                allocator = ", expandable_segments" if expandable else ""
+                threads.append(_in_thread(
+                    report, f"memory {model} world {world} ({backend}{allocator})", measure))
     # the time part runs alone on the GPU: after the others, within what is left
     for thread in threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic() - args.time_reserve_s))
@@ -587,23 +740,37 @@ def _pct(e: float | None) -> str:
     return "" if e is None else f"{e:+.1%}"
 
 
+def _allocator(r: dict[str, Any]) -> str:
+    """The allocator setting a row ran with, and why the setting asked for failed, if it did."""
+    text = r.get("allocator", "")
+    return f"{text} ({r['allocator_error']})" if r.get("allocator_error") else text
+
+
 def memory_table(rows: list[dict[str, Any]]) -> str:
+    """Per plan: predicted against ``max_memory_allocated``, then ``max_memory_reserved``
+    against the prediction (steps 2+) and against the plan's memory limit (the larger of step
+    1's and steps 2+'s; blank where the plan has no limit)."""
     lines = ["| model | world | plan | strategies | step 1 pred / meas (MiB) | err | steps 2+ "
-             "pred / meas (MiB) | err | reserved (MiB) | reserved / pred | compile (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pred / meas (MiB) | err | reserved steps 2+ (MiB) | reserved / pred | "
+             "reserved max (MiB) | limit (MiB) | reserved <= limit | allocator | compile (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['world']} | {r['plan']} | {r['error']} "
-                         "||||||||")
+                         f"|||||||||| {_allocator(r)} ||")
             continue
         e1 = _err(r["predicted_first"], r["measured_first"])
         e2 = _err(r["predicted_steady"], r["measured_steady"])
         margin = r["reserved_steady"] / r["predicted_steady"] - 1 if r["predicted_steady"] else 0
+        reserved_max = max(r.get("reserved_first", 0), r["reserved_steady"])
+        limit = f"{r['limit'] / MiB:.0f}" if r.get("limit") is not None else ""
+        within = {True: "yes", False: "NO", None: ""}[r.get("reserved_within_limit")]
         lines.append(
             f"| {r['model']} | {r['world']} | {r['plan']} | {_counts(r['strategies'])} | "
             f"{(r['predicted_first'] or 0) / MiB:.0f} / {r['measured_first'] / MiB:.0f} | "
             f"{_pct(e1)} | {r['predicted_steady'] / MiB:.0f} / {r['measured_steady'] / MiB:.0f} "
             f"| {_pct(e2)} | {r['reserved_steady'] / MiB:.0f} | {margin:+.1%} | "
+            f"{reserved_max / MiB:.0f} | {limit} | {within} | {_allocator(r)} | "
             f"{r['compile_s']:.0f} |")
     return "\n".join(lines)
 
@@ -626,6 +793,20 @@ def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
         lines.append(f"| {r['system']} | {r['plan']} | {r['step_s'] * 1e3:.1f} | "
                      f"{r['forward_s'] * 1e3:.1f} / {r['backward_s'] * 1e3:.1f} / "
                      f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {accuracy} | {ratio} |")
+    return "\n".join(lines)
+
+
+def host_table(rows: list[dict[str, Any]]) -> str:
+    """Each system's host time per step by category (:func:`host_profile`), in ms."""
+    lines = ["| system | plan | " + " | ".join(HOST_CATEGORIES) + " |",
+             "|---|---|" + "---|" * len(HOST_CATEGORIES)]
+    for r in rows:
+        host = r.get("host_s") or {"error": "not measured"}
+        if "error" in host:
+            cells = [host["error"]] + [""] * (len(HOST_CATEGORIES) - 1)
+        else:
+            cells = [f"{host[c] * 1e3:.1f}" for c in HOST_CATEGORIES]
+        lines.append(f"| {r['system']} | {r['plan']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -665,6 +846,12 @@ def markdown(data: dict[str, Any]) -> str:
                         value[key], {"replicate": "DDP (autocast bf16)",
                                      "full_shard": "FSDP2 (bf16)",
                                      BLOCK_BUCKETS: "FSDP2 (bf16)"}), ""]
+                    if not _part(value[key]) and any("host_s" in r for r in value[key]):
+                        text += ["#### Host time per step by category (ms)", "",
+                                 "torch.profiler, CPU activity, 3 steps after the timed rounds: "
+                                 "each event's self time; other ops include the wait in the "
+                                 "device synchronize after each step.", "",
+                                 host_table(value[key]), ""]
     return "\n".join(text)
 
 
@@ -699,10 +886,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for k, v in parts.items() if k.startswith("parity")
               for r in (v["value"] if isinstance(v["value"], list) else [v["value"]])
               if not r.get("ok")]
-    off = memory_off([r for k, v in parts.items() if k.startswith("memory")
-                      and isinstance(v["value"], list) for r in v["value"]])
-    print(f"parity failures: {len(failed)}; predicted peaks outside {MEMORY_BOUNDS}: {len(off)}")
-    return 1 if failed or off else 0
+    memory_rows = [r for k, v in parts.items() if k.startswith("memory")
+                   and isinstance(v["value"], list) for r in v["value"]]
+    off = memory_off(memory_rows)
+    over = reserved_over_limit(memory_rows)
+    print(f"parity failures: {len(failed)}; predicted peaks outside {MEMORY_BOUNDS}: {len(off)}; "
+          f"reserved above the memory limit: {len(over)}")
+    return 1 if failed or off or over else 0
 
 
 if __name__ == "__main__":

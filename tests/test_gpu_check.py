@@ -35,11 +35,17 @@ def test_compare_flags_loss_and_parameter_differences():
         "ok": False, "error": "no plan fits"}
 
 
-def _memory_row(predicted: int, measured: int, first: tuple[int, int] | None = None) -> dict:
+def _memory_row(predicted: int, measured: int, first: tuple[int, int] | None = None, *,
+                reserved: int | None = None, limit: int | None = None,
+                allocator: str = "default") -> dict:
     p1, m1 = first or (predicted, measured)
+    reserved = measured if reserved is None else reserved
     return {"model": "gpt", "world": 1, "plan": "full_shard", "strategies": {"full_shard": 2},
             "predicted_first": p1, "measured_first": m1, "predicted_steady": predicted,
-            "measured_steady": measured, "reserved_steady": measured, "compile_s": 1.0}
+            "measured_steady": measured, "reserved_first": reserved, "reserved_steady": reserved,
+            "limit": limit,
+            "reserved_within_limit": None if limit is None else reserved <= limit,
+            "allocator": allocator, "compile_s": 1.0}
 
 
 def test_memory_promise_is_minus_ten_to_plus_five_percent_from_the_first_step():
@@ -47,6 +53,88 @@ def test_memory_promise_is_minus_ten_to_plus_five_percent_from_the_first_step():
     above, below = _memory_row(106, 100), _memory_row(100, 100, first=(89, 100))
     assert gpu_check.memory_off(inside + [above, below, {"error": "x"}]) == [above, below]
     assert gpu_check.memory_off([_memory_row(100, 0)]) == []  # the CPU dry run measures 0
+
+
+def test_reserved_above_the_limit_is_reported_and_counted():
+    mib = gpu_check.MiB
+    over = _memory_row(100 * mib, 100 * mib, reserved=130 * mib, limit=120 * mib,
+                       allocator="expandable_segments")
+    under = _memory_row(100 * mib, 100 * mib, reserved=110 * mib, limit=120 * mib)
+    no_limit = _memory_row(100 * mib, 100 * mib, reserved=130 * mib)
+    rows = [over, under, no_limit, {"model": "gpt", "world": 1, "plan": "x", "error": "y"}]
+    assert gpu_check.reserved_over_limit(rows) == [over]
+    assert gpu_check.memory_off(rows) == []  # predicted against allocated: unchanged
+    lines = gpu_check.memory_table(rows).splitlines()
+    cells = [[c.strip() for c in line[1:-1].split("|")] for line in lines]
+    header = cells[0]
+    assert all(len(row) == len(header) for row in cells)
+    column = {name: header.index(name) for name in (
+        "reserved max (MiB)", "limit (MiB)", "reserved <= limit", "allocator")}
+    over_cells, under_cells, no_limit_cells = cells[2], cells[3], cells[4]
+    assert [over_cells[column[k]] for k in column] == ["130", "120", "NO", "expandable_segments"]
+    assert [under_cells[column[k]] for k in column] == ["110", "120", "yes", "default"]
+    assert [no_limit_cells[column[k]] for k in column] == ["130", "", "", "default"]
+
+
+def test_reserved_above_the_limit_makes_main_fail(monkeypatch, tmp_path, capsys):
+    over = _memory_row(100, 100, reserved=130, limit=120)
+    report = gpu_check.Report(tmp_path, "test device")
+    report.add("memory gpt world 1 (nccl)", [over], 1.0)
+    monkeypatch.setattr(gpu_check, "run", lambda args: report)
+    assert gpu_check.main(["--cpu", "--out-dir", str(tmp_path)]) == 1
+    assert "reserved above the memory limit: 1" in capsys.readouterr().out
+    report.data["parts"]["memory gpt world 1 (nccl)"]["value"] = [
+        _memory_row(100, 100, reserved=110, limit=120)]
+    assert gpu_check.main(["--cpu", "--out-dir", str(tmp_path)]) == 0
+
+
+def test_binding_plan_is_searched_at_replicates_predicted_peak():
+    assert gpu_check._plan_arg("binding", {"replicate": 1000, "full_shard": 600}) == {
+        "plan": None, "memory_limit": 1000}
+    with pytest.raises(gpu_check.OSDPError):
+        gpu_check._plan_arg("binding", {})
+
+
+def test_host_profile_splits_a_cpu_step_into_categories():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+
+    def step() -> None:
+        layer(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    host = gpu_check.host_profile(step, steps=3)
+    assert set(host) == set(gpu_check.HOST_CATEGORIES)
+    assert all(v >= 0.0 for v in host.values()), host
+    assert host["step wall"] > 0.0
+    parts = sum(v for k, v in host.items() if k != "step wall")
+    assert parts <= host["step wall"] * 1.1, host  # self times are exclusive
+    assert host["compute"] > 0.0 and host["autograd"] > 0.0, host
+
+
+def test_host_categories_by_event_name():
+    category = gpu_check.host_category
+    assert category("c10d::allreduce_") == category("nccl:all_gather") == "collectives"
+    assert category("aten::_foreach_copy_") == category("aten::_to_copy") == "copies and casts"
+    assert category("aten::view") == category("aten::t") == "views"
+    assert category("aten::_foreach_add_") == category("Optimizer.step#SGD.step") == "optimizer"
+    assert category("autograd::engine::evaluate_function: MmBackward0") == "autograd"
+    assert category("torch::autograd::AccumulateGrad") == "autograd"
+    assert category("aten::mm") == "compute"
+    assert category("DistributedDataParallel.forward") == "other ops"
+
+
+def test_host_table_has_a_column_per_category():
+    host = dict.fromkeys(gpu_check.HOST_CATEGORIES, 0.001)
+    rows = [{"system": "DDP (autocast bf16)", "plan": "-", "host_s": host},
+            {"system": "osdp-fx (bf16)", "plan": "replicate", "host_s": {"error": "boom"}}]
+    lines = gpu_check.host_table(rows).splitlines()
+    assert lines[0].startswith("| system | plan | step wall | python and dispatch outside ops")
+    assert lines[2] == "| DDP (autocast bf16) | - | " + " | ".join(["1.0"] * 9) + " |"
+    assert "| osdp-fx (bf16) | replicate | boom |" in lines[3]
 
 
 def test_report_keeps_the_parts_that_ran_beside_one_that_failed(tmp_path):
