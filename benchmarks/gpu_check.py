@@ -280,14 +280,16 @@ def compare(results: list[dict[str, Any]], ref: dict[str, Any], tol: dict[str, t
         loss_diff = (mean - expected).abs().max().item()
         (la, lr_), (pa, pr) = tol["loss"], tol["param"]
         loss_ok = bool(((mean - expected).abs() <= la + lr_ * expected.abs()).all())
-        param_diff, param_ok = 0.0, True
+        param_diff, param_ok, worst = 0.0, True, ""
         for r in per_rank:
             for key, value in ref["state"].items():
                 d = (r["state"][key].float() - value.float()).abs()
-                param_diff = max(param_diff, d.max().item())
+                if d.max().item() > param_diff:
+                    param_diff, worst = d.max().item(), key
                 param_ok &= bool((d <= pa + pr * value.float().abs()).all())
         rows[plan] = {"ok": loss_ok and param_ok, "loss_diff": loss_diff,
-                      "param_diff": param_diff, "strategies": per_rank[0]["strategies"]}
+                      "param_diff": param_diff, "worst_param": worst,
+                      "strategies": per_rank[0]["strategies"]}
     return rows
 
 
@@ -296,12 +298,13 @@ PARITY_CASES = ([(m, mp) for m in ("gpt", "llama") for mp in (None, "bf16")]
                 + [(m, "bf16") for m in HF_FAMILIES])
 
 
-def parity_world(world: int, backend: str, timeout_s: float) -> list[dict[str, Any]]:
-    """Every case of :data:`PARITY_CASES` in one world, against single-process training."""
-    results = run_world(world, train_cases, PARITY_CASES, *PARITY_ARGS, backend=backend,
+def parity_world(world: int, backend: str, timeout_s: float,
+                 cases: list[tuple[str, str | None]] = PARITY_CASES) -> list[dict[str, Any]]:
+    """Every case of ``cases`` in one world, against single-process training."""
+    results = run_world(world, train_cases, cases, *PARITY_ARGS, backend=backend,
                         timeout_s=timeout_s, collective_timeout_s=min(300.0, timeout_s))
     rows = []
-    for model, mp in PARITY_CASES:
+    for model, mp in cases:
         per_rank = [r[f"{model}/{mp}"] for r in results]
         base = {"model": model, "precision": mp or "fp32", "world": world, "backend": backend}
         if "error" in per_rank[0]:
@@ -324,15 +327,17 @@ def memory_sizes(cpu: bool) -> dict[str, dict[str, int]]:
             "lora": dict(dim=1024, depth=24, seq=1024, vocab=32000, heads=16, batch=4)}
 
 
-def memory_worlds(model: str) -> list[tuple[int, str, list[str], bool]]:
+def memory_worlds(model: str, sizes: tuple[int, ...] = (1, 2),
+                  expandable: tuple[str, ...] = ("gpt", "lora"),
+                  ) -> list[tuple[int, str, list[str], bool]]:
     """The memory part's worlds for ``model``: (world size, backend, plans, expandable
-    segments), each run in processes of its own. The GPT also runs world 1 with the caching
-    allocator's ``expandable_segments``."""
+    segments), each run in processes of its own, of world sizes ``sizes``; the models of
+    ``expandable`` also run world 1 with the caching allocator's ``expandable_segments``."""
     worlds = [(1, nccl(), ["replicate", "full_shard", "binding"], False),
               (2, "gloo", ["replicate", "full_shard", "searched", "binding"], False)]
-    if model == "gpt":
+    if model in expandable:
         worlds.append((1, nccl(), ["replicate", "full_shard", "binding"], True))
-    return worlds
+    return [w for w in worlds if w[0] in sizes]
 
 
 def measure_memory(rank: int, world: int, model: str, size: dict[str, int], plans: list[str],
@@ -670,14 +675,21 @@ def run(args: argparse.Namespace) -> Report:
         return max(10.0, deadline - time.monotonic())
 
     threads = []
+    worlds = tuple(int(w) for w in args.worlds.split(","))
     if not args.skip_parity:
+        cases = [c for c in PARITY_CASES
+                 if args.parity_models is None or c[0] in args.parity_models.split(",")]
         for world, backend in ((1, nccl()), (2, "gloo")):
+            if world not in worlds:
+                continue
             threads.append(_in_thread(report, f"parity world {world} ({backend})",
                                       lambda w=world, b=backend: parity_world(
-                                          w, b, max(10.0, left() - args.time_reserve_s))))
+                                          w, b, max(10.0, left() - args.time_reserve_s),
+                                          cases)))
     if not args.skip_memory:
         for model in args.memory_models.split(","):
-            for world, backend, plans, expandable in memory_worlds(model):
+            for world, backend, plans, expandable in memory_worlds(
+                    model, worlds, tuple(args.expandable_models.split(","))):
                 def measure(model=model, world=world, backend=backend, plans=plans,
                             expandable=expandable) -> Any:
                     suffix = "-expandable" if expandable else ""
@@ -728,8 +740,13 @@ def parity_table(rows: list[dict[str, Any]]) -> str:
             continue
         lines.append(f"| {r['model']} | {r['precision']} | {r['world']} ({r['backend']}) | "
                      f"{r['plan']} | {_counts(r['strategies'])} | {r['loss_diff']:.1e} | "
-                     f"{r['param_diff']:.1e} | {'yes' if r['ok'] else 'NO'} |")
+                     f"{r['param_diff']:.1e}{_worst(r)} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def _worst(row: dict[str, Any]) -> str:
+    """The parameter of the largest difference, where a parity row fails."""
+    return f" ({row['worst_param']})" if not row["ok"] and row.get("worst_param") else ""
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -870,6 +887,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--memory-steps", type=int, default=5)
+    parser.add_argument("--worlds", default="1,2",
+                        help="the world sizes of the parity and memory parts (comma-separated)")
+    parser.add_argument("--parity-models", default=None,
+                        help="the parity part's models (comma-separated; default: all)")
+    parser.add_argument("--expandable-models", default="gpt,lora",
+                        help="the memory models also run at world 1 under expandable_segments")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--cpu", action="store_true",

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.devices import OPTIMIZERS, Devices, device_memory_bytes
-from ..core.presets import GPU_MEMORY_MARGIN
+from ..core.presets import GPU_MEMORY_MARGIN, GPU_MEMORY_MARGIN_EXPANDABLE
 from ..core.strategies import COLLECTIVES
 from ..cost_models.communication import CollectiveSample, Link, fit_link, network_link
 from ..errors import InputError
@@ -49,6 +49,26 @@ when its storage is, with nothing cached, so what a step holds is what a storage
 which is what the memory model predicts: equal or above on every plan measured so far (the
 architectures of ``tests/distributed/test_zoo.py`` and the plans of ``benchmarks/optimality.py``,
 ``docs/cost-models.md``). A margin would only keep plans slower than the limit allows."""
+
+
+def expandable_segments() -> bool:
+    """Whether the caching allocator of this process runs with ``expandable_segments:True``
+    (set through ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``, or at run time)."""
+    import os
+
+    import torch
+
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    settings = get() if get is not None else ""
+    settings = settings or os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF", "")
+    return "expandable_segments:true" in settings.replace(" ", "").lower()
+
+
+def allocator_margin() -> float:
+    """``Devices.memory_margin`` for a GPU under this process's caching allocator settings
+    ([Note: the allocator's margin] in ``core/presets.py``)."""
+    return GPU_MEMORY_MARGIN_EXPANDABLE if expandable_segments() else GPU_MEMORY_MARGIN
 
 
 def detect_devices(
@@ -134,7 +154,7 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
         source="detected", **figures,
-        memory_margin=CPU_MEMORY_MARGIN if device.type == "cpu" else GPU_MEMORY_MARGIN,
+        memory_margin=CPU_MEMORY_MARGIN if device.type == "cpu" else allocator_margin(),
         reduce_scatter_copies_input=distributed and process_group_copies_input(group),
         host_overlaps_device=device.type == "cuda",
     )

@@ -156,7 +156,8 @@ class StepContext:
             # the re-gathers (parameters or buckets) saved just before this one: prefetched,
             # but for a recomputed region's, which start when it is recomputed
             units = [id(g.bucket or g)]
-            for earlier in self._saved[:self._index[key]][::-1]:
+            for index in range(self._index[key] - 1, -1, -1):
+                earlier = self._saved[index]
                 if id(earlier.shard) in self._groups:
                     continue
                 if id(earlier.bucket or earlier) not in units:

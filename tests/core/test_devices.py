@@ -56,7 +56,7 @@ def test_json_errors_name_the_problem(tmp_path: Path) -> None:
 
 def test_memory_margin_is_a_share_of_the_limit(tmp_path: Path) -> None:
     assert Devices().memory_margin == 0.03
-    assert Devices.preset("a100-sxm-40gb-8x").memory_margin == GPU_MEMORY_MARGIN == 0.10
+    assert Devices.preset("a100-sxm-40gb-8x").memory_margin == GPU_MEMORY_MARGIN == 0.12
     devices = Devices(memory_margin=0.1)
     devices.to_json(tmp_path / "devices.json")
     assert Devices.from_json(tmp_path / "devices.json").memory_margin == 0.1

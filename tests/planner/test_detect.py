@@ -108,3 +108,19 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert nodes.inter_node_bandwidth_bytes_per_s != defaults.inter_node_bandwidth_bytes_per_s
     assert [getattr(nodes, f) for f in intra] == [getattr(defaults, f) for f in intra]
     assert all(key.startswith("inter_node.") for key in nodes.collective_links)
+
+
+def test_the_gpu_margin_follows_the_caching_allocators_setting(monkeypatch):
+    """expandable_segments:True (here through PYTORCH_CUDA_ALLOC_CONF, read when the allocator
+    reports no settings of its own) fragments less: the search keeps a smaller margin."""
+    from osdp_fx.core.presets import GPU_MEMORY_MARGIN, GPU_MEMORY_MARGIN_EXPANDABLE
+    from osdp_fx.planner.detect import allocator_margin, expandable_segments
+
+    if torch._C._accelerator_getAllocatorSettings():
+        pytest.skip("this process set its allocator's settings at run time")
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert not expandable_segments() and allocator_margin() == GPU_MEMORY_MARGIN
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True")
+    assert expandable_segments() and allocator_margin() == GPU_MEMORY_MARGIN_EXPANDABLE
+    assert GPU_MEMORY_MARGIN_EXPANDABLE < GPU_MEMORY_MARGIN
