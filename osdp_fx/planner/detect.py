@@ -173,9 +173,9 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
     def timer(fn: Callable[[], object]) -> float:
         return _median_time_s(fn, device, barrier=barrier)
 
-    param_s = param_host_times(timer, world_size=world_size, rank=rank)
+    param_s = param_host_times(timer, world_size=world_size, rank=rank, device=device)
     optimizer_s = sharded_optimizer_tensor_times(timer, tuple(optimizers), _optimizer,
-                                                 world_size=world_size, rank=rank)
+                                                 world_size=world_size, rank=rank, device=device)
     slowest = _all_reduce_floats([*param_s.values(), *optimizer_s], "max", None, device,
                                  distributed)
     return {"param_host_time_s": dict(zip(param_s, slowest[:len(param_s)])),

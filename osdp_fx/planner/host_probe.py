@@ -36,14 +36,16 @@ and take its figure (their two-level collectives' time is their links')."""
 
 
 def param_host_times(timer: Callable[[Callable[[], object]], float], *, world_size: int,
-                     rank: int) -> dict[str, float]:
+                     rank: int, device: Any = "cpu") -> dict[str, float]:
     """Host seconds per parameter per step of the runtime under each strategy (module
     docstring), over the default process group (or one process without one). ``timer(fn)``
-    gives ``fn``'s time as ``detect_devices`` takes it (on every rank together)."""
-    plain = _slope(timer, lambda k: _plain_step(k))
+    gives ``fn``'s time as ``detect_devices`` takes it (on every rank together); the chain's
+    tensors are on ``device``, where the runtime's are."""
+    plain = _slope(timer, lambda k: _plain_step(k, device))
     times = {}
     for strategy in _MEASURED:
-        step = _slope(timer, lambda k, s=strategy: _runtime_step(s, k, world_size, rank))
+        step = _slope(timer, lambda k, s=strategy: _runtime_step(s, k, world_size, rank,
+                                                                  device))
         times[strategy.value] = max(0.0, step - plain)
     for strategy in Strategy:
         times.setdefault(strategy.value, times[Strategy.FULL_SHARD.value])
@@ -53,9 +55,11 @@ def param_host_times(timer: Callable[[Callable[[], object]], float], *, world_si
 def sharded_optimizer_tensor_times(
     timer: Callable[[Callable[[], object]], float], optimizers: tuple[str, ...],
     make_optimizer: Callable[[str, list[Any]], Any], *, world_size: int, rank: int,
+    device: Any = "cpu",
 ) -> list[float]:
-    """Per optimizer kind, the step time per tensor over 64 small sharded parameters (DTensors,
-    as the compiled module hands them to the optimizer)."""
+    """Per optimizer kind, the step time per tensor over 64 small sharded parameters (DTensors
+    on ``device``, as the compiled module hands them to the optimizer: on a GPU its default
+    foreach step)."""
     import torch
 
     from ..runtime.params import make_shard
@@ -64,7 +68,8 @@ def sharded_optimizer_tensor_times(
     side = PROBE_SIDE
     times = []
     for kind in optimizers:
-        params = [as_dtensor(make_shard(torch.nn.Parameter(torch.randn(side, side)),
+        params = [as_dtensor(make_shard(torch.nn.Parameter(torch.randn(side, side,
+                                                                       device=device)),
                                         world_size=world_size, rank=rank),
                              (side, side), Strategy.FULL_SHARD.value, world_size=world_size,
                              ranks_per_node=None, rank=rank)
@@ -91,11 +96,12 @@ def _slope(timer: Callable[[Callable[[], object]], float],
                              for _ in range(PROBE_REPEATS))
 
 
-def _plain_step(k: int) -> Callable[[], object]:
+def _plain_step(k: int, device: Any) -> Callable[[], object]:
     import torch
 
-    weights = [torch.nn.Parameter(torch.randn(PROBE_SIDE, PROBE_SIDE)) for _ in range(k)]
-    x = torch.randn(4, PROBE_SIDE)
+    weights = [torch.nn.Parameter(torch.randn(PROBE_SIDE, PROBE_SIDE, device=device))
+               for _ in range(k)]
+    x = torch.randn(4, PROBE_SIDE, device=device)
 
     def step() -> None:
         y = x
@@ -108,8 +114,8 @@ def _plain_step(k: int) -> Callable[[], object]:
     return step
 
 
-def _runtime_step(strategy: Strategy, k: int, world_size: int,
-                  rank: int) -> Callable[[], object]:
+def _runtime_step(strategy: Strategy, k: int, world_size: int, rank: int,
+                  device: Any) -> Callable[[], object]:
     """One forward and backward of the probe's chain as a compiled module runs it under
     ``strategy`` (gradients set to None after each, as ``zero_grad()`` does)."""
     import torch
@@ -127,7 +133,7 @@ def _runtime_step(strategy: Strategy, k: int, world_size: int,
     from ..runtime.sharded import as_dtensor
 
     side, shape = PROBE_SIDE, (PROBE_SIDE, PROBE_SIDE)
-    fulls = [torch.nn.Parameter(torch.randn(shape)) for _ in range(k)]
+    fulls = [torch.nn.Parameter(torch.randn(shape, device=device)) for _ in range(k)]
     t = traits(strategy)
     if t.sharded:
         params = [as_dtensor(make_shard(f, world_size=world_size, rank=rank), shape,
@@ -140,7 +146,7 @@ def _runtime_step(strategy: Strategy, k: int, world_size: int,
     runtime = ModuleRuntime(
         GradSync(GradReducer(replicated, WORLD), GradReduceScatters(held=held), held),
         regather=t.freed_after_forward, prefetch=1)
-    x = torch.randn(4, side)
+    x = torch.randn(4, side, device=device)
 
     def step() -> None:
         with runtime.forward() as scope:
