@@ -25,10 +25,11 @@ from .errors import (
 from .module import OSDPModule
 from .plan.plan import Plan
 from .planner.detect import detect_devices
+from .training.adapters import save_peft_adapters
 from .training.checkpoint import load_checkpoint, save_checkpoint
 from .training.clip import clip_grad_norm_
 
 __all__ = ["compile_osdp", "clip_grad_norm_", "detect_devices", "Devices", "MixedPrecision", "OSDPModule", "Plan",
-           "load_checkpoint", "save_checkpoint", "OSDPError", "CaptureError", "CheckpointError",
+           "load_checkpoint", "save_checkpoint", "save_peft_adapters", "OSDPError", "CaptureError", "CheckpointError",
            "CollectiveError", "InputError", "PlanError", "PlanMismatchError"]
 __version__ = VERSION

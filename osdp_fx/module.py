@@ -240,16 +240,19 @@ class OSDPModule(nn.Module):
                     table.load(part, piece)
         return _IncompatibleKeys(missing, unexpected)
 
-    def full_state_dict(self, *, rank0_only: bool = False,
-                        cpu_offload: bool = False) -> OrderedDict[str, torch.Tensor]:
+    def full_state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = False,
+                        ignore_frozen_params: bool = False) -> OrderedDict[str, torch.Tensor]:
         """Full tensors under exactly the keys of the original ``model.state_dict()``, loadable
         into the original, unwrapped model class.
 
         Collective: every rank must call it (``state_dict()`` is the local one). Tied
         parameters are one tensor under each name. ``rank0_only``: other ranks return an empty
         dict (they still take part in the gathers). ``cpu_offload``: the tensors are moved to
-        the CPU one by one as they are gathered. Called on some ranks only, it raises
-        ``CollectiveError`` on those within the process group's timeout.
+        the CPU one by one as they are gathered. ``ignore_frozen_params``: only the parameters
+        that require grad (a LoRA model's adapters), no frozen parameter and no buffer, so that
+        the frozen base is never gathered (as torch's ``StateDictOptions`` of the same name).
+        Called on some ranks only, it raises ``CollectiveError`` on those within the process
+        group's timeout.
         """
         table = self._table
         keep = not rank0_only or group_rank(WORLD) == 0
@@ -258,6 +261,8 @@ class OSDPModule(nn.Module):
         with every_rank("full_state_dict()", _FIX_FULL):
             for key in table.state_keys:
                 canon = table.alias_to_name.get(key)
+                if ignore_frozen_params and (canon is None or not self._requires_grad(canon)):
+                    continue
                 if canon is None:
                     value = table.buffer(key).detach().clone()
                 else:
@@ -269,6 +274,9 @@ class OSDPModule(nn.Module):
                 if keep:
                     out[key] = value.cpu() if cpu_offload else value
         return out
+
+    def _requires_grad(self, name: str) -> bool:
+        return self._table.local(self._table.parts(name)[0]).requires_grad
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Full averaged gradients by canonical parameter name (collective; for inspection)."""

@@ -197,3 +197,29 @@ def test_peft_adapters_alone_save_and_load_under_another_plan(worlds, tmp_path):
         # under full_shard: 1/N of the model, plus the adapters, plus padding, at most
         assert r["held_bytes"] <= (r["model_bytes"] / len(results) + r["adapter_bytes"]
                                    + r["padding_bytes"]), r
+
+
+def test_peft_adapters_exported_from_a_sharded_run_load_with_peft(worlds, tmp_path):
+    """Adapters trained at world 2 under full_shard, written by save_peft_adapters, load with
+    peft's PeftModel.from_pretrained in this process onto a fresh base and give the compiled
+    model's logits; the export gathers the adapters alone."""
+    from harness.models import batches, build
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    path = tmp_path / "adapters"
+    results = worlds(2).run(frozen_cases.peft_adapters_export, path=str(path), timeout_s=600)
+    r = results[0]
+    assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert r["adapters"] and all("lora_" in k for k in r["adapters"]), list(r["adapters"])
+    assert len(r["adapters"]) < r["all_keys"]
+    saved = load_file(path / "adapter_model.safetensors")
+    assert len(saved) == len(r["adapters"]) and all(".default." not in k for k in saved)
+    loaded = PeftModel.from_pretrained(build("hf_llama")[0], path).eval()
+    state = loaded.state_dict()
+    for key, value in r["adapters"].items():  # as trained, bitwise
+        assert torch.equal(state[key], value), key
+    with torch.no_grad():
+        logits = loaded(batches("hf_llama", global_batch=4, steps=3)[2][0]).logits
+    for rank_result in results:
+        torch.testing.assert_close(rank_result["logits"], logits, atol=1e-5, rtol=0)

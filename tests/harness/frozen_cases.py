@@ -333,3 +333,36 @@ def peft_adapters_reload(rank: int, world: int, *, path: str, lr: float = 1e-3
             "loaded": loaded, "initial": initial.state_dict(), "held_bytes": held,
             "padding_bytes": padded, "model_bytes": sum(b for b, _ in sizes),
             "adapter_bytes": sum(b for b, t in sizes if t)}
+
+
+def peft_adapters_export(rank: int, world: int, *, path: str, lr: float = 0.05
+                         ) -> dict[str, Any]:
+    """peft's LoRA on a float32 Hugging Face Llama trained two SGD steps under full_shard, its
+    adapters written in peft's format (``save_peft_adapters``); the compiled model's logits on a
+    batch every rank sees, and the adapters as trained."""
+    from peft import LoraConfig, get_peft_model
+
+    from osdp_fx import save_peft_adapters
+
+    from .models import batches as model_batches
+    from .models import build as build_model
+    from .models import local as local_batch
+
+    batches = model_batches("hf_llama", global_batch=2 * world, steps=3)
+    peft_model = get_peft_model(build_model("hf_llama")[0], LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False))
+    compiled = compile_osdp(peft_model, local_batch(batches[0], rank, world)[:1],
+                            plan="full_shard")
+    opt = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=lr)
+    for batch in batches[:2]:
+        x = local_batch(batch, rank, world)[0]
+        F.cross_entropy(compiled(x).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    save_peft_adapters(compiled, peft_model, path)
+    with torch.no_grad():
+        logits = compiled(batches[2][0]).logits
+    return {"logits": logits, "files": sorted(os.listdir(path)),
+            "adapters": compiled.full_state_dict(ignore_frozen_params=True),
+            "all_keys": len(compiled.full_state_dict())}
