@@ -118,3 +118,15 @@ def test_llama_shapes_have_the_published_parameter_counts(factory, parameters):
     assert sum(p.numel() for p in model.parameters()) == parameters
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert tuple(ids.shape) == (1, 2048)
+
+
+def test_finetune_qlora_trains_a_4bit_base_at_world_2_and_saves_peft_adapters(tmp_path):
+    """bitsandbytes nf4 through from_pretrained, peft LoRA, full_shard on 2 ranks; the saved
+    adapters, loaded with peft onto a fresh 4-bit base, give the compiled model's loss."""
+    out = tmp_path / "adapters"
+    log = torchrun("finetune_qlora.py", "--steps", "3", "--out", str(out), cwd=tmp_path)
+    assert sorted(losses(log)) == [0, 1, 2]
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    found = re.search(r"eval loss compiled (\S+) reloaded with peft (\S+)", log)
+    assert found, log[-3000:]
+    assert float(found[1]) == pytest.approx(float(found[2]), rel=1e-3)
