@@ -85,9 +85,14 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def padded_numel(t: torch.Tensor) -> int:
-    """Elements of the padded flat chunk behind ``t`` (a DTensor: of its global shape)."""
+    """Elements of the padded flat chunk behind ``t`` (a DTensor: of its global shape). A
+    parameter :func:`as_dtensor` made carries it (the runtime asks several times per parameter
+    and step, and a DTensor's spec takes microseconds to count its shards)."""
     if not is_dtensor(t):
         return t.numel()
+    known = t.__dict__.get(_PADDED)
+    if known is not None:
+        return known
     chunks = t._spec.num_shards  # type: ignore[attr-defined]
     return shard_numel(t.numel(), chunks, row_numel(tuple(t.shape)))
 
@@ -143,9 +148,15 @@ def as_dtensor(flat: torch.Tensor, shape: tuple[int, ...], strategy: str, *, wor
                                        ranks_per_node=ranks_per_node,
                                        device_type=data.device.type)
     strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return nn.Parameter(DTensor.from_local(local, mesh, placements, shape=torch.Size(shape),
-                                           stride=strides, run_check=False),
-                        requires_grad=requires_grad)
+    param = nn.Parameter(DTensor.from_local(local, mesh, placements, shape=torch.Size(shape),
+                                            stride=strides, run_check=False),
+                         requires_grad=requires_grad)
+    setattr(param, _PADDED, data.numel())
+    return param
+
+
+_PADDED = "_osdp_padded_numel"
+"""The attribute of a parameter :func:`as_dtensor` made that holds :func:`padded_numel`."""
 
 
 def as_replicated(param: nn.Parameter, *, world_size: int) -> nn.Parameter:
