@@ -293,3 +293,16 @@ def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None
                 devices, plan, proc.stdout)
     summary = json.loads(lines[-1])
     assert summary["cases"] == 2 * len(plans)
+
+
+def test_host_time_probe_prints_a_row_per_repeat_and_the_median() -> None:
+    """benchmarks/host_time.py, one repeat at world 1: the runtime's host time per parameter
+    under each strategy, non-negative."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_time.py"), "--repeats", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| 1 |") or line.startswith("| median |")]
+    assert len(rows) == 2, proc.stdout
+    assert all(float(cell) >= 0 for row in rows for cell in row[1:]), rows
