@@ -143,7 +143,8 @@ def test_bad_input_raises_osdp_error(tmp_path, name):
 
 
 def test_a_tensor_subclass_parameter_is_refused_with_the_packed_form_as_fix():
-    """torchao's NF4Tensor (QLoRA's 4-bit weight) captures, but osdp-fx cannot shard it."""
+    """torchao's NF4Tensor held by a module of its own (not an nn.Linear's weight, which is
+    taken as it is) captures, but osdp-fx cannot shard it."""
     import warnings
 
     with warnings.catch_warnings():

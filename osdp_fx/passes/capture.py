@@ -41,7 +41,7 @@ from torch import fx, nn
 from ..core.node_meta import NodeRole, set_osdp_meta
 from ..errors import CaptureError, InputError
 from .pipeline import properties
-from .quantized import replace_bnb_linears
+from .quantized import replace_ao_nf4_linears, replace_bnb_linears
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,9 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     ``to``, ...) is replaced by ``device``, where the model's tensors will be materialised.
 
     Every bitsandbytes ``Linear4bit`` (nf4) of ``model`` is first replaced, in place and under
-    its name, by an ``NF4Linear`` (``passes/quantized.py``): the user's model holds the
-    NF4Linears afterwards, and still runs eagerly with the same outputs.
+    its name, by an ``NF4Linear``, and every ``nn.Linear`` whose weight is a torchao
+    ``NF4Tensor`` by an ``AONF4Linear`` (``passes/quantized.py``): the user's model holds them
+    afterwards, and still runs eagerly with the same outputs.
     """
     if not isinstance(model, nn.Module):
         raise InputError(
@@ -149,6 +150,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
             "wrap your function in an nn.Module whose parameters are attributes"
         )
     replace_bnb_linears(model)  # before any forward: bitsandbytes repacks on a no-grad one
+    replace_ao_nf4_linears(model)
     _check_plain_tensors(model)
     on_meta = is_on_meta(model)
     rejection = _rejection(model, example_inputs)
@@ -181,8 +183,9 @@ def unchanged_state(module: nn.Module) -> Iterator[None]:
 
 
 def _check_plain_tensors(model: nn.Module) -> None:
-    """Refuse a parameter or buffer that is a tensor subclass (torchao's ``NF4Tensor``, a
-    ``DTensor``): osdp-fx broadcasts, shards and gathers plain tensors."""
+    """Refuse a parameter or buffer that is a tensor subclass (a ``DTensor``, a torchao
+    ``NF4Tensor`` anywhere but as an ``nn.Linear``'s weight): osdp-fx broadcasts, shards and
+    gathers plain tensors."""
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
             if type(t.data) is not torch.Tensor:
@@ -192,7 +195,8 @@ def _check_plain_tensors(model: nn.Module) -> None:
                     "weight in its packed form as a plain parameter (for example int8 or "
                     "uint8 with requires_grad=False) with its scales beside it, and dequantize "
                     "it in forward: it is then sharded and gathered packed "
-                    "(docs/finetuning.md, 'Quantized weights')")
+                    "(docs/finetuning.md, 'Quantized weights'). A bitsandbytes Linear4bit and "
+                    "an nn.Linear whose weight is a torchao NF4Tensor are taken as they are")
 
 
 def _rejection(model: nn.Module, example_inputs: tuple[Any, ...]) -> InputError | None:

@@ -114,7 +114,65 @@ def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
 
 linear_nf4.register_autograd(_backward, setup_context=_setup_context)
 
-_STORED_DTYPE_OPS = (torch.ops.osdp.linear_nf4.default,)
+
+
+def dequantize_ao_nf4(quantized_data: Tensor, quantized_scalers: Tensor,
+                      quantization_factor: Tensor, scaler_mean: Tensor, nf4: Tensor,
+                      block_size: int, scaler_block_size: int,
+                      shape: tuple[int, int] | list[int]) -> Tensor:
+    """The weight of ``shape`` in the NF4 table's dtype, bitwise equal to torchao's
+    ``NF4Tensor.get_original_weight()``: the codes two a byte (high nibble first) looked up in
+    ``nf4``, each block of ``block_size`` scaled by its scaler, the scalers themselves int8
+    codes of ``scaler - scaler_mean`` in blocks of ``scaler_block_size`` with a factor each."""
+    first = nf4[(quantized_data >> 4).to(torch.long)]
+    second = nf4[(quantized_data & 0b1111).to(torch.long)]
+    blocks = quantized_scalers.numel() // scaler_block_size
+    scalers = (quantized_scalers.view(blocks, scaler_block_size)
+               / quantization_factor.unsqueeze(-1)).flatten().to(nf4.dtype) + scaler_mean
+    repeated = scalers.unsqueeze(-1).expand(scalers.size(0), block_size // 2).flatten()
+    scaled_first = (first * repeated).unsqueeze(-1).transpose(0, 1)
+    scaled_second = (second * repeated).unsqueeze(-1).transpose(0, 1)
+    return torch.stack([scaled_first, scaled_second], dim=-1).reshape(shape)
+
+
+@torch.library.custom_op("osdp::linear_ao_nf4", mutates_args=())
+def linear_ao_nf4(x: Tensor, quantized_data: Tensor, quantized_scalers: Tensor,
+                  quantization_factor: Tensor, scaler_mean: Tensor, nf4: Tensor,
+                  block_size: int, scaler_block_size: int, out_features: int,
+                  in_features: int) -> Tensor:
+    """``F.linear(x, W.to(x.dtype))`` with ``W`` the dequantized torchao NF4 weight, as
+    torchao's ``linear_nf4``."""
+    w = dequantize_ao_nf4(quantized_data, quantized_scalers, quantization_factor, scaler_mean,
+                          nf4, block_size, scaler_block_size, (out_features, in_features))
+    return F.linear(x, w.to(x.dtype))
+
+
+@linear_ao_nf4.register_fake
+def _linear_ao_nf4_fake(x: Tensor, quantized_data: Tensor, quantized_scalers: Tensor,
+                        quantization_factor: Tensor, scaler_mean: Tensor, nf4: Tensor,
+                        block_size: int, scaler_block_size: int, out_features: int,
+                        in_features: int) -> Tensor:
+    torch._check(x.shape[-1] == in_features)
+    torch._check(quantized_data.numel() * 2 == out_features * in_features)
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _ao_setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+    ctx.meta = inputs[6:]
+    # the packed weight and its scalers, not the dequantized weight
+    ctx.save_for_backward(*inputs[1:6])
+
+
+def _ao_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
+    block_size, scaler_block_size, n, k = ctx.meta
+    w = dequantize_ao_nf4(*ctx.saved_tensors, block_size, scaler_block_size, (n, k))
+    grad_x = grad @ w.to(grad.dtype) if ctx.needs_input_grad[0] else None
+    return (grad_x,) + (None,) * 9
+
+
+linear_ao_nf4.register_autograd(_ao_backward, setup_context=_ao_setup_context)
+
+_STORED_DTYPE_OPS = (torch.ops.osdp.linear_nf4.default, torch.ops.osdp.linear_ao_nf4.default)
 
 
 def reads_stored_dtype(node: fx.Node) -> bool:
@@ -209,5 +267,58 @@ def replace_bnb_linears(model: nn.Module) -> int:
             if isinstance(child, linear4bit):
                 full = f"{parent_name}.{name}" if parent_name else name
                 setattr(parent, name, NF4Linear.from_bnb(child, full))
+                count += 1
+    return count
+
+
+class AONF4Linear(nn.Module):
+    """A linear whose weight is a torchao ``NF4Tensor`` as plain frozen parameters (its packed
+    codes ``quantized_data`` uint8, ``quantized_scalers`` int8, ``quantization_factor``,
+    ``scaler_mean`` and the ``nf4`` table in the weight's dtype) and one ``osdp::linear_ao_nf4``
+    call, computing in the input's dtype as torchao's ``linear_nf4`` does; the bias stays
+    outside the op."""
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None = None) -> None:
+        super().__init__()
+        for name in _AO_NF4_TENSORS:
+            setattr(self, name, _frozen(getattr(weight, name)))
+        self.block_size, self.scaler_block_size = weight.block_size, weight.scaler_block_size
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = linear_ao_nf4(x, self.quantized_data, self.quantized_scalers,
+                          self.quantization_factor, self.scaler_mean, self.nf4, self.block_size,
+                          self.scaler_block_size, self.out_features, self.in_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block_size={self.block_size}, scaler_block_size={self.scaler_block_size}")
+
+
+_AO_NF4_TENSORS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean",
+                   "nf4")
+
+
+def is_ao_nf4(t: object) -> bool:
+    """Whether ``t`` is a torchao ``NF4Tensor`` (told without importing torchao)."""
+    cls = type(t)
+    return cls.__name__ == "NF4Tensor" and cls.__module__.startswith("torchao")
+
+
+def replace_ao_nf4_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model`` whose weight is a torchao ``NF4Tensor`` (as
+    ``to_nf4`` makes it, and torchtune's ``FrozenNF4Linear``) by an :class:`AONF4Linear`, in
+    place and under its name; returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and is_ao_nf4(child.weight):
+                if child.weight.dim() != 2:
+                    raise InputError(
+                        f"the NF4Tensor weight of {name!r} has shape {tuple(child.weight.shape)};"
+                        " osdp-fx reads 2-d NF4 linear weights only")
+                setattr(parent, name, AONF4Linear(child.weight, child.bias))
                 count += 1
     return count

@@ -1,7 +1,8 @@
-"""QLoRA (issue 59): a peft LoRA model on a bitsandbytes 4-bit (nf4) base compiles (its
-Linear4bits replaced by NF4Linear), its adapters train like one process on the global batch
-at world 2, and full_shard shards the packed weights and their scales. The NF4 kernel is
-bitwise equal to bitsandbytes'."""
+"""QLoRA (issue 59): a peft LoRA model on a bitsandbytes 4-bit (nf4) base, or on torchao
+``NF4Tensor`` weights, compiles (its Linear4bits replaced by NF4Linear, its NF4 linears by
+AONF4Linear), its adapters train like one process on the global batch at world 2, and
+full_shard shards the packed weights and their scales. Both NF4 kernels are bitwise equal to
+their library's dequantization."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ pytest.importorskip("transformers")
 from harness import qlora_cases  # noqa: E402
 
 from osdp_fx.errors import InputError  # noqa: E402
-from osdp_fx.passes.quantized import NF4Linear, dequantize_nf4, replace_bnb_linears  # noqa: E402
+from osdp_fx.passes.quantized import (  # noqa: E402
+    AONF4Linear,
+    NF4Linear,
+    dequantize_ao_nf4,
+    dequantize_nf4,
+    replace_ao_nf4_linears,
+    replace_bnb_linears,
+)
 
 PLANS = ("full_shard", "replicate")
 
@@ -75,9 +83,35 @@ def test_fp4_and_a_cpu_repacked_weight_are_refused_with_the_fix():
         replace_bnb_linears(torch.nn.Sequential(q))
 
 
-@pytest.fixture(scope="module")
-def trained(worlds):
-    return worlds(2).run(qlora_cases.train, plans=PLANS, timeout_s=600)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape,block,scaler_block", [((32, 64), 64, 16), ((96, 128), 32, 32)])
+def test_the_torchao_nf4_kernel_and_linear_equal_torchao(shape, block, scaler_block, bias):
+    """dequantize_ao_nf4 is NF4Tensor.get_original_weight() bitwise; an nn.Linear with an
+    NF4Tensor weight, replaced by AONF4Linear, gives the same output and input gradient."""
+    to_nf4 = pytest.importorskip("torchao.quantization").to_nf4
+    torch.manual_seed(0)
+    t = to_nf4(torch.randn(*shape, dtype=torch.bfloat16), block, scaler_block)
+    d = dequantize_ao_nf4(t.quantized_data, t.quantized_scalers, t.quantization_factor,
+                          t.scaler_mean, t.nf4, t.block_size, t.scaler_block_size, shape)
+    assert torch.equal(d, t.get_original_weight())
+    lin = torch.nn.Linear(shape[1], shape[0], bias=bias).to(torch.bfloat16)
+    lin.weight = torch.nn.Parameter(t, requires_grad=False)
+    holder = torch.nn.Sequential(lin)
+    x = torch.randn(3, shape[1], dtype=torch.bfloat16, requires_grad=True)
+    y = holder(x)
+    grad, = torch.autograd.grad(y.square().sum(), x)
+    assert replace_ao_nf4_linears(holder) == 1 and isinstance(holder[0], AONF4Linear)
+    assert all(type(p) is torch.nn.Parameter for p in holder.parameters())
+    y2 = holder(x)
+    grad2, = torch.autograd.grad(y2.square().sum(), x)
+    assert torch.equal(y, y2) and torch.equal(grad, grad2)
+
+
+@pytest.fixture(scope="module", params=["bnb", "torchao"])
+def trained(worlds, request):
+    if request.param == "torchao":
+        pytest.importorskip("torchao.quantization")
+    return worlds(2).run(qlora_cases.train, plans=PLANS, kind=request.param, timeout_s=600)
 
 
 @pytest.mark.parametrize("plan", PLANS)

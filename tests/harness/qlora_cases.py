@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from osdp_fx import compile_osdp
-from osdp_fx.passes.quantized import replace_bnb_linears
+from osdp_fx.passes.quantized import replace_ao_nf4_linears, replace_bnb_linears
 
 from .held import held_bytes
 
@@ -42,9 +42,25 @@ def quantize_linears(model: nn.Module, *, nested: bool = False) -> int:
     return count
 
 
-def build(*, nested: bool = False) -> nn.Module:
+def quantize_linears_ao(model: nn.Module) -> int:
+    """Make the weight of every projection ``nn.Linear`` of ``model`` a torchao ``NF4Tensor``
+    (blocks of 64, scaler blocks of 16), as ``to_nf4`` makes QLoRA bases; returns how many."""
+    from torchao.quantization import to_nf4
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in PROJECTIONS and isinstance(child, nn.Linear):
+                child.weight = nn.Parameter(to_nf4(child.weight.data, 64, 16),
+                                            requires_grad=False)
+                count += 1
+    return count
+
+
+def build(*, nested: bool = False, kind: str = "bnb") -> nn.Module:
     """The tiny Llama (hidden 64, 2 layers, GQA 4/2, random bf16 weights, seed 0), its linears
-    4-bit, with LoRA r=4 on all seven projections (``lora_B`` made nonzero), in train mode."""
+    4-bit (``kind``: bitsandbytes ``Linear4bit``, or ``"torchao"``: ``NF4Tensor`` weights), with
+    LoRA r=4 on all seven projections (``lora_B`` made nonzero), in train mode."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,7 +70,9 @@ def build(*, nested: bool = False) -> nn.Module:
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                       max_position_embeddings=64, use_cache=False)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    assert quantize_linears(model, nested=nested) == 14
+    quantize = quantize_linears_ao if kind == "torchao" else (
+        lambda m: quantize_linears(m, nested=nested))
+    assert quantize(model) == 14
     torch.manual_seed(1)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                   target_modules=list(PROJECTIONS)))
@@ -88,14 +106,14 @@ def _train(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], 
 
 
 def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "replicate"),
-          nested: bool = False) -> dict[str, Any]:
+          nested: bool = False, kind: str = "bnb") -> dict[str, Any]:
     """Each plan's losses, adapters after :data:`STEPS` SGD steps, the bytes this rank holds
     of the 4-bit weights and the model's; rank 0's ``reference``: one process on every rank's
     batches."""
     out: dict[str, Any] = {}
     for plan in plans:
         gc.collect()
-        model = build(nested=nested)
+        model = build(nested=nested, kind=kind)
         ids = batch(0, rank)
         compiled = compile_osdp(model, (), example_kwargs={"input_ids": ids, "labels": ids},
                                 plan=plan, optimizer="sgd", plan_cache=False)
@@ -110,12 +128,14 @@ def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "rep
             "quantized_bytes": sum(state[n].numel() * state[n].element_size()
                                    for n in quantized),
             "strategies": {p.name: p.strategy for p in compiled.plan.params},
-            "replaced": sum(type(m).__name__ == "NF4Linear" for m in model.modules()),
+            "replaced": sum(type(m).__name__ in ("NF4Linear", "AONF4Linear")
+                            for m in model.modules()),
         }
         del compiled, model
     if rank == 0:
-        model = build(nested=nested)
+        model = build(nested=nested, kind=kind)
         replace_bnb_linears(model)
+        replace_ao_nf4_linears(model)
         initial = {k: v.detach().float().clone() for k, v in model.state_dict().items()
                    if "lora_" in k}
         losses, _ = _train(model, [torch.cat([batch(s, r) for r in range(world)])
