@@ -145,3 +145,55 @@ def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "rep
             "adapters": {k: v.detach().float().clone() for k, v in model.state_dict().items()
                          if "lora_" in k}}
     return out
+
+
+PROMISE_SHAPES = ((2, 16), (2, 8), (2, 16), (2, 8))
+"""Per-rank (batch, sequence) of the memory promise's steps; the first is the example."""
+
+
+def memory_promise(rank: int, world: int, *, kind: str = "bnb",
+                   plans: tuple[Any, ...] = ("full_shard", "shard_grad_op", None)
+                   ) -> dict[str, Any]:
+    """Per plan (None: searched at 1.1x full_shard's predicted peak), AdamW on the adapters:
+    each step's peak as a storage tracker counts it (what the process held before compiling
+    left out) against the prediction at the step's shape, step 1 against the first step's."""
+    from osdp_fx import Devices
+    from osdp_fx.runtime.storage_tracker import StorageTracker
+
+    from .memory_cases import earlier_storages
+
+    def inputs(shape: tuple[int, int], step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, VOCAB, shape, generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+    out: dict[str, Any] = {}
+    limit = None
+    for plan in plans:
+        gc.collect()  # what earlier cases left, so that it is not counted here
+        held_before = earlier_storages([])
+        compiled = compile_osdp(build(kind=kind), (), Devices(world_size=world),
+                                example_kwargs=inputs(PROMISE_SHAPES[0], 0), plan=plan,
+                                memory_limit=limit if plan is None else None,
+                                optimizer="adamw", plan_cache=False)
+        prediction = compiled.plan.prediction
+        if plan == "full_shard":
+            limit = int(prediction.peak_memory_bytes * 1.1)
+        opt = torch.optim.AdamW([p for p in compiled.parameters() if p.requires_grad], lr=1e-3)
+        steps = []
+        for step, shape in enumerate(PROMISE_SHAPES):
+            tracker = StorageTracker()
+            with tracker:
+                output = compiled(**inputs(shape, step))
+                output.loss.backward()
+                opt.step()
+                opt.zero_grad()
+                del output
+            held = sum(s.nbytes() for s in (ref() for ref in held_before) if s is not None)
+            predicted = (prediction.first_step_peak_bytes if step == 0
+                         else prediction.peak_bytes_at(*shape))
+            steps.append((shape, tracker.peak_bytes - held, predicted))
+        out[plan or "searched"] = {"steps": steps, "counts": compiled.plan.counts(),
+                                   "peak_at": prediction.peak_at}
+        del compiled, opt
+    return out
