@@ -120,11 +120,13 @@ def test_llama_shapes_have_the_published_parameter_counts(factory, parameters):
     assert tuple(ids.shape) == (1, 2048)
 
 
-def test_finetune_qlora_trains_a_4bit_base_at_world_2_and_saves_peft_adapters(tmp_path):
-    """bitsandbytes nf4 through from_pretrained, peft LoRA, full_shard on 2 ranks; the saved
-    adapters, loaded with peft onto a fresh 4-bit base, give the compiled model's loss."""
+def test_finetune_qlora_trains_a_4bit_base_and_saves_peft_adapters(tmp_path):
+    """bitsandbytes nf4 through from_pretrained, peft LoRA, full_shard, in one process (world 2
+    runs the same path: tests/distributed/test_qlora.py, test_frozen.py); the saved adapters,
+    loaded with peft onto a fresh 4-bit base, give the compiled model's loss."""
     out = tmp_path / "adapters"
-    log = torchrun("finetune_qlora.py", "--steps", "3", "--out", str(out), cwd=tmp_path)
+    log = run([sys.executable, os.path.join(EXAMPLES, "finetune_qlora.py"), "--steps", "3",
+               "--out", str(out)], tmp_path)
     assert sorted(losses(log)) == [0, 1, 2]
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
     found = re.search(r"eval loss compiled (\S+) reloaded with peft (\S+)", log)
