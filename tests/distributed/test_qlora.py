@@ -25,7 +25,7 @@ from osdp_fx.passes.quantized import (  # noqa: E402
     replace_bnb_linears,
 )
 
-PLANS = ("full_shard", "replicate")
+PLANS = ("full_shard", "replicate", "shard_grad_op", "searched")
 
 
 @pytest.mark.parametrize("nested", [False, True])

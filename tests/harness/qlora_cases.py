@@ -108,15 +108,21 @@ def _train(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], 
 def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "replicate"),
           nested: bool = False, kind: str = "bnb") -> dict[str, Any]:
     """Each plan's losses, adapters after :data:`STEPS` SGD steps, the bytes this rank holds
-    of the 4-bit weights and the model's; rank 0's ``reference``: one process on every rank's
-    batches."""
+    of the 4-bit weights and the model's (``"searched"``: the plan searched at 1.1x
+    full_shard's predicted peak, so full_shard comes first); rank 0's ``reference``: one
+    process on every rank's batches."""
     out: dict[str, Any] = {}
+    limit = None
     for plan in plans:
         gc.collect()
         model = build(nested=nested, kind=kind)
         ids = batch(0, rank)
         compiled = compile_osdp(model, (), example_kwargs={"input_ids": ids, "labels": ids},
-                                plan=plan, optimizer="sgd", plan_cache=False)
+                                plan=None if plan == "searched" else plan,
+                                memory_limit=limit if plan == "searched" else None,
+                                optimizer="sgd", plan_cache=False)
+        if plan == "full_shard":  # the search's limit: 1.1x full_shard's predicted peak
+            limit = int(compiled.plan.peak_memory_bytes * 1.1)
         quantized = quantized_names(compiled)
         losses, _ = _train(compiled, [batch(s, rank) for s in range(STEPS)])
         state = compiled.full_state_dict()
