@@ -43,16 +43,20 @@ DIR``, within ``--budget-s``) measures three things:
 
 Each part writes its rows as soon as it ends: ``DIR/gpu-check.md`` (the tables) and
 ``DIR/gpu-check.json``; a part that fails or runs out of ``--budget-s`` is recorded as such and
-the others still run. Exits non-zero when a parity check fails, a predicted peak is off
-``max_memory_allocated`` by more than +5 % / -10 %, or ``max_memory_reserved`` is above a
-plan's memory limit.
+the others still run. The time part waits for the others until ``--time-reserve-s`` of the
+budget is left; if some still run then, its table says it is not comparable. ``--quick`` keeps
+to one short budget: the memory part at world 1 only, and at world 2 the parity of the GPT and
+the Llama (:data:`QUICK_WORLD2_MODELS`). Exits non-zero when a parity check fails, a predicted
+peak is off ``max_memory_allocated`` by more than +5 % / -10 %, or ``max_memory_reserved`` is
+above a plan's memory limit.
 
 Without a GPU it prints that it has nothing to check; ``--cpu`` runs everything on the CPU at
 tiny sizes (gloo for NCCL), which checks the script itself.
 
-    python benchmarks/gpu_check.py [--quick] [--out-dir DIR] [--budget-s 330] [--cpu]
+    python benchmarks/gpu_check.py [--quick] [--out-dir DIR] [--budget-s 450] [--cpu]
         [--skip-parity] [--skip-memory] [--skip-time] [--skip-compile]
-        [--memory-models gpt,lora]
+        [--memory-models gpt,lora] [--parity-worlds 1,2] [--memory-worlds 1,2]
+        [--parity-models ...] [--expandable-models gpt,lora] [--time-reserve-s 220]
 """
 
 from __future__ import annotations
@@ -296,6 +300,15 @@ def compare(results: list[dict[str, Any]], ref: dict[str, Any], tol: dict[str, t
 PARITY_ARGS = (5, 4, 32, 256, 0.05)  # steps, global batch, sequence, vocabulary, SGD lr
 PARITY_CASES = ([(m, mp) for m in ("gpt", "llama") for mp in (None, "bf16")]
                 + [(m, "bf16") for m in HF_FAMILIES])
+
+
+QUICK_WORLD2_MODELS = ("gpt", "llama")
+"""With ``--quick``, the parity part's models at world 2 (two ranks sharing the GPU over gloo,
+the slowest world): every family runs at world 1."""
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(w) for w in text.split(","))
 
 
 def parity_world(world: int, backend: str, timeout_s: float,
@@ -675,21 +688,21 @@ def run(args: argparse.Namespace) -> Report:
         return max(10.0, deadline - time.monotonic())
 
     threads = []
-    worlds = tuple(int(w) for w in args.worlds.split(","))
     if not args.skip_parity:
         cases = [c for c in PARITY_CASES
                  if args.parity_models is None or c[0] in args.parity_models.split(",")]
         for world, backend in ((1, nccl()), (2, "gloo")):
-            if world not in worlds:
+            if world not in _sizes(args.parity_worlds):
                 continue
+            world_cases = [c for c in cases if world == 1 or not args.quick
+                           or c[0] in QUICK_WORLD2_MODELS]
             threads.append(_in_thread(report, f"parity world {world} ({backend})",
-                                      lambda w=world, b=backend: parity_world(
-                                          w, b, max(10.0, left() - args.time_reserve_s),
-                                          cases)))
+                                      lambda w=world, b=backend, c=world_cases: parity_world(
+                                          w, b, max(10.0, left() - args.time_reserve_s), c)))
     if not args.skip_memory:
         for model in args.memory_models.split(","):
             for world, backend, plans, expandable in memory_worlds(
-                    model, worlds, tuple(args.expandable_models.split(","))):
+                    model, _sizes(args.memory_worlds), tuple(args.expandable_models.split(","))):
                 def measure(model=model, world=world, backend=backend, plans=plans,
                             expandable=expandable) -> Any:
                     suffix = "-expandable" if expandable else ""
@@ -852,6 +865,10 @@ def markdown(data: dict[str, Any]) -> str:
     if "time world 1" in parts:
         value = parts["time world 1"]["value"]
         text += ["## Step time, world 1 (NCCL), round-robin", ""]
+        if data.get("running_beside_time"):
+            text += ["**Not comparable**: the time part started while these parts still ran on "
+                     f"the GPU: {', '.join(data['running_beside_time'])}. Time it alone "
+                     "(`--skip-parity --skip-memory`).", ""]
         if _part(value):
             text += [f"failed: {_part(value)}", ""]
         if "devices" in value:
@@ -887,8 +904,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--memory-steps", type=int, default=5)
-    parser.add_argument("--worlds", default="1,2",
-                        help="the world sizes of the parity and memory parts (comma-separated)")
+    parser.add_argument("--parity-worlds", default="1,2",
+                        help="the parity part's world sizes (comma-separated)")
+    parser.add_argument("--memory-worlds", default=None,
+                        help="the memory part's world sizes (default 1 with --quick, else 1,2)")
     parser.add_argument("--parity-models", default=None,
                         help="the parity part's models (comma-separated; default: all)")
     parser.add_argument("--expandable-models", default="gpt,lora",
@@ -900,6 +919,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget_s is None:
         args.budget_s = 450.0 if args.quick else 1800.0
+    if args.memory_worlds is None:
+        args.memory_worlds = "1" if args.quick else "1,2"
     if not torch.cuda.is_available() and not args.cpu:
         print("gpu_check: no CUDA device (--cpu: a dry run of the script on the CPU)")
         return 0
