@@ -175,6 +175,17 @@ linear_ao_nf4.register_autograd(_ao_backward, setup_context=_ao_setup_context)
 _STORED_DTYPE_OPS = (torch.ops.osdp.linear_nf4.default, torch.ops.osdp.linear_ao_nf4.default)
 
 
+_FORMATS = {torch.ops.osdp.linear_nf4.default: "nf4, bitsandbytes",
+            torch.ops.osdp.linear_ao_nf4.default: "nf4, torchao"}
+
+
+def quantized_format(node: fx.Node) -> str:
+    """The 4-bit format a parameter node is stored in ("nf4, bitsandbytes", "nf4, torchao"),
+    where every user is the op that reads it; "" for any other parameter."""
+    formats = {_FORMATS.get(u.target) if u.op == "call_function" else None for u in node.users}
+    return formats.pop() or "" if len(formats) == 1 else ""
+
+
 def reads_stored_dtype(node: fx.Node) -> bool:
     """Whether every user of parameter node ``node`` is a quantized op that reads it in its
     stored dtype (an NF4 weight's scales): mixed precision must not cast it."""

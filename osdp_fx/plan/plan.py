@@ -89,7 +89,8 @@ class ParamPlan:
     """Other names of the same tensor (tied weights)."""
     note: str = ""
     """'frozen' for a frozen group (gathered, never reduced; integer ones, a packed quantized
-    weight, are frozen too)."""
+    weight, are frozen too), with a 4-bit weight's format after it ('frozen, nf4,
+    bitsandbytes')."""
     compute_s: float | None = None
     """Predicted forward + backward time of the operators attributed to this group."""
     comm_s: float | None = None

@@ -174,6 +174,8 @@ class ParamSpec:
     state."""
     frozen: bool
     """requires_grad is False."""
+    format: str = ""
+    """The storage format of a quantized weight's tensor ("nf4, bitsandbytes"), else ""."""
 
 
 def build_plan(
@@ -192,11 +194,11 @@ def build_plan(
     recomputing the regions ``recompute`` names.
 
     Frozen parameters (packed integer ones too) take the strategy asked (gathered, never
-    reduced), noted "frozen".
+    reduced), noted "frozen" (and a quantized weight's format: "frozen, nf4, bitsandbytes").
     """
     entries = []
     for s in specs:
-        note = "frozen" if s.frozen else ""
+        note = ", ".join(x for x in ("frozen" if s.frozen else "", s.format) if x)
         entries.append(ParamPlan(
             name=s.name, strategy=requested[s.name], shape=s.shape, dtype=s.dtype,
             element_size=s.element_size, aliases=s.aliases, note=note, trainable=s.trainable,

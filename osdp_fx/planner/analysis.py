@@ -27,6 +27,7 @@ from ..cost_models.step import GroupCost, StepTime, group_cost, predict_step_tim
 from ..passes.capture import Captured, unchanged_state
 from ..passes.pipeline import run_pipeline
 from ..passes.profile import ProfileGraph, SlowestRankTimes
+from ..passes.quantized import quantized_format
 from ..passes.sequence import NodeNumels, sequence_numels
 from ..plan.request import ParamSpec
 from ..runtime.collectives import WORLD, group_size
@@ -135,11 +136,15 @@ class Analysis:
 
 
 def param_specs(captured: Captured) -> list[ParamSpec]:
-    """What a Plan needs to know about each parameter group of a captured model."""
+    """What a Plan needs to know about each parameter group of a captured model (a 4-bit
+    weight's tensors: their format, from the op that reads them)."""
+    formats = {n.target: quantized_format(n) for n in captured.gm.graph.nodes
+               if n.op == "get_attr"}
     return [
         ParamSpec(name=p.name, shape=p.shape, dtype=str(p.dtype).removeprefix("torch."),
                   element_size=p.dtype.itemsize, aliases=p.aliases, trainable=p.trainable,
-                  frozen=not p.requires_grad)
+                  frozen=not p.requires_grad,
+                  format=next((formats[n] for n in (p.name, *p.aliases) if formats.get(n)), ""))
         for p in captured.params.values()
     ]
 

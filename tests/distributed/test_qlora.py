@@ -177,3 +177,26 @@ def test_the_memory_promise_holds_for_a_qlora_model_at_two_shapes(worlds, kind):
                                     f"measured {measured} B, predicted {predicted} B "
                                     f"({error:+.1%}; {run['counts']}, peak at {run['peak_at']})")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("kind,fmt,tensors", [
+    ("bnb", "nf4, bitsandbytes", ("weight", "absmax")),
+    ("torchao", "nf4, torchao", ("quantized_data", "quantized_scalers", "quantization_factor",
+                                 "scaler_mean", "nf4"))])
+def test_the_plan_names_each_4bit_tensors_format(kind, fmt, tensors):
+    """In one process: every tensor of a 4-bit weight is noted 'frozen' with its format in the
+    plan and its table; no other parameter is."""
+    from osdp_fx import compile_osdp
+
+    if kind == "torchao":
+        pytest.importorskip("torchao.quantization")
+    ids = qlora_cases.batch(0, 0)
+    compiled = compile_osdp(qlora_cases.build(kind=kind), (),
+                            example_kwargs={"input_ids": ids, "labels": ids}, plan="full_shard",
+                            plan_cache=False)
+    notes = {p.name: p.note for p in compiled.plan.params}
+    quantized = {n for n in notes if ".base_layer." in n}
+    assert {n.rsplit(".", 1)[1] for n in quantized} == set(tensors)
+    assert all(notes[n] == f"frozen, {fmt}" for n in quantized), notes
+    assert all(fmt not in note for n, note in notes.items() if n not in quantized)
+    assert f"full_shard (frozen, {fmt})" in compiled.plan.table()
