@@ -142,7 +142,8 @@ class _LowPrecisionFlow:
         self._visit(gm, autocast_off=False)
 
     def nodes(self) -> list[tuple[fx.GraphModule, fx.Node]]:
-        """(owning graph module, node) for every node, outer graphs' first."""
+        """(owning graph module, node) for every node, in graph order, a region's body right
+        after its region's node."""
         return [(owner, node) for node, owner in self.owner.items()]
 
     def meant_compute_dtype(self, conversion: fx.Node) -> bool:

@@ -183,7 +183,7 @@ def quantized_format(node: fx.Node) -> str:
     """The 4-bit format a parameter node is stored in ("nf4, bitsandbytes", "nf4, torchao"),
     where every user is the op that reads it; "" for any other parameter."""
     formats = {_FORMATS.get(u.target) if u.op == "call_function" else None for u in node.users}
-    return formats.pop() or "" if len(formats) == 1 else ""
+    return (formats.pop() or "") if len(formats) == 1 else ""
 
 
 def reads_stored_dtype(node: fx.Node) -> bool:
