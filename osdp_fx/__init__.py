@@ -28,8 +28,9 @@ from .planner.detect import detect_devices
 from .training.adapters import save_peft_adapters
 from .training.checkpoint import load_checkpoint, save_checkpoint
 from .training.clip import clip_grad_norm_
+from .training.hf_weights import load_hf_weights
 
 __all__ = ["compile_osdp", "clip_grad_norm_", "detect_devices", "Devices", "MixedPrecision", "OSDPModule", "Plan",
-           "load_checkpoint", "save_checkpoint", "save_peft_adapters", "OSDPError", "CaptureError", "CheckpointError",
+           "load_checkpoint", "load_hf_weights", "save_checkpoint", "save_peft_adapters", "OSDPError", "CaptureError", "CheckpointError",
            "CollectiveError", "InputError", "PlanError", "PlanMismatchError"]
 __version__ = VERSION

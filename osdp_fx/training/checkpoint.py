@@ -74,6 +74,7 @@ from ..runtime.collectives import (
     lost_peer,
 )
 from ..runtime.hierarchy import checkpoint_mesh
+from ..runtime.param_table import ParamTable
 from ..runtime.regather import gather_full
 from ..runtime.sharded import is_dtensor, local_of
 
@@ -439,18 +440,30 @@ def load_checkpoint(path: str | os.PathLike[str], compiled: OSDPModule,
     it raises CollectiveError on those within the process group's timeout.
     """
     path = os.fspath(path)
-    if not isinstance(compiled, OSDPModule):
-        raise InputError(f"load_checkpoint needs the module compile_osdp returned, got "
-                         f"{type(compiled).__name__}")
-    with every_rank("load_checkpoint()", _FIX):
-        reading, error = _attempt(_Reading, path, compiled, optimizer)
-        _agree(error, f"load_checkpoint({path!r})")
-        _, error = _attempt(dcp.load, reading.state, checkpoint_id=path)
-        _agree(error, f"load_checkpoint({path!r})")
-        reading.finish()
-        if optimizer is not None:
-            optimizer.load_state_dict(reading.optimizer_state(optimizer))
+    reading = read_agreed("load_checkpoint", path, compiled, _FIX,
+                          lambda: _Reading(path, compiled, optimizer))
+    if optimizer is not None:
+        optimizer.load_state_dict(reading.optimizer_state(optimizer))
     return reading.info["extra"]
+
+
+def read_agreed(what: str, path: str, compiled: OSDPModule, fix: str, prepare: Any) -> Any:
+    """Load a checkpoint collectively with every rank agreeing at each step: ``prepare()``
+    makes the reading (its ``state``: the targets; its ``load_options``: ``dcp.load``'s
+    keywords saying where to read), ``dcp.load`` fills them, its ``finish()``
+    puts what is not in place. A failure on any rank raises CheckpointError on every rank
+    before anything is put in place; a rank missing raises CollectiveError (``fix`` says
+    what to do). Raises InputError when ``compiled`` is not a compiled module."""
+    if not isinstance(compiled, OSDPModule):
+        raise InputError(f"{what} needs the module compile_osdp returned, got "
+                         f"{type(compiled).__name__}")
+    with every_rank(f"{what}()", fix):
+        reading, error = _attempt(prepare)
+        _agree(error, f"{what}({path!r})")
+        _, error = _attempt(dcp.load, reading.state, **reading.load_options)
+        _agree(error, f"{what}({path!r})")
+        reading.finish()
+    return reading
 
 
 class _Reading:
@@ -461,6 +474,7 @@ class _Reading:
     def __init__(self, path: str, compiled: OSDPModule,
                  optimizer: torch.optim.Optimizer | None) -> None:
         self.compiled = compiled
+        self.load_options: dict[str, Any] = {"checkpoint_id": path}
         self.info = _read_info(path)
         # a version 1 checkpoint without splits holds every weight whole too
         self.units = _units(compiled, by_weight=self.info["version"] >= 2
@@ -541,14 +555,11 @@ class _Reading:
             for key, loaded in self.buffers.items():
                 table.buffer(key).copy_(loaded)
             for (unit, key), lay in self.whole.items():
-                flat = (gather_full(lay.local, (lay.numel,), WORLD) if lay.sharded
-                        else local_of(lay.local))
-                full = flat.reshape(table.full_shape(unit)).contiguous()
                 if key:  # laid out like the unit's parameter (a split weight's, or a part's)
+                    full = _gathered(table, unit, lay)
                     self.optim[(unit, key)] = table.to_local(unit, full).detach().clone()
                 else:
-                    for part, piece in table.pieces(unit, full):
-                        table.load(part, piece.contiguous())
+                    _put_whole(table, unit, lay)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The loaded state as a ``torch.optim`` state dict with this optimizer's indices
@@ -575,6 +586,20 @@ class _Reading:
                          "params": [index[n] for n in names]}
                         for saved_group, names in zip(saved["param_groups"], names_of)]
         return {"state": state, "param_groups": param_groups}
+
+
+def _gathered(table: ParamTable, unit: str, lay: _Layout) -> torch.Tensor:
+    """The whole of ``unit`` from the chunks of it loaded into ``lay`` on every rank
+    (collective)."""
+    flat = gather_full(lay.local, (lay.numel,), WORLD) if lay.sharded else local_of(lay.local)
+    return flat.reshape(table.full_shape(unit)).contiguous()
+
+
+def _put_whole(table: ParamTable, unit: str, lay: _Layout) -> None:
+    """Put the weight ``unit``, loaded whole as chunks into ``lay``, into this model's parts and
+    shards (collective)."""
+    for part, piece in table.pieces(unit, _gathered(table, unit, lay)):
+        table.load(part, piece.contiguous())
 
 
 def _read_info(path: str) -> dict[str, Any]:

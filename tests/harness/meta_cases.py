@@ -223,3 +223,86 @@ def hf_on_meta(rank: int, world: int, *, plan: Any) -> dict[str, Any]:
     return {"initial": initial, "losses": losses, "final": compiled.full_state_dict(),
             "method": compiled.captured_by,
             "devices": {str(t.device) for t in (*compiled.parameters(), *compiled.buffers())}}
+
+
+def hf_llama_config(**extra: Any) -> Any:
+    """A small Llama configuration whose weights span several checkpoint files."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                       max_position_embeddings=16, use_cache=False, **extra)
+
+
+def save_hf_checkpoint(directory: str, *, max_shard_size: str = "200KB", **extra: Any) -> None:
+    """Write a random-weight Llama with ``save_pretrained`` in several safetensors files."""
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(5)
+    LlamaForCausalLM(hf_llama_config(**extra)).save_pretrained(directory,
+                                                                max_shard_size=max_shard_size)
+
+
+def hf_weights_from_checkpoint(rank: int, world: int, *, directory: str, plan: Any,
+                               lora: bool = False) -> dict[str, Any]:
+    """The Llama of ``directory`` two ways, each trained 3 SGD steps under ``plan``: loaded by
+    ``from_pretrained`` and compiled, and built on the meta device, compiled and filled by
+    ``load_hf_weights`` (``lora``: both wrapped by peft's LoRA first). Returns both runs'
+    losses and final states, the load's peak and what it started from (StorageTracker), the
+    plan's parameter bytes on this rank and what the load did not pair."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from osdp_fx import load_hf_weights
+    from osdp_fx.runtime.storage_tracker import StorageTracker
+
+    from .models import batches, lm_loss
+
+    hf_logging.set_verbosity_error()
+
+    def loss_fn(out: Any, batch: Any) -> torch.Tensor:
+        return lm_loss(out.logits, batch[0])
+
+    def adapted(model: nn.Module) -> nn.Module:
+        if not lora:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(7)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
+                                                target_modules=["q_proj", "v_proj"],
+                                                init_lora_weights=False))
+
+    data = [(b[0] % 512,) for b in batches("hf_llama", global_batch=2 * world, steps=3)]
+    example = local(data[0], rank, world)[:1]
+    config = AutoModelForCausalLM.from_pretrained(directory).config
+    with torch.device("meta"):
+        model = adapted(AutoModelForCausalLM.from_config(config))
+    hf = getattr(model, "base_model", model)
+    torch.manual_seed(0)  # the same on every rank
+    compiled = compile_osdp(model, example, plan=plan,
+                            init_fn=(hf.model if lora else hf)._init_weights)
+    with StorageTracker() as tracker:
+        result = load_hf_weights(directory, compiled, strict=not lora)
+    # the adapters (not in the checkpoint) as the meta run initialised them, for the reference
+    adapters = {k: v for k, v in compiled.full_state_dict().items() if ".lora_" in k}
+    losses = train_steps(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), loss_fn,
+                         data, rank, world)
+
+    pretrained = adapted(AutoModelForCausalLM.from_pretrained(directory))
+    pretrained.load_state_dict(adapters, strict=False)
+    reference = compile_osdp(pretrained, example, plan=plan)
+    ref_losses = train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1),
+                             loss_fn, data, rank, world)
+    files = [os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+             if f.endswith(".safetensors")]
+    return {"ref_losses": ref_losses, "losses": losses,
+            "ref_final": reference.full_state_dict(), "final": compiled.full_state_dict(),
+            "peak": tracker.peak_bytes - tracker.start_bytes,
+            "param_bytes": sum(held_bytes(p) for p in compiled.parameters()),
+            "largest_file": max(files), "files": len(files),
+            "missing": result.missing_keys, "unexpected": result.unexpected_keys}
