@@ -149,7 +149,8 @@ def block_of(param: str) -> str | None:
 
 def gather_buckets(sizes: list[tuple[Any, int]], bucket_bytes: int = SMALL_PARAM_BYTES,
                    blocks: Sequence[str | None] | None = None,
-                   frozen: Sequence[bool] | None = None) -> list[list[int]]:
+                   frozen: Sequence[bool] | None = None,
+                   owners: Sequence[Any] | None = None) -> list[list[int]]:
     """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
     order and its block (:func:`block_of`; None: no blocks). A parameter joins the bucket of the
     gather before it when their keys (strategy, dtypes; unique for the mesh strategies, which
@@ -165,16 +166,22 @@ def gather_buckets(sizes: list[tuple[Any, int]], bucket_bytes: int = SMALL_PARAM
       run of small ones stops where frozen and trainable ones alternate (in a small model, a
       LoRA's every weight is small: the run would be the whole model, gathered at once).
 
+    * it has the same owner as the gather before it (``owners``, per gather; None: none): the
+      tensors of one packed quantized weight (its packed bytes and its scales, read by one
+      operator: ``passes/quantized.py``) are gathered in one collective whatever their size.
+
     So a bucket holding a parameter that is not small never spans two blocks. Returns index
     lists."""
     block = list(blocks) if blocks is not None else [None] * len(sizes)
     is_frozen = list(frozen) if frozen is not None else [False] * len(sizes)
+    owner = list(owners) if owners is not None else [None] * len(sizes)
     buckets: list[list[int]] = []
     total, small, kinds = 0, False, set()
     for i, (key, nbytes) in enumerate(sizes):
         joins = buckets and sizes[buckets[-1][0]][0] == key and (
             (block[buckets[-1][0]] == block[i] and total + nbytes <= bucket_bytes)
-            or (small and nbytes <= SMALL_PARAM_BYTES and kinds == {is_frozen[i]}))
+            or (small and nbytes <= SMALL_PARAM_BYTES and kinds == {is_frozen[i]})
+            or (owner[i] is not None and owner[i] == owner[buckets[-1][-1]]))
         if joins:
             buckets[-1].append(i)
             total += nbytes

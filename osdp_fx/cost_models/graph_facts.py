@@ -48,12 +48,18 @@ class ParamState:
     gathered_dtype: str = ""
     """The dtype its all-gather moves: the compute dtype of a float parameter under mixed
     precision, else its own ('int8' for a packed quantized weight)."""
+    packed: bool = False
+    """A tensor of a 4-bit weight's format (its packed bytes or a scale, ``ParamSpec.format``),
+    gathered in its stored dtype in one byte buffer with the others of its weight."""
 
     @property
     def gather_kind(self) -> str:
         """What a sharded parameter's gather must share with another's to ride in one bucket
         (one flat buffer): the strategy and the dtype moved (frozen and trainable parameters
-        share: the bucket's reduce-scatter carries the trainable members' gradients)."""
+        share: the bucket's reduce-scatter carries the trainable members' gradients), or, for
+        a quantized weight's tensors, ``packed``: gathered as bytes, whatever their dtypes."""
+        if self.packed:
+            return f"{self.strategy}, packed"
         return f"{self.strategy}{f', {self.gathered_dtype}' if self.gathered_dtype else ''}"
 
     @property
@@ -216,15 +222,20 @@ def _sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     def key(n: fx.Node) -> tuple[str, int]:
         state = params[facts.param_of[n]]
         flat = not traits(state.strategy).needs_mesh
-        # gathers of different dtypes never share one flat buffer
+        # gathers of different dtypes never share one flat buffer (but packed ones, as bytes)
         return (state.gather_kind if flat else f"mesh {n}",
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size, row=state.row))
 
+    def owner(n: fx.Node) -> fx.Node | None:  # the operator reading a quantized weight's tensors
+        return (next(iter(facts.param_uses(n)), None)
+                if params[facts.param_of[n]].packed else None)
+
     blocks = [block_of(facts.param_of[n]) for n in order]
     return [[order[i] for i in b]
             for b in gather_buckets([key(n) for n in order], small_bytes, blocks,
-                                    [not params[facts.param_of[n]].trainable for n in order])]
+                                    [not params[facts.param_of[n]].trainable for n in order],
+                                    [owner(n) for n in order])]
 
 
 def regathered_together(facts: GraphFacts, params: Mapping[str, ParamState],

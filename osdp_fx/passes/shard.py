@@ -74,13 +74,17 @@ from ..runtime.sharded import local_param
 from .capture import set_attr
 from .pipeline import GraphPass
 from .precision import cast_of
+from .quantized import quantized_format
 
 log = logging.getLogger(__name__)
 
 
-def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> None:
+def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int,
+                    owners: dict[fx.Node, fx.Node]) -> None:
     """Merge each bucket of :func:`gather_buckets` (``bucket_bytes``) into one
-    ``all_gather_params`` node whose outputs (``getitem``) replace the members' gathers."""
+    ``all_gather_params`` node whose outputs (``getitem``) replace the members' gathers.
+    ``owners``: the gathers of a quantized weight's tensors, each with the operator reading
+    them; they share a bucket whatever their dtypes (gathered as bytes)."""
     graph = gm.graph
     gathers = [n for n in graph.nodes if osdp_meta(n).role == NodeRole.ALL_GATHER]
 
@@ -95,12 +99,14 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int) -> N
     # and gathers of different dtypes never share one flat buffer; frozen and trainable
     # parameters do (a LoRA layer's base weights and adapters alternate): the bucket's
     # reduce-scatter carries the trainable members' gradients alone
-    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}/{gathered_dtype(n)}"
+    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}/"
+             f"{'packed' if n in owners else gathered_dtype(n)}"
              if n.args[3] == WORLD
              else f"mesh {i}", gathered_bytes(n)) for i, n in enumerate(gathers)]
     blocks = [block_of(osdp_meta(n).param or "") for n in gathers]
     frozen = [not gm.get_parameter(n.args[0].target).requires_grad for n in gathers]
-    for bucket in gather_buckets(keys, bucket_bytes, blocks, frozen):
+    for bucket in gather_buckets(keys, bucket_bytes, blocks, frozen,
+                                 [owners.get(n) for n in gathers]):
         if len(bucket) == 1:
             continue
         members = [gathers[i] for i in bucket]
@@ -166,6 +172,7 @@ def shard_parameters_pass(
     order = {n: i for i, n in enumerate(graph.nodes)}
     param_nodes = [n for n in graph.nodes if n.op == "get_attr" and osdp_meta(n).role == NodeRole.PARAM]
     n_gathers = n_frees = 0
+    owners: dict[fx.Node, fx.Node] = {}
     replicas = any(traits(p.strategy).sharded for p in plan.params)
     for node in param_nodes:
         entry = plan[node.target]
@@ -178,6 +185,8 @@ def shard_parameters_pass(
                               ranks_per_node=plan.ranks_per_node, rank=rank, flat_group=group)
         set_attr(gm, node.target, make_shard(full, world_size=layout.chunks, rank=layout.index))
 
+        packed = bool(quantized_format(node))  # (before the gather replaces its uses)
+        owner = next(iter(node.users))
         cast = cast_of(node)  # mixed precision: the shard is cast before the gather instead
         views = [n for n in graph.nodes
                  if node.target in osdp_meta(n).aliases and n is not node and n is not cast]
@@ -189,6 +198,8 @@ def shard_parameters_pass(
                 all_gather_param, (node, entry.shape, entry.strategy, layout.group), kwargs
             )
         set_osdp_meta(gathered, role=NodeRole.ALL_GATHER, param=node.target, aliases=frozenset())
+        if packed:
+            owners[gathered] = owner
         if cast is not None:
             cast.replace_all_uses_with(gathered)
             graph.erase_node(cast)
@@ -207,7 +218,7 @@ def shard_parameters_pass(
         set_osdp_meta(freed, role=NodeRole.FREE, param=node.target)
         n_frees += 1
 
-    _bucket_gathers(gm, world_size, plan.schedule.gather_bucket_bytes)
+    _bucket_gathers(gm, world_size, plan.schedule.gather_bucket_bytes, owners)
     _insert_prefetches(graph, plan.schedule.prefetch)
 
     in_graph = {n.target for n in param_nodes}

@@ -93,6 +93,12 @@ class Analysis:
     each), about half of a search's timelines."""
 
     @functools.cached_property
+    def formats(self) -> dict[str, str]:
+        """The 4-bit format of each group stored in one (``passes.quantized.quantized_format``,
+        by canonical name); the others are absent."""
+        return {s.name: s.format for s in param_specs(self.captured) if s.format}
+
+    @functools.cached_property
     def regathered(self) -> set[str]:
         """The groups some operator saves for backward (re-gathered there when freed after
         forward, ``step.regathered_params``)."""
@@ -264,12 +270,15 @@ def param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
 
 def _param_state(analysis: Analysis, name: str, strategy: str) -> ParamState:
     p = analysis.captured.params[name]
-    mp = analysis.precision if p.dtype.is_floating_point else None
+    # a quantized weight's tensors are read in their stored dtype (mixed precision casts none)
+    packed = name in analysis.formats
+    mp = analysis.precision if p.dtype.is_floating_point and not packed else None
     return ParamState(numel=p.numel, element_size=p.dtype.itemsize, strategy=strategy,
                       trainable=p.trainable, row=row_numel(p.shape),
                       compute_element_size=mp.param_dtype.itemsize if mp else None,
                       reduce_element_size=mp.reduce_dtype.itemsize if mp else None,
-                      gathered_dtype=dtype_name(mp.param_dtype if mp else p.dtype))
+                      gathered_dtype=dtype_name(mp.param_dtype if mp else p.dtype),
+                      packed=packed)
 
 
 def param_states(analysis: Analysis, strategies: Mapping[str, str]) -> dict[str, ParamState]:

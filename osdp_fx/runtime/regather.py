@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -216,10 +215,13 @@ def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, .
     Each result owns its storage (so one can be freed without the others), copied out of
     ``flat`` by one ``split_with_sizes_copy``; ``flat`` is freed."""
     table = flat.view(world, -1)
-    sizes = [padded_numel(s) for s in shards]
+    as_bytes = _packed(shards, flat.dtype)
+    sizes = [padded_numel(s) * (s.element_size() if as_bytes else 1) for s in shards]
     blocks = [torch.empty(world * n, dtype=flat.dtype, device=flat.device) for n in sizes]
     torch.split_with_sizes_copy(table, sizes, dim=1,
                                 out=[b.view(world, n) for b, n in zip(blocks, sizes)])
+    if as_bytes:  # each block is its own allocation, aligned for its dtype
+        blocks = [b.view(s.dtype) for b, s in zip(blocks, shards)]
     fulls = tuple(shaped(block, shape) for block, shape in zip(blocks, shapes))
     # Every member is a copy now; gloo's worker may hold the gathered buffer a few milliseconds
     # longer: release its memory at once.
@@ -229,14 +231,23 @@ def split_gathered(flat: torch.Tensor, world: int, shards: tuple[torch.Tensor, .
     return fulls
 
 
+def _packed(shards: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> bool:
+    """Whether a bucket is gathered as bytes: its shards, gathered uncast, differ in dtype (the
+    tensors of a quantized weight, ``passes/shard.py``)."""
+    return dtype in (None, torch.uint8) and len({s.dtype for s in shards}) > 1
+
+
 def start_params(shards: tuple[torch.Tensor, ...], group: str,
                  dtype: torch.dtype | None) -> Pending:
     """Start gathering a bucket: its shards copied into one flat buffer of ``dtype`` (default:
-    theirs, promoted) by one foreach copy, which casts as it copies."""
+    theirs) by one foreach copy, which casts as it copies; shards of several dtypes gathered
+    uncast are copied as bytes into a byte buffer (:func:`split_gathered` views them back)."""
     with torch.no_grad():
         flats = [flat_shard(s) for s in shards]
-        if dtype is None:
-            dtype = functools.reduce(torch.promote_types, (f.dtype for f in flats))
+        if dtype is None and _packed(shards, dtype):
+            flats, dtype = [f.view(torch.uint8) for f in flats], torch.uint8
+        elif dtype is None:
+            dtype = flats[0].dtype
         buffer = torch.empty(sum(f.numel() for f in flats), dtype=dtype, device=flats[0].device)
         torch._foreach_copy_(list(buffer.split([f.numel() for f in flats])), flats)
     return gather_shards_start(buffer, group, consume=True)

@@ -140,6 +140,14 @@ def test_full_shard_holds_a_share_of_the_4bit_weights(trained):
         assert rep["quantized_local_bytes"] >= rep["quantized_bytes"]
 
 
+def test_each_4bit_linear_is_gathered_in_one_collective(trained):
+    """A 4-bit weight's packed bytes and scales (uint8, float32, int8: several dtypes) ride
+    one all-gather as bytes; replicated, none."""
+    for r in trained:
+        assert r["full_shard"]["collectives_per_op"] == [1] * 14
+        assert r["replicate"]["collectives_per_op"] == [0] * 14
+
+
 def test_mixed_precision_leaves_the_packed_weights_and_scales_uncast():
     """In one process, nested (double) quantization: no cast of a 4-bit weight's tensors, and
     the loss of the bf16 compile is the eager model's."""

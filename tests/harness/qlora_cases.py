@@ -6,6 +6,7 @@ batch."""
 from __future__ import annotations
 
 import gc
+import operator
 import warnings
 from typing import Any
 
@@ -93,6 +94,25 @@ def quantized_names(model: nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters() if ".base_layer." in n}
 
 
+def collectives_per_quantized_op(compiled: nn.Module) -> list[int]:
+    """For each 4-bit linear of the compiled graph, how many all-gathers (collective nodes)
+    deliver the tensors it reads (0 where they are replicated)."""
+    from osdp_fx.runtime.params import all_gather_param, all_gather_params
+
+    gathers = (all_gather_param, all_gather_params)
+    quantized = (torch.ops.osdp.linear_nf4.default, torch.ops.osdp.linear_ao_nf4.default)
+    counts = []
+    for node in compiled.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in quantized:
+            sources = set()
+            for arg in node.all_input_nodes:
+                src = arg.args[0] if arg.target is operator.getitem else arg
+                if getattr(src, "target", None) in gathers:
+                    sources.add(src)
+            counts.append(len(sources))
+    return counts
+
+
 def _train(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], dict]:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
@@ -124,6 +144,7 @@ def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "rep
         if plan == "full_shard":  # the search's limit: 1.1x full_shard's predicted peak
             limit = int(compiled.plan.peak_memory_bytes * 1.1)
         quantized = quantized_names(compiled)
+        collectives = collectives_per_quantized_op(compiled)
         losses, _ = _train(compiled, [batch(s, rank) for s in range(STEPS)])
         state = compiled.full_state_dict()
         out[plan] = {
@@ -134,6 +155,7 @@ def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "rep
             "quantized_bytes": sum(state[n].numel() * state[n].element_size()
                                    for n in quantized),
             "strategies": {p.name: p.strategy for p in compiled.plan.params},
+            "collectives_per_op": collectives,
             "replaced": sum(type(m).__name__ in ("NF4Linear", "AONF4Linear")
                             for m in model.modules()),
         }
