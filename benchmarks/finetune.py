@@ -1,4 +1,4 @@
-"""A LoRA fine-tune: osdp-fx against FSDP2 and DDP (issue 39).
+"""A LoRA fine-tune: osdp-fx against FSDP2 and DDP (issue 39); QLoRA against FSDP2 (issue 59).
 
 Starts one local world (gloo on CPU; ``compare.start_world``) and builds, one after the other in
 that world, on one model: peft's LoRA (``LoraConfig(r=16)`` on the attention projections
@@ -33,7 +33,7 @@ each step; a step's time is the slowest rank's, the median is shown.
     python benchmarks/finetune.py [--world-size 2] [--dim 512] [--intermediate 1408]
         [--depth 8] [--heads 8] [--vocab 2048] [--seq 64] [--batch 2] [--rank 16]
         [--rounds 8] [--warmup 1] [--peak-steps 3] [--limit-over 1.1] [--no-detect]
-        [--out-dir benchmarks/results] [--quick]
+        [--out-dir benchmarks/results] [--quick] [--qlora]
 
 ``--quick``: hidden 64, 2 layers, vocab 128, sequence 16, 1 round, 2 peak steps, no detection:
 checks that it runs (no figures).
@@ -42,6 +42,41 @@ Targets (issue 39): osdp-fx ``full_shard`` <= 1.0x FSDP2 in step time and peak; 
 plan at 1.1x FSDP2's measured peak fits (measured) and steps in <= 0.85x FSDP2's time. Prints a
 Markdown table and, last, one JSON line with the checks; writes ``finetune-world{N}.md`` and
 ``.json`` to ``--out-dir``.
+
+``--qlora`` (issue 59): the same Llama and LoRA on a 4-bit base, loaded as QLoRA loads it
+(``examples/finetune_qlora.py``): the random-weight Llama is saved to a temporary directory and
+each system loads it back with ``from_pretrained(..., dtype=bfloat16,
+quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_compute_dtype=bfloat16))``: every linear of the decoder layers a bitsandbytes
+``Linear4bit`` (nf4, a float32 scale per 64 weights), the embedding, norms and head frozen in
+bfloat16, peft's adapters float32 (as peft makes them). Measured the same way, in one world:
+
+- FSDP2 as QLoRA users run it (the bitsandbytes / Hugging Face FSDP-QLoRA recipe, which
+  accelerate's FSDP2 path follows): the base loaded with ``bnb_4bit_quant_storage=bfloat16``,
+  then ``fully_shard`` on every decoder layer and on the root, with
+  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. This runs as it is on
+  the CPU with gloo (torch 2.13, bitsandbytes 0.50; nothing failed): ``fully_shard`` makes each
+  ``Params4bit`` a DTensor, sharded, gathered packed and never reduced like any frozen weight,
+  and ``Linear4bit`` takes its quantization state back from the module in forward (the first
+  step's loss and adapter gradients equal the unsharded model's). The storage dtype is the
+  recipe's: accelerate leaves a uint8-stored ``Params4bit`` out of ``fully_shard``
+  (``ignored_params``: replicated), warning that its quantization state would not survive, and
+  asks for a floating storage. The packed bytes are the same either way. The scales are an
+  attribute of the weight, not a parameter: FSDP2 keeps them whole on every rank. Not done here
+  (as in the LoRA row): accelerate's extra units for the embedding and for the final norm with
+  the head.
+- osdp-fx ``full_shard`` and the searched plan at ``--limit-over`` x FSDP2's measured peak, with
+  ``mixed_precision="bf16"`` (floating weights gathered and computed in bfloat16, gradients
+  reduced in float32, as the FSDP2 row), on the base loaded with bitsandbytes' default uint8
+  storage: the layout osdp-fx reads (``docs/finetuning.md``, "QLoRA"; it refuses a bfloat16
+  storage). Capture turns each ``Linear4bit`` into an ``NF4Linear`` whose packed weight and
+  scales are frozen parameters, sharded and gathered packed.
+
+No DDP row. The checks: ``full_shard`` <= 1.0x FSDP2's peak and the searched plan fits (the step
+ratios are reported). Writes ``finetune-qlora-world{N}.md`` and ``.json``. Needs
+bitsandbytes (``pip install -e ".[hf]"``):
+
+    python benchmarks/finetune.py --qlora [--quick] [the options above]
 """
 
 from __future__ import annotations
@@ -83,6 +118,11 @@ LABELS = {
     REPLICATE: ("osdp-fx", "replicate"),
     SEARCHED: ("osdp-fx", "searched @ limit"),
 }
+QLORA_LABELS = {
+    FSDP2: ("FSDP2", "fully_shard per decoder layer + root, bf16 storage and compute"),
+    FULL_SHARD: ("osdp-fx", "full_shard, bf16 compute"),
+    SEARCHED: ("osdp-fx", "searched @ limit, bf16 compute"),
+}
 MODEL = {"vocab": 2048, "dim": 512, "intermediate": 1408, "depth": 8, "heads": 8, "seq": 64,
          "batch": 2, "rank": 16}
 MEASURE = {"rounds": 8, "warmup": 1, "peak_steps": 3, "limit_over": 1.1}
@@ -90,22 +130,75 @@ QUICK = {"vocab": 128, "dim": 64, "intermediate": 128, "depth": 2, "heads": 2, "
          "rank": 4, "rounds": 1, "peak_steps": 2, "detect": False}
 
 
-def build_lora(opts: argparse.Namespace, device: torch.device) -> HFCausalLMWithLoss:
-    """peft's LoRA on a random-weight Llama, its forward returning the LM loss."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+def quiet_transformers() -> None:
+    """No warnings or progress bars from transformers."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def random_llama(opts: argparse.Namespace) -> torch.nn.Module:
+    """The random-weight Llama (seed 0, float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    quiet_transformers()
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=opts.dim, intermediate_size=opts.intermediate,
-                      num_hidden_layers=opts.depth, num_attention_heads=opts.heads,
-                      num_key_value_heads=opts.heads, vocab_size=opts.vocab,
-                      max_position_embeddings=opts.seq, use_cache=False)
-    lora = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=opts.dim, intermediate_size=opts.intermediate, num_hidden_layers=opts.depth,
+        num_attention_heads=opts.heads, num_key_value_heads=opts.heads, vocab_size=opts.vocab,
+        max_position_embeddings=opts.seq, use_cache=False))
+
+
+def with_lora(model: torch.nn.Module, opts: argparse.Namespace) -> HFCausalLMWithLoss:
+    """peft's LoRA on ``model`` (q, k, v, o), its forward returning the LM loss."""
+    from peft import LoraConfig, get_peft_model
+
+    return HFCausalLMWithLoss(get_peft_model(model, LoraConfig(
         r=opts.rank, lora_alpha=2 * opts.rank,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    return HFCausalLMWithLoss(lora).to(device)
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])))
+
+
+def build_lora(opts: argparse.Namespace, device: torch.device) -> HFCausalLMWithLoss:
+    """peft's LoRA on the random-weight Llama, its forward returning the LM loss."""
+    return with_lora(random_llama(opts), opts).to(device)
+
+
+def build_qlora(opts: argparse.Namespace, device: torch.device,
+                storage: torch.dtype = torch.uint8) -> HFCausalLMWithLoss:
+    """peft's LoRA on the Llama saved in ``opts.checkpoint``, loaded in 4-bit as QLoRA loads it
+    (nf4, bfloat16 weights and compute; the packed weights stored as ``storage``), in train
+    mode, its forward returning the LM loss."""
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    quiet_transformers()
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.bfloat16,
+                                      bnb_4bit_quant_storage=storage)
+    base = LlamaForCausalLM.from_pretrained(opts.checkpoint, quantization_config=quantization,
+                                            dtype=torch.bfloat16, use_cache=False,
+                                            device_map={"": device})
+    torch.manual_seed(0)  # the same adapters on every rank
+    return with_lora(base, opts).train()  # from_pretrained returns it in eval mode
+
+
+def build(opts: argparse.Namespace, device: torch.device) -> HFCausalLMWithLoss:
+    """The model osdp-fx compiles: QLoRA's (``--qlora``) or LoRA's."""
+    return build_qlora(opts, device) if opts.qlora else build_lora(opts, device)
+
+
+def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of the parameters (a 4-bit weight's packed bytes and its scales) and of the
+    trainable ones."""
+    total = trainable = 0
+    for p in model.parameters():
+        size = p.numel() * p.element_size()
+        state = getattr(p, "quant_state", None)  # a bitsandbytes Params4bit's
+        if state is not None:
+            size += state.absmax.nbytes + (state.state2.absmax.nbytes if state.nested else 0)
+        total += size
+        trainable += size if p.requires_grad else 0
+    return total, trainable
 
 
 def decoder_layers(model: HFCausalLMWithLoss) -> torch.nn.ModuleList:
@@ -128,23 +221,29 @@ class FinetuneWorld(World):
     def fsdp2(self) -> Make:
         def make(x: torch.Tensor) -> tuple[torch.nn.Module, dict]:
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            model = build_lora(self.opts, self.device)
+            if self.opts.qlora:  # the FSDP-QLoRA recipe: 4-bit weights stored as bf16
+                model = build_qlora(self.opts, self.device, storage=torch.bfloat16)
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32)
+            else:
+                model, policy = build_lora(self.opts, self.device), MixedPrecisionPolicy()
             mesh = init_device_mesh(self.device.type, (self.world,))
             for layer in decoder_layers(model):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
             return model, {}
         return make
 
     def osdp(self, plan: str | None, limit: int | None = None,  # type: ignore[override]
              prefetch: int | None = None) -> Make:
         def make(x: torch.Tensor) -> tuple[torch.nn.Module, dict]:
-            model = build_lora(self.opts, self.device)
+            model = build(self.opts, self.device)
             start = time.perf_counter()
             compiled = compile_osdp(model, (x,), self.devices, plan=plan, memory_limit=limit,
-                                    optimizer="adamw", prefetch=prefetch)
+                                    optimizer="adamw", prefetch=prefetch,
+                                    mixed_precision="bf16" if self.opts.qlora else None)
             compile_s = time.perf_counter() - start
             del model
             p = compiled.plan
@@ -175,22 +274,24 @@ def small_buckets_plan(directory: str) -> str:
 def measure(rank: int, world: int, device: torch.device, cfg: Config,
             opts: argparse.Namespace) -> dict[str, Any]:
     """Every system on this rank; the rows (identical on every rank) come back from rank 0."""
-    w = FinetuneWorld(rank, world, device, cfg, opts, LABELS)
+    w = FinetuneWorld(rank, world, device, cfg, opts, QLORA_LABELS if opts.qlora else LABELS)
     w.add(FSDP2, w.fsdp2())
     limit = int(opts.limit_over * w.rows[FSDP2]["peak_bytes"])
-    w.add(DDP, w.ddp())
-    w.add(FULL_SHARD, w.osdp("full_shard"))
-    w.add(PREFETCH3, w.osdp("full_shard", prefetch=3))
-    with tempfile.TemporaryDirectory(prefix="osdp-finetune-") as directory:
-        w.add(SMALL, w.osdp(small_buckets_plan(directory)))  # compiled (the file read) here
-    w.add(REPLICATE, w.osdp("replicate"))
+    if opts.qlora:
+        w.add(FULL_SHARD, w.osdp("full_shard"))
+    else:
+        w.add(DDP, w.ddp())
+        w.add(FULL_SHARD, w.osdp("full_shard"))
+        w.add(PREFETCH3, w.osdp("full_shard", prefetch=3))
+        with tempfile.TemporaryDirectory(prefix="osdp-finetune-") as directory:
+            w.add(SMALL, w.osdp(small_buckets_plan(directory)))  # compiled (the file read) here
+        w.add(REPLICATE, w.osdp("replicate"))
     w.add(SEARCHED, w.osdp(None, limit), limit)
     rows = w.timed_rows()
-    params = build_lora(opts, torch.device("meta")).parameters()
-    sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in params]
+    model_bytes, adapter_bytes = parameter_bytes(
+        build_qlora(opts, device) if opts.qlora else build_lora(opts, torch.device("meta")))
     return {"rows": rows, "limit": limit, "timings_s": w.timings_s,
-            "model_bytes": sum(b for b, _ in sizes),
-            "adapter_bytes": sum(b for b, trainable in sizes if trainable),
+            "model_bytes": model_bytes, "adapter_bytes": adapter_bytes,
             "backend": dist.get_backend(), "device": str(device)}
 
 
@@ -219,8 +320,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def checks(rows: list[dict[str, Any]], limit: int, world: int) -> dict[str, Any]:
-    """The issue's targets, with the ratios they rest on (None where a system has no time)."""
+def checks(rows: list[dict[str, Any]], limit: int, world: int, limit_over: float = 1.1,
+           qlora: bool = False) -> dict[str, Any]:
+    """The issue's targets, with the ratios they rest on (None where a system has no time);
+    ``qlora``: the QLoRA rows' (issue 59: the peak and the fit; the step ratios reported)."""
     by = {r["key"]: r for r in rows}
 
     def ratio(a: str, b: str, what: str) -> float | None:
@@ -231,48 +334,66 @@ def checks(rows: list[dict[str, Any]], limit: int, world: int) -> dict[str, Any]
         "world_size": world, "limit_mib": round(limit / MiB, 2),
         "full_shard_over_fsdp2_step": ratio(FULL_SHARD, FSDP2, "step_s"),
         "full_shard_over_fsdp2_peak": ratio(FULL_SHARD, FSDP2, "peak_bytes"),
-        "full_shard_prefetch3_over_fsdp2_step": ratio(PREFETCH3, FSDP2, "step_s"),
-        "full_shard_small_over_fsdp2_step": ratio(SMALL, FSDP2, "step_s"),
         "searched_fits": by[SEARCHED].get("fits") is True,
         "searched_over_fsdp2_step": ratio(SEARCHED, FSDP2, "step_s"),
-        "replicate_over_ddp_step": ratio(REPLICATE, DDP, "step_s"),
         "peak_errors": {r["key"]: round(r["peak_error"], 4) for r in rows if "peak_error" in r},
     }
     step, peak = out["full_shard_over_fsdp2_step"], out["full_shard_over_fsdp2_peak"]
     searched = out["searched_over_fsdp2_step"]
-    out["targets_met"] = {
-        "full_shard <= 1.0x FSDP2 step": step is not None and step <= 1.0,
+    targets = {
         "full_shard <= 1.0x FSDP2 peak": peak is not None and peak <= 1.0,
-        "searched fits 1.1x FSDP2's peak": out["searched_fits"],
-        "searched <= 0.85x FSDP2 step": searched is not None and searched <= 0.85,
+        f"searched fits {limit_over}x FSDP2's peak": out["searched_fits"],
     }
+    if not qlora:
+        out.update({
+            "full_shard_prefetch3_over_fsdp2_step": ratio(PREFETCH3, FSDP2, "step_s"),
+            "full_shard_small_over_fsdp2_step": ratio(SMALL, FSDP2, "step_s"),
+            "replicate_over_ddp_step": ratio(REPLICATE, DDP, "step_s"),
+        })
+        targets.update({
+            "full_shard <= 1.0x FSDP2 step": step is not None and step <= 1.0,
+            "searched <= 0.85x FSDP2 step": searched is not None and searched <= 0.85,
+        })
+    out["targets_met"] = targets
     return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv, __doc__, {**MODEL, **MEASURE}, QUICK)
+    args = parse_args(argv, __doc__, {**MODEL, **MEASURE, "qlora": False}, QUICK)
     cfg = Config(vocab=args.vocab, dim=args.dim, depth=args.depth, heads=args.heads,
                  seq=args.seq, batch=args.batch, steps=args.rounds, warmup=args.warmup)
-    opts = argparse.Namespace(**{n: getattr(args, n) for n in (*MODEL, *MEASURE, "detect")})
+    opts = argparse.Namespace(**{n: getattr(args, n)
+                                 for n in (*MODEL, *MEASURE, "detect", "qlora")})
     world = args.world_size
+    labels = QLORA_LABELS if args.qlora else LABELS
     wall = time.perf_counter()
     load_before = os.getloadavg()[0]
-    result = start_world(world, measure, cfg, opts)[0]
+    with tempfile.TemporaryDirectory(prefix="osdp-finetune-llama-") as checkpoint:
+        if args.qlora:  # every system of every rank loads it in 4-bit
+            random_llama(opts).save_pretrained(checkpoint)
+        result = start_world(world, measure, cfg,
+                             argparse.Namespace(**vars(opts), checkpoint=checkpoint))[0]
     load_after = os.getloadavg()[0]
     rows, limit = result["rows"], result["limit"]
+    base = ("loaded in 4-bit (bitsandbytes nf4; embedding, norms and head bfloat16), computed "
+            "in bfloat16" if args.qlora else "float32")
     title = (f"world {world} ({result['backend']}, {result['device']}): peft LoRA r={args.rank} "
              f"(q, k, v, o) on a Llama of hidden {args.dim}, intermediate {args.intermediate}, "
-             f"{args.depth} layers, {args.heads} heads, vocab {args.vocab}, float32; sequence "
+             f"{args.depth} layers, {args.heads} heads, vocab {args.vocab}, {base}; sequence "
              f"{args.seq}, batch {args.batch}/rank, AdamW"
              + (" (--quick: no figures)" if args.quick else ""))
     text = table(rows)
-    out = checks(rows, limit, world)
+    out = checks(rows, limit, world, args.limit_over, args.qlora)
     out["wall_s"] = round(time.perf_counter() - wall, 1)
     out["load_avg_before_after"] = [round(load_before, 2), round(load_after, 2)]
     notes = [
         f"Parameters: {format_bytes(result['model_bytes'])}, of them "
         f"{format_bytes(result['adapter_bytes'])} of adapters (trainable); the rest is the "
-        "frozen base.",
+        "frozen base" + (" (the 4-bit weights' packed bytes and their scales)."
+                         if args.qlora else "."),
+        *(["FSDP2 loads the 4-bit weights stored as bfloat16 (the FSDP-QLoRA recipe; the same "
+           "bytes) and keeps their scales whole on every rank; osdp-fx loads them stored as "
+           "uint8 and shards the scales too."] if args.qlora else []),
         f"Limit of the search: {args.limit_over} x FSDP2's measured peak = "
         f"{format_bytes(limit)}.",
         f"Step: median of {args.rounds} round-robin rounds after {args.warmup} warm-up step(s) "
@@ -284,16 +405,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{out['load_avg_before_after'][0]} before and {out['load_avg_before_after'][1]} after.",
         "Wall time (rank 0; a system's includes its build or compile and peak steps): "
         + ", ".join(f"{k} {v:.1f} s" for k, v in result["timings_s"].items()) + ".",
-        *(f"{LABELS[r['key']][1]}: {r['error']}" for r in rows if "error" in r),
+        *(f"{labels[r['key']][1]}: {r['error']}" for r in rows if "error" in r),
     ]
-    report = "\n".join([f"# A LoRA fine-tune vs FSDP2 and DDP: {title}", "", text, "",
+    heading = "A QLoRA fine-tune vs FSDP2" if args.qlora else "A LoRA fine-tune vs FSDP2 and DDP"
+    report = "\n".join([f"# {heading}: {title}", "", text, "",
                         *(f"- {n}" for n in notes), "", "```json", json.dumps(out), "```", ""])
+    name = f"finetune-qlora-world{world}" if args.qlora else f"finetune-world{world}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"finetune-world{world}.md").write_text(report)
+    (args.out_dir / f"{name}.md").write_text(report)
     raw = {"config": {**dataclasses.asdict(cfg), **vars(opts)}, "world_size": world,
            "backend": result["backend"], "device": result["device"], "limit_bytes": limit,
            "rows": rows, "checks": out, "timings_s": result["timings_s"]}
-    (args.out_dir / f"finetune-world{world}.json").write_text(json.dumps(raw, indent=1) + "\n")
+    (args.out_dir / f"{name}.json").write_text(json.dumps(raw, indent=1) + "\n")
     print(title, "", text, "", *(f"- {n}" for n in notes), sep="\n")
     print(json.dumps(out), flush=True)
     return raw

@@ -419,12 +419,17 @@ def checks(rows: list[dict[str, Any]], limit_a: int, limit_b: int, world: int) -
 def parse_args(argv: list[str] | None, doc: str, options: dict[str, Any],
                quick: dict[str, Any]) -> argparse.Namespace:
     """A benchmark's command line: ``--world-size``, an option per entry of ``options`` (its
-    default's type), ``--no-detect``, ``--out-dir`` and ``--quick`` (which sets ``quick``)."""
+    default's type; a flag where the default is False), ``--no-detect``, ``--out-dir`` and
+    ``--quick`` (which sets ``quick``)."""
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     for name, default in options.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+        flag = f"--{name.replace('_', '-')}"
+        if default is False:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--no-detect", dest="detect", action="store_false",
                         help="plan with Devices() defaults instead of detect_devices() (~15 s)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
