@@ -67,10 +67,10 @@ bfloat16, peft's adapters float32 (as peft makes them). Measured the same way, i
   the head.
 - osdp-fx ``full_shard`` and the searched plan at ``--limit-over`` x FSDP2's measured peak, with
   ``mixed_precision="bf16"`` (floating weights gathered and computed in bfloat16, gradients
-  reduced in float32, as the FSDP2 row), on the base loaded with bitsandbytes' default uint8
-  storage: the layout osdp-fx reads (``docs/finetuning.md``, "QLoRA"; it refuses a bfloat16
-  storage). Capture turns each ``Linear4bit`` into an ``NF4Linear`` whose packed weight and
-  scales are frozen parameters, sharded and gathered packed.
+  reduced in float32, as the FSDP2 row), on the same base (the same bfloat16 storage: osdp-fx
+  reads its bytes as the packed uint8 they are). Capture turns each ``Linear4bit`` into an
+  ``NF4Linear`` whose packed weight and scales are frozen parameters, sharded and gathered
+  packed, a linear's tensors in one all-gather.
 
 No DDP row. The checks: ``full_shard`` <= 1.0x FSDP2's peak and the searched plan fits (the step
 ratios are reported). Writes ``finetune-qlora-world{N}.md`` and ``.json``. Needs
@@ -164,17 +164,16 @@ def build_lora(opts: argparse.Namespace, device: torch.device) -> HFCausalLMWith
     return with_lora(random_llama(opts), opts).to(device)
 
 
-def build_qlora(opts: argparse.Namespace, device: torch.device,
-                storage: torch.dtype = torch.uint8) -> HFCausalLMWithLoss:
-    """peft's LoRA on the Llama saved in ``opts.checkpoint``, loaded in 4-bit as QLoRA loads it
-    (nf4, bfloat16 weights and compute; the packed weights stored as ``storage``), in train
-    mode, its forward returning the LM loss."""
+def build_qlora(opts: argparse.Namespace, device: torch.device) -> HFCausalLMWithLoss:
+    """peft's LoRA on the Llama saved in ``opts.checkpoint``, loaded in 4-bit as the FSDP-QLoRA
+    recipe loads it (nf4, bfloat16 weights and compute, the packed weights stored as
+    bfloat16), in train mode, its forward returning the LM loss."""
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
     quiet_transformers()
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_compute_dtype=torch.bfloat16,
-                                      bnb_4bit_quant_storage=storage)
+                                      bnb_4bit_quant_storage=torch.bfloat16)
     base = LlamaForCausalLM.from_pretrained(opts.checkpoint, quantization_config=quantization,
                                             dtype=torch.bfloat16, use_cache=False,
                                             device_map={"": device})
@@ -224,7 +223,7 @@ class FinetuneWorld(World):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             if self.opts.qlora:  # the FSDP-QLoRA recipe: 4-bit weights stored as bf16
-                model = build_qlora(self.opts, self.device, storage=torch.bfloat16)
+                model = build_qlora(self.opts, self.device)
                 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                               reduce_dtype=torch.float32)
             else:

@@ -28,8 +28,10 @@ every user is this op uncast (:func:`reads_stored_dtype`, ``passes/precision.py`
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,24 +59,69 @@ def _blockwise(values: Tensor, scales: Tensor, block: int) -> Tensor:
 def dequantize_nf4(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
                    absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
                    shape: tuple[int, int] | list[int], dtype: torch.dtype) -> Tensor:
-    """The weight of ``shape`` in ``dtype``, bitwise equal to bitsandbytes'
-    ``functional.dequantize_4bit`` (float32 arithmetic, then the cast)."""
+    """The weight of ``shape`` in ``dtype``: bitsandbytes' own ``functional.dequantize_4bit``
+    where bitsandbytes is installed (its kernels: on the CPU several times faster than the
+    portable :func:`dequantize_nf4_torch`, to which it is bitwise equal), else that one."""
     torch._check(absmax.dtype in (torch.float32, torch.uint8),
                  lambda: f"NF4 absmax must stay float32 or uint8, got {absmax.dtype}")
     torch._check(absmax2 is None or absmax2.dtype == torch.float32,
                  lambda: f"NF4 absmax2 must stay float32, got {absmax2.dtype}")
+    functional = _bnb_functional()
+    if functional is None:
+        return dequantize_nf4_torch(weight, absmax, absmax2, absmax_code, absmax_offset,
+                                    blocksize, shape, dtype)
+    code = _nf4_code(weight.device)
+    nested = None
+    if absmax2 is not None:
+        nested = functional.QuantState(absmax=absmax2, code=absmax_code, blocksize=256,
+                                       dtype=torch.float32)
+    state = functional.QuantState(
+        absmax=absmax, shape=torch.Size(shape), code=code, blocksize=blocksize,
+        quant_type="nf4", dtype=dtype, offset=absmax_offset, state2=nested)
+    packed = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)
+    return functional.dequantize_4bit(packed.reshape(-1, 1), state)
+
+
+@functools.cache
+def _bnb_functional() -> Any:
+    """``bitsandbytes.functional``, or None where bitsandbytes is not installed."""
+    try:
+        import bitsandbytes.functional as functional
+    except ImportError:
+        return None
+    return functional
+
+
+@functools.cache
+def _nf4_code(device: torch.device) -> Tensor:
+    return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _nf4_pairs(device: torch.device) -> Tensor:
+    """The two code values of each of the 256 bytes, high nibble first: ``[256, 2]``."""
+    code = _nf4_code(device)
+    return torch.stack((code.repeat_interleave(16), code.repeat(16)), dim=1)
+
+
+def dequantize_nf4_torch(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+                         absmax_code: Tensor | None, absmax_offset: Tensor | None,
+                         blocksize: int, shape: tuple[int, int] | list[int],
+                         dtype: torch.dtype) -> Tensor:
+    """:func:`dequantize_nf4` in plain PyTorch, bitwise equal to bitsandbytes'
+    ``functional.dequantize_4bit`` (float32 arithmetic, then the cast): each byte looked up
+    as its two code values at once."""
     n = math.prod(shape)
     scales = absmax
     if absmax2 is not None:
         assert absmax_code is not None and absmax_offset is not None
-        codes = absmax_code.float()[absmax.reshape(-1).long()]
+        codes = torch.index_select(absmax_code.float(), 0, absmax.reshape(-1).int())
         scales = _blockwise(codes, absmax2.float(), 256) + absmax_offset.float()
     flat = weight.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    idx = torch.stack((flat >> 4, flat & 0xF), dim=-1).reshape(-1)[:n].long()
-    table = torch.tensor(NF4_CODE, dtype=torch.float32, device=weight.device)
-    return _blockwise(table[idx], scales.reshape(-1).float(), blocksize).view(*shape).to(dtype)
+    values = torch.index_select(_nf4_pairs(weight.device), 0, flat.int()).view(-1)[:n]
+    return _blockwise(values, scales.reshape(-1).float(), blocksize).view(*shape).to(dtype)
 
 
 @torch.library.custom_op("osdp::linear_nf4", mutates_args=())
@@ -233,8 +280,13 @@ class NF4Linear(nn.Module):
                 "bitsandbytes 4-bit weights of quant_type 'nf4' only: quantize with "
                 "BitsAndBytesConfig(bnb_4bit_quant_type='nf4')")
         n, k = state.shape
-        if getattr(state, "packing_format_for_cpu", False) or tuple(weight.shape) != (
-                math.ceil(n * k / 2), 1) or weight.dtype != torch.uint8:
+        packed = weight.data
+        if packed.dtype != torch.uint8 and packed.is_contiguous():
+            # bnb_4bit_quant_storage=bfloat16 and the like (the FSDP-QLoRA recipe): the same
+            # bytes held in another dtype
+            packed = packed.view(torch.uint8).reshape(-1, 1)
+        if getattr(state, "packing_format_for_cpu", False) or tuple(packed.shape) != (
+                math.ceil(n * k / 2), 1):
             raise InputError(
                 f"Linear4bit {name!r}'s packed weight is in bitsandbytes' CPU layout (shape "
                 f"{tuple(weight.shape)}, dtype {weight.dtype}): bitsandbytes repacks it in place "
@@ -242,7 +294,7 @@ class NF4Linear(nn.Module):
                 "layout [N*K/2, 1] uint8. Call compile_osdp before running the model under "
                 "no_grad or in eval mode (load it again if it has run)")
         nested = bool(state.nested)
-        return cls(weight.data, state.absmax, blocksize=state.blocksize, out_features=n,
+        return cls(packed, state.absmax, blocksize=state.blocksize, out_features=n,
                    in_features=k, compute_dtype=getattr(module, "compute_dtype", None),
                    bias=module.bias,
                    absmax2=state.state2.absmax if nested else None,

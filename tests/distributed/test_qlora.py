@@ -21,6 +21,7 @@ from osdp_fx.passes.quantized import (  # noqa: E402
     NF4Linear,
     dequantize_ao_nf4,
     dequantize_nf4,
+    dequantize_nf4_torch,
     replace_ao_nf4_linears,
     replace_bnb_linears,
 )
@@ -37,27 +38,34 @@ def test_the_nf4_kernel_equals_bitsandbytes_dequantize_4bit(nested, shape):
     p = bnb.nn.Params4bit(torch.randn(*shape, dtype=torch.bfloat16), requires_grad=False,
                           quant_type="nf4", compress_statistics=nested).to("cpu")
     qs = p.quant_state
-    got = dequantize_nf4(p.data, qs.absmax, qs.state2.absmax if nested else None,
-                         qs.state2.code if nested else None, qs.offset if nested else None,
-                         qs.blocksize, qs.shape, qs.dtype)
-    assert torch.equal(got, BF.dequantize_4bit(p.data, qs))
+    expected = BF.dequantize_4bit(p.data, qs)
+    for kernel in (dequantize_nf4, dequantize_nf4_torch):  # bitsandbytes' own, the portable one
+        got = kernel(p.data, qs.absmax, qs.state2.absmax if nested else None,
+                     qs.state2.code if nested else None, qs.offset if nested else None,
+                     qs.blocksize, qs.shape, qs.dtype)
+        assert torch.equal(got, expected), kernel.__name__
 
 
-def _linear4bit(quant_type="nf4", bias=False):
+def _linear4bit(quant_type="nf4", bias=False, storage=torch.uint8):
     torch.manual_seed(0)
-    q = bnb.nn.Linear4bit(40, 96, bias=bias, compute_dtype=torch.bfloat16, quant_type=quant_type)
+    q = bnb.nn.Linear4bit(40, 96, bias=bias, compute_dtype=torch.bfloat16, quant_type=quant_type,
+                          quant_storage=storage)
     q.weight = bnb.nn.Params4bit(torch.randn(96, 40, dtype=torch.bfloat16), requires_grad=False,
-                                 quant_type=quant_type).to("cpu")
+                                 quant_type=quant_type, quant_storage=storage).to("cpu")
     return q
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_nf4linear_gives_bitsandbytes_output_and_input_gradient_only(bias):
-    q = _linear4bit(bias=bias)
+@pytest.mark.parametrize("bias,storage", [(False, torch.uint8), (True, torch.uint8),
+                                          (False, torch.bfloat16)])
+def test_nf4linear_gives_bitsandbytes_output_and_input_gradient_only(bias, storage):
+    """``storage``: the packed bytes held as bfloat16 (the FSDP-QLoRA recipe's
+    ``bnb_4bit_quant_storage``) are read as the same bytes."""
+    q = _linear4bit(bias=bias, storage=storage)
+    assert q.weight.dtype == storage
     holder = torch.nn.Sequential(q)
     assert replace_bnb_linears(holder) == 1
     lin = holder[0]
-    assert isinstance(lin, NF4Linear)
+    assert isinstance(lin, NF4Linear) and lin.weight.dtype == torch.uint8
     assert all(not p.requires_grad for n, p in lin.named_parameters() if n != "bias")
     x = torch.randn(3, 40, dtype=torch.bfloat16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
