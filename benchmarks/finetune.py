@@ -69,7 +69,7 @@ bfloat16, peft's adapters float32 (as peft makes them). Measured the same way, i
   ``mixed_precision="bf16"`` (floating weights gathered and computed in bfloat16, gradients
   reduced in float32, as the FSDP2 row), on the same base (the same bfloat16 storage: osdp-fx
   reads its bytes as the packed uint8 they are). Capture turns each ``Linear4bit`` into an
-  ``NF4Linear`` whose packed weight and scales are frozen parameters, sharded and gathered
+  ``BnbLinear4bit`` whose packed weight and scales are frozen parameters, sharded and gathered
   packed, a linear's tensors in one all-gather.
 
 No DDP row. The checks: ``full_shard`` <= 1.0x FSDP2's peak and the searched plan fits (the step

@@ -140,7 +140,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     ``to``, ...) is replaced by ``device``, where the model's tensors will be materialised.
 
     Every bitsandbytes ``Linear4bit`` (nf4) of ``model`` is first replaced, in place and under
-    its name, by an ``NF4Linear``, and every ``nn.Linear`` whose weight is a torchao
+    its name, by a ``BnbLinear4bit``, and every ``nn.Linear`` whose weight is a torchao
     ``NF4Tensor`` by an ``AONF4Linear`` (``passes/quantized.py``): the user's model holds them
     afterwards, and still runs eagerly with the same outputs.
     """

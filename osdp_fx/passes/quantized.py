@@ -1,12 +1,13 @@
-"""bitsandbytes 4-bit (NF4) linears as plain frozen tensors and one custom op (issue 59).
+"""bitsandbytes 4-bit (nf4, fp4) and torchao NF4 linears as plain frozen tensors and custom ops
+(issue 59).
 
 A ``bitsandbytes.nn.Linear4bit`` keeps its quantization state (the scales) in a Python object
 hanging off its weight, which osdp-fx cannot see, shard or broadcast, and its forward does not
 survive ``torch.export``. :func:`replace_bnb_linears` (run by capture, before any forward)
-replaces each by an :class:`NF4Linear`, in place and under the same name, whose packed weight
+replaces each by a :class:`BnbLinear4bit`, in place and under the same name, whose packed weight
 and every quant-state tensor are registered frozen parameters (``requires_grad=False``): the
 planner plans, shards and gathers them like any frozen group. Its forward is one node,
-``torch.ops.osdp.linear_nf4``, whose autograd saves the packed weight and its scales (not the
+``torch.ops.osdp.linear_bnb4bit``, whose autograd saves the packed weight and its scales (not the
 dequantized weight) and dequantizes again in backward, as bitsandbytes' ``MatMul4Bit`` does.
 
 One 4-bit weight ``W [N, K]`` (blocks of ``blocksize`` consecutive row-major elements):
@@ -43,6 +44,11 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
             0.07958029955625534, 0.16093020141124725, 0.24611230492591858, 0.33791524171829224,
             0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+FP4_CODE = (0.0, 1 / 192, 2 / 3, 1.0, 1 / 3, 0.5, 1 / 6, 0.25,
+            0.0, -1 / 192, -2 / 3, -1.0, -1 / 3, -0.5, -1 / 6, -0.25)
+"""bitsandbytes' fp4 values, the exact fractions its kernels compute (its Python table rounds
+them to four decimals)."""
+CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
 
 
 def _blockwise(values: Tensor, scales: Tensor, block: int) -> Tensor:
@@ -56,28 +62,30 @@ def _blockwise(values: Tensor, scales: Tensor, block: int) -> Tensor:
     return out
 
 
-def dequantize_nf4(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
-                   absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
-                   shape: tuple[int, int] | list[int], dtype: torch.dtype) -> Tensor:
-    """The weight of ``shape`` in ``dtype``: bitsandbytes' own ``functional.dequantize_4bit``
+def dequantize_bnb4bit(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+                       absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
+                       shape: tuple[int, int] | list[int], dtype: torch.dtype,
+                       quant_type: str = "nf4") -> Tensor:
+    """The weight of ``shape`` in ``dtype`` (``quant_type`` "nf4" or "fp4"): bitsandbytes' own
+    ``functional.dequantize_4bit``
     where bitsandbytes is installed (its kernels: on the CPU several times faster than the
-    portable :func:`dequantize_nf4_torch`, to which it is bitwise equal), else that one."""
+    portable :func:`dequantize_bnb4bit_torch`, to which it is bitwise equal), else that one."""
     torch._check(absmax.dtype in (torch.float32, torch.uint8),
                  lambda: f"NF4 absmax must stay float32 or uint8, got {absmax.dtype}")
     torch._check(absmax2 is None or absmax2.dtype == torch.float32,
                  lambda: f"NF4 absmax2 must stay float32, got {absmax2.dtype}")
     functional = _bnb_functional()
     if functional is None:
-        return dequantize_nf4_torch(weight, absmax, absmax2, absmax_code, absmax_offset,
-                                    blocksize, shape, dtype)
-    code = _nf4_code(weight.device)
+        return dequantize_bnb4bit_torch(weight, absmax, absmax2, absmax_code, absmax_offset,
+                                        blocksize, shape, dtype, quant_type)
+    code = _code(quant_type, weight.device)
     nested = None
     if absmax2 is not None:
         nested = functional.QuantState(absmax=absmax2, code=absmax_code, blocksize=256,
                                        dtype=torch.float32)
     state = functional.QuantState(
         absmax=absmax, shape=torch.Size(shape), code=code, blocksize=blocksize,
-        quant_type="nf4", dtype=dtype, offset=absmax_offset, state2=nested)
+        quant_type=quant_type, dtype=dtype, offset=absmax_offset, state2=nested)
     packed = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)
     return functional.dequantize_4bit(packed.reshape(-1, 1), state)
 
@@ -93,22 +101,22 @@ def _bnb_functional() -> Any:
 
 
 @functools.cache
-def _nf4_code(device: torch.device) -> Tensor:
-    return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+def _code(quant_type: str, device: torch.device) -> Tensor:
+    return torch.tensor(CODES[quant_type], dtype=torch.float32, device=device)
 
 
 @functools.cache
-def _nf4_pairs(device: torch.device) -> Tensor:
+def _pairs(quant_type: str, device: torch.device) -> Tensor:
     """The two code values of each of the 256 bytes, high nibble first: ``[256, 2]``."""
-    code = _nf4_code(device)
+    code = _code(quant_type, device)
     return torch.stack((code.repeat_interleave(16), code.repeat(16)), dim=1)
 
 
-def dequantize_nf4_torch(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
-                         absmax_code: Tensor | None, absmax_offset: Tensor | None,
-                         blocksize: int, shape: tuple[int, int] | list[int],
-                         dtype: torch.dtype) -> Tensor:
-    """:func:`dequantize_nf4` in plain PyTorch, bitwise equal to bitsandbytes'
+def dequantize_bnb4bit_torch(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+                             absmax_code: Tensor | None, absmax_offset: Tensor | None,
+                             blocksize: int, shape: tuple[int, int] | list[int],
+                             dtype: torch.dtype, quant_type: str = "nf4") -> Tensor:
+    """:func:`dequantize_bnb4bit` in plain PyTorch, bitwise equal to bitsandbytes'
     ``functional.dequantize_4bit`` (float32 arithmetic, then the cast): each byte looked up
     as its two code values at once."""
     n = math.prod(shape)
@@ -120,46 +128,49 @@ def dequantize_nf4_torch(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
     flat = weight.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    values = torch.index_select(_nf4_pairs(weight.device), 0, flat.int()).view(-1)[:n]
+    values = torch.index_select(_pairs(quant_type, weight.device), 0, flat.int()).view(-1)[:n]
     return _blockwise(values, scales.reshape(-1).float(), blocksize).view(*shape).to(dtype)
 
 
-@torch.library.custom_op("osdp::linear_nf4", mutates_args=())
-def linear_nf4(x: Tensor, weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
-               absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
-               out_features: int, in_features: int) -> Tensor:
-    """``F.linear(x, W)`` with ``W`` the dequantized NF4 weight, in ``x``'s dtype."""
-    w = dequantize_nf4(weight, absmax, absmax2, absmax_code, absmax_offset, blocksize,
-                       (out_features, in_features), x.dtype)
+@torch.library.custom_op("osdp::linear_bnb4bit", mutates_args=())
+def linear_bnb4bit(x: Tensor, weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+                   absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
+                   out_features: int, in_features: int, quant_type: str) -> Tensor:
+    """``F.linear(x, W)`` with ``W`` the dequantized 4-bit (nf4 or fp4) weight, in ``x``'s
+    dtype."""
+    w = dequantize_bnb4bit(weight, absmax, absmax2, absmax_code, absmax_offset, blocksize,
+                           (out_features, in_features), x.dtype, quant_type)
     return F.linear(x, w)
 
 
-@linear_nf4.register_fake
-def _linear_nf4_fake(x: Tensor, weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
-                     absmax_code: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
-                     out_features: int, in_features: int) -> Tensor:
+@linear_bnb4bit.register_fake
+def _linear_bnb4bit_fake(x: Tensor, weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
+                         absmax_code: Tensor | None, absmax_offset: Tensor | None,
+                         blocksize: int, out_features: int, in_features: int,
+                         quant_type: str) -> Tensor:
     torch._check(x.shape[-1] == in_features)
     torch._check(weight.numel() * 2 >= out_features * in_features)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
-    _, weight, absmax, absmax2, code, offset, blocksize, n, k = inputs
-    ctx.meta = (blocksize, n, k, absmax2 is not None)
+    _, weight, absmax, absmax2, code, offset, blocksize, n, k, quant_type = inputs
+    ctx.meta = (blocksize, n, k, absmax2 is not None, quant_type)
     # the packed weight and its scales, not the dequantized weight (4x the bytes)
     ctx.save_for_backward(weight, absmax, *((absmax2, code, offset) if absmax2 is not None else ()))
 
 
 def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
-    blocksize, n, k, nested = ctx.meta
+    blocksize, n, k, nested, quant_type = ctx.meta
     weight, absmax, *rest = ctx.saved_tensors
     absmax2, code, offset = rest if nested else (None, None, None)
-    w = dequantize_nf4(weight, absmax, absmax2, code, offset, blocksize, (n, k), grad.dtype)
+    w = dequantize_bnb4bit(weight, absmax, absmax2, code, offset, blocksize, (n, k), grad.dtype,
+                           quant_type)
     grad_x = grad @ w if ctx.needs_input_grad[0] else None
-    return grad_x, None, None, None, None, None, None, None, None
+    return (grad_x,) + (None,) * 9
 
 
-linear_nf4.register_autograd(_backward, setup_context=_setup_context)
+linear_bnb4bit.register_autograd(_backward, setup_context=_setup_context)
 
 
 
@@ -219,17 +230,25 @@ def _ao_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
 
 linear_ao_nf4.register_autograd(_ao_backward, setup_context=_ao_setup_context)
 
-_STORED_DTYPE_OPS = (torch.ops.osdp.linear_nf4.default, torch.ops.osdp.linear_ao_nf4.default)
+_STORED_DTYPE_OPS = (torch.ops.osdp.linear_bnb4bit.default, torch.ops.osdp.linear_ao_nf4.default)
 
 
-_FORMATS = {torch.ops.osdp.linear_nf4.default: "nf4, bitsandbytes",
-            torch.ops.osdp.linear_ao_nf4.default: "nf4, torchao"}
+def _format(user: fx.Node) -> str | None:
+    """The 4-bit format an operator reads its quantized parameters in, or None."""
+    if user.op != "call_function":
+        return None
+    if user.target is torch.ops.osdp.linear_bnb4bit.default:
+        return f"{user.args[9]}, bitsandbytes"
+    if user.target is torch.ops.osdp.linear_ao_nf4.default:
+        return "nf4, torchao"
+    return None
 
 
 def quantized_format(node: fx.Node) -> str:
-    """The 4-bit format a parameter node is stored in ("nf4, bitsandbytes", "nf4, torchao"),
-    where every user is the op that reads it; "" for any other parameter."""
-    formats = {_FORMATS.get(u.target) if u.op == "call_function" else None for u in node.users}
+    """The 4-bit format a parameter node is stored in ("nf4, bitsandbytes", "fp4,
+    bitsandbytes", "nf4, torchao"), where every user is the op that reads it; "" for any other
+    parameter."""
+    formats = {_format(u) for u in node.users}
     return (formats.pop() or "") if len(formats) == 1 else ""
 
 
@@ -244,17 +263,22 @@ def _frozen(t: Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=False)
 
 
-class NF4Linear(nn.Module):
-    """A bitsandbytes ``Linear4bit`` (nf4) as plain frozen parameters (the module docstring's
-    table) and one ``osdp::linear_nf4`` call. Computes in ``compute_dtype`` (the input's when
+class BnbLinear4bit(nn.Module):
+    """A bitsandbytes ``Linear4bit`` (nf4 or fp4, ``quant_type``) as plain frozen parameters (the
+    module docstring's table) and one ``osdp::linear_bnb4bit`` call. Computes in ``compute_dtype`` (the input's when
     None) and returns the input's dtype, as ``Linear4bit`` does; the bias stays outside the op
     and keeps its ``requires_grad``."""
 
     def __init__(self, weight: Tensor, absmax: Tensor, *, blocksize: int, out_features: int,
                  in_features: int, compute_dtype: torch.dtype | None = None,
                  bias: nn.Parameter | None = None, absmax2: Tensor | None = None,
-                 absmax_code: Tensor | None = None, absmax_offset: Tensor | None = None) -> None:
+                 absmax_code: Tensor | None = None, absmax_offset: Tensor | None = None,
+                 quant_type: str = "nf4") -> None:
         super().__init__()
+        if quant_type not in CODES:
+            raise InputError(f"a bitsandbytes 4-bit weight's quant_type is 'nf4' or 'fp4', got "
+                             f"{quant_type!r}")
+        self.quant_type = quant_type
         self.weight = _frozen(weight)
         self.absmax = _frozen(absmax)
         self.absmax2 = _frozen(absmax2)
@@ -265,8 +289,8 @@ class NF4Linear(nn.Module):
         self.compute_dtype = compute_dtype
 
     @classmethod
-    def from_bnb(cls, module: nn.Module, name: str = "") -> NF4Linear:
-        """The NF4Linear of bitsandbytes ``Linear4bit`` ``module`` (named ``name``)."""
+    def from_bnb(cls, module: nn.Module, name: str = "") -> BnbLinear4bit:
+        """The BnbLinear4bit of bitsandbytes ``Linear4bit`` ``module`` (named ``name``)."""
         weight = module.weight
         state = getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
         if state is None:
@@ -274,11 +298,6 @@ class NF4Linear(nn.Module):
                 f"Linear4bit {name!r} has no quantization state (its weight was never "
                 "quantized); load the model with BitsAndBytesConfig(load_in_4bit=True) or move "
                 "it to its device before compile_osdp")
-        if state.quant_type != "nf4":
-            raise InputError(
-                f"Linear4bit {name!r} is quantized as {state.quant_type!r}; osdp-fx handles "
-                "bitsandbytes 4-bit weights of quant_type 'nf4' only: quantize with "
-                "BitsAndBytesConfig(bnb_4bit_quant_type='nf4')")
         n, k = state.shape
         packed = weight.data
         if packed.dtype != torch.uint8 and packed.is_contiguous():
@@ -299,25 +318,28 @@ class NF4Linear(nn.Module):
                    bias=module.bias,
                    absmax2=state.state2.absmax if nested else None,
                    absmax_code=state.state2.code if nested else None,
-                   absmax_offset=state.offset if nested else None)
+                   absmax_offset=state.offset if nested else None,
+                   quant_type=state.quant_type)
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
-        y = linear_nf4(x, self.weight, self.absmax, self.absmax2, self.absmax_code,
-                       self.absmax_offset, self.blocksize, self.out_features, self.in_features)
+        y = linear_bnb4bit(x, self.weight, self.absmax, self.absmax2, self.absmax_code,
+                           self.absmax_offset, self.blocksize, self.out_features,
+                           self.in_features, self.quant_type)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"blocksize={self.blocksize}, nested={self.absmax2 is not None}")
+                f"quant_type={self.quant_type}, blocksize={self.blocksize}, "
+                f"nested={self.absmax2 is not None}")
 
 
 def replace_bnb_linears(model: nn.Module) -> int:
-    """Replace every ``bitsandbytes.nn.Linear4bit`` in ``model`` by an :class:`NF4Linear`, in
+    """Replace every ``bitsandbytes.nn.Linear4bit`` in ``model`` by a :class:`BnbLinear4bit`, in
     place and under its name (a peft LoRA layer around it keeps its ``base_layer``); returns
     how many. Without bitsandbytes imported there is none, and nothing is imported."""
     bnb = sys.modules.get("bitsandbytes")
@@ -329,7 +351,7 @@ def replace_bnb_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, linear4bit):
                 full = f"{parent_name}.{name}" if parent_name else name
-                setattr(parent, name, NF4Linear.from_bnb(child, full))
+                setattr(parent, name, BnbLinear4bit.from_bnb(child, full))
                 count += 1
     return count
 

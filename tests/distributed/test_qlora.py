@@ -1,5 +1,5 @@
 """QLoRA (issue 59): a peft LoRA model on a bitsandbytes 4-bit (nf4) base, or on torchao
-``NF4Tensor`` weights, compiles (its Linear4bits replaced by NF4Linear, its NF4 linears by
+``NF4Tensor`` weights, compiles (its Linear4bits replaced by BnbLinear4bit, its NF4 linears by
 AONF4Linear), its adapters train like one process on the global batch at world 2, and
 full_shard shards the packed weights and their scales. Both NF4 kernels are bitwise equal to
 their library's dequantization."""
@@ -18,10 +18,10 @@ from harness import qlora_cases  # noqa: E402
 from osdp_fx.errors import InputError  # noqa: E402
 from osdp_fx.passes.quantized import (  # noqa: E402
     AONF4Linear,
-    NF4Linear,
+    BnbLinear4bit,
     dequantize_ao_nf4,
-    dequantize_nf4,
-    dequantize_nf4_torch,
+    dequantize_bnb4bit,
+    dequantize_bnb4bit_torch,
     replace_ao_nf4_linears,
     replace_bnb_linears,
 )
@@ -29,20 +29,22 @@ from osdp_fx.passes.quantized import (  # noqa: E402
 PLANS = ("full_shard", "replicate", "shard_grad_op", "searched")
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("shape", [(64, 64), (96, 40), (300, 257)])
-def test_the_nf4_kernel_equals_bitsandbytes_dequantize_4bit(nested, shape):
+def test_the_4bit_kernels_equal_bitsandbytes_dequantize_4bit(quant_type, nested, shape):
     import bitsandbytes.functional as BF
 
     torch.manual_seed(0)
     p = bnb.nn.Params4bit(torch.randn(*shape, dtype=torch.bfloat16), requires_grad=False,
-                          quant_type="nf4", compress_statistics=nested).to("cpu")
+                          quant_type=quant_type, compress_statistics=nested).to("cpu")
     qs = p.quant_state
     expected = BF.dequantize_4bit(p.data, qs)
-    for kernel in (dequantize_nf4, dequantize_nf4_torch):  # bitsandbytes' own, the portable one
+    # bitsandbytes' own kernel through the op's function, and the portable one
+    for kernel in (dequantize_bnb4bit, dequantize_bnb4bit_torch):
         got = kernel(p.data, qs.absmax, qs.state2.absmax if nested else None,
                      qs.state2.code if nested else None, qs.offset if nested else None,
-                     qs.blocksize, qs.shape, qs.dtype)
+                     qs.blocksize, qs.shape, qs.dtype, quant_type)
         assert torch.equal(got, expected), kernel.__name__
 
 
@@ -55,22 +57,24 @@ def _linear4bit(quant_type="nf4", bias=False, storage=torch.uint8):
     return q
 
 
-@pytest.mark.parametrize("bias,storage", [(False, torch.uint8), (True, torch.uint8),
-                                          (False, torch.bfloat16)])
-def test_nf4linear_gives_bitsandbytes_output_and_input_gradient_only(bias, storage):
+@pytest.mark.parametrize("quant_type,bias,storage", [
+    ("nf4", False, torch.uint8), ("nf4", True, torch.uint8), ("nf4", False, torch.bfloat16),
+    ("fp4", False, torch.uint8)])
+def test_the_4bit_linear_gives_bitsandbytes_output_and_input_gradient_only(quant_type, bias,
+                                                                            storage):
     """``storage``: the packed bytes held as bfloat16 (the FSDP-QLoRA recipe's
     ``bnb_4bit_quant_storage``) are read as the same bytes."""
-    q = _linear4bit(bias=bias, storage=storage)
+    q = _linear4bit(quant_type, bias=bias, storage=storage)
     assert q.weight.dtype == storage
     holder = torch.nn.Sequential(q)
     assert replace_bnb_linears(holder) == 1
     lin = holder[0]
-    assert isinstance(lin, NF4Linear) and lin.weight.dtype == torch.uint8
+    assert isinstance(lin, BnbLinear4bit) and lin.weight.dtype == torch.uint8
     assert all(not p.requires_grad for n, p in lin.named_parameters() if n != "bias")
     x = torch.randn(3, 40, dtype=torch.bfloat16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = lin(x), q(x_ref)
-    if bias:  # bitsandbytes adds the bias inside its matmul (one rounding), NF4Linear after it
+    if bias:  # bitsandbytes adds the bias inside its matmul (one rounding), BnbLinear4bit after it
         torch.testing.assert_close(y, y_ref, rtol=1e-2, atol=1e-2)
     else:
         assert torch.equal(y, y_ref)
@@ -82,9 +86,7 @@ def test_nf4linear_gives_bitsandbytes_output_and_input_gradient_only(bias, stora
     assert not bias or lin.bias.grad is not None
 
 
-def test_fp4_and_a_cpu_repacked_weight_are_refused_with_the_fix():
-    with pytest.raises(InputError, match="nf4"):
-        replace_bnb_linears(torch.nn.Sequential(_linear4bit("fp4")))
+def test_a_cpu_repacked_weight_is_refused_with_the_fix():
     q = _linear4bit()
     q.weight.data = q.weight.data.view(-1, 2)  # not the standard [N*K/2, 1] layout
     with pytest.raises(InputError, match="before running the model under no_grad"):
@@ -197,6 +199,7 @@ def test_the_memory_promise_holds_for_a_qlora_model_at_two_shapes(worlds, kind):
 
 @pytest.mark.parametrize("kind,fmt,tensors", [
     ("bnb", "nf4, bitsandbytes", ("weight", "absmax")),
+    ("bnb_fp4", "fp4, bitsandbytes", ("weight", "absmax")),
     ("torchao", "nf4, torchao", ("quantized_data", "quantized_scalers", "quantization_factor",
                                  "scaler_mean", "nf4"))])
 def test_the_plan_names_each_4bit_tensors_format(kind, fmt, tensors):

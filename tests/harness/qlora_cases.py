@@ -1,6 +1,6 @@
 """QLoRA (issue 59): a tiny Hugging Face Llama whose linears are bitsandbytes 4-bit (nf4)
 ``Linear4bit``, wrapped with peft LoRA, trained by osdp-fx; rank 0 also trains the eager model
-(its Linear4bits replaced by ``NF4Linear``, bitwise equal to bitsandbytes) on the global
+(its Linear4bits replaced by ``BnbLinear4bit``, bitwise equal to bitsandbytes) on the global
 batch."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ VOCAB, BATCH, SEQ, LR, STEPS = 128, 2, 8, 0.5, 2
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize_linears(model: nn.Module, *, nested: bool = False) -> int:
+def quantize_linears(model: nn.Module, *, nested: bool = False, quant_type: str = "nf4") -> int:
     """Replace every projection ``nn.Linear`` of ``model`` by a bitsandbytes ``Linear4bit``
-    (nf4, computing in bfloat16) quantized from its weight, as ``from_pretrained`` with a
+    (``quant_type``, computing in bfloat16) quantized from its weight, as ``from_pretrained`` with a
     ``BitsAndBytesConfig(load_in_4bit=True)`` would; returns how many."""
     import bitsandbytes as bnb
 
@@ -33,10 +33,10 @@ def quantize_linears(model: nn.Module, *, nested: bool = False) -> int:
         for name, child in list(parent.named_children()):
             if name in PROJECTIONS and isinstance(child, nn.Linear):
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
-                                      compute_dtype=torch.bfloat16, quant_type="nf4",
+                                      compute_dtype=torch.bfloat16, quant_type=quant_type,
                                       compress_statistics=nested)
                 q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
-                                             quant_type="nf4",
+                                             quant_type=quant_type,
                                              compress_statistics=nested).to("cpu")
                 setattr(parent, name, q)
                 count += 1
@@ -60,7 +60,8 @@ def quantize_linears_ao(model: nn.Module) -> int:
 
 def build(*, nested: bool = False, kind: str = "bnb") -> nn.Module:
     """The tiny Llama (hidden 64, 2 layers, GQA 4/2, random bf16 weights, seed 0), its linears
-    4-bit (``kind``: bitsandbytes ``Linear4bit``, or ``"torchao"``: ``NF4Tensor`` weights), with
+    4-bit (``kind``: bitsandbytes ``Linear4bit`` nf4, ``"bnb_fp4"``: fp4, or ``"torchao"``:
+    ``NF4Tensor`` weights), with
     LoRA r=4 on all seven projections (``lora_B`` made nonzero), in train mode."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,7 +73,8 @@ def build(*, nested: bool = False, kind: str = "bnb") -> nn.Module:
                       max_position_embeddings=64, use_cache=False)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     quantize = quantize_linears_ao if kind == "torchao" else (
-        lambda m: quantize_linears(m, nested=nested))
+        lambda m: quantize_linears(m, nested=nested,
+                                   quant_type="fp4" if kind == "bnb_fp4" else "nf4"))
     assert quantize(model) == 14
     torch.manual_seed(1)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
@@ -100,7 +102,7 @@ def collectives_per_quantized_op(compiled: nn.Module) -> list[int]:
     from osdp_fx.runtime.params import all_gather_param, all_gather_params
 
     gathers = (all_gather_param, all_gather_params)
-    quantized = (torch.ops.osdp.linear_nf4.default, torch.ops.osdp.linear_ao_nf4.default)
+    quantized = (torch.ops.osdp.linear_bnb4bit.default, torch.ops.osdp.linear_ao_nf4.default)
     counts = []
     for node in compiled.graph_module.graph.nodes:
         if node.op == "call_function" and node.target in quantized:
@@ -156,7 +158,7 @@ def train(rank: int, world: int, *, plans: tuple[str, ...] = ("full_shard", "rep
                                    for n in quantized),
             "strategies": {p.name: p.strategy for p in compiled.plan.params},
             "collectives_per_op": collectives,
-            "replaced": sum(type(m).__name__ in ("NF4Linear", "AONF4Linear")
+            "replaced": sum(type(m).__name__ in ("BnbLinear4bit", "AONF4Linear")
                             for m in model.modules()),
         }
         del compiled, model
