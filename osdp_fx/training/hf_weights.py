@@ -135,11 +135,12 @@ class _HFReading:
         self.whole: dict[str, object] = {}
         missing, wrong, used = [], [], set()
         for group, names in aliases.items():
-            key = next((_key(n, prefix) for n in names if _key(n, prefix) in shapes), None)
-            if key is None:
+            held = [k for k in dict.fromkeys(_key(n, prefix) for n in names) if k in shapes]
+            if not held:
                 missing.append(group)
                 continue
-            used.add(key)
+            key = held[0]
+            used.update(held)  # a checkpoint may hold a tied weight under each of its names
             shape = table.full_shape(group)
             if tuple(shapes[key]) != tuple(shape):
                 wrong.append(f"{key}: checkpoint {shapes[key]}, model {shape}")

@@ -73,6 +73,13 @@ def test_loads_the_values_in_their_dtype_and_reports_what_it_did_not_pair(tmp_pa
     torch.testing.assert_close(state["model.head.weight"], values["embed.weight"].float(),
                                rtol=0, atol=0)  # tied
     torch.testing.assert_close(state["model.proj.bias"], values["proj.bias"], rtol=0, atol=0)
+    both = tmp_path / "both"  # a checkpoint holding the tied weight under each of its names
+    both.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = load_hf_weights(write(both, {**values, "head.weight": values["embed.weight"].clone()}),
+                                 compiled)
+    assert result.unexpected_keys == [] and result.missing_keys == []
 
 
 def test_errors_name_the_fix(tmp_path):
