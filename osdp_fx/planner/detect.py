@@ -417,8 +417,9 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
                 ranks[first:first + ranks_per_node], use_local_synchronization=True
             )
         keys, node_times = _time_collectives(node_group, device)
-        if node_group is not group:
-            dist.destroy_process_group(node_group)
+        # (not destroyed: a group made with use_local_synchronization is named by its ranks,
+        # and one made again under a destroyed one's name finds the old addresses in the store
+        # and fails to connect; while this one lives, the next is named apart)
         measured.append(("intra_node", ranks_per_node, keys))
         times += node_times
     if ranks_per_node < world_size:

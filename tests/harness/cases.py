@@ -312,3 +312,15 @@ def detect_to_json(rank: int, world: int, *, out_dir: str) -> None:
 
     detect_devices(memory_limit="1GiB").to_json(f"{out_dir}/node.{rank}.json")
     detect_devices(ranks_per_node=1).to_json(f"{out_dir}/nodes.{rank}.json")
+
+
+def links_measured_twice(rank: int, world: int, *, ranks_per_node: int) -> list[list[str]]:
+    """The link figures of a world of nodes measured twice in a row (each measurement makes
+    its node's group), as a process measures once for ``detect_devices()`` and again when
+    ``compile_osdp`` without devices measures its own: the figures' names each time."""
+    import torch
+
+    from osdp_fx.planner.detect import _measure_links
+
+    return [sorted(_measure_links(None, torch.device("cpu"), world, ranks_per_node))
+            for _ in range(2)]

@@ -110,6 +110,14 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert all(key.startswith("inter_node.") for key in nodes.collective_links)
 
 
+def test_links_are_measured_again_on_the_same_nodes(worlds) -> None:
+    """World 4 as 2 nodes x 2: a second measurement makes its node groups again (a group made
+    under a destroyed one's name found the old addresses and never connected)."""
+    results = worlds(4).run(cases.links_measured_twice, ranks_per_node=2)
+    for first, second in results:
+        assert first == second and "intra_node_latency_s" in first
+
+
 def test_the_gpu_margin_follows_the_caching_allocators_setting(monkeypatch):
     """expandable_segments:True (here through PYTORCH_CUDA_ALLOC_CONF, read when the allocator
     reports no settings of its own) fragments less: the search keeps a smaller margin."""
