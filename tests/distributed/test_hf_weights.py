@@ -43,10 +43,11 @@ def test_meta_model_filled_from_the_checkpoint_trains_like_from_pretrained(
         assert list(r["final"]) == list(r["ref_final"])
         for key, value in r["ref_final"].items():
             torch.testing.assert_close(r["final"][key], value, rtol=0, atol=0, msg=key)
-        # each rank reads its own rows: no file, and no whole model, is ever held
+        # each rank reads its own rows: never more than its parameters and one file, and
+        # under full_shard not half the model (a split weight is read whole, one at a time)
         assert r["peak"] <= r["param_bytes"] + r["largest_file"], r
-        if not split:  # (a split weight is read as a chunk, gathered whole and cut)
-            assert r["peak"] < r["largest_file"], r
+        if not split:
+            assert r["peak"] < r["model_bytes"] / 2, r
 
 
 def test_a_lora_model_takes_its_base_from_the_checkpoint(worlds, checkpoint):

@@ -304,5 +304,7 @@ def hf_weights_from_checkpoint(rank: int, world: int, *, directory: str, plan: A
             "ref_final": reference.full_state_dict(), "final": compiled.full_state_dict(),
             "peak": tracker.peak_bytes - tracker.start_bytes,
             "param_bytes": sum(held_bytes(p) for p in compiled.parameters()),
+            "model_bytes": sum(v.numel() * v.element_size()
+                               for v in reference.full_state_dict().values()),
             "largest_file": max(files), "files": len(files),
             "missing": result.missing_keys, "unexpected": result.unexpected_keys}
