@@ -151,7 +151,7 @@ def test_a_tensor_subclass_parameter_is_refused_with_the_packed_form_as_fix():
         warnings.simplefilter("ignore")
         from torchao.quantization import to_nf4
 
-    class BnbLinear4bit(torch.nn.Module):
+    class NF4Linear(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.weight = torch.nn.Parameter(to_nf4(torch.randn(256, 128)), requires_grad=False)
@@ -160,7 +160,7 @@ def test_a_tensor_subclass_parameter_is_refused_with_the_packed_form_as_fix():
             return torch.nn.functional.linear(x, self.weight.get_original_weight())
 
     with pytest.raises(OSDPError) as info:
-        compile_osdp(BnbLinear4bit(), (torch.randn(2, 128),))
+        compile_osdp(NF4Linear(), (torch.randn(2, 128),))
     assert_names_problem_and_fix(info.value, InputError, [
         "parameter 'weight' is a NF4Tensor, a tensor subclass", "plain tensors only",
         "packed form as a plain parameter", "docs/finetuning.md"])

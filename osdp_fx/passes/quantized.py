@@ -67,9 +67,9 @@ def dequantize_bnb4bit(weight: Tensor, absmax: Tensor, absmax2: Tensor | None,
                        shape: tuple[int, int] | list[int], dtype: torch.dtype,
                        quant_type: str = "nf4") -> Tensor:
     """The weight of ``shape`` in ``dtype`` (``quant_type`` "nf4" or "fp4"): bitsandbytes' own
-    ``functional.dequantize_4bit``
-    where bitsandbytes is installed (its kernels: on the CPU several times faster than the
-    portable :func:`dequantize_bnb4bit_torch`, to which it is bitwise equal), else that one."""
+    ``functional.dequantize_4bit`` where bitsandbytes is installed (its kernels: on the CPU
+    several times faster than the portable :func:`dequantize_bnb4bit_torch`, to which it is
+    bitwise equal), else that one."""
     torch._check(absmax.dtype in (torch.float32, torch.uint8),
                  lambda: f"NF4 absmax must stay float32 or uint8, got {absmax.dtype}")
     torch._check(absmax2 is None or absmax2.dtype == torch.float32,
@@ -265,9 +265,9 @@ def _frozen(t: Tensor | None) -> nn.Parameter | None:
 
 class BnbLinear4bit(nn.Module):
     """A bitsandbytes ``Linear4bit`` (nf4 or fp4, ``quant_type``) as plain frozen parameters (the
-    module docstring's table) and one ``osdp::linear_bnb4bit`` call. Computes in ``compute_dtype`` (the input's when
-    None) and returns the input's dtype, as ``Linear4bit`` does; the bias stays outside the op
-    and keeps its ``requires_grad``."""
+    module docstring's table) and one ``osdp::linear_bnb4bit`` call. Computes in
+    ``compute_dtype`` (the input's when None) and returns the input's dtype, as ``Linear4bit``
+    does; the bias stays outside the op and keeps its ``requires_grad``."""
 
     def __init__(self, weight: Tensor, absmax: Tensor, *, blocksize: int, out_features: int,
                  in_features: int, compute_dtype: torch.dtype | None = None,

@@ -77,8 +77,8 @@ def test_loads_the_values_in_their_dtype_and_reports_what_it_did_not_pair(tmp_pa
     both.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = load_hf_weights(write(both, {**values, "head.weight": values["embed.weight"].clone()}),
-                                 compiled)
+        tied_twice = {**values, "head.weight": values["embed.weight"].clone()}
+        result = load_hf_weights(write(both, tied_twice), compiled)
     assert result.unexpected_keys == [] and result.missing_keys == []
 
 
