@@ -68,9 +68,10 @@ def test_training_matches_single_process(worlds, tmp_path, model, plan):
 
 
 def test_mesh_from_local_world_size(worlds):
-    """No Devices: torchrun's LOCAL_WORLD_SIZE=2 makes the world 2 nodes x 2 ranks."""
+    """Devices that name no ranks per node: torchrun's LOCAL_WORLD_SIZE=2 makes the world 2
+    nodes x 2 ranks. (Given, not measured: ``test_detect.py`` measures a 2 x 2 world.)"""
     results = worlds(4).run(hc.with_env, env={"LOCAL_WORLD_SIZE": "2"}, case=cases.train,
-                            model="gpt", plan="hierarchical")
+                            model="gpt", plan="hierarchical", devices=Devices())
     assert results[0]["plan"]["ranks_per_node"] == 2
     cases.assert_matches_single_process(results, "gpt", 4)
 

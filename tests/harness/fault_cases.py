@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from osdp_fx import clip_grad_norm_, compile_osdp
+from osdp_fx import Devices, clip_grad_norm_, compile_osdp
 from osdp_fx.runtime.launch import free_port, init_world
 
 from .clip_cases import batches, build
@@ -59,7 +59,8 @@ def fault_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
         report["joined"] = time.time()
         net, loss_fn = build("gpt")
         data = [local(b, rank, world) for b in batches("gpt", global_batch=2 * world, steps=2)]
-        compiled = compile_osdp(net, data[0][:1], plan=plan)
+        # given devices: the faults, not a measurement of the machine, are under test
+        compiled = compile_osdp(net, data[0][:1], Devices(), plan=plan)
         opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
         report["compiled"] = time.time()
         for step, batch in enumerate(data):
