@@ -95,6 +95,13 @@ class Devices:
     shard accumulated into ``.grad``; a replicated group's gradient hook and bucket copies.
     ``detect`` measures it ([Note: the host lane] in ``cost_models/step.py``); 0 for a
     strategy missing here (datasheet presets: their runs are not host-bound)."""
+    bucket_host_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Measured host time the runtime spends per gather bucket per step beyond its members'
+    (``param_host_time_s``), by sharded strategy: the launch and completion of the bucket's
+    collectives on the host (the autograd function around its all-gather, its send buffer, the
+    release of its output, its re-gather's handle, its gradients' flat buffer and the reduced
+    chunk copied out). ``detect`` measures it ([Note: the host lane] in
+    ``cost_models/step.py``); 0 for a strategy missing here."""
     host_overlaps_device: bool = False
     """Whether the host runs ahead of the device: a GPU, whose kernels queue while the CPU
     dispatches the next ones, so a step takes the longer of the host's and the device's
@@ -158,6 +165,7 @@ class Devices:
                 ("optimizer_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
                 ("optimizer_sharded_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
                 ("param_host_time_s", _STRATEGIES, 0, "non-negative seconds"),
+                ("bucket_host_time_s", _STRATEGIES, 0, "non-negative seconds"),
                 ("compute_flops_per_s_by_dtype", DTYPES, 1e-300, "positive FLOP/s")):
             bad = {k: v for k, v in getattr(self, name).items() if k not in keys
                    or not isinstance(v, (int, float)) or not low <= v < float("inf")}
@@ -285,6 +293,7 @@ def device_memory_bytes(device: Any = None) -> int:
 
 _FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "optimizer_element_time_s",
             "optimizer_tensor_time_s", "optimizer_sharded_tensor_time_s", "param_host_time_s",
+            "bucket_host_time_s",
             "host_overlaps_device", "attention_efficiency", "compute_flops_per_s_by_dtype")
 """The fields of :class:`Devices` that are rates and times (not the world or the limit)."""
 

@@ -15,9 +15,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   time of the optimizer kind times the local numel (``detect_devices``); without measurements
   memory-bound, ``bytes_per_element(optimizer) * local numel / memory bandwidth``;
 * host time ``host_s(g, s)``: what the runtime spends on the host per step for a group under
-  ``s`` beyond its collectives and operators, measured (``Devices.param_host_time_s``; a
-  sharded group's optimizer step at the per-tensor time measured over DTensors); [Note: the
-  host lane];
+  ``s`` beyond its collectives and operators, measured (``Devices.param_host_time_s``, and
+  ``Devices.bucket_host_time_s`` once per gather bucket; a sharded group's optimizer step at
+  the per-tensor time measured over DTensors); [Note: the host lane];
 * compute time (forward + backward of the operators that read the group; the same for every
   strategy, attributed to the largest group an operator reads, for display); a recomputed
   region adds the forward of the operators it recomputes (:mod:`.recompute`);
@@ -92,7 +92,8 @@ class GroupCost:
     """Search memory held while the group's operators run."""
     host_s: float = 0.0
     """Host time the runtime spends on the group in a step beyond its collectives and
-    operators (``Devices.param_host_time_s``; [Note: the host lane])."""
+    operators (``Devices.param_host_time_s``, and ``Devices.bucket_host_time_s`` as a bucket of
+    its own; [Note: the host lane])."""
 
     @property
     def strategy_s(self) -> float:
@@ -209,7 +210,8 @@ def group_cost(
         strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
         comm_bytes=sum(st.nbytes for st in stages), optim_s=optim_s,
         persistent_bytes=persistent, transient_bytes=transient,
-        host_s=devices.param_host_time_s.get(state.strategy, 0.0),
+        host_s=(devices.param_host_time_s.get(state.strategy, 0.0)
+                + devices.bucket_host_time_s.get(state.strategy, 0.0)),
     )
 
 
@@ -219,7 +221,9 @@ def group_cost(
 # dispatch), the device (the operators' kernels) and the link (the collectives). The host time
 # the runtime spends per parameter group beyond its collectives' and operators' time is
 # measured by ``detect_devices`` (``planner/host_probe.py``: ``Devices.param_host_time_s``, by
-# strategy) and charged to the group (``GroupCost.host_s``); the optimizer's per-tensor time
+# strategy) and charged to the group (``GroupCost.host_s``), and so is what it spends per gather
+# bucket (``Devices.bucket_host_time_s``: its collectives' launch and completion), once per
+# bucket (its first member's); the optimizer's per-tensor time
 # over sharded parameters (DTensors) is measured apart (``optimizer_sharded_tensor_time_s``).
 # Where the host is the device (the CPU: ``Devices.host_overlaps_device`` False), the lanes
 # are one: every host second is a second of the step, and the step is compute + communication
@@ -337,9 +341,9 @@ def predict_step_time(
                          reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes))
         for name, state in params.items()
     }
-    # A bucket pays each collective's latency once: its members after the first ride in the
-    # first one's all-gather and re-gather in backward, its trainable members after the first
-    # in the first one's reduce-scatter.
+    # A bucket pays each collective's latency and its host time once: its members after the
+    # first ride in the first one's all-gather and re-gather in backward, its trainable members
+    # after the first in the first one's reduce-scatter.
     gather, scatter = (collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
     buckets = sharded_gather_buckets(facts, params, devices.world_size,
                                      schedule.gather_bucket_bytes)
@@ -357,8 +361,10 @@ def predict_step_time(
                 scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
                 saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)
+            host_saved = devices.bucket_host_time_s.get(params[name].strategy, 0.0) if k else 0.0
             costs[name] = dataclasses.replace(costs[name],
-                                              comm_s=max(0.0, costs[name].comm_s - saved))
+                                              comm_s=max(0.0, costs[name].comm_s - saved),
+                                              host_s=costs[name].host_s - host_saved)
     compute_s = other_s + sum(per_group.values())
     comm_s = sum(c.comm_s for c in costs.values()) - hidden_gather_s(
         facts, params, devices, prefetch=schedule.prefetch,

@@ -23,10 +23,11 @@ from typing import Any
 
 from ..core.devices import OPTIMIZERS, Devices, device_memory_bytes
 from ..core.presets import GPU_MEMORY_MARGIN, GPU_MEMORY_MARGIN_EXPANDABLE
+from ..core.layout import WORLD
 from ..core.strategies import COLLECTIVES
 from ..cost_models.communication import CollectiveSample, Link, fit_link, network_link
 from ..errors import InputError
-from .host_probe import param_host_times, sharded_optimizer_tensor_times
+from .host_probe import bucket_host_times, param_host_times, sharded_optimizer_tensor_times
 from ..units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -164,22 +165,41 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
 
 def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], object] | None,
                   world_size: int, distributed: bool) -> dict[str, Any]:
-    """What the runtime costs on the host (``host_probe.py``): per parameter per step by
-    strategy, and the optimizer's per-tensor time over sharded parameters; the slowest rank's."""
+    """What the runtime costs on the host (``host_probe.py``): per parameter and per gather
+    bucket per step by strategy, and the optimizer's per-tensor time over sharded parameters;
+    the slowest rank's."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if distributed else 0
 
+    # On the CPU, the main thread's CPU time: what the runtime's work costs, without the waits
+    # for the other ranks (the collectives' link figures hold those), which made the wall
+    # clock's figure vary several times over between measurements ([Note: host time by the
+    # thread's clock]). On a GPU the wall clock, synchronized (the host waits for kernels).
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+
     def timer(fn: Callable[[], object]) -> float:
-        return _median_time_s(fn, device, barrier=barrier)
+        return _median_time_s(fn, device, barrier=barrier, clock=clock)
 
     param_s = param_host_times(timer, world_size=world_size, rank=rank, device=device)
+    bucket_s = bucket_host_times(timer, world_size=world_size, rank=rank, device=device)
     optimizer_s = sharded_optimizer_tensor_times(timer, tuple(optimizers), _optimizer,
                                                  world_size=world_size, rank=rank, device=device)
-    slowest = _all_reduce_floats([*param_s.values(), *optimizer_s], "max", None, device,
-                                 distributed)
-    return {"param_host_time_s": dict(zip(param_s, slowest[:len(param_s)])),
-            "optimizer_sharded_tensor_time_s": dict(zip(optimizers, slowest[len(param_s):]))}
+    slowest = iter(_all_reduce_floats([*param_s.values(), *bucket_s.values(), *optimizer_s],
+                                      "max", None, device, distributed))
+    return {"param_host_time_s": dict(zip(param_s, slowest)),
+            "bucket_host_time_s": dict(zip(bucket_s, slowest)),
+            "optimizer_sharded_tensor_time_s": dict(zip(optimizers, slowest))}
+
+
+# [Note: host time by the thread's clock]
+# The host probe's figures are differences of two step times of a chain whose collectives wait
+# for the other ranks. By the wall clock those waits vary from run to run by more than the
+# runtime's own work per parameter, and the figure for full_shard ranged from 15 to 67 µs per
+# parameter over eight measurements on one idle 2-core machine (``docs/benchmarks.md``). The
+# rank's own thread's CPU time (``time.thread_time``) counts the work and not the waits, which
+# the collectives' link figures hold: on the CPU, where the host is the device, the probe times
+# by it. A GPU's host waits for its kernels, so there it times by the synchronized wall clock.
 
 
 def _ranks_per_node_from_hosts(group: Any) -> int:
@@ -213,10 +233,11 @@ def _synchronize(device: Any) -> None:
 def _median_time_s(
     fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None,
     between: Callable[[], object] | None = None, repeats: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Median time of ``fn``; with ``barrier``, the trimmed mean over runs of ``_BACK_TO_BACK``
-    calls after one barrier, each call preceded by ``between`` (whose own time is not
-    counted)."""
+    """Median time of ``fn`` by ``clock`` (default: the wall); with ``barrier``, the trimmed
+    mean over runs of ``_BACK_TO_BACK`` calls after one barrier, each call preceded by
+    ``between`` (whose own time is not counted)."""
 
     def run() -> None:
         for _ in range(_BACK_TO_BACK if barrier is not None else 1):
@@ -230,11 +251,11 @@ def _median_time_s(
             if barrier is not None:
                 barrier()
             _synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             body()
             _synchronize(device)
             if i:
-                times.append((time.perf_counter() - start) / (_BACK_TO_BACK if barrier else 1))
+                times.append((clock() - start) / (_BACK_TO_BACK if barrier else 1))
         if barrier is None:
             return statistics.median(times)
         # A collective's time is bimodal (whether the ranks arrive together or not), and a step
@@ -455,16 +476,28 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
 
 
 def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], list[float]]:
-    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size, as a
-    training step issues them: started asynchronously and waited for, each after some compute
-    (a matmul, whose time is subtracted). Timed back to back instead, with nothing in between,
-    small collectives on CPU gloo cost about half as much as they do inside a step."""
+    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size, run as
+    a training step runs them: through the runtime's own collectives (``runtime/
+    collectives.py``: its output allocated per call, gloo's reduce-scatter run as an all-reduce
+    of a buffer handed over, its wait for gloo to release the output), started asynchronously
+    and waited for, each after some compute (a matmul, whose time is subtracted). Timed back
+    to back instead, with nothing in between, small collectives on CPU gloo cost about half as
+    much as they do inside a step."""
     import torch
     import torch.distributed as dist
 
+    from ..runtime.collectives import (
+        all_gather_flat_start,
+        all_reduce_sum_start,
+        reduce_scatter_flat_start,
+        register_group,
+    )
+
     size = dist.get_world_size(group)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    name = WORLD
+    if group is not None:
+        name = f"detect.ranks{'-'.join(map(str, dist.get_process_group_ranks(group)))}"
+        register_group(name, group)
     n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     keys: list[tuple[str, int]] = []
@@ -473,13 +506,12 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
         numel = max(size, nbytes // 4 // size * size)
         full = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // size, device=device)
-        # outputs are allocated per call, as the runtime does
         runs: dict[str, Callable[[], object]] = {
-            "all_gather": lambda: all_gather(torch.empty_like(full), shard, group=group,
-                                             async_op=True).wait(),
-            "reduce_scatter": lambda: reduce_scatter(torch.empty_like(shard), full, group=group,
-                                                     async_op=True).wait(),
-            "all_reduce": lambda: dist.all_reduce(full, group=group, async_op=True).wait(),
+            "all_gather": lambda: all_gather_flat_start(shard, name).wait(),
+            # the runtime hands over the flat gradient it packed (here: a fresh buffer)
+            "reduce_scatter": lambda: reduce_scatter_flat_start(
+                torch.empty_like(full), name, consume=True).wait(),
+            "all_reduce": lambda: all_reduce_sum_start(full, name).wait(),
         }
         for collective, run in runs.items():
             keys.append((collective, numel * 4))

@@ -1,12 +1,14 @@
 """What the runtime itself costs on the host, measured: ``detect_devices``'s probe of the figures
-``Devices.param_host_time_s`` and ``Devices.optimizer_sharded_tensor_time_s``.
+``Devices.param_host_time_s``, ``Devices.bucket_host_time_s`` and
+``Devices.optimizer_sharded_tensor_time_s``.
 
 A compiled step spends host time that neither its operators' profile nor its collectives'
 link figures hold ([Note: the host lane] in ``cost_models/step.py``): per sharded parameter,
 its copies into and out of its gather bucket's flat buffers, its ``DTensor`` views, the handle
 that re-gathers it in backward, its gradient's packing and the accumulation of the reduced
-shard; per replicated parameter, the reducer's hook and bucket copies; per sharded parameter
-in the optimizer, the ``DTensor`` dispatch of its update.
+shard; per gather bucket, the launch and completion of its collectives; per replicated
+parameter, the reducer's hook and bucket copies; per sharded parameter in the optimizer, the
+``DTensor`` dispatch of its update.
 
 The probe runs what a compiled module runs, through the runtime's own functions
 (``runtime/forward.py``'s ``ModuleRuntime``, ``runtime/params.py``'s gathers): a chain of
@@ -14,8 +16,11 @@ The probe runs what a compiled module runs, through the runtime's own functions
 gathers small parameters), forward and backward, once with ``k = 8`` and once with ``k = 40``.
 The difference divided by 32 is one parameter's time (the median of three such differences);
 the same chain over plain tensors, timed the same way, is subtracted (its operators are the
-profile's). The collectives are the same in
-both runs (one bucket), so their time cancels too.
+profile's). The collectives are the same in both runs (one bucket), so their time cancels
+too. A bucket's time is the chain of 40 gathered in 8 buckets against the same chain in one,
+less the time of one bucket's collectives run bare (which the link figures hold).
+On the CPU each is timed by the rank's own thread's clock ([Note: host time by the thread's
+clock] in ``planner/detect.py``).
 """
 
 from __future__ import annotations
@@ -82,6 +87,57 @@ def sharded_optimizer_tensor_times(
     return times
 
 
+def bucket_host_times(timer: Callable[[Callable[[], object]], float], *, world_size: int,
+                      rank: int, device: Any = "cpu") -> dict[str, float]:
+    """Host seconds per gather bucket per step of the runtime under each sharded strategy,
+    beyond its members' (:func:`param_host_times`): the probe's chain of
+    ``PROBE_PARAMS[1]`` parameters gathered in ``PROBE_BUCKETS`` buckets against the same chain
+    in one, the difference over the extra buckets (the median of ``PROBE_REPEATS``). A bucket's
+    collectives are launched, waited for and completed on the host: the autograd function
+    around its all-gather, its send buffer, the release of its output, its re-gather's saved
+    handle, its gradients' flat buffer and the reduced chunk copied out."""
+    params = PROBE_PARAMS[1]
+    times = {}
+    for strategy in _MEASURED:
+        if not traits(strategy).sharded:
+            continue
+        one = _runtime_step(strategy, params, world_size, rank, device)
+        several = _runtime_step(strategy, params, world_size, rank, device,
+                                buckets=PROBE_BUCKETS)
+        bare = _bucket_collectives(strategy, params // PROBE_BUCKETS, world_size, device)
+        times[strategy.value] = max(0.0, statistics.median(
+            (timer(several) - timer(one)) / (PROBE_BUCKETS - 1) - timer(bare)
+            for _ in range(PROBE_REPEATS)))
+    for strategy in Strategy:
+        if traits(strategy).sharded:
+            times.setdefault(strategy.value, times[Strategy.FULL_SHARD.value])
+    return times
+
+
+def _bucket_collectives(strategy: Strategy, members: int, world_size: int,
+                        device: Any) -> Callable[[], object]:
+    """One bucket's collectives alone, as the runtime's collective functions run them: its
+    all-gather (twice where backward re-gathers) and its gradients' reduce-scatter. Their time
+    is the link figures' (``detect._time_collectives`` times the same functions), so the
+    bucket's host time is what the runtime adds around them."""
+    import torch
+
+    from ..runtime.collectives import WORLD, all_gather_flat_start, reduce_scatter_flat_start
+
+    numel = -(-members * PROBE_SIDE * PROBE_SIDE // world_size) * world_size
+    shard = torch.zeros(numel // world_size, device=device)
+    gathers = 2 if traits(strategy).freed_after_forward else 1
+
+    def run() -> None:
+        for _ in range(gathers):
+            all_gather_flat_start(shard, WORLD).wait()
+        reduce_scatter_flat_start(torch.empty(numel, device=device), WORLD, consume=True).wait()
+
+    return run
+
+
+PROBE_BUCKETS = 8
+"""Buckets the probe's long chain is gathered in for :func:`bucket_host_times`."""
 PROBE_REPEATS = 3
 """Times each slope is measured; the median is kept (a step of collectives between processes
 that share cores varies from run to run, and one slope of two such times can be off by more
@@ -115,9 +171,10 @@ def _plain_step(k: int, device: Any) -> Callable[[], object]:
 
 
 def _runtime_step(strategy: Strategy, k: int, world_size: int, rank: int,
-                  device: Any) -> Callable[[], object]:
+                  device: Any, *, buckets: int = 1) -> Callable[[], object]:
     """One forward and backward of the probe's chain as a compiled module runs it under
-    ``strategy`` (gradients set to None after each, as ``zero_grad()`` does)."""
+    ``strategy``, a sharded chain gathered in ``buckets`` buckets of equal length (gradients
+    set to None after each, as ``zero_grad()`` does)."""
     import torch
 
     from ..runtime.accumulation import GradSync, HeldGrads
@@ -150,11 +207,12 @@ def _runtime_step(strategy: Strategy, k: int, world_size: int, rank: int,
 
     def step() -> None:
         with runtime.forward() as scope:
+            weights = params
             if t.sharded:
-                weights = all_gather_params(tuple(params), (shape,) * k, strategy.value, WORLD,
-                                            regather_together=True)
-            else:
-                weights = params
+                per = k // buckets
+                weights = [w for i in range(0, k, per) for w in all_gather_params(
+                    tuple(params[i:i + per]), (shape,) * per, strategy.value, WORLD,
+                    regather_together=True)]
             y = x
             for w in weights:
                 y = y @ w

@@ -5,6 +5,7 @@ hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import sympy
 import torch
 
 from osdp_fx import Devices
+from osdp_fx.core.buckets import Schedule
 from osdp_fx.core.setting import StepSetting
 from osdp_fx.cost_models.step import StepTime, lanes_s, optimizer_time_s
 from osdp_fx.errors import InputError
@@ -78,6 +80,28 @@ def test_each_group_pays_its_strategys_host_time_once_per_step(strategy: str) ->
     assert host.peak_memory_bytes == base.peak_memory_bytes
 
 
+def test_a_gather_bucket_pays_its_host_time_once() -> None:
+    """In gather buckets of 1 MiB the MLP's 6 groups (130 KiB) are one bucket: its first member
+    pays the bucket's host time, the other 5 ride in it; a figure for another strategy is not
+    charged."""
+    plan = dataclasses.replace(_planned("full_shard", DEVICES).plan,
+                               schedule=Schedule(gather_bucket_bytes=2**20))
+
+    def planned(devices: Devices):
+        torch.manual_seed(0)
+        model, x = MLP((64, 128, 128, 64)), torch.randn(8, 64)
+        return plan_model(capture(model, (x,)), (x,), plan,
+                          StepSetting(devices, optimizer="sgd")).plan
+
+    base = planned(DEVICES)
+    host = planned(Devices(**_fields(DEVICES), bucket_host_time_s={"full_shard": 1e-3}))
+    assert host.prediction.host_s == pytest.approx(base.prediction.host_s + 1e-3)
+    assert host.step_time_s == pytest.approx(base.step_time_s + 1e-3)
+    assert host.prediction.comm_s == pytest.approx(base.prediction.comm_s)
+    other = planned(Devices(**_fields(DEVICES), bucket_host_time_s={"shard_grad_op": 1.0}))
+    assert other.step_time_s == pytest.approx(base.step_time_s)
+
+
 def test_a_host_lane_beside_the_device_counts_only_where_it_is_the_longer() -> None:
     fields = _fields(DEVICES)
     base = _planned("full_shard", Devices(**fields, host_overlaps_device=True)).plan.prediction
@@ -95,6 +119,8 @@ def test_a_host_lane_beside_the_device_counts_only_where_it_is_the_longer() -> N
 def test_host_figures_are_checked() -> None:
     with pytest.raises(InputError, match="param_host_time_s.*strategies"):
         Devices(param_host_time_s={"fsdp": 1e-4})
+    with pytest.raises(InputError, match="bucket_host_time_s.*strategies"):
+        Devices(bucket_host_time_s={"zero3": 1e-4})
     with pytest.raises(InputError, match="optimizer_sharded_tensor_time_s"):
         Devices(optimizer_sharded_tensor_time_s={"sgd": -1.0})
     with pytest.raises(InputError, match="host_overlaps_device"):
@@ -113,6 +139,10 @@ def test_detect_devices_measures_the_host_figures_in_one_process() -> None:
     assert set(devices.param_host_time_s) == {"replicate", "shard_grad_op", "full_shard",
                                               "hybrid_shard", "hierarchical"}
     assert all(0 <= t < 0.1 and math.isfinite(t) for t in devices.param_host_time_s.values())
+    # per gather bucket: the sharded strategies' (one process: its collectives are copies)
+    assert set(devices.bucket_host_time_s) == {"shard_grad_op", "full_shard", "hybrid_shard",
+                                               "hierarchical"}
+    assert all(0 <= t < 0.1 and math.isfinite(t) for t in devices.bucket_host_time_s.values())
     assert set(devices.optimizer_sharded_tensor_time_s) == {"sgd", "sgd_momentum", "adam",
                                                             "adamw"}
     assert devices.host_overlaps_device is False  # this CPU
