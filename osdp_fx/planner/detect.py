@@ -173,9 +173,8 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
     rank = dist.get_rank() if distributed else 0
 
     # On the CPU, the main thread's CPU time: what the runtime's work costs, without the waits
-    # for the other ranks (the collectives' link figures hold those), which made the wall
-    # clock's figure vary several times over between measurements ([Note: host time by the
-    # thread's clock]). On a GPU the wall clock, synchronized (the host waits for kernels).
+    # for the other ranks ([Note: host time by the thread's clock]). On a GPU the wall clock,
+    # synchronized (the host waits for kernels).
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
 
     def timer(fn: Callable[[], object]) -> float:
@@ -195,8 +194,8 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
 # [Note: host time by the thread's clock]
 # The host probe's figures are differences of two step times of a chain whose collectives wait
 # for the other ranks. By the wall clock those waits vary from run to run by more than the
-# runtime's own work per parameter, and the figure for full_shard ranged from 15 to 67 µs per
-# parameter over eight measurements on one idle 2-core machine (``docs/benchmarks.md``). The
+# runtime's own work per parameter, and the figure varied several times over between
+# measurements on one idle machine (``docs/cost-models.md`` gives the figures). The
 # rank's own thread's CPU time (``time.thread_time``) counts the work and not the waits, which
 # the collectives' link figures hold: on the CPU, where the host is the device, the probe times
 # by it. A GPU's host waits for its kernels, so there it times by the synchronized wall clock.
