@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import statistics
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -191,6 +193,7 @@ def profile_graph_pass(
     fake: bool = False,
     meta_device: torch.device | str = "cpu",
     share_repeats: bool = True,
+    whole_graph: bool = False,
 ) -> PassResult:
     """Write a :class:`NodeProfile` into ``osdp_meta(node).profile`` for every node of ``gm``.
 
@@ -200,7 +203,9 @@ def profile_graph_pass(
     meta tensors become fake tensors of ``meta_device`` (where a meta model will be
     materialised: a graph captured by export names it in its tensor factories), and a block that
     repeats an earlier one takes its profiles without running (``share_repeats``, [Note:
-    repeated blocks]). Returns ``PassResult(gm, False)``: the graph is not changed.
+    repeated blocks]). ``whole_graph``: on the CPU, the measured node times are then scaled to
+    the whole graph's forward and backward, timed as a step runs them
+    (:func:`scale_to_whole_graph`). Returns ``PassResult(gm, False)``: the graph is not changed.
     """
     if warmup < 0 or repeats < 1:
         raise InputError(
@@ -216,6 +221,8 @@ def profile_graph_pass(
     profiler = NodeProfiler(gm, warmup=warmup, repeats=repeats, fake=fake,
                              meta_device=torch.device(meta_device), share_repeats=share_repeats)
     profiler.profile(list(example_inputs))
+    if whole_graph and not fake and not any(t.is_cuda for t in tensors):
+        scale_to_whole_graph(gm, example_inputs, warmup=warmup, repeats=repeats)
     summary = summarize_profile(gm)
     log.info(
         "profiled %d nodes (%d of them as a repeated block's): %.3g forward FLOPs, %.3g "
@@ -224,6 +231,69 @@ def profile_graph_pass(
         _format_time(summary.fwd_time_s), _format_time(summary.bwd_time_s),
     )
     return PassResult(gm, False)
+
+
+# [Note: the whole graph's time]
+# A node profiled alone runs on fresh copies of its inputs, through an interpreter, between
+# synchronizations; the step runs the compiled graph's code straight through, its autograd
+# engine walking the backward, and on a CPU whose cores the other ranks' steps share. The sum
+# of the nodes' medians missed a step's computation both ways: a few per cent to 15 % short on
+# one rank per core, and half of it where four ranks shared two cores, the medians being the
+# runs no other rank interrupted (``docs/benchmarks.md``, "Predicted against measured").
+# So on the CPU the profile also times the whole graph, forward and then backward over the
+# parameters that train, as a step runs it (every rank at once, after the planner's barrier),
+# and scales the nodes' forward times, and apart their backward times, so that each adds up to
+# the whole's. The nodes keep their shares, which is what the schedule and overlap models
+# read; the step model reads the sums. On a GPU a node's time is its kernels' (CUDA events,
+# [Note: timing a node on a GPU]), which the wall clock of the whole graph would mix with the
+# host's dispatch, so the scaling is not done there.
+
+
+def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, warmup: int,
+                         repeats: int) -> tuple[float, float] | None:
+    """Scale the measured node times of ``gm`` so that the forward times add up to the whole
+    graph's forward and the backward times to its backward, each the median of ``repeats``
+    runs of ``gm(*example_inputs)`` and of a backward from its floating outputs to the
+    parameters that require grad, after ``warmup`` ([Note: the whole graph's time]). Returns
+    the two factors, or None where nothing was scaled (no timed node, or the graph did not run
+    straight through: logged)."""
+    timed = [n for n in gm.graph.nodes
+             if (p := osdp_meta(n).profile) is not None and p.fwd_time_s is not None]
+    node_fwd = sum(osdp_meta(n).profile.fwd_time_s for n in timed)
+    node_bwd = sum(osdp_meta(n).profile.bwd_time_s for n in timed)
+    if not timed or node_fwd <= 0:
+        return None
+    leaves = [p for p in gm.parameters() if p.requires_grad]
+    forward, backward = [], []
+    try:
+        for i in range(warmup + repeats):
+            start = time.perf_counter()
+            with torch.enable_grad():
+                outputs = [t for t in _tensor_list(gm(*example_inputs))
+                           if t.requires_grad and differentiable(t)]
+            middle = time.perf_counter()
+            if outputs and leaves:
+                torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs],
+                                    allow_unused=True)
+            end = time.perf_counter()
+            if i >= warmup:
+                forward.append(middle - start)
+                backward.append(end - middle)
+            del outputs
+    except Exception as e:  # the nodes' own times stand
+        log.warning("the profile keeps its node times: running the whole graph failed with "
+                    "%s: %s", type(e).__name__, e)
+        return None
+    fwd_scale = statistics.median(forward) / node_fwd
+    bwd_scale = statistics.median(backward) / node_bwd if node_bwd > 0 else 1.0
+    for n in timed:
+        profile = osdp_meta(n).profile
+        osdp_meta(n).profile = dataclasses.replace(
+            profile, fwd_time_s=profile.fwd_time_s * fwd_scale,
+            bwd_time_s=profile.bwd_time_s * bwd_scale)
+    log.info("profile scaled to the whole graph: forward x%.3f, backward x%.3f", fwd_scale,
+             bwd_scale)
+    return fwd_scale, bwd_scale
 
 
 def slowest_rank_times_pass(gm: fx.GraphModule) -> PassResult:
@@ -268,7 +338,7 @@ class ProfileGraph(GraphPass, name="profile", requires={"normalized"}, ensures={
                    invalidates={"slowest_rank_times"}):
     """The pipeline's ``profile`` (``passes/pipeline.py``): :func:`profile_graph_pass` on
     ``example_inputs`` with its keyword ``options`` (``warmup``, ``repeats``, ``fake``,
-    ``meta_device``, ``share_repeats``)."""
+    ``meta_device``, ``share_repeats``, ``whole_graph``)."""
 
     def __init__(self, example_inputs: Sequence[Any], **options: Any) -> None:
         self.example_inputs, self.options = example_inputs, options

@@ -232,8 +232,10 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
             precision: MixedPrecision | None = None,
             max_shape: tuple[int, int | None] | None = None,
             share_repeats: bool = True) -> Analysis:
-    """Profile ``captured.gm`` on ``example_inputs``; in a process group, the node times are
-    made the same on every rank, summing to the slowest rank's (``slowest_rank_times_pass``).
+    """Profile ``captured.gm`` on ``example_inputs``, the node times scaled to the whole
+    graph's on the CPU ([Note: the whole graph's time] in ``passes/profile.py``); in a process
+    group, the node times are made the same on every rank, summing to the slowest rank's
+    (``slowest_rank_times_pass``).
 
     Measured once per process group for a graph and its inputs' and parameters' shapes: a later
     call with the same reuses those times (the last few are kept), so that compiling the same
@@ -249,7 +251,8 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
         with unchanged_state(captured.gm):
             run_pipeline(captured.gm, [ProfileGraph(
                 example_inputs, warmup=warmup, repeats=repeats, fake=fake,
-                meta_device=captured.materialize_device or "cpu", share_repeats=share_repeats)])
+                meta_device=captured.materialize_device or "cpu", share_repeats=share_repeats,
+                whole_graph=True)])
         if not fake:
             run_pipeline(captured.gm, [SlowestRankTimes()])
             _remember_profile(captured.gm, key)
