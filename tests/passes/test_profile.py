@@ -3,6 +3,8 @@ fake mode equal to real mode, graph unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -403,3 +405,53 @@ def test_hugging_face_model_on_meta_profiles_like_the_one_on_the_cpu():
         compared += 1
     assert compared == len(real_profiles) > 50
     assert sum(osdp_meta(n).profile.fwd_flops for n in meta.gm.graph.nodes) > 0
+
+
+# -- the whole graph's time ([Note: the whole graph's time]) ----------------------------------
+
+def test_node_times_are_scaled_to_the_whole_graph_keeping_their_shares() -> None:
+    """Node times inflated to 10 s each are brought down to what running the whole graph
+    takes (far under a second for this MLP), forward and backward apart, each node keeping its
+    share of its sum; the parameters' gradients and the graph are left as they were."""
+    torch.manual_seed(0)
+    gm, x = trace(MLP()), torch.randn(4, 16)
+    profile_graph_pass(gm, (x,), **FAST)
+    timed = [n for n in gm.graph.nodes if osdp_meta(n).profile.fwd_time_s]
+    for k, n in enumerate(timed):
+        profile = osdp_meta(n).profile
+        osdp_meta(n).profile = dataclasses.replace(
+            profile, fwd_time_s=10.0 * (k + 1),
+            bwd_time_s=20.0 * (k + 1) if profile.bwd_time_s else 0.0)
+    before = {n: (osdp_meta(n).profile.fwd_time_s, osdp_meta(n).profile.bwd_time_s)
+              for n in timed}
+    code = gm.code
+    fwd_scale, bwd_scale = profile_module.scale_to_whole_graph(gm, (x,), warmup=1, repeats=3)
+    assert 0 < fwd_scale < 1e-2 and 0 < bwd_scale < 1e-2
+    fwd = sum(osdp_meta(n).profile.fwd_time_s for n in timed)
+    bwd = sum(osdp_meta(n).profile.bwd_time_s for n in timed)
+    assert 0 < fwd < 1.0 and 0 < bwd < 1.0
+    for n, (f, b) in before.items():
+        assert osdp_meta(n).profile.fwd_time_s == pytest.approx(f * fwd_scale)
+        assert osdp_meta(n).profile.bwd_time_s == pytest.approx(b * bwd_scale)
+    assert all(p.grad is None for p in gm.parameters())
+    assert gm.code == code
+
+
+def test_the_whole_graph_is_timed_only_where_asked_and_not_under_fake_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    gm, x = trace(MLP()), torch.randn(4, 16)
+    calls = []
+    original = profile_module.scale_to_whole_graph
+
+    def counted(*args, **kwargs):  # the real scaling, counted
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "scale_to_whole_graph", counted)
+    profile_graph_pass(gm, (x,), **FAST)
+    assert not calls
+    profile_graph_pass(gm, (x,), **FAST, fake=True, whole_graph=True)
+    assert not calls
+    profile_graph_pass(gm, (x,), **FAST, whole_graph=True)
+    assert len(calls) == 1
