@@ -92,8 +92,9 @@ class GroupCost:
     """Search memory held while the group's operators run."""
     host_s: float = 0.0
     """Host time the runtime spends on the group in a step beyond its collectives and
-    operators (``Devices.param_host_time_s``, and ``Devices.bucket_host_time_s`` as a bucket of
-    its own; [Note: the host lane])."""
+    operators (``Devices.param_host_time_s``; in a plan's prediction, also
+    ``Devices.bucket_host_time_s`` where the group leads its gather bucket; [Note: the host
+    lane])."""
 
     @property
     def strategy_s(self) -> float:
@@ -210,8 +211,7 @@ def group_cost(
         strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
         comm_bytes=sum(st.nbytes for st in stages), optim_s=optim_s,
         persistent_bytes=persistent, transient_bytes=transient,
-        host_s=(devices.param_host_time_s.get(state.strategy, 0.0)
-                + devices.bucket_host_time_s.get(state.strategy, 0.0)),
+        host_s=devices.param_host_time_s.get(state.strategy, 0.0),
     )
 
 
@@ -341,9 +341,10 @@ def predict_step_time(
                          reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes))
         for name, state in params.items()
     }
-    # A bucket pays each collective's latency and its host time once: its members after the
-    # first ride in the first one's all-gather and re-gather in backward, its trainable members
-    # after the first in the first one's reduce-scatter.
+    # A bucket pays each collective's latency once: its members after the first ride in the
+    # first one's all-gather and re-gather in backward, its trainable members after the first
+    # in the first one's reduce-scatter. Its host time is charged to its first member (not in
+    # ``group_cost``: the exact search bounds a step below by the groups' own costs).
     gather, scatter = (collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
     buckets = sharded_gather_buckets(facts, params, devices.world_size,
                                      schedule.gather_bucket_bytes)
@@ -361,10 +362,11 @@ def predict_step_time(
                 scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
                 saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)
-            host_saved = devices.bucket_host_time_s.get(params[name].strategy, 0.0) if k else 0.0
+            strategy = params[name].strategy
+            bucket_host = 0.0 if k else devices.bucket_host_time_s.get(strategy, 0.0)
             costs[name] = dataclasses.replace(costs[name],
                                               comm_s=max(0.0, costs[name].comm_s - saved),
-                                              host_s=costs[name].host_s - host_saved)
+                                              host_s=costs[name].host_s + bucket_host)
     compute_s = other_s + sum(per_group.values())
     comm_s = sum(c.comm_s for c in costs.values()) - hidden_gather_s(
         facts, params, devices, prefetch=schedule.prefetch,
