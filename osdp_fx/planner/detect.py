@@ -34,9 +34,12 @@ log = logging.getLogger(__name__)
 
 
 _COLLECTIVE_SIZES_BYTES = tuple(2**k for k in range(12, 25, 2))
-"""Message sizes of the collective benchmarks, 4 KiB to 16 MiB by factors of 4: small ones give
-latency, large ones bandwidth, and together they span the parameters plans move (a fit to
-fewer, wider-spaced sizes missed the times of the sizes in between on CPU gloo)."""
+"""Message sizes of the collective benchmarks on a GPU, 4 KiB to 16 MiB by factors of 4: small
+ones give latency, large ones bandwidth, and together they span the parameters plans move (a
+fit to fewer, wider-spaced sizes missed the times of the sizes in between on CPU gloo)."""
+_CPU_COLLECTIVE_SIZES_BYTES = _COLLECTIVE_SIZES_BYTES[:-1]
+"""On the CPU, 4 KiB to 4 MiB: gloo runs 4 MiB at its bandwidth already (several times its
+latency), and the 16 MiB runs took half of the collectives' measuring time."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
 _COLLECTIVE_REPEATS = 9
@@ -83,11 +86,11 @@ def detect_devices(
     Measured: dense matmul FLOP/s, memory bandwidth from a large copy, optimizer step
     times, what selective activation checkpointing adds per operator, and, by a fit of the ring
     alpha-beta model to each of all-gather, reduce-scatter and all-reduce over sizes from 4 KiB to
-    16 MiB, the bandwidth and latency of each collective inside a node (ranks sharing a host name)
-    and across nodes (``collective_links``; the scope's figures are the all-reduce's).
-    What the runtime itself costs on the host is measured over the default group (``group``
-    None): per parameter per step by strategy, and the optimizer's per-tensor time over
-    sharded parameters (``host_probe.py``).
+    4 MiB (16 MiB on a GPU), the bandwidth and latency of each collective inside a node (ranks
+    sharing a host name) and across nodes (``collective_links``; the scope's figures are the
+    all-reduce's). What the runtime itself costs on the host is measured over the default group
+    (``group`` None): per parameter and per gather bucket per step by strategy, and the
+    optimizer's per-tensor time over sharded parameters (``host_probe.py``).
     Figures that cannot be measured (inter-node on one node, all collectives without an
     initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
     defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
@@ -501,7 +504,8 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     keys: list[tuple[str, int]] = []
     times: list[float] = []
-    for nbytes in _COLLECTIVE_SIZES_BYTES:
+    sizes = _COLLECTIVE_SIZES_BYTES if device.type == "cuda" else _CPU_COLLECTIVE_SIZES_BYTES
+    for nbytes in sizes:
         numel = max(size, nbytes // 4 // size * size)
         full = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // size, device=device)

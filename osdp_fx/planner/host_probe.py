@@ -89,29 +89,22 @@ def sharded_optimizer_tensor_times(
 
 def bucket_host_times(timer: Callable[[Callable[[], object]], float], *, world_size: int,
                       rank: int, device: Any = "cpu") -> dict[str, float]:
-    """Host seconds per gather bucket per step of the runtime under each sharded strategy,
-    beyond its members' (:func:`param_host_times`): the probe's chain of
+    """Host seconds per gather bucket per step of the runtime under each sharded strategy
+    (full_shard's, measured: its bucket runs the most collectives, an all-gather, a re-gather
+    and a reduce-scatter, and a measurement per strategy doubled the probe's time for figures
+    within its noise), beyond its members' (:func:`param_host_times`): the probe's chain of
     ``PROBE_PARAMS[1]`` parameters gathered in ``PROBE_BUCKETS`` buckets against the same chain
     in one, the difference over the extra buckets (the median of ``PROBE_REPEATS``). A bucket's
     collectives are launched, waited for and completed on the host: the autograd function
     around its all-gather, its send buffer, the release of its output, its re-gather's saved
     handle, its gradients' flat buffer and the reduced chunk copied out."""
-    params = PROBE_PARAMS[1]
-    times = {}
-    for strategy in _MEASURED:
-        if not traits(strategy).sharded:
-            continue
-        one = _runtime_step(strategy, params, world_size, rank, device)
-        several = _runtime_step(strategy, params, world_size, rank, device,
-                                buckets=PROBE_BUCKETS)
-        bare = _bucket_collectives(strategy, params // PROBE_BUCKETS, world_size, device)
-        times[strategy.value] = max(0.0, statistics.median(
-            (timer(several) - timer(one)) / (PROBE_BUCKETS - 1) - timer(bare)
-            for _ in range(PROBE_REPEATS)))
-    for strategy in Strategy:
-        if traits(strategy).sharded:
-            times.setdefault(strategy.value, times[Strategy.FULL_SHARD.value])
-    return times
+    params, strategy = PROBE_PARAMS[1], Strategy.FULL_SHARD
+    one = _runtime_step(strategy, params, world_size, rank, device)
+    several = _runtime_step(strategy, params, world_size, rank, device, buckets=PROBE_BUCKETS)
+    bare = timer(_bucket_collectives(strategy, params // PROBE_BUCKETS, world_size, device))
+    seconds = max(0.0, statistics.median((timer(several) - timer(one)) / (PROBE_BUCKETS - 1)
+                                         for _ in range(PROBE_REPEATS)) - bare)
+    return {s.value: seconds for s in Strategy if traits(s).sharded}
 
 
 def _bucket_collectives(strategy: Strategy, members: int, world_size: int,
