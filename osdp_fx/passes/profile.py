@@ -205,7 +205,9 @@ def profile_graph_pass(
     repeats an earlier one takes its profiles without running (``share_repeats``, [Note:
     repeated blocks]). ``whole_graph``: on the CPU, the measured node times are then scaled to
     the whole graph's forward and backward, timed as a step runs them
-    (:func:`scale_to_whole_graph`). Returns ``PassResult(gm, False)``: the graph is not changed.
+    (:func:`scale_to_whole_graph`, at least ``WHOLE_GRAPH_REPEATS`` runs); in a process group
+    this is collective (the ranks time their graphs at once, after a barrier). Returns
+    ``PassResult(gm, False)``: the graph is not changed.
     """
     if warmup < 0 or repeats < 1:
         raise InputError(
@@ -222,7 +224,12 @@ def profile_graph_pass(
                              meta_device=torch.device(meta_device), share_repeats=share_repeats)
     profiler.profile(list(example_inputs))
     if whole_graph and not fake and not any(t.is_cuda for t in tensors):
-        scale_to_whole_graph(gm, example_inputs, warmup=warmup, repeats=repeats)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # every rank times its whole graph at once, as its steps run
+        scale_to_whole_graph(gm, example_inputs, warmup=warmup,
+                             repeats=max(repeats, WHOLE_GRAPH_REPEATS))
     summary = summarize_profile(gm)
     log.info(
         "profiled %d nodes (%d of them as a repeated block's): %.3g forward FLOPs, %.3g "
@@ -247,6 +254,12 @@ def profile_graph_pass(
 # read; the step model reads the sums. On a GPU a node's time is its kernels' (CUDA events,
 # [Note: timing a node on a GPU]), which the wall clock of the whole graph would mix with the
 # host's dispatch, so the scaling is not done there.
+
+
+WHOLE_GRAPH_REPEATS = 5
+"""The least number of timed runs of the whole graph (their median is kept): with the
+profile's 3, a run the other ranks slowed could set a small model's computation
+(``docs/benchmarks.md``, "Predicted against measured")."""
 
 
 def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, warmup: int,
