@@ -248,7 +248,7 @@ def profile_graph_pass(
 # one rank per core, and half of it where four ranks shared two cores, the medians being the
 # runs no other rank interrupted (``docs/benchmarks.md``, "Predicted against measured").
 # So on the CPU the profile also times the whole graph, forward and then backward over the
-# parameters that train, as a step runs it (every rank at once, after the planner's barrier),
+# parameters that train, as a step runs it (every rank at once, after a barrier),
 # and scales the nodes' forward times, and apart their backward times, so that each adds up to
 # the whole's. The nodes keep their shares, which is what the schedule and overlap models
 # read; the step model reads the sums. On a GPU a node's time is its kernels' (CUDA events,
