@@ -192,7 +192,7 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
                            small_bytes: int = SMALL_PARAM_BYTES,
                            region_first: Mapping[fx.Node, int] | None = None) -> list[list[fx.Node]]:
     """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
-    the runtime issues them: by first use, runs of ``full_shard``/``shard_grad_op`` parameters
+    the runtime issues them: by first use, runs of parameters of one sharded strategy
     bucketed into one (``buckets.gather_buckets`` with ``small_bytes``, a bucket holding a
     parameter that is not small within one block: ``buckets.block_of``). ``region_first``:
     the position of the first operator of the recomputed region each of its operators is in;
@@ -221,9 +221,8 @@ def _sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
 
     def key(n: fx.Node) -> tuple[str, int]:
         state = params[facts.param_of[n]]
-        flat = not traits(state.strategy).needs_mesh
         # gathers of different dtypes never share one flat buffer (but packed ones, as bytes)
-        return (state.gather_kind if flat else f"mesh {n}",
+        return (state.gather_kind,
                 gathered_param_bytes(state.numel, element_size=state.element_size,
                                      world_size=world_size, row=state.row))
 
@@ -256,10 +255,8 @@ def small_gather_key(state: ParamState, world_size: int,
                      small_bytes: int = SMALL_PARAM_BYTES) -> str | None:
     """What a sharded parameter's gather must share with a neighbour's to ride in its bucket
     (:func:`sharded_gather_buckets`: the strategy), or None when it never rides (larger than
-    the bucket, ``small_bytes``, and than :data:`~osdp_fx.core.buckets.SMALL_PARAM_BYTES` gathered,
-    or a mesh strategy)."""
-    if traits(state.strategy).needs_mesh:
-        return None
+    the bucket, ``small_bytes``, and than :data:`~osdp_fx.core.buckets.SMALL_PARAM_BYTES`
+    gathered)."""
     nbytes = gathered_param_bytes(state.numel, element_size=state.element_size,
                                   world_size=world_size, row=state.row)
     return state.gather_kind if nbytes <= max(small_bytes, SMALL_PARAM_BYTES) else None

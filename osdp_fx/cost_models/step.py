@@ -307,6 +307,24 @@ def bucket_copy_s(state: ParamState, devices: Devices, *, again: bool) -> float:
     return moved / devices.memory_bandwidth_bytes_per_s
 
 
+def bucket_latencies_s(strategy: str, devices: Devices, *, again: bool) -> tuple[float, float]:
+    """The latencies a member of a gather bucket after its first saves by riding in the
+    bucket's collectives under ``strategy``: (its all-gathers', re-gathered when ``again``;
+    its gradient's reduce-scatter and, under hybrid_shard, all-reduce), stage by stage
+    (``collective_stages``: a mesh strategy's bucket runs each of its stages once)."""
+    forward, backward = collective_stages(strategy, 0, 1, world_size=devices.world_size,
+                                          ranks_per_node=devices.ranks_per_node,
+                                          regathered=again)
+
+    def latency_s(stages: list[Any]) -> float:
+        return sum(collective_time_s(st.collective, 0, devices, group_size=st.ranks,
+                                     spans_nodes=st.spans_nodes(devices.num_nodes))
+                   for st in stages)
+
+    return (latency_s(forward + [st for st in backward if st.collective == "all_gather"]),
+            latency_s([st for st in backward if st.collective != "all_gather"]))
+
+
 def predict_step_time(
     gm: fx.GraphModule,
     params: Mapping[str, ParamState],
@@ -345,7 +363,6 @@ def predict_step_time(
     # first one's all-gather and re-gather in backward, its trainable members after the first
     # in the first one's reduce-scatter. Its host time is charged to its first member (not in
     # ``group_cost``: the exact search bounds a step below by the groups' own costs).
-    gather, scatter = (collective_time_s(c, 0, devices) for c in ("all_gather", "reduce_scatter"))
     buckets = sharded_gather_buckets(facts, params, devices.world_size,
                                      schedule.gather_bucket_bytes)
     together = {n for b in regathered_together(facts, params, buckets, devices.world_size,
@@ -356,9 +373,11 @@ def predict_step_time(
             name = facts.param_of[node]
             again = (node in together and name in regathered
                      and traits(params[name].strategy).freed_after_forward)
-            saved = gather * (2 if again else 1) if k else 0.0
+            gathers_s, reduces_s = bucket_latencies_s(params[name].strategy, devices,
+                                                      again=again)
+            saved = gathers_s if k else 0.0
             if params[name].trainable:
-                saved += scatter if scattered else 0.0
+                saved += reduces_s if scattered else 0.0
                 scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
                 saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)

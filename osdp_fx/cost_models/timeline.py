@@ -211,6 +211,9 @@ class _Gathers:
     regather_at: dict[tuple[fx.Node, fx.Node], Regather]
     """Backward's re-gathers of the full_shard parameters, by (parameter, saver)
     (``graph_facts.prefetched_regathers``)."""
+    together: frozenset[fx.Node]
+    """The members of buckets backward re-gathers in one all-gather
+    (``graph_facts.regathered_together``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,15 +370,15 @@ def _gathers(step: _Step) -> _Gathers:
     # when it is recomputed, and prefetching passes them by)
     saved_outside = {node: [j for j in facts.savers.get(node, []) if j not in spans]
                      for node in sharded}
+    together = regathered_together(facts, params, buckets, world_size, gather_bucket_bytes)
     regather_at = prefetched_regathers(
         [node for node in sharded if traits(params[param_of[node]].strategy).freed_after_forward
-         and saved_outside[node]], saved_outside, pos, step.bwd, prefetch,
-        regathered_together(facts, params, buckets, world_size, gather_bucket_bytes),
+         and saved_outside[node]], saved_outside, pos, step.bwd, prefetch, together,
         {n: gathered_param_bytes(params[param_of[n]].numel, world_size=world_size,
                                  element_size=params[param_of[n]].compute_size,
                                  row=params[param_of[n]].row) for n in sharded})
     return _Gathers(uses_of, at, buckets, bucket_of, by, split_at, bucket_alloc, gather_at,
-                    regather_at)
+                    regather_at, frozenset(n for b in together for n in b))
 
 
 def _scattered_when_ready(node: fx.Node, step: _Step, gathers: _Gathers) -> bool:
@@ -440,16 +443,22 @@ def _add_gathered(tl: Timeline, step: _Step, gathers: _Gathers, node: fx.Node,
                      Category.GATHERED, scaled=False)
         # A two-stage gather's second stage runs (allocating the buffer) a quarter step
         # before the use, when it is waited for; its first stage's block is alive from its
-        # start.
+        # start. A bucket's first stage brings 1/R of its flat buffer, which is charged from
+        # the bucket's all-gather to its split (``_add_buckets``, and below for a re-gather
+        # together) and freed after the second stage, before the split: the flat covers it.
         gather_at = gathers.gather_at[node]
-        wait = min(pos[u] for u in uses) - 0.25 if block else gather_at
-        tl.alive(min(gather_at, wait), wait, block, Category.COMMUNICATION, scaled=False)
+        alone = len(gathers.buckets[gathers.bucket_of[node]]) == 1
+        wait = min(pos[u] for u in uses) - 0.25 if block and alone else gather_at
+        tl.alive(min(gather_at, wait), wait, block if alone else 0, Category.COMMUNICATION,
+                 scaled=False)
         tl.alive(wait, last, gathered, Category.GATHERED, scaled=False)
         for j in saved_by:  # re-gathered alone, or with its bucket (split at its first unpack)
             r = gathers.regather_at.get((node, j))
             start, split = (r.start, r.split) if r else (bwd(pos[j]), bwd(pos[j]))
-            wait = bwd(pos[j]) - 0.25 if block else split
-            tl.alive(min(start, wait), wait, block, Category.COMMUNICATION, scaled=False)
+            alone = node not in gathers.together
+            wait = bwd(pos[j]) - 0.25 if block and alone else split
+            tl.alive(min(start, wait), wait, block if alone else 0, Category.COMMUNICATION,
+                     scaled=False)
             tl.alive(wait, bwd(pos[j]), gathered, Category.GATHERED, scaled=False)
             if r and r.flat_bytes:
                 tl.alive(start, split, r.flat_bytes, Category.COMMUNICATION, scaled=False)

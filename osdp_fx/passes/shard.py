@@ -57,7 +57,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.buckets import block_of, gather_buckets
-from ..core.layout import WORLD, shard_layout
+from ..core.layout import WORLD, shard_count, shard_layout
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
 from ..core.strategies import traits
 from ..plan.plan import Plan
@@ -79,8 +79,8 @@ from .quantized import quantized_format
 log = logging.getLogger(__name__)
 
 
-def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int,
-                    owners: dict[fx.Node, fx.Node]) -> None:
+def _bucket_gathers(gm: fx.GraphModule, world_size: int, ranks_per_node: int | None,
+                    bucket_bytes: int, owners: dict[fx.Node, fx.Node]) -> None:
     """Merge each bucket of :func:`gather_buckets` (``bucket_bytes``) into one
     ``all_gather_params`` node whose outputs (``getitem``) replace the members' gathers.
     ``owners``: the gathers of a quantized weight's tensors, each with the operator reading
@@ -93,16 +93,17 @@ def _bucket_gathers(gm: fx.GraphModule, world_size: int, bucket_bytes: int,
 
     def gathered_bytes(node: fx.Node) -> int:
         shard = gm.get_parameter(node.args[0].target)
-        return shard.numel() * world_size * shard.element_size()
+        chunks = shard_count(node.args[2], world_size, ranks_per_node)
+        return shard.numel() * chunks * shard.element_size()
 
-    # only flat gathers over the world share: a mesh strategy's shards are laid out per stage,
-    # and gathers of different dtypes never share one flat buffer; frozen and trainable
+    # gathers of one strategy over one group share (a mesh strategy's two-level gather, too:
+    # its stages bring the chunks in chunk order, as a flat one does, ``runtime/hierarchy.py``);
+    # gathers of different dtypes never share one flat buffer; frozen and trainable
     # parameters do (a LoRA layer's base weights and adapters alternate): the bucket's
     # reduce-scatter carries the trainable members' gradients alone
-    keys = [(f"{n.args[2]}/{sorted(n.kwargs.items())}/"
-             f"{'packed' if n in owners else gathered_dtype(n)}"
-             if n.args[3] == WORLD
-             else f"mesh {i}", gathered_bytes(n)) for i, n in enumerate(gathers)]
+    keys = [(f"{n.args[2]}/{n.args[3]}/{sorted(n.kwargs.items())}/"
+             f"{'packed' if n in owners else gathered_dtype(n)}", gathered_bytes(n))
+            for n in gathers]
     blocks = [block_of(osdp_meta(n).param or "") for n in gathers]
     frozen = [not gm.get_parameter(n.args[0].target).requires_grad for n in gathers]
     for bucket in gather_buckets(keys, bucket_bytes, blocks, frozen,
@@ -218,7 +219,8 @@ def shard_parameters_pass(
         set_osdp_meta(freed, role=NodeRole.FREE, param=node.target)
         n_frees += 1
 
-    _bucket_gathers(gm, world_size, plan.schedule.gather_bucket_bytes, owners)
+    _bucket_gathers(gm, world_size, plan.ranks_per_node, plan.schedule.gather_bucket_bytes,
+                    owners)
     _insert_prefetches(graph, plan.schedule.prefetch)
 
     in_graph = {n.target for n in param_nodes}

@@ -42,9 +42,10 @@ _CPU_COLLECTIVE_SIZES_BYTES = _COLLECTIVE_SIZES_BYTES[:-1]
 latency), and the 16 MiB runs took half of the collectives' measuring time."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
-_COLLECTIVE_REPEATS = 9
-"""Timed runs per collective benchmark: collectives between processes sharing cores vary the
-most from run to run."""
+_COLLECTIVE_REPEATS = 15
+"""Rounds of the collective benchmarks (``_interleaved_times_s``): collectives between
+processes sharing cores vary the most from run to run, and more rounds steady the fitted figures
+(``docs/benchmarks.md``, "Detection")."""
 
 
 CPU_MEMORY_MARGIN = 0.0
@@ -234,44 +235,69 @@ def _synchronize(device: Any) -> None:
 
 def _median_time_s(
     fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None,
-    between: Callable[[], object] | None = None, repeats: int | None = None,
-    clock: Callable[[], float] = time.perf_counter,
+    repeats: int | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Median time of ``fn`` by ``clock`` (default: the wall); with ``barrier``, the trimmed
-    mean over runs of ``_BACK_TO_BACK`` calls after one barrier, each call preceded by
-    ``between`` (whose own time is not counted)."""
-
-    def run() -> None:
-        for _ in range(_BACK_TO_BACK if barrier is not None else 1):
-            if between is not None:
-                between()
+    """Median time of ``fn`` by ``clock`` (default: the wall) over ``repeats`` runs after one
+    warmup; with ``barrier``, the trimmed mean over runs of ``_BACK_TO_BACK`` calls after one
+    barrier (as :func:`_interleaved_times_s` takes it)."""
+    calls = _BACK_TO_BACK if barrier is not None else 1
+    times = []
+    for i in range(1 + (repeats or _REPEATS)):
+        if barrier is not None:
+            barrier()
+        _synchronize(device)
+        start = clock()
+        for _ in range(calls):
             fn()
+        _synchronize(device)
+        if i:
+            times.append((clock() - start) / calls)
+    if barrier is None:
+        return statistics.median(times)
+    return statistics.mean(sorted(times)[1:-1])
 
-    def median(body: Callable[[], None]) -> float:
-        times = []
-        for i in range(1 + (repeats or _REPEATS)):
-            if barrier is not None:
-                barrier()
-            _synchronize(device)
-            start = clock()
-            body()
-            _synchronize(device)
-            if i:
-                times.append((clock() - start) / (_BACK_TO_BACK if barrier else 1))
-        if barrier is None:
-            return statistics.median(times)
-        # A collective's time is bimodal (whether the ranks arrive together or not), and a step
-        # pays the mean of both modes: the mean of the runs without the fastest and slowest.
-        return statistics.mean(sorted(times)[1:-1])
 
-    if between is None:
-        return median(run)
+def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
+                         barrier: Callable[[], object], between: Callable[[], object],
+                         rounds: int) -> list[float]:
+    """Each of ``runs``' time as a step pays it, timed in ``rounds`` rounds that each time every
+    run once (after one warmup round): a run is ``_BACK_TO_BACK`` calls after one barrier, each
+    call preceded by ``between``, whose own time (timed alone in each round) is subtracted.
 
-    def between_only() -> None:
+    Interleaved, a slow spell of the machine (the other ranks' processes, the system) falls on
+    every run alike instead of on the sizes timed during it, which bent the fitted bandwidth
+    when the sizes were timed one after the other. A collective's time is bimodal (whether
+    the ranks arrive together or not), and a step pays the mean of both modes: each run's time
+    is the mean of its rounds without the fastest and the slowest."""
+
+    def timed(body: Callable[[], object]) -> float:
+        barrier()
+        _synchronize(device)
+        start = time.perf_counter()
         for _ in range(_BACK_TO_BACK):
-            between()
+            body()
+        _synchronize(device)
+        return (time.perf_counter() - start) / _BACK_TO_BACK
 
-    return max(median(run) - median(between_only), 1e-7)
+    def with_between(fn: Callable[[], object]) -> Callable[[], object]:
+        def body() -> None:
+            between()
+            fn()
+        return body
+
+    bodies = [with_between(fn) for fn in runs]
+    samples: list[list[float]] = [[] for _ in bodies]
+    alone: list[float] = []
+    for i in range(1 + rounds):
+        for j, body in enumerate(bodies):
+            t = timed(body)
+            if i:
+                samples[j].append(t)
+        t = timed(between)
+        if i:
+            alone.append(t)
+    between_s = statistics.median(alone)
+    return [max(statistics.mean(sorted(ts)[1:-1]) - between_s, 1e-7) for ts in samples]
 
 
 _BACK_TO_BACK = 4
@@ -503,24 +529,24 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     keys: list[tuple[str, int]] = []
-    times: list[float] = []
     sizes = _COLLECTIVE_SIZES_BYTES if device.type == "cuda" else _CPU_COLLECTIVE_SIZES_BYTES
+    runs: list[Callable[[], object]] = []
     for nbytes in sizes:
         numel = max(size, nbytes // 4 // size * size)
         full = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // size, device=device)
-        runs: dict[str, Callable[[], object]] = {
-            "all_gather": lambda: all_gather_flat_start(shard, name).wait(),
+        by_collective: dict[str, Callable[[], object]] = {
+            "all_gather": lambda shard=shard: all_gather_flat_start(shard, name).wait(),
             # the runtime hands over the flat gradient it packed (here: a fresh buffer)
-            "reduce_scatter": lambda: reduce_scatter_flat_start(
+            "reduce_scatter": lambda full=full: reduce_scatter_flat_start(
                 torch.empty_like(full), name, consume=True).wait(),
-            "all_reduce": lambda: all_reduce_sum_start(full, name).wait(),
+            "all_reduce": lambda full=full: all_reduce_sum_start(full, name).wait(),
         }
-        for collective, run in runs.items():
+        for collective, run in by_collective.items():
             keys.append((collective, numel * 4))
-            times.append(_median_time_s(run, device, barrier=lambda: dist.barrier(group=group),
-                                        between=lambda: torch.mm(a, b),
-                                        repeats=_COLLECTIVE_REPEATS))
+            runs.append(run)
+    times = _interleaved_times_s(runs, device, barrier=lambda: dist.barrier(group=group),
+                                 between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS)
     return keys, times
 
 

@@ -38,13 +38,13 @@ import numpy as np
 
 from ..core.setting import StepSetting
 from ..core.layout import shard_count
-from ..core.strategies import traits
-from ..cost_models.communication import all_reduce_time_s, collective_time_s, group_link
+from ..core.strategies import Strategy, traits
+from ..cost_models.communication import all_reduce_time_s, group_link
 from ..cost_models.graph_facts import small_gather_key
 from ..cost_models.memory import optimizer_state_bytes, shard_numel
 from ..cost_models.overlap import OVERLAP_EFFICIENCY, gather_s
 from ..cost_models.recompute import RegionCost
-from ..cost_models.step import attributed_compute_s, group_cost
+from ..cost_models.step import attributed_compute_s, bucket_latencies_s, group_cost
 from ..cost_models.timeline import predict_peak_bytes
 from .analysis import Analysis, param_state, param_states, plan_step_s
 from .results import Found
@@ -81,9 +81,10 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
     nodes_of: dict[str, int] = {}
     for name in facts.param_of.values():
         nodes_of[name] = nodes_of.get(name, 0) + 1
-    # at most: its all-gather, re-gather and reduce-scatter ride in another's
-    bucket_saving = sum(collective_time_s(c, 0, devices)
-                        for c in ("all_gather", "all_gather", "reduce_scatter"))
+    # at most: its all-gathers, re-gathers and gradient collectives ride in another's, under
+    # the sharded strategy whose stages save the most
+    bucket_saving = max((sum(bucket_latencies_s(st.value, devices, again=True))
+                         for st in Strategy if traits(st).sharded), default=0.0)
     link = group_link(devices, "all_reduce")
     prefetching = schedule.prefetch > 0 and devices.world_size > 1
     time, gathers, reduced, keys = [], [], [], []

@@ -257,9 +257,8 @@ def uniform_schedule(analysis: Analysis, plan: Plan, setting: StepSetting) -> Sc
     # CPU). docs/benchmarks.md measures both against FSDP2 ("A LoRA fine-tune", "On a GPU").
     default = plan.schedule
     states = param_states(analysis, {p.name: p.strategy for p in plan.params})
-    if not any(traits(s.strategy).sharded and not traits(s.strategy).needs_mesh
-               for s in states.values()):
-        return default  # nothing is bucketed (the mesh strategies never are)
+    if not any(traits(s.strategy).sharded for s in states.values()):
+        return default  # nothing is gathered
     block = block_gather_bytes(analysis, setting.devices.world_size)
     if block is not None:
         return dataclasses.replace(default,

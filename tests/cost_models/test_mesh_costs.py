@@ -60,3 +60,27 @@ def test_memory_closed_form():
     assert hybrid.gathered_bytes == 1008 * 4 >= p
     assert param_memory(NUMEL, strategy="hybrid_shard", world_size=16) == param_memory(
         NUMEL, strategy="full_shard", world_size=16)
+
+
+def test_a_mesh_bucket_member_saves_each_stage_latency():
+    """A member of a gather bucket after its first rides in the bucket's collectives: under a
+    mesh strategy it saves the latency of each of its stages (at the stage's group and links),
+    its re-gather's too when backward re-gathers the bucket together."""
+    from osdp_fx.cost_models.communication import reduce_scatter_time_s
+    from osdp_fx.cost_models.step import bucket_latencies_s
+
+    def ag(ranks, link):
+        return all_gather_time_s(0, ranks, **link)
+
+    gathers, reduces = bucket_latencies_s("hybrid_shard", DEVICES, again=True)
+    assert gathers == pytest.approx(2 * ag(8, INTRA), rel=1e-12)
+    assert reduces == pytest.approx(reduce_scatter_time_s(0, 8, **INTRA)
+                                    + all_reduce_time_s(0, 2, **INTER), rel=1e-12)
+    gathers, reduces = bucket_latencies_s("hierarchical", DEVICES, again=False)
+    assert gathers == pytest.approx(ag(2, INTER) + ag(8, INTRA), rel=1e-12)
+    assert reduces == pytest.approx(reduce_scatter_time_s(0, 8, **INTRA)
+                                    + reduce_scatter_time_s(0, 2, **INTER), rel=1e-12)
+    flat = Devices(world_size=16, intra_node_bandwidth_bytes_per_s=1e11,
+                   intra_node_latency_s=1e-5)
+    assert bucket_latencies_s("full_shard", flat, again=True) == pytest.approx(
+        (2 * ag(16, INTRA), reduce_scatter_time_s(0, 16, **INTRA)), rel=1e-12)

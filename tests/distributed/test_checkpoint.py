@@ -83,8 +83,9 @@ def test_a_full_shard_checkpoint_loads_under_another_plan(worlds, tmp_path, targ
                 {"replicate"} if target == "replicate"
                 else {"replicate", "full_shard", "shard_grad_op"})
         got = torch.tensor([r["losses"] for r in results], dtype=torch.float64).mean(0)
+        # float32 losses near 4 are 4.8e-7 apart: a few of them, the parity tests' bound
         torch.testing.assert_close(got, torch.tensor(ref["losses"][2:], dtype=torch.float64),
-                                   rtol=0, atol=1e-6)
+                                   rtol=0, atol=1e-5)
 
 
 def test_a_checkpoint_loads_under_other_splits_at_any_world_size(worlds, tmp_path):

@@ -10,10 +10,11 @@ import pytest
 from harness import cases, recompute_cases
 
 
-def _plan(path, strategy: str, bucket_bytes: int, recompute: dict[str, str]) -> str:
+def _plan(path, strategy: str, bucket_bytes: int, recompute: dict[str, str],
+          **extra: object) -> str:
     path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": strategy,
                                 "params": {}, "gather_bucket_bytes": bucket_bytes,
-                                **({"recompute": recompute} if recompute else {})}))
+                                **({"recompute": recompute} if recompute else {}), **extra}))
     return str(path)
 
 
@@ -52,3 +53,22 @@ def test_a_bucket_holds_a_large_parameter_with_small_ones(worlds, tmp_path):
         assert forward.pop("collectives") == 3 and set(forward.values()) == {1}
         # layers.0's weight is not saved (its input needs no gradient): 2 buckets re-gathered
         assert backward.pop("collectives") == 2 and set(backward.values()) == {1}
+
+
+@pytest.mark.parametrize("strategy", ["hybrid_shard", "hierarchical"])
+def test_a_mesh_strategy_gathers_a_bucket_in_its_two_level_collectives(worlds, tmp_path,
+                                                                       strategy):
+    """World 4 as 2 nodes x 2 ranks: the two-level all-gather brings a bucket's chunks in chunk
+    order as a flat one does, so the test GPT's parameters ride in one bucket under hybrid_shard
+    and hierarchical too, and training equals single-process training."""
+    from osdp_fx import Devices
+
+    plan = _plan(tmp_path / "plan.json", strategy, 2**30, {}, ranks_per_node=2)
+    results = worlds(4).run(recompute_cases.train, model="gpt", plan=plan,
+                            devices=Devices(world_size=4, ranks_per_node=2))
+    cases.assert_matches_single_process(results, "gpt", 4)
+    assert results[0]["code"].count("all_gather_params(") == 1
+    assert results[0]["code"].count("all_gather_param(") == 0
+    for forward, backward in results[0]["gathers"]:
+        assert forward.pop("collectives") == 1 and set(forward.values()) == {1}
+        assert backward.pop("collectives") == 1 and set(backward.values()) == {1}

@@ -74,14 +74,16 @@ def counting_gathers() -> Iterator[collections.Counter[int]]:
 
 
 def train(rank: int, world: int, *, model: str, plan: str, steps: int = 5, lr: float = 0.05,
-          local_batch: int = 2, seed: int = 0, train_mode_seed: int | None = None) -> dict[str, Any]:
-    """Train ``model`` with SGD under the plan file ``plan``; return losses, final state, the
-    all-gathers of each step, and the compiled code. ``train_mode_seed``: the RNG seed every
-    rank sets before each step (dropout draws the same masks in every run of the case)."""
+          local_batch: int = 2, seed: int = 0, train_mode_seed: int | None = None,
+          devices: Any = None) -> dict[str, Any]:
+    """Train ``model`` with SGD under the plan file ``plan`` (on ``devices``); return losses,
+    final state, the all-gathers of each step, and the compiled code. ``train_mode_seed``: the
+    RNG seed every rank sets before each step (dropout draws the same masks in every run of
+    the case)."""
     net, loss_fn = build(model, seed)
     data = [local(b, rank, world) for b in batches(model, global_batch=local_batch * world,
                                                     steps=steps)]
-    compiled = compile_osdp(net, data[0][:1], plan=plan)
+    compiled = compile_osdp(net, data[0][:1], devices, plan=plan)
     opt = torch.optim.SGD(compiled.parameters(), lr=lr)
     names = {storage_ptr(p): n for n, p in compiled.named_parameters()}
     losses, gathers = [], []

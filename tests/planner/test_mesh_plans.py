@@ -89,7 +89,7 @@ def test_shard_pass_cuts_each_rank_its_chunk(strategy, chunks):
         gm = shard_parameters_pass(captured.gm, plan=plan, world_size=4, rank=rank).graph_module
         layout = shard_layout(strategy, world_size=4, ranks_per_node=2, rank=rank)
         assert layout.chunks == chunks and layout.copies == 4 // chunks
-        assert f"'{strategy}', '{strategy}/2x2')" in gm.code
+        assert f"'{strategy}', '{strategy}/2x2'" in gm.code
         for name in full:
             shard = gm.get_parameter(name).detach()
             assert held[name].setdefault(layout.index, shard).equal(shard), (name, rank)

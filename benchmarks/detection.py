@@ -1,0 +1,80 @@
+"""How steady ``detect_devices()`` is: several calls in one world, and what each call's figures
+predict for a few collectives and for the runtime's host time.
+
+Each call's fitted link figures are turned back into the time of an all-gather, a
+reduce-scatter and an all-reduce over the whole world at 64 KiB, 1 MiB and 4 MiB
+(``cost_models/communication.py``'s ``collective_time_s``), beside the host probe's figures
+(``Devices.param_host_time_s`` and ``Devices.bucket_host_time_s`` under ``full_shard``), the
+matmul rate and the call's own seconds. The last row is each column's largest over its
+smallest: how far two calls a minute apart can disagree.
+
+    python benchmarks/detection.py [--world-size 2] [--ranks-per-node N] [--repeats 5]
+
+gloo on the CPU, NCCL on a GPU; run it with nothing else running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from osdp_fx.runtime.launch import run_world  # noqa: E402
+
+SIZES = ((64 << 10, "64K"), (1 << 20, "1M"), (4 << 20, "4M"))
+COLLECTIVES = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"))
+
+
+def calls(rank: int, world: int, repeats: int, ranks_per_node: int) -> list[dict[str, float]]:
+    """``repeats`` calls of ``detect_devices()`` on this rank, each as a row of figures."""
+    from osdp_fx import detect_devices
+    from osdp_fx.cost_models.communication import collective_time_s
+
+    rows = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        devices = detect_devices(ranks_per_node=ranks_per_node)
+        row: dict[str, float] = {"seconds": time.perf_counter() - start}
+        for collective, short in COLLECTIVES:
+            for nbytes, label in SIZES:
+                row[f"{short} {label} (ms)"] = collective_time_s(collective, nbytes,
+                                                                  devices) * 1e3
+        row["host/param (us)"] = devices.param_host_time_s["full_shard"] * 1e6
+        row["host/bucket (us)"] = devices.bucket_host_time_s["full_shard"] * 1e6
+        row["GFLOP/s"] = devices.compute_flops_per_s / 1e9
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = list(rows[0])
+    lines = ["| call | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for i, row in enumerate(rows):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
+    spread = [max(r[c] for r in rows) / max(min(r[c] for r in rows), 1e-12) for c in columns]
+    lines.append("| largest / smallest | " + " | ".join(f"{s:.2f}x" for s in spread) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rows = run_world(args.world_size, calls, args.repeats,
+                     args.ranks_per_node or args.world_size, backend=backend,
+                     timeout_s=1800)[0]
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
