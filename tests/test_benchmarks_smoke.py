@@ -333,3 +333,30 @@ def test_host_time_probe_prints_a_row_per_repeat_and_the_median() -> None:
             if line.startswith("| 1 |") or line.startswith("| median |")]
     assert len(rows) == 2, proc.stdout
     assert all(float(cell) >= 0 for row in rows for cell in row[1:]), rows
+
+
+def test_detection_prints_a_row_per_call_and_the_spread() -> None:
+    """benchmarks/detection.py, one call at world 2: its predicted collective times, host
+    figures and matmul rate, positive, and each column's spread (1 over one call)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "detection.py"), "--repeats", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    header, call, spread = lines[0], lines[2], lines[-1]
+    assert call[0].strip() == "1" and len(lines) == 4, proc.stdout
+    assert len(call) == len(header) and all(float(cell) > 0 for cell in call[1:]), call
+    assert [c.strip() for c in spread[1:]] == ["1.00x"] * (len(header) - 1), spread
+
+
+def test_concurrent_collectives_prints_every_way_at_every_size() -> None:
+    """benchmarks/concurrent_collectives.py at 1 MiB, world 2: a row of positive times."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "concurrent_collectives.py"),
+           "--sizes-mib", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| 1 MiB |")]
+    assert len(rows) == 1 and len(rows[0]) == 8, proc.stdout
+    assert all(float(cell) > 0 for cell in rows[0][1:]), rows
