@@ -13,9 +13,7 @@ waited for. gloo on the CPU, NCCL on a GPU; run it with nothing else running.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from osdp_fx.runtime.launch import run_world  # noqa: E402
+from timing import median_s  # noqa: E402
 
 RUNS = 15
 
@@ -41,18 +40,7 @@ def timings(rank: int, world: int, sizes_mib: list[int]) -> list[dict[str, Any]]
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
     def median_ms(fn: Any) -> float:
-        times = []
-        for i in range(RUNS + 2):
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
+        return median_s(fn, device, runs=RUNS, warmup=2, before=dist.barrier) * 1e3
 
     rows = []
     for mib in sizes_mib:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from osdp_fx.runtime.launch import run_world  # noqa: E402
+from timing import median_s  # noqa: E402
 
 STRATEGIES = ("replicate", "shard_grad_op", "full_shard")
 
 
 def _timer(device: torch.device) -> Any:
-    def timer(fn: Any) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(15):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    return timer
+    return lambda fn: median_s(fn, device)
 
 
 def probe(rank: int, world: int, repeats: int) -> list[dict[str, float]]:
