@@ -53,12 +53,17 @@ def calls(rank: int, world: int, repeats: int, ranks_per_node: int) -> list[dict
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """The calls as a markdown table, and each column's largest over its smallest."""
+    def spread(column: str) -> float:
+        low, high = min(r[column] for r in rows), max(r[column] for r in rows)
+        return high / low if low > 0 else (1.0 if high == 0 else float("inf"))
+
     columns = list(rows[0])
     lines = ["| call | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for i, row in enumerate(rows):
         lines.append(f"| {i + 1} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
-    spread = [max(r[c] for r in rows) / max(min(r[c] for r in rows), 1e-12) for c in columns]
-    lines.append("| largest / smallest | " + " | ".join(f"{s:.2f}x" for s in spread) + " |")
+    lines.append("| largest / smallest | " + " | ".join(f"{spread(c):.2f}x" for c in columns)
+                 + " |")
     return "\n".join(lines)
 
 

@@ -153,8 +153,7 @@ def gather_buckets(sizes: list[tuple[Any, int]], bucket_bytes: int = SMALL_PARAM
                    owners: Sequence[Any] | None = None) -> list[list[int]]:
     """Which consecutive gathers share one collective, given each gather's (key, bytes) in graph
     order and its block (:func:`block_of`; None: no blocks). A parameter joins the bucket of the
-    gather before it when their keys (strategy, dtypes; unique for the mesh strategies, which
-    are never bucketed) agree and either
+    gather before it when their keys (strategy, group, dtypes) agree and either
 
     * it is of the bucket's block and the bucket then holds at most ``bucket_bytes`` in all (a
       whole transformer block in one all-gather and one reduce-scatter, as FSDP2 groups a

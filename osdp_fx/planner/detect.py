@@ -45,7 +45,7 @@ _REPEATS = 5
 _COLLECTIVE_REPEATS = 15
 """Rounds of the collective benchmarks (``_interleaved_times_s``): collectives between
 processes sharing cores vary the most from run to run, and more rounds steady the fitted figures
-(``docs/benchmarks.md``, "Detection")."""
+(``docs/benchmarks.md``, "How steady detection is")."""
 
 
 CPU_MEMORY_MARGIN = 0.0
