@@ -238,31 +238,29 @@ def _median_time_s(
     repeats: int | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Median time of ``fn`` by ``clock`` (default: the wall) over ``repeats`` runs after one
-    warmup; with ``barrier``, the trimmed mean over runs of ``_BACK_TO_BACK`` calls after one
-    barrier (as :func:`_interleaved_times_s` takes it)."""
-    calls = _BACK_TO_BACK if barrier is not None else 1
+    warmup; with ``barrier``, timed as :func:`_interleaved_times_s` times one run."""
+    if barrier is not None:
+        return _interleaved_times_s([fn], device, barrier=barrier,
+                                    rounds=repeats or _REPEATS, clock=clock)[0]
     times = []
     for i in range(1 + (repeats or _REPEATS)):
-        if barrier is not None:
-            barrier()
         _synchronize(device)
         start = clock()
-        for _ in range(calls):
-            fn()
+        fn()
         _synchronize(device)
         if i:
-            times.append((clock() - start) / calls)
-    if barrier is None:
-        return statistics.median(times)
-    return statistics.mean(sorted(times)[1:-1])
+            times.append(clock() - start)
+    return statistics.median(times)
 
 
 def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
-                         barrier: Callable[[], object], between: Callable[[], object],
-                         rounds: int) -> list[float]:
-    """Each of ``runs``' time as a step pays it, timed in ``rounds`` rounds that each time every
-    run once (after one warmup round): a run is ``_BACK_TO_BACK`` calls after one barrier, each
-    call preceded by ``between``, whose own time (timed alone in each round) is subtracted.
+                         barrier: Callable[[], object], rounds: int,
+                         between: Callable[[], object] | None = None,
+                         clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Each of ``runs``' time by ``clock`` as a step pays it, timed in ``rounds`` rounds that
+    each time every run once (after one warmup round): a run is ``_BACK_TO_BACK`` calls after
+    one barrier, each call preceded by ``between`` when given, whose own time (timed alone in
+    each round) is subtracted.
 
     Interleaved, a slow spell of the machine (the other ranks' processes, the system) falls on
     every run alike instead of on the sizes timed during it, which bent the fitted bandwidth
@@ -273,11 +271,11 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
     def timed(body: Callable[[], object]) -> float:
         barrier()
         _synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         for _ in range(_BACK_TO_BACK):
             body()
         _synchronize(device)
-        return (time.perf_counter() - start) / _BACK_TO_BACK
+        return (clock() - start) / _BACK_TO_BACK
 
     def with_between(fn: Callable[[], object]) -> Callable[[], object]:
         def body() -> None:
@@ -285,7 +283,7 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
             fn()
         return body
 
-    bodies = [with_between(fn) for fn in runs]
+    bodies = list(runs) if between is None else [with_between(fn) for fn in runs]
     samples: list[list[float]] = [[] for _ in bodies]
     alone: list[float] = []
     for i in range(1 + rounds):
@@ -293,10 +291,11 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
             t = timed(body)
             if i:
                 samples[j].append(t)
-        t = timed(between)
-        if i:
-            alone.append(t)
-    between_s = statistics.median(alone)
+        if between is not None:
+            t = timed(between)
+            if i:
+                alone.append(t)
+    between_s = statistics.median(alone) if alone else 0.0
     return [max(statistics.mean(sorted(ts)[1:-1]) - between_s, 1e-7) for ts in samples]
 
 
