@@ -1,4 +1,4 @@
-"""Predicted against published: FSDP FULL_SHARD training throughput from llm-foundry's tables.
+"""Predicted against published: FSDP training throughput from llm-foundry's and torchtitan's tables.
 
 The rows are MosaicML's published MPT benchmarks (github.com/mosaicml/llm-foundry,
 ``scripts/train/benchmarking/README.md``, read at commit ``061f2c7c``), every row of the tables
@@ -6,22 +6,28 @@ The rows are MosaicML's published MPT benchmarks (github.com/mosaicml/llm-foundr
 gradient accumulation (GradAccum 1), as published: the model, the sequence length, the GPUs, the
 micro batch per GPU, whether every block checkpoints its activations, the mixed precision
 (``amp_bf16`` reduces gradients in fp32, ``bf16`` ``PURE`` in bf16) and the throughput in tokens
-per second per GPU.
+per second per GPU; and the eager FSDP rows of torchtitan's Llama 3.1 8B tables
+(github.com/pytorch/torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md``, tables 1 and 3:
+8 and 128 H100s, local batch 2, sequence 8192, selective activation checkpointing).
 
-For each row, an MPT-shaped GPT (``osdp_fx.examples.mpt_meta``: learned positions, biases, a tied
-embedding; its parameter count is the table's) is built on the meta device, profiled under fake
-tensors and planned ``full_shard`` (FSDP FULL_SHARD) for the preset of the row's GPU
-(``h100-sxm-8x``, ``a100-sxm-40gb-8x``: 8 GPUs a node) at the row's world size and precision,
-with every block recomputed where the row checkpoints activations, and AdamW (MPT's yamls use
-decoupled AdamW). The script prints the predicted and the published step, and predicted over
-published throughput per row.
+For each llm-foundry row, an MPT-shaped GPT (``osdp_fx.examples.mpt_meta``: learned positions,
+biases, a tied embedding; its parameter count is the table's) is built on the meta device,
+profiled under fake tensors and planned ``full_shard`` (FSDP FULL_SHARD) for the preset of the
+row's GPU (``h100-sxm-8x``, ``a100-sxm-40gb-8x``: 8 GPUs a node) at the row's world size and
+precision, with every block recomputed where the row checkpoints activations, and AdamW (MPT's
+yamls use decoupled AdamW). A torchtitan row is a Hugging Face Llama of Llama 3.1 8B's shape
+(``examples/llama_shapes.py``, 8,030,261,248 parameters) planned the same way with every block
+under the ``selective`` policy, bf16 parameters and fp32 gradient reduction (torchtitan's
+defaults), on ``h100-sxm-8x`` with the published GPUs' 96 GB of HBM2e at 2.4 TB/s
+(:func:`torchtitan_gpus`). The script prints the predicted and the published step, and predicted
+over published throughput per row.
 
 One constant is fitted to these rows, the share of the matmul rate a fused attention kernel
 reaches (``presets.ATTENTION_EFFICIENCY``), on the five rows of :data:`FIT_ROWS`; every other
 row is validation, and the table says which is which. ``--fit`` fits it again (the share that
 minimises the squared log error of the five rows' throughput) and prints it.
 
-    python benchmarks/published.py [--table h100|a100-40gb|all] [--rows N] [--fit]
+    python benchmarks/published.py [--table h100|a100-40gb|torchtitan|all] [--rows N] [--fit]
 
 Prints a Markdown table and, last, one JSON line: per row the ratio, and how many rows are
 within 20 % of their published throughput (of the validation rows and of all).
@@ -45,9 +51,11 @@ import torch  # noqa: E402
 from osdp_fx import Devices  # noqa: E402
 from osdp_fx.core.precision import MixedPrecision  # noqa: E402
 from osdp_fx.core.setting import StepSetting  # noqa: E402
-from osdp_fx.examples import mpt_meta  # noqa: E402
+from osdp_fx.examples import HFCausalLMWithLoss, mpt_meta  # noqa: E402
 from osdp_fx.passes.capture import capture  # noqa: E402
 from osdp_fx.planner.make import SearchOptions, plan_model, predict  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 TOLERANCE = 0.20
 """The share of the published throughput a prediction should fall within (issue 57)."""
@@ -62,15 +70,20 @@ class Row:
     seq: int
     gpus: int
     micro_batch: int
-    checkpointing: bool
+    recompute: str
+    """Every block's recompute policy: "none", "full" (llm-foundry's activation checkpointing)
+    or "selective" (torchtitan's)."""
     pure_bf16: bool
     """``bf16`` ``PURE`` (gradients reduced in bf16) rather than ``amp_bf16``."""
     tokens_per_s_per_gpu: float
     num_params: int
 
-    @property
-    def preset(self) -> str:
-        return {"h100": "h100-sxm-8x", "a100-40gb": "a100-sxm-40gb-8x"}[self.table]
+    def devices(self) -> Devices:
+        """The row's GPUs: its table's preset at the row's world size."""
+        if self.table == "torchtitan":
+            return torchtitan_gpus(self.gpus)
+        preset = {"h100": "h100-sxm-8x", "a100-40gb": "a100-sxm-40gb-8x"}[self.table]
+        return Devices.preset(preset, world_size=self.gpus)
 
     @property
     def published_step_s(self) -> float:
@@ -125,8 +138,26 @@ def _rows() -> list[Row]:
         ("125m", 2048, 32, 26, False, 127122, 125311488),
         ("125m", 2048, 16, 26, False, 130535, 125311488),
     ]
-    return ([Row("h100", m, s, g, b, c, False, t, n) for m, s, g, b, c, t, n in h100]
-            + [Row("a100-40gb", m, s, g, b, c, True, t, n) for m, s, g, b, c, t, n in a100])
+    titan = [  # Llama 3.1 8B, "FSDP" (eager) rows of tables 1 and 3
+        ("8b", 8192, 8, 2, "selective", 5762, 8030261248),
+        ("8b", 8192, 128, 2, "selective", 5605, 8030261248),
+    ]
+    policy = {True: "full", False: "none"}
+    return ([Row("h100", m, s, g, b, policy[c], False, t, n) for m, s, g, b, c, t, n in h100]
+            + [Row("a100-40gb", m, s, g, b, policy[c], True, t, n)
+               for m, s, g, b, c, t, n in a100]
+            + [Row("torchtitan", m, s, g, b, c, False, t, n) for m, s, g, b, c, t, n in titan])
+
+
+def torchtitan_gpus(world_size: int) -> Devices:
+    """The GPUs of torchtitan's published runs: Grand Teton hosts of 8 H100s on NVLink with
+    400 Gb/s of RDMA network per GPU (``h100-sxm-8x``'s links), 96 GB of HBM2e at 2.4 TB/s
+    (the preset's memory bandwidth scaled to it) and a 500 W power limit. The published page
+    puts their peak matmul rate between the SXM's and the NVL's without a figure; the SXM's is
+    kept, so the compute of these rows is predicted at the upper of the two."""
+    sxm = Devices.preset("h100-sxm-8x", world_size=world_size, memory_limit="96GB")
+    return dataclasses.replace(
+        sxm, memory_bandwidth_bytes_per_s=sxm.memory_bandwidth_bytes_per_s * 2.4e12 / 3.35e12)
 
 
 FIT_ROWS = (("a100-40gb", "125m", 16), ("a100-40gb", "125m", 128), ("a100-40gb", "350m", 64),
@@ -142,18 +173,23 @@ def is_fit_row(row: Row) -> bool:
 def plan_row(row: Row) -> tuple[Any, Any]:
     """The row's model profiled and planned ``full_shard`` (module docstring): the planned
     model and its plan, every block recomputed where the row checkpoints."""
-    model, inputs = mpt_meta(row.model, seq=row.seq, batch=row.micro_batch)
+    if row.table == "torchtitan":
+        from llama_shapes import llama_shape
+
+        llama, inputs = llama_shape(f"llama3_{row.model}", seq_len=row.seq, batch=row.micro_batch)
+        model = HFCausalLMWithLoss(llama)
+    else:
+        model, inputs = mpt_meta(row.model, seq=row.seq, batch=row.micro_batch)
     assert sum(p.numel() for p in model.parameters()) == row.num_params, row
     precision = MixedPrecision(torch.bfloat16,
                                torch.bfloat16 if row.pure_bf16 else torch.float32)
-    setting = StepSetting(Devices.preset(row.preset, world_size=row.gpus), optimizer="adamw",
-                          precision=precision)
+    setting = StepSetting(row.devices(), optimizer="adamw", precision=precision)
     planned = plan_model(capture(model, inputs), inputs, "full_shard", setting,
                          SearchOptions(fake=True))
     plan = planned.plan
-    if row.checkpointing:
+    if row.recompute != "none":
         regions = planned.analysis.facts.regions
-        plan = dataclasses.replace(plan, recompute=tuple((r, "full") for r in regions))
+        plan = dataclasses.replace(plan, recompute=tuple((r, row.recompute) for r in regions))
     return planned, plan
 
 
@@ -197,7 +233,7 @@ def predict_row(row: Row) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--table", choices=["h100", "a100-40gb", "all"], default="all")
+    parser.add_argument("--table", choices=["h100", "a100-40gb", "torchtitan", "all"], default="all")
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows")
     parser.add_argument("--fit", action="store_true",
                         help="fit presets.ATTENTION_EFFICIENCY on FIT_ROWS and print it")
@@ -207,9 +243,10 @@ def main() -> None:
         print(json.dumps({"attention_efficiency": round(fitted, 3), "rows": FIT_ROWS}))
         return
     rows = [r for r in _rows() if args.table in ("all", r.table)][:args.rows]
-    print("| table | model | seq | GPUs | micro batch | ckpt | published step ms | predicted "
-          "step ms (compute / comm / optimizer) | predicted / published throughput | row |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| table | model | seq | GPUs | micro batch | recompute | published step ms | predicted "
+          "step ms (compute / comm / optimizer) | predicted / published throughput | predicted "
+          "peak GiB | row |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios, validation = [], []
     for row in rows:
         start = time.perf_counter()
@@ -219,9 +256,9 @@ def main() -> None:
         if not is_fit_row(row):
             validation.append(ratio)
         print(f"| {row.table} | {row.model} | {row.seq} | {row.gpus} | {row.micro_batch} | "
-              f"{'yes' if row.checkpointing else 'no'} | {row.published_step_s * 1e3:.1f} | "
+              f"{row.recompute} | {row.published_step_s * 1e3:.1f} | "
               f"{p['step_s'] * 1e3:.1f} ({p['compute_s'] * 1e3:.1f} / {p['comm_s'] * 1e3:.1f} / "
-              f"{p['optim_s'] * 1e3:.1f}) | {ratio:.2f} | "
+              f"{p['optim_s'] * 1e3:.1f}) | {ratio:.2f} | {p['peak_bytes'] / 2**30:.1f} | "
               f"{'fit' if is_fit_row(row) else 'validation'} |", flush=True)
         print(f"  planned in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     within = sum(abs(r - 1) <= TOLERANCE for r in ratios)

@@ -27,8 +27,9 @@ SHAPES = {
 """Each shape's ``config.json`` figures beyond :data:`LLAMA3`."""
 
 
-def llama_shape(name: str, seq_len: int = 2048):
-    """The model of shape ``name`` (a key of :data:`SHAPES`) on the meta device, and its inputs."""
+def llama_shape(name: str, seq_len: int = 2048, batch: int = 1):
+    """The model of shape ``name`` (a key of :data:`SHAPES`) on the meta device, and its inputs
+    (``batch`` sequences of ``seq_len`` tokens)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -36,7 +37,7 @@ def llama_shape(name: str, seq_len: int = 2048):
     config = LlamaConfig(**{**LLAMA3, **SHAPES[name]})
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    return model, (torch.randint(0, config.vocab_size, (1, seq_len), device="meta"),)
+    return model, (torch.randint(0, config.vocab_size, (batch, seq_len), device="meta"),)
 
 
 def llama3_1b():
