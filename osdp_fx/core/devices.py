@@ -124,6 +124,11 @@ class Devices:
     memory_margin: float = 0.03
     """Share of ``memory_bytes`` kept free for what a GPU's caching allocator adds to the peak:
     presets and GPU ``detect`` set ``presets.GPU_MEMORY_MARGIN``, CPU ``detect`` 0."""
+    all_reduce_trees: bool = False
+    """Whether an all-reduce across nodes may run as NCCL's trees, which it picks over rings at
+    the sizes where they are faster ([Note: trees across nodes] in
+    ``cost_models/communication.py``): presets and ``detect`` on NCCL set it; gloo runs no
+    trees."""
     reduce_scatter_copies_input: bool = False
     """Whether a reduce-scatter copies the gradient it is handed at its launch, so that both
     are alive then: true of gloo with more than one rank ([Note: gloo reduce-scatter] in

@@ -158,6 +158,7 @@ class Preset:
             "inter_node_latency_s": self.inter_node_latency_s,
             "memory_margin": GPU_MEMORY_MARGIN,
             "attention_efficiency": ATTENTION_EFFICIENCY,
+            "all_reduce_trees": True,
             "source": f"preset:{self.name}",
         }
 

@@ -38,6 +38,7 @@ __all__ = [
     "CollectiveSample",
     "Link",
     "all_gather_time_s",
+    "all_reduce_parts_s",
     "all_reduce_time_s",
     "collective_time_s",
     "fit_link",
@@ -166,7 +167,8 @@ def group_link(
     and the others stay in a node (their latencies averaged over the steps here). This is the
     ring bandwidth of NCCL's tuning model on NVSwitch nodes (meta-pytorch/autoparallel
     ``cost_models/nccl_cost_model.py`` ports it) and its ring latency of intra- and inter-node
-    steps; trees and NVLS are not modelled.
+    steps; an all-reduce may run as trees instead ([Note: trees across nodes]); NVLS is not
+    modelled.
     """
     size = devices.world_size if group_size is None else group_size
     if spans_nodes is None:
@@ -197,6 +199,50 @@ def network_link(world: Link, intra: Link, *, world_size: int, ranks_per_node: i
     return Link(world.bandwidth_bytes_per_s / ranks_per_node, max(crossing, _MIN_LATENCY_S))
 
 
+TREE_BANDWIDTH_SHARE = 0.92
+"""Share of a ring's bus bandwidth NCCL's tuning model gives a tree all-reduce across nodes
+(``src/graph/tuning.cc``: the tree's bus bandwidth is the ring's times 0.92)."""
+
+
+def all_reduce_parts_s(
+    total_bytes: float, devices: Devices, *, group_size: int | None = None,
+    spans_nodes: bool | None = None,
+) -> tuple[float, float]:
+    """An all-reduce of ``total_bytes`` over a group of ``devices`` (as :func:`group_link`
+    places it) as ``(seconds per byte, latency seconds)``: its time is ``per_byte * n +
+    latency``. A ring's, or where ``devices.all_reduce_trees`` and the group spans nodes, the
+    faster at ``total_bytes`` of the ring and the tree, as NCCL picks.
+
+    [Note: trees across nodes] NCCL also runs an all-reduce as two binary trees over the nodes,
+    each node's ranks a chain hanging from its tree rank: the gradient is reduced up the chains
+    and the trees and broadcast back down, ``2 ((R - 1) alpha_intra + floor(log2 m) alpha_net)``
+    of latency for ``R`` ranks on each of ``m`` nodes where a ring pays ``2 (m R - 1)`` steps,
+    and each rank moves ``2 n`` bytes at :data:`TREE_BANDWIDTH_SHARE` of the ring's bus bandwidth
+    (the ring moves ``2 (p - 1) / p n``). NCCL's tuning model (``src/graph/tuning.cc``) gives
+    both and picks, per message size, the one it predicts faster: the tree for small messages
+    over many nodes, the ring for large ones. Its per-channel caps on the tree's bandwidth, its
+    other protocols (LL, LL128) and NVLS are not modelled."""
+    size = devices.world_size if group_size is None else group_size
+    link = group_link(devices, "all_reduce", group_size=size, spans_nodes=spans_nodes)
+    _check(total_bytes, size, link.bandwidth_bytes_per_s, link.latency_s)
+    if size == 1:
+        return 0.0, 0.0
+    ring = (2 * (size - 1) / size / link.bandwidth_bytes_per_s, 2 * (size - 1) * link.latency_s)
+    if spans_nodes is None:
+        spans_nodes = devices.ranks_per_node is not None and size > devices.ranks_per_node
+    if not (devices.all_reduce_trees and spans_nodes):
+        return ring
+    per_node = 1 if size <= devices.num_nodes else devices.ranks_per_node or size
+    nodes = size // per_node
+    if nodes < 2:
+        return ring
+    intra = scope_link(devices, "all_reduce", "intra_node").latency_s
+    net = scope_link(devices, "all_reduce", "inter_node").latency_s
+    tree = (2 / (TREE_BANDWIDTH_SHARE * link.bandwidth_bytes_per_s),
+            2 * ((per_node - 1) * intra + (nodes.bit_length() - 1) * net))
+    return min(ring, tree, key=lambda parts: parts[0] * total_bytes + parts[1])
+
+
 def collective_time_s(
     collective: Collective,
     total_bytes: float,
@@ -216,6 +262,10 @@ def collective_time_s(
             f"unknown collective {collective!r}: use one of {', '.join(COLLECTIVES)}"
         )
     size = devices.world_size if group_size is None else group_size
+    if collective == "all_reduce":
+        per_byte, latency = all_reduce_parts_s(total_bytes, devices, group_size=size,
+                                               spans_nodes=spans_nodes)
+        return per_byte * total_bytes + latency
     link = group_link(devices, collective, group_size=size, spans_nodes=spans_nodes)
     return _TIME_FUNCTIONS[collective](
         total_bytes, size,

@@ -54,7 +54,7 @@ from ..core.setting import StepSetting
 from ..core.layout import shard_count
 from ..core.strategies import traits
 from ..plan.plan import collective_stages
-from .communication import all_reduce_time_s, collective_time_s, group_link
+from .communication import all_reduce_parts_s, collective_time_s
 from .graph_facts import (
     GraphFacts,
     ParamState,
@@ -188,10 +188,8 @@ def group_cost(
     if not t.sharded and stages:
         # Replicated gradients share bucketed all-reduces: latency is paid per bucket, not per
         # parameter, so a parameter bears its byte share of it.
-        link = group_link(devices, "all_reduce")
-        comm_s = all_reduce_time_s(
-            full, world, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-            latency_s=link.latency_s * min(1.0, full / reduce_bucket_bytes))
+        per_byte, latency = all_reduce_parts_s(max(full, reduce_bucket_bytes), devices)
+        comm_s = per_byte * full + latency * min(1.0, full / reduce_bucket_bytes)
         # packing the gradient into its bucket and copying the average back: 2 reads, 2 writes
         comm_s += 4 * full / devices.memory_bandwidth_bytes_per_s
     persistent, transient, optim_s = local, 0, 0.0

@@ -162,6 +162,7 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
         memory_margin=CPU_MEMORY_MARGIN if device.type == "cpu" else allocator_margin(),
         reduce_scatter_copies_input=distributed and process_group_copies_input(group),
         host_overlaps_device=device.type == "cuda",
+        all_reduce_trees=distributed and str(dist.get_backend(group)) == "nccl",
     )
     log.info("detected %s", devices)
     return devices

@@ -39,7 +39,7 @@ import numpy as np
 from ..core.setting import StepSetting
 from ..core.layout import shard_count
 from ..core.strategies import Strategy, traits
-from ..cost_models.communication import all_reduce_time_s, group_link
+from ..cost_models.communication import all_reduce_parts_s
 from ..cost_models.graph_facts import small_gather_key
 from ..cost_models.memory import optimizer_state_bytes, shard_numel
 from ..cost_models.overlap import OVERLAP_EFFICIENCY, gather_s
@@ -85,7 +85,6 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
     # the sharded strategy whose stages save the most
     bucket_saving = max((sum(bucket_latencies_s(st.value, devices, again=True))
                          for st in Strategy if traits(st).sharded), default=0.0)
-    link = group_link(devices, "all_reduce")
     prefetching = schedule.prefetch > 0 and devices.world_size > 1
     time, gathers, reduced, keys = [], [], [], []
     for name, strategies in options.items():
@@ -105,9 +104,10 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
                 key = small_gather_key(state, devices.world_size, schedule.gather_bucket_bytes)
             elif state.trainable and devices.world_size > 1:
                 # its latency share is counted once per bucket, in exhaustive_search's bound
-                share = min(1.0, state.numel * state.reduce_size / widest)
-                comm -= all_reduce_time_s(0, devices.world_size, latency_s=link.latency_s * share,
-                                          bandwidth_bytes_per_s=link.bandwidth_bytes_per_s)
+                full = state.numel * state.reduce_size
+                share = min(1.0, full / int(math.ceil(widest)))
+                _, latency = all_reduce_parts_s(max(full, int(math.ceil(widest))), devices)
+                comm -= latency * share
                 all_reduced = True
             t_row.append(comm + cost.optim_s + cost.host_s)
             g_row.append(gathered)
@@ -155,9 +155,7 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
                                                for o in terms.gather_key[i]]).reshape(-1)
     for count in small.values():
         time -= bucket_saving * np.maximum(0.0, count - 1)
-    link = group_link(devices, "all_reduce")
-    latency = all_reduce_time_s(0, devices.world_size, latency_s=link.latency_s,
-                                bandwidth_bytes_per_s=link.bandwidth_bytes_per_s)
+    _, latency = all_reduce_parts_s(0, devices)  # the least latency of an all-reduce
     return (compute * scale + time - OVERLAP_EFFICIENCY * np.minimum(gathered, compute)
             + latency * reduced)
 

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 from osdp_fx.core.devices import Devices
 from osdp_fx.cost_models.communication import (
+    TREE_BANDWIDTH_SHARE,
     CollectiveSample,
     Link,
     all_gather_time_s,
+    all_reduce_parts_s,
     all_reduce_time_s,
     collective_time_s,
     fit_link,
@@ -72,6 +74,40 @@ def test_group_link_chooses_intra_or_inter_node() -> None:
     # a spanning group is slower than a node-local one of the same size
     assert collective_time_s("reduce_scatter", n, devices, group_size=4, spans_nodes=True) > \
         collective_time_s("reduce_scatter", n, devices, group_size=4)
+
+
+def test_an_all_reduce_across_nodes_runs_as_nccls_tree_where_it_is_faster() -> None:
+    """NCCL's tuning model (tuning.cc): a tree all-reduce over ``m`` nodes of ``R`` ranks pays
+    ``2 ((R - 1) alpha_intra + floor(log2 m) alpha_net)`` and moves ``2 n`` bytes at 0.92 of the
+    ring's bus bandwidth; NCCL takes the faster of ring and tree at each size."""
+    a_intra, a_net, b_intra, b_net = 2e-6, 1e-5, 3e11, 4e10
+    devices = Devices(world_size=128, ranks_per_node=8, intra_node_bandwidth_bytes_per_s=b_intra,
+                      intra_node_latency_s=a_intra, inter_node_bandwidth_bytes_per_s=b_net,
+                      inter_node_latency_s=a_net, all_reduce_trees=True)
+    assert TREE_BANDWIDTH_SHARE == 0.92
+    # every rank of 16 nodes: the ring's bandwidth spread over a node's 8 links, capped by
+    # NVLink; its 127 steps, 15 of them across nodes
+    b = min(b_intra, 8 * b_net)
+    ring = (2 * 127 / 128 / b, 2 * (112 * a_intra + 15 * a_net))
+    tree = (2 / (0.92 * b), 2 * (7 * a_intra + 4 * a_net))
+    crossover = (ring[1] - tree[1]) / (tree[0] - ring[0])  # both take as long: about 1 GB
+    assert crossover > 0
+    for n, parts in ((0.5 * crossover, tree), (2 * crossover, ring), (1e3, tree), (1e12, ring)):
+        assert all_reduce_parts_s(n, devices) == pytest.approx(parts)
+        assert collective_time_s("all_reduce", n, devices) == pytest.approx(
+            parts[0] * n + parts[1])
+    # one rank per node (hybrid sharding's cross-node all-reduce over 16 nodes): no chain
+    # in a node; its ring runs over one network link
+    one_per_node = all_reduce_parts_s(1e3, devices, group_size=16, spans_nodes=True)
+    assert one_per_node == pytest.approx((2 / (0.92 * b_net), 2 * 4 * a_net))
+    # inside a node, on gloo (no trees) and for the other collectives: rings at every size
+    node = Devices(**{**dataclasses.asdict(devices), "world_size": 8})
+    assert all_reduce_parts_s(1e3, node) == pytest.approx((2 * 7 / 8 / b_intra, 14 * a_intra))
+    gloo = dataclasses.replace(devices, all_reduce_trees=False)
+    assert all_reduce_parts_s(1e3, gloo) == pytest.approx(ring)
+    assert collective_time_s("all_gather", 1e3, devices) == pytest.approx(
+        all_gather_time_s(1e3, 128, bandwidth_bytes_per_s=b, latency_s=ring[1] / 254))
+    assert Devices.preset("h100-sxm-8x", world_size=16).all_reduce_trees
 
 
 def test_bad_inputs_are_user_errors() -> None:

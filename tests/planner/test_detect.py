@@ -108,6 +108,7 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert nodes.inter_node_bandwidth_bytes_per_s != defaults.inter_node_bandwidth_bytes_per_s
     assert [getattr(nodes, f) for f in intra] == [getattr(defaults, f) for f in intra]
     assert all(key.startswith("inter_node.") for key in nodes.collective_links)
+    assert not nodes.all_reduce_trees  # gloo runs its all-reduces as rings, not NCCL's trees
 
 
 def test_links_are_measured_again_on_the_same_nodes(worlds) -> None:
