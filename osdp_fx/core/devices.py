@@ -70,7 +70,9 @@ class Devices:
     """Fixed cost of one collective step across nodes (a ring's crossing steps)."""
     collective_links: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Link figures of one collective in one scope, where it runs unlike the scope's figures
-    above: keys ``"<scope>.<collective>"`` (scope ``intra_node`` or ``inter_node``; collective
+    above: keys ``"<scope>.<collective>"`` (scope ``intra_node``, ``inter_node``, or ``world``:
+    a ring over every rank of every node as measured, which the whole world's collectives
+    then run at instead of the rule of [Note: rings across nodes]; collective
     ``all_gather``, ``reduce_scatter`` or ``all_reduce``), values ``{"bandwidth_bytes_per_s": B,
     "latency_s": alpha}``. ``detect`` fits every collective to its own timings (CPU gloo's
     all-gather and reduce-scatter are slower than its all-reduce, by a ratio that changes with
@@ -276,8 +278,9 @@ def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
             )
 
 
-LINK_SCOPES = ("intra_node", "inter_node")
-"""Scopes of link figures: collectives inside a node and collectives that cross nodes."""
+LINK_SCOPES = ("intra_node", "inter_node", "world")
+"""Scopes of link figures: collectives inside a node, collectives that cross nodes, and (link
+figures only) a ring over every rank of every node as measured."""
 
 
 def _check_margin(margin: Any) -> None:

@@ -164,7 +164,11 @@ def group_link(
     next node is spread over its ``R`` links, so the ring moves data at
     ``min(B_intra, R * B_net)`` per rank (``B_net``: one rank's network link, the inter-node
     figure), and of a ring's ``m R - 1`` steps ``m - 1`` cross nodes at the inter-node latency
-    and the others stay in a node (their latencies averaged over the steps here). This is the
+    and the others stay in a node (their latencies averaged over the steps here). Where that
+    ring over the whole world was measured (``collective_links["world.<collective>"]``, which
+    ``detect`` records), the world's collectives run at the measured figures instead: on nodes
+    that share one machine's cores the node's ring can be the slower one, which the rule
+    cannot express. This is the
     ring bandwidth of NCCL's tuning model on NVSwitch nodes (meta-pytorch/autoparallel
     ``cost_models/nccl_cost_model.py`` ports it) and its ring latency of intra- and inter-node
     steps; an all-reduce may run as trees instead ([Note: trees across nodes]); NVLS is not
@@ -180,6 +184,9 @@ def group_link(
     nodes = size // per_node
     if size <= devices.num_nodes or nodes < 2 or per_node < 2:
         return net  # one rank per node: each crossing over one rank's link
+    measured = devices.collective_links.get(f"world.{collective}")
+    if measured is not None and size == devices.world_size:
+        return Link(measured["bandwidth_bytes_per_s"], measured["latency_s"])
     intra = scope_link(devices, collective, "intra_node")
     steps = size - 1
     return Link(min(intra.bandwidth_bytes_per_s, per_node * net.bandwidth_bytes_per_s),

@@ -450,9 +450,9 @@ def _all_reduce_floats(
 
 
 def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, float]:
-    """Fit intra-node figures on this node's ranks, and on the whole group the ring that gives
-    each rank's inter-node (network) figures (``communication.network_link``: [Note: rings
-    across nodes])."""
+    """Fit intra-node figures on this node's ranks, and on the whole group its ring, kept as the
+    ``world`` figures, and the inter-node (network) figures of one rank that give it
+    (``communication.network_link``: [Note: rings across nodes])."""
     import torch.distributed as dist
 
     measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (scope, ranks, keys)
@@ -491,7 +491,12 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
             link = fit_link([x for x in samples if x.collective == collective])
             if scope == "intra_node":
                 intra[collective] = link
-            else:  # the whole group's ring: one rank's network figures that give it
+            else:  # the whole group's ring, kept as measured, and one rank's network figures
+                # that give it (for the groups of one rank per node)
+                if ranks_per_node > 1:
+                    figures["collective_links"][f"world.{collective}"] = {
+                        "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+                        "latency_s": link.latency_s}
                 link = network_link(link, intra.get(collective, link), world_size=size,
                                     ranks_per_node=ranks_per_node)
             figures["collective_links"][f"{scope}.{collective}"] = {

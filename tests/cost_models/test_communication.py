@@ -76,6 +76,24 @@ def test_group_link_chooses_intra_or_inter_node() -> None:
         collective_time_s("reduce_scatter", n, devices, group_size=4)
 
 
+def test_the_whole_worlds_collectives_run_at_its_measured_ring() -> None:
+    """``detect`` keeps the ring over every rank of every node as measured
+    (``collective_links["world.<collective>"]``): the world's collectives run at it, even where
+    the rule across nodes would bound them by a slower node ring (nodes sharing one machine's
+    cores); groups of one rank per node, and a node's groups, keep their own figures."""
+    world = {"bandwidth_bytes_per_s": 2e9, "latency_s": 3e-4}
+    devices = Devices(world_size=4, ranks_per_node=2, intra_node_bandwidth_bytes_per_s=5e8,
+                      intra_node_latency_s=1e-4, inter_node_bandwidth_bytes_per_s=1e9,
+                      inter_node_latency_s=2e-4, collective_links={"world.all_gather": world})
+    assert group_link(devices, "all_gather") == Link(2e9, 3e-4)
+    assert collective_time_s("all_gather", 4e6, devices) == pytest.approx(
+        all_gather_time_s(4e6, 4, **world))
+    # without a measurement, the rule: the node's slower links bound the ring
+    assert group_link(devices, "reduce_scatter").bandwidth_bytes_per_s == 5e8
+    assert group_link(devices, "all_gather", group_size=2, spans_nodes=True) == Link(1e9, 2e-4)
+    assert group_link(devices, "all_gather", group_size=2) == Link(5e8, 1e-4)
+
+
 def test_an_all_reduce_across_nodes_runs_as_nccls_tree_where_it_is_faster() -> None:
     """NCCL's tuning model (tuning.cc): a tree all-reduce over ``m`` nodes of ``R`` ranks pays
     ``2 ((R - 1) alpha_intra + floor(log2 m) alpha_net)`` and moves ``2 n`` bytes at 0.92 of the
