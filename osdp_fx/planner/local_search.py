@@ -8,12 +8,15 @@ exact problem's answer can leave a faster plan unfound, one that differs from it
 two and still fits (``benchmarks/optimality.py`` compares the search with such plans).
 :func:`improve` climbs from the searched plan: each round it tries every other strategy for
 each of the largest groups, judged by the two models themselves, and takes the fastest change
-that fits, until none is faster. Before it, :func:`refine` adds
-the uniform plans a user would write by hand (every group shard_grad_op, or full_shard) under
-each schedule: the exact problem weighs a sharded group by its own collectives and does not
-see that a bucket's members share one collective's latency, so it can return a plan slower than
-a uniform one that fits, such as all full_shard in 1 MiB buckets
-(``tests/planner/test_local_search.py``).
+that fits, until none is faster. Before it, :func:`refine` adds the plans a user would write
+by hand: the uniform ones (every group shard_grad_op, or full_shard) under each schedule, and
+"shard the k largest groups, replicate the rest" (:func:`largest_first`) under the default
+schedule and those of the searched plans that rank first. The exact problem weighs a sharded
+group by its own collectives and does not see that a bucket's members share one collective's
+latency, so it can return a plan slower than a uniform one that fits, such as all full_shard
+in 1 MiB buckets (``tests/planner/test_local_search.py``); and near the limit it can miss a
+largest-first plan the step model predicts faster (``docs/benchmarks.md``, "Is the searched
+plan the fastest that fits?").
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ from .schedule_search import collectives_key
 
 UNIFORM = (SHARD_GRAD_OP, FULL_SHARD)
 """The uniform plans :func:`refine` offers under every schedule."""
+
+LARGEST_FIRST = (FULL_SHARD, SHARD_GRAD_OP)
+"""The strategies of :func:`largest_first`'s plans."""
+
+HAND_SCHEDULES = 3
+""":func:`refine` offers :func:`largest_first`'s plans under the default schedule and those of
+this many of the searched plans that rank first (each costs a bisection of timelines)."""
 
 IMPROVED_GROUPS = 12
 """The largest parameter groups whose strategy :func:`improve` changes: they move the step time
@@ -79,6 +89,32 @@ def improve(
     return best_s, best
 
 
+def largest_first(analysis: Analysis, schedules: Sequence[Schedule], *,
+                  fits: Callable[[Schedule, Found], bool],
+                  step_s: Callable[[Schedule, Found], float]) -> list[Ranked]:
+    """The plans a user writes by hand, "shard the k largest parameter groups, replicate the
+    rest", with each strategy of :data:`LARGEST_FIRST` under each of ``schedules``: for each,
+    the least k for which ``fits`` (found by bisection, the peak falling as k grows), with its
+    ``step_s``; none where even every group sharded does not fit."""
+    names = list(analysis.captured.params)
+    largest = largest_groups(analysis, None)
+    out: list[Ranked] = []
+    for schedule in schedules:
+        for strategy in LARGEST_FIRST:
+            def plan(k: int) -> Found:
+                top = set(largest[:k])
+                return Found({n: strategy if n in top else REPLICATE for n in names}, {})
+
+            low, high = 0, len(largest)
+            if not fits(schedule, plan(high)):
+                continue
+            while low < high:
+                mid = (low + high) // 2
+                low, high = (low, mid) if fits(schedule, plan(mid)) else (mid + 1, high)
+            out.append(Ranked(step_s(schedule, plan(low)), schedule, plan(low)))
+    return out
+
+
 def refine(
     ranked: Sequence[Ranked], *, analysis: Analysis, setting: StepSetting,
     schedules: Sequence[Schedule], fits: Callable[[Schedule, Found], bool],
@@ -86,9 +122,11 @@ def refine(
 ) -> list[Ranked]:
     """``ranked`` (fastest first, from the exact search) with, before
     it, where predicted faster than its fastest: the :data:`UNIFORM` plans that fit under any of
-    ``schedules`` (each distinct plan of collectives judged once), fastest first, and the fastest
-    plan of all as :func:`improve` leaves it. ``fits``, ``step_s``: the timeline's peak against
-    the target and the step model's seconds, under a schedule."""
+    ``schedules`` (each distinct plan of collectives judged once) and the :func:`largest_first`
+    plans under the first of ``schedules`` (the default) and those of the first
+    :data:`HAND_SCHEDULES` of ``ranked``, fastest first, and the fastest plan of all as
+    :func:`improve` leaves it. ``fits``, ``step_s``: the timeline's peak against the target and
+    the step model's seconds, under a schedule."""
     devices = setting.devices
     if devices.world_size < 2:
         return list(ranked)
@@ -104,7 +142,9 @@ def refine(
             seen.add(key)
             if fits(schedule, plan):
                 uniform.append(Ranked(step_s(schedule, plan), schedule, plan))
-    ranked = sorted([u for u in uniform if u.step_s < ranked[0].step_s],
+    first = dict.fromkeys([*schedules[:1], *(r.schedule for r in ranked[:HAND_SCHEDULES])])
+    hand = largest_first(analysis, list(first), fits=fits, step_s=step_s)
+    ranked = sorted([u for u in uniform + hand if u.step_s < ranked[0].step_s],
                     key=lambda u: u.step_s) + list(ranked)
     fastest_s, schedule = ranked[0].step_s, ranked[0].schedule
     plan, recompute = ranked[0].found.strategies, ranked[0].found.recompute
