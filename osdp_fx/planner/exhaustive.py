@@ -104,10 +104,9 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
                 key = small_gather_key(state, devices.world_size, schedule.gather_bucket_bytes)
             elif state.trainable and devices.world_size > 1:
                 # its latency share is counted once per bucket, in exhaustive_search's bound
-                full = state.numel * state.reduce_size
-                share = min(1.0, full / int(math.ceil(widest)))
-                _, latency = all_reduce_parts_s(max(full, int(math.ceil(widest))), devices)
-                comm -= latency * share
+                full, bucket = state.numel * state.reduce_size, int(math.ceil(widest))
+                _, latency = all_reduce_parts_s(max(full, bucket), devices)
+                comm -= latency * min(1.0, full / bucket)
                 all_reduced = True
             t_row.append(comm + cost.optim_s + cost.host_s)
             g_row.append(gathered)

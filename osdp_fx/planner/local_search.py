@@ -111,7 +111,8 @@ def largest_first(analysis: Analysis, schedules: Sequence[Schedule], *,
             while low < high:
                 mid = (low + high) // 2
                 low, high = (low, mid) if fits(schedule, plan(mid)) else (mid + 1, high)
-            out.append(Ranked(step_s(schedule, plan(low)), schedule, plan(low)))
+            found = plan(low)
+            out.append(Ranked(step_s(schedule, found), schedule, found))
     return out
 
 
