@@ -31,19 +31,21 @@ from timing import median_s  # noqa: E402
 STRATEGIES = ("replicate", "shard_grad_op", "full_shard")
 
 
-def _timer(device: torch.device) -> Any:
-    return lambda fn: median_s(fn, device)
+def _times(device: torch.device) -> Any:
+    """Each run's median time, the runs one after the other (``detect_devices`` interleaves
+    them round by round)."""
+    return lambda runs: [median_s(fn, device) for fn in runs]
 
 
 def probe(rank: int, world: int, repeats: int) -> list[dict[str, float]]:
     """``repeats`` runs of the probe on this rank: seconds per parameter by strategy."""
-    from osdp_fx.planner.host_probe import param_host_times
+    from osdp_fx.planner.host_probe import runtime_host_times
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return [param_host_times(_timer(device), world_size=world, rank=rank, device=device)
-            for _ in range(repeats)]
+    return [runtime_host_times(_times(device), world_size=world, rank=rank,
+                               device=device).param_s for _ in range(repeats)]
 
 
 def main(argv: list[str] | None = None) -> int:

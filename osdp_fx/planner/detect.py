@@ -27,7 +27,7 @@ from ..core.layout import WORLD
 from ..core.strategies import COLLECTIVES
 from ..cost_models.communication import CollectiveSample, Link, fit_link, network_link
 from ..errors import InputError
-from .host_probe import bucket_host_times, param_host_times, sharded_optimizer_tensor_times
+from .host_probe import runtime_host_times, sharded_optimizer_tensor_times
 from ..units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ _CPU_COLLECTIVE_SIZES_BYTES = _COLLECTIVE_SIZES_BYTES[:-1]
 latency), and the 16 MiB runs took half of the collectives' measuring time."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
+_PROBE_ROUNDS = 9
+"""Rounds of the host probe (``host_probe.py``; ``_interleaved_times_s``), every chain timed
+once per round."""
 _COLLECTIVE_REPEATS = 15
 """Rounds of the collective benchmarks (``_interleaved_times_s``): collectives between
 processes sharing cores vary the most from run to run, and more rounds steady the fitted figures
@@ -182,12 +185,13 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
     # synchronized (the host waits for kernels).
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
 
-    def timer(fn: Callable[[], object]) -> float:
-        return _median_time_s(fn, device, barrier=barrier, clock=clock)
+    def times(runs: Sequence[Callable[[], object]]) -> list[float]:
+        return _interleaved_times_s(runs, device, barrier=barrier or (lambda: None),
+                                    rounds=_PROBE_ROUNDS, clock=clock)
 
-    param_s = param_host_times(timer, world_size=world_size, rank=rank, device=device)
-    bucket_s = bucket_host_times(timer, world_size=world_size, rank=rank, device=device)
-    optimizer_s = sharded_optimizer_tensor_times(timer, tuple(optimizers), _optimizer,
+    host = runtime_host_times(times, world_size=world_size, rank=rank, device=device)
+    param_s, bucket_s = host.param_s, host.bucket_s
+    optimizer_s = sharded_optimizer_tensor_times(times, tuple(optimizers), _optimizer,
                                                  world_size=world_size, rank=rank, device=device)
     slowest = iter(_all_reduce_floats([*param_s.values(), *bucket_s.values(), *optimizer_s],
                                       "max", None, device, distributed))

@@ -14,19 +14,20 @@ The probe runs what a compiled module runs, through the runtime's own functions
 (``runtime/forward.py``'s ``ModuleRuntime``, ``runtime/params.py``'s gathers): a chain of
 ``k`` small square matmuls whose weights are gathered in one bucket (the way the runtime
 gathers small parameters), forward and backward, once with ``k = 8`` and once with ``k = 40``.
-The difference divided by 32 is one parameter's time (the median of three such differences);
-the same chain over plain tensors, timed the same way, is subtracted (its operators are the
-profile's). The collectives are the same in both runs (one bucket), so their time cancels
-too. A bucket's time is the chain of 40 gathered in 8 buckets against the same chain in one,
-less the time of one bucket's collectives run bare (which the link figures hold).
-On the CPU each is timed by the rank's own thread's clock ([Note: host time by the thread's
-clock] in ``planner/detect.py``).
+The difference divided by 32 is one parameter's time; the same chain over plain tensors, timed
+the same way, is subtracted (its operators are the profile's). The collectives are the same in
+both runs (one bucket), so their time cancels too. A bucket's time is the chain of 40 gathered
+in 8 buckets against the same chain in one, less the time of one bucket's collectives run bare
+(which the link figures hold). Every chain is timed in the same rounds, one after the other in
+each round (``detect_devices``' interleaved timing), so the differences are of runs that met
+the same state of the machine. On the CPU each is timed by the rank's own thread's clock
+([Note: host time by the thread's clock] in ``planner/detect.py``).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.strategies import Strategy, traits
@@ -35,76 +36,93 @@ PROBE_PARAMS = (8, 40)
 """The probe's two chain lengths (parameters per bucket)."""
 PROBE_SIDE = 16
 """Side of the probe's square weights: 1 KiB each in fp32, far below any gather bucket."""
+PROBE_BUCKETS = 8
+"""Buckets the probe's long chain is gathered in for the per-bucket figure."""
 _MEASURED = (Strategy.REPLICATE, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
 """Strategies the probe runs; hybrid_shard and hierarchical free and re-gather like full_shard
 and take its figure (their two-level collectives' time is their links')."""
 
 
-def param_host_times(timer: Callable[[Callable[[], object]], float], *, world_size: int,
-                     rank: int, device: Any = "cpu") -> dict[str, float]:
-    """Host seconds per parameter per step of the runtime under each strategy (module
-    docstring), over the default process group (or one process without one). ``timer(fn)``
-    gives ``fn``'s time as ``detect_devices`` takes it (on every rank together); the chain's
-    tensors are on ``device``, where the runtime's are."""
-    plain = _slope(timer, lambda k: _plain_step(k, device))
-    times = {}
-    for strategy in _MEASURED:
-        step = _slope(timer, lambda k, s=strategy: _runtime_step(s, k, world_size, rank,
-                                                                  device))
-        times[strategy.value] = max(0.0, step - plain)
+@dataclasses.dataclass(frozen=True)
+class HostTimes:
+    """The probe's figures: host seconds per step of the runtime under each strategy."""
+
+    param_s: dict[str, float]
+    """Per parameter (``Devices.param_host_time_s``)."""
+    bucket_s: dict[str, float]
+    """Per gather bucket beyond its members, for the sharded strategies
+    (``Devices.bucket_host_time_s``)."""
+
+
+def runtime_host_times(times: Callable[[Sequence[Callable[[], object]]], list[float]], *,
+                       world_size: int, rank: int, device: Any = "cpu") -> HostTimes:
+    """The runtime's host time per parameter and per gather bucket (module docstring), over
+    the default process group (or one process without one). ``times(runs)`` gives each run's
+    time as ``detect_devices`` takes it (on every rank together, the runs interleaved round
+    by round, so that a slow spell of the machine falls on all of them alike); the chains'
+    tensors are on ``device``, where the runtime's are.
+
+    Per parameter: the slope between the chains of ``PROBE_PARAMS`` under each strategy, less
+    the plain chain's slope. Per bucket (full_shard's, measured: its bucket runs the most
+    collectives, an all-gather, a re-gather and a reduce-scatter; a measurement per strategy
+    doubled the probe's time for figures within its noise): the long chain gathered in
+    ``PROBE_BUCKETS`` buckets against the same chain in one, the difference over the extra
+    buckets, less one bucket's collectives run bare (:func:`_bucket_collectives`). A bucket's
+    collectives are launched, waited for and completed on the host: the autograd function
+    around its all-gather, its send buffer, the release of its output, its re-gather's saved
+    handle, its gradients' flat buffer and the reduced chunk copied out."""
+    low, high = PROBE_PARAMS
+    runs: dict[tuple[str, int], Callable[[], object]] = {}
+    for k in PROBE_PARAMS:
+        runs["plain", k] = _plain_step(k, device)
+        for strategy in _MEASURED:
+            runs[strategy.value, k] = _runtime_step(strategy, k, world_size, rank, device)
+    fs = Strategy.FULL_SHARD
+    runs["buckets", high] = _runtime_step(fs, high, world_size, rank, device,
+                                          buckets=PROBE_BUCKETS)
+    runs["bare", high // PROBE_BUCKETS] = _bucket_collectives(fs, high // PROBE_BUCKETS,
+                                                              world_size, device)
+    t = dict(zip(runs, times(list(runs.values()))))
+
+    def slope(kind: str) -> float:
+        return (t[kind, high] - t[kind, low]) / (high - low)
+
+    param_s = {s.value: max(0.0, slope(s.value) - slope("plain")) for s in _MEASURED}
     for strategy in Strategy:
-        times.setdefault(strategy.value, times[Strategy.FULL_SHARD.value])
-    return times
+        param_s.setdefault(strategy.value, param_s[fs.value])
+    bucket = max(0.0, (t["buckets", high] - t[fs.value, high]) / (PROBE_BUCKETS - 1)
+                 - t["bare", high // PROBE_BUCKETS])
+    return HostTimes(param_s, {s.value: bucket for s in Strategy if traits(s).sharded})
 
 
 def sharded_optimizer_tensor_times(
-    timer: Callable[[Callable[[], object]], float], optimizers: tuple[str, ...],
+    times: Callable[[Sequence[Callable[[], object]]], list[float]], optimizers: tuple[str, ...],
     make_optimizer: Callable[[str, list[Any]], Any], *, world_size: int, rank: int,
     device: Any = "cpu",
 ) -> list[float]:
     """Per optimizer kind, the step time per tensor over 64 small sharded parameters (DTensors
     on ``device``, as the compiled module hands them to the optimizer: on a GPU its default
-    foreach step)."""
+    foreach step); ``times`` as in :func:`runtime_host_times`."""
     import torch
 
     from ..runtime.params import make_shard
     from ..runtime.sharded import as_dtensor
 
-    side = PROBE_SIDE
-    times = []
+    side, tensors = PROBE_SIDE, 64
+    steps = []
     for kind in optimizers:
         params = [as_dtensor(make_shard(torch.nn.Parameter(torch.randn(side, side,
                                                                        device=device)),
                                         world_size=world_size, rank=rank),
                              (side, side), Strategy.FULL_SHARD.value, world_size=world_size,
                              ranks_per_node=None, rank=rank)
-                  for _ in range(64)]
+                  for _ in range(tensors)]
         for p in params:
             p.grad = torch.zeros_like(p)
         optimizer = make_optimizer(kind, params)
         optimizer.step()  # creates the state
-        times.append(timer(optimizer.step) / len(params))
-    return times
-
-
-def bucket_host_times(timer: Callable[[Callable[[], object]], float], *, world_size: int,
-                      rank: int, device: Any = "cpu") -> dict[str, float]:
-    """Host seconds per gather bucket per step of the runtime under each sharded strategy
-    (full_shard's, measured: its bucket runs the most collectives, an all-gather, a re-gather
-    and a reduce-scatter, and a measurement per strategy doubled the probe's time for figures
-    within its noise), beyond its members' (:func:`param_host_times`): the probe's chain of
-    ``PROBE_PARAMS[1]`` parameters gathered in ``PROBE_BUCKETS`` buckets against the same chain
-    in one, the difference over the extra buckets (the median of ``PROBE_REPEATS``). A bucket's
-    collectives are launched, waited for and completed on the host: the autograd function
-    around its all-gather, its send buffer, the release of its output, its re-gather's saved
-    handle, its gradients' flat buffer and the reduced chunk copied out."""
-    params, strategy = PROBE_PARAMS[1], Strategy.FULL_SHARD
-    one = _runtime_step(strategy, params, world_size, rank, device)
-    several = _runtime_step(strategy, params, world_size, rank, device, buckets=PROBE_BUCKETS)
-    bare = timer(_bucket_collectives(strategy, params // PROBE_BUCKETS, world_size, device))
-    seconds = max(0.0, statistics.median((timer(several) - timer(one)) / (PROBE_BUCKETS - 1)
-                                         for _ in range(PROBE_REPEATS)) - bare)
-    return {s.value: seconds for s in Strategy if traits(s).sharded}
+        steps.append(optimizer.step)
+    return [t / tensors for t in times(steps)]
 
 
 def _bucket_collectives(strategy: Strategy, members: int, world_size: int,
@@ -127,22 +145,6 @@ def _bucket_collectives(strategy: Strategy, members: int, world_size: int,
         reduce_scatter_flat_start(torch.empty(numel, device=device), WORLD, consume=True).wait()
 
     return run
-
-
-PROBE_BUCKETS = 8
-"""Buckets the probe's long chain is gathered in for :func:`bucket_host_times`."""
-PROBE_REPEATS = 3
-"""Times each slope is measured; the median is kept (a step of collectives between processes
-that share cores varies from run to run, and one slope of two such times can be off by more
-than the figure)."""
-
-
-def _slope(timer: Callable[[Callable[[], object]], float],
-           build: Callable[[int], Callable[[], object]]) -> float:
-    low, high = PROBE_PARAMS
-    short, long = build(low), build(high)
-    return statistics.median((timer(long) - timer(short)) / (high - low)
-                             for _ in range(PROBE_REPEATS))
 
 
 def _plain_step(k: int, device: Any) -> Callable[[], object]:
