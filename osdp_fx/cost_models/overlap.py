@@ -1,20 +1,25 @@
-"""Overlap of prefetched all-gathers with computation: the time a schedule's prefetch saves.
+"""Overlap of collectives with computation: the time a schedule's prefetch and the runtime's
+asynchronous gradient collectives save.
 
 With prefetch distance ``d`` (``Schedule.prefetch``) the runtime starts each forward all-gather
 (of one parameter, or of a bucket of small ones) right after the gather ``d`` places before it
 has been waited for, and backward's re-gather of a freed parameter when the parameter saved
-``d`` places after it in forward is unpacked (``runtime.params.StepContext``). This module
-replays one step on two lanes: computation (each operator's forward, then each backward in
-reverse order, at ``compute.node_compute_time_s``) and communication (the gathers, one at a time
-in the order they start, at ``communication.collective_time_s``). An operator waits for the
-gathers it uses; a gather starts when it is issued and the link is free. The gather time the
-computation does not wait for is hidden; with ``d = 0`` every gather starts at its use and
-nothing is hidden.
+``d`` places after it in forward is unpacked (``runtime.params.StepContext``). In backward it
+starts each gradient collective as soon as its gradients are complete (a gather bucket's
+reduce-scatter after the backward of its members' first use; a replicated all-reduce bucket
+once its last gradient is in), with at most ``Schedule.scatters_in_flight`` of a kind in flight
+(starting one more first waits for the oldest), and waits for the rest at the end of backward
+(``runtime.params.GradReduceScatters``, ``runtime.reducer.GradReducer``). This module replays
+one step on two lanes: computation (each operator's forward, then each backward in reverse
+order, at ``compute.node_compute_time_s``) and communication (the collectives, one at a time in
+the order they start, at ``communication.collective_time_s``). An operator waits for the
+gathers it uses; backward waits for a gradient collective when the window of those in flight
+is full and at its end; a collective starts when it is issued and the link is free. The
+collective time the computation does not wait for is hidden; with ``d = 0`` every gather
+starts at its use and hides nothing.
 
 Only a share :data:`OVERLAP_EFFICIENCY` of that ideal is credited: on CPU gloo's threads run on
-the cores the computation uses. Reduce-scatters and all-reduces, also asynchronous in the
-runtime, are not credited: their asynchrony gains little of a step (``docs/benchmarks.md``
-records the measurements).
+the cores the computation uses.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 
 from ..core.devices import Devices
@@ -32,7 +37,7 @@ from .communication import collective_time_s
 from .graph_facts import GraphFacts, ParamState, node_times, sharded_gather_buckets
 
 OVERLAP_EFFICIENCY = 0.5
-"""Share of the ideally hidden all-gather time that prefetching hides in practice: about half,
+"""Share of the ideally hidden collective time that overlapping hides in practice: about half,
 by the full_shard steps with and without prefetching measured in ``docs/benchmarks.md`` and
 ``docs/cost-models.md`` (gloo's threads share the cores the computation runs on)."""
 
@@ -52,14 +57,17 @@ class GatherSeconds:
 
 @dataclasses.dataclass(frozen=True)
 class GatherWindow:
-    """The computation one group's gathers may hide under (:func:`gather_windows`)."""
+    """The computation one group's collectives may hide under (:func:`gather_windows`)."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
+    reduce_s: float = 0.0
+    """Backward's computation after the group's gradient is complete (its reduce-scatter's)."""
 
     def scaled(self, factor: float) -> GatherWindow:
         """The window at ``factor`` times the profiled batch (computation scales with it)."""
-        return GatherWindow(self.forward_s * factor, self.backward_s * factor)
+        return GatherWindow(self.forward_s * factor, self.backward_s * factor,
+                            self.reduce_s * factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +79,18 @@ class TimedGather:
     used_at: int
     """The step that waits for it."""
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedReduce:
+    """One gradient collective of a replayed backward (:func:`exposed_backward_s`)."""
+
+    ready_at: int
+    """The step of the backward lane after whose computation its gradients are complete."""
+    seconds: float
+    kind: str
+    """``"reduce_scatter"`` or ``"all_reduce"``: each kind has its own window of collectives
+    in flight, as the runtime keeps one per kind."""
 
 
 def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather]) -> float:
@@ -99,6 +119,51 @@ def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather])
     return waited
 
 
+def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather],
+                       reduces: Sequence[TimedReduce], *, in_flight: int) -> float:
+    """Seconds backward waits for its collectives, replaying ``compute_s`` (one duration per
+    step of the backward lane, in order) with the re-gathers ``gathers`` (as
+    :func:`exposed_gather_s`) and the gradient collectives ``reduces`` on one link: a gradient
+    collective starts after the computation of its step (first waiting for the oldest of its
+    kind when ``in_flight`` are in flight) once the link is free, and backward ends when every
+    one has completed."""
+    used, issued, ready = defaultdict(list), defaultdict(list), defaultdict(list)
+    for i, g in enumerate(gathers):
+        used[g.used_at].append(i)
+        issued[g.issued_at].append(i)
+    last = len(compute_s) - 1
+    for r in reduces:
+        ready[min(max(r.ready_at, 0), last)].append(r)
+    done: dict[int, float] = {}
+    flight: dict[str, deque[float]] = defaultdict(deque)
+    now = link_free = waited = 0.0
+
+    def wait_until(t: float) -> None:
+        nonlocal now, waited
+        if t > now:
+            waited += t - now
+            now = t
+
+    for step, seconds in enumerate(compute_s):
+        for group, wait in ((used[step], True), (issued[step], False)):
+            for i in group:
+                if i not in done:
+                    link_free = done[i] = max(now, link_free) + gathers[i].seconds
+                if wait:
+                    wait_until(done[i])
+        now += seconds
+        for r in ready[step]:
+            window = flight[r.kind]
+            while len(window) >= in_flight:
+                wait_until(window.popleft())
+            link_free = max(now, link_free) + r.seconds
+            window.append(link_free)
+    for window in flight.values():
+        for t in window:
+            wait_until(t)
+    return waited
+
+
 @functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
 def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> GatherSeconds:
     """Forward and backward all-gather seconds of one group (several stages added)."""
@@ -114,57 +179,82 @@ def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> Gather
         for stages in (fwd, bwd)))
 
 
-def hidden_gather_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
-                    prefetch: int, gather_bucket_bytes: int, regathered: set[str]) -> float:
-    """Seconds of all-gather time prefetching hides under computation in one step (forward
-    gathers and backward re-gathers), credited at :data:`OVERLAP_EFFICIENCY`."""
-    if prefetch <= 0 or devices.world_size <= 1:
+@functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
+def reduce_s(state: ParamState, devices: Devices) -> float:
+    """Seconds of one group's gradient collectives (its reduce-scatter, and under hybrid_shard
+    the all-reduce across nodes; several stages added); 0 for a frozen group."""
+    if not state.trainable:
+        return 0.0
+    _, bwd = collective_stages(
+        state.strategy, state.numel, state.element_size, world_size=devices.world_size,
+        ranks_per_node=devices.ranks_per_node, regathered=False, trainable=True,
+        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size,
+        row=state.row)
+    return sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
+                                 spans_nodes=st.spans_nodes(devices.num_nodes))
+               for st in bwd if st.collective != "all_gather")
+
+
+def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
+                  prefetch: int, gather_bucket_bytes: int, regathered: set[str],
+                  reduces: Sequence[TimedReduce] = (), in_flight: int = 1) -> float:
+    """Seconds of collective time hidden under computation in one step (forward gathers,
+    backward's re-gathers and the gradient collectives ``reduces``, at most ``in_flight`` of a
+    kind at once), credited at :data:`OVERLAP_EFFICIENCY`."""
+    if devices.world_size <= 1:
         return 0.0
     nodes, pos = facts.nodes, facts.pos
     times = node_times(facts, devices)
     fwd_compute = [t.fwd_s if t else 0.0 for t in (times[n] for n in nodes)]
     bwd_compute = [t.bwd_s if t else 0.0 for t in (times[n] for n in reversed(nodes))]
-    gather = {node: gather_s(params[name], devices, regathered=name in regathered)
-              for node, name in facts.param_of.items()}
-    latency = collective_time_s("all_gather", 0, devices)
-    # forward: bucket i starts after the gather of bucket i - d (at its first use)
-    buckets = sharded_gather_buckets(facts, params, devices.world_size, gather_bucket_bytes)
-    use = [min(pos[u] for u in facts.param_uses(b[0])) for b in buckets]
-    seconds = [max(0.0, sum(gather[n].forward_s for n in b) - latency * (len(b) - 1))
-               for b in buckets]
-    forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i], seconds[i])
-               for i in range(len(buckets))]
-    # backward: re-gathered groups in the order forward saved them; unpacking the one saved at
-    # index j starts the re-gathers of those saved at j - d .. j - 1
-    saved = sorted((n for n, name in facts.param_of.items()
-                    if traits(params[name].strategy).freed_after_forward
-                    and facts.savers.get(n) and gather[n].backward_s > 0),
-                   key=lambda n: min(pos[j] for j in facts.savers[n]))
-    last = len(nodes) - 1
-    unpack = [last - max(pos[j] for j in facts.savers[n]) for n in saved]
-    backward = []
-    for i, n in enumerate(saved):
-        later = unpack[i + 1:i + 1 + prefetch]
-        backward.append(TimedGather(min([unpack[i], *later]), unpack[i], gather[n].backward_s))
-    backward.sort(key=lambda g: (g.issued_at, g.used_at))
-    total = sum(g.seconds for g in forward) + sum(g.seconds for g in backward)
-    exposed = exposed_gather_s(fwd_compute, forward) + exposed_gather_s(bwd_compute, backward)
+    forward, backward = [], []
+    if prefetch > 0:
+        gather = {node: gather_s(params[name], devices, regathered=name in regathered)
+                  for node, name in facts.param_of.items()}
+        latency = collective_time_s("all_gather", 0, devices)
+        # forward: bucket i starts after the gather of bucket i - d (at its first use)
+        buckets = sharded_gather_buckets(facts, params, devices.world_size, gather_bucket_bytes)
+        use = [min(pos[u] for u in facts.param_uses(b[0])) for b in buckets]
+        seconds = [max(0.0, sum(gather[n].forward_s for n in b) - latency * (len(b) - 1))
+                   for b in buckets]
+        forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
+                               seconds[i]) for i in range(len(buckets))]
+        # backward: re-gathered groups in the order forward saved them; unpacking the one
+        # saved at index j starts the re-gathers of those saved at j - d .. j - 1
+        saved = sorted((n for n, name in facts.param_of.items()
+                        if traits(params[name].strategy).freed_after_forward
+                        and facts.savers.get(n) and gather[n].backward_s > 0),
+                       key=lambda n: min(pos[j] for j in facts.savers[n]))
+        last = len(nodes) - 1
+        unpack = [last - max(pos[j] for j in facts.savers[n]) for n in saved]
+        for i, n in enumerate(saved):
+            later = unpack[i + 1:i + 1 + prefetch]
+            backward.append(TimedGather(min([unpack[i], *later]), unpack[i],
+                                        gather[n].backward_s))
+        backward.sort(key=lambda g: (g.issued_at, g.used_at))
+    if not (forward or backward or reduces):
+        return 0.0
+    total = sum(g.seconds for g in (*forward, *backward)) + sum(r.seconds for r in reduces)
+    exposed = (exposed_gather_s(fwd_compute, forward)
+               + exposed_backward_s(bwd_compute, backward, reduces, in_flight=in_flight))
     return OVERLAP_EFFICIENCY * max(0.0, total - exposed)
 
 
 def gather_windows(facts: GraphFacts, devices: Devices, *,
                    prefetch: int) -> dict[str, GatherWindow]:
-    """Per parameter group, the computation (forward and backward seconds) its gathers may hide
-    under with prefetch distance ``prefetch``, for the search's per-group costs (its exact
-    problem needs a cost per group and option, not per plan).
+    """Per parameter group, the computation (forward and backward seconds) its collectives may
+    hide under with prefetch distance ``prefetch``, for the search's per-group costs (its
+    exact problem needs a cost per group and option, not per plan).
 
     Groups in the order forward first uses them: the forward gather of the i-th starts once the
     (i - d)-th is used, so it hides under the forward of the operators in between; its
     re-gather in backward starts at the backward of the (i + d)-th and hides under the backward
-    of those in between. Counted as if every group were gathered: a replicated neighbour
-    starts nothing, so this is at most what :func:`hidden_gather_s` replays for a plan; the
-    shares of a bucket's members (one gather) are each the window of the member alone."""
-    if prefetch <= 0 or devices.world_size <= 1:
+    of those in between; its reduce-scatter starts once its gradient is complete and hides
+    under the backward of the operators before its first use. Counted as if every group were
+    gathered: a replicated neighbour starts nothing; the shares of a bucket's members (one
+    gather) are each the window of the member alone; and each reduce-scatter as if the link
+    were its own, where :func:`hidden_comm_s` replays them one after the other."""
+    if devices.world_size <= 1:
         return {}
     nodes = facts.nodes
     fwd, bwd = [0.0], [0.0]  # prefix sums over positions
@@ -182,17 +272,22 @@ def gather_windows(facts: GraphFacts, devices: Devices, *,
     use = [first[n] for n in order]
     windows = {}
     for i, name in enumerate(order):
-        before = fwd[use[i]] - fwd[use[i - prefetch]] if i >= prefetch else 0.0
-        j = i + prefetch
-        after = bwd[use[j] + 1] - bwd[use[i] + 1] if j < len(order) else 0.0
-        windows[name] = GatherWindow(before, after)
+        before = after = 0.0
+        if prefetch > 0:
+            before = fwd[use[i]] - fwd[use[i - prefetch]] if i >= prefetch else 0.0
+            j = i + prefetch
+            after = bwd[use[j] + 1] - bwd[use[i] + 1] if j < len(order) else 0.0
+        windows[name] = GatherWindow(before, after, bwd[use[i]])
     return windows
 
 
 def hidden_share_s(state: ParamState, window: GatherWindow, devices: Devices, *,
                    regathered: bool) -> float:
-    """The gather seconds of one group that its ``window`` (:func:`gather_windows`) hides,
-    credited at :data:`OVERLAP_EFFICIENCY`."""
+    """The collective seconds of one group that its ``window`` (:func:`gather_windows`) hides,
+    credited at :data:`OVERLAP_EFFICIENCY`: its gathers' and, sharded, its reduce-scatter's (a
+    replicated gradient's all-reduce waits for its bucket to fill: not credited here)."""
     gathered = gather_s(state, devices, regathered=regathered)
+    reduced = reduce_s(state, devices) if traits(state.strategy).sharded else 0.0
     return OVERLAP_EFFICIENCY * (min(gathered.forward_s, window.forward_s)
-                                 + min(gathered.backward_s, window.backward_s))
+                                 + min(gathered.backward_s, window.backward_s)
+                                 + min(reduced, window.reduce_s))

@@ -29,10 +29,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
 A plan's predicted step time is total compute + the communication of every group + the
 optimizer + the runtime's host time (``Devices.param_host_time_s`` per group; where the host
 runs ahead of the device, a GPU, the longer of the host's and the device's lanes: [Note: the
-host lane]) - the all-gather time its prefetching hides under computation (:mod:`.overlap`; the
-runtime also runs gradient reduce-scatters and all-reduces asynchronously during backward, which
-the model does not credit: on this project's 2-core CPU machine gloo's threads compete with the
-computation). The plan's schedule (``buckets.Schedule``) sets the prefetch distance, which small
+host lane]) - the collective time the computation hides (:mod:`.overlap`: the all-gathers its
+prefetching starts early, and the gradient reduce-scatters and all-reduces backward runs
+asynchronously, within the schedule's window of collectives in flight). The plan's schedule (``buckets.Schedule``) sets the prefetch distance, which small
 parameters share a gather bucket and the all-reduce bucket size that shares latency. Its peak memory comes from
 :mod:`.timeline`. Both are also
 given as functions of the per-rank batch size ``b`` (compute and activations scale with ``b``).
@@ -63,7 +62,7 @@ from .graph_facts import (
     sharded_gather_buckets,
 )
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from .overlap import hidden_gather_s
+from .overlap import TimedReduce, hidden_comm_s, reduce_s
 from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH
 
@@ -323,6 +322,23 @@ def bucket_latencies_s(strategy: str, devices: Devices, *, again: bool) -> tuple
             latency_s([st for st in backward if st.collective != "all_gather"]))
 
 
+def _gradients_ready(facts: GraphFacts) -> dict[str, int]:
+    """Per parameter group, the step of the backward lane (``t``-th backward: the node at
+    position ``N - 1 - t``) after which its gradient is complete: the backward of its first
+    use in graph order (derived once per facts)."""
+    return facts.derive(_ready_steps, None)
+
+
+def _ready_steps(facts: GraphFacts, _: None) -> dict[str, int]:
+    last = len(facts.nodes) - 1
+    ready: dict[str, int] = {}
+    for node, name in facts.param_of.items():
+        uses = facts.param_uses(node)
+        if uses:
+            ready[name] = max(ready.get(name, 0), last - min(facts.pos[u] for u in uses))
+    return ready
+
+
 def predict_step_time(
     gm: fx.GraphModule,
     params: Mapping[str, ParamState],
@@ -346,11 +362,17 @@ def predict_step_time(
     backward_order = [n for n, st in list(params.items())[::-1]
                       if not traits(st.strategy).sharded and st.trainable]
     filled = {}
+    ready = _gradients_ready(facts)
+    reduces = []  # the gradient collectives backward runs, replayed by ``overlap``
     for bucket in plan_buckets([(params[n].element_size, params[n].numel * params[n].element_size)
                                 for n in backward_order], schedule.reduce_bucket_bytes):
         members = [backward_order[i] for i in bucket]
         nbytes = sum(params[m].numel * params[m].reduce_size for m in members)
         filled.update(dict.fromkeys(members, nbytes))
+        per_byte, latency = all_reduce_parts_s(nbytes, devices)
+        if devices.world_size > 1:
+            reduces.append(TimedReduce(max(ready.get(m, 0) for m in members),
+                                       per_byte * nbytes + latency, "all_reduce"))
     costs = {
         name: group_cost(state, regathered=name in regathered, compute_s=per_group.get(name, 0.0),
                          devices=devices, optimizer=setting.optimizer,
@@ -367,6 +389,7 @@ def predict_step_time(
                                                schedule.gather_bucket_bytes) for n in b}
     for bucket in buckets:
         scattered = False  # a trainable member before this one
+        scatter_s, scatter_ready = 0.0, 0
         for k, node in enumerate(bucket):
             name = facts.param_of[node]
             again = (node in together and name in regathered
@@ -376,6 +399,8 @@ def predict_step_time(
             saved = gathers_s if k else 0.0
             if params[name].trainable:
                 saved += reduces_s if scattered else 0.0
+                scatter_s += reduce_s(params[name], devices) - (reduces_s if scattered else 0.0)
+                scatter_ready = max(scatter_ready, ready.get(name, 0))
                 scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
                 saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)
@@ -384,10 +409,13 @@ def predict_step_time(
             costs[name] = dataclasses.replace(costs[name],
                                               comm_s=max(0.0, costs[name].comm_s - saved),
                                               host_s=costs[name].host_s + bucket_host)
+        if scattered:
+            reduces.append(TimedReduce(scatter_ready, max(0.0, scatter_s), "reduce_scatter"))
     compute_s = other_s + sum(per_group.values())
-    comm_s = sum(c.comm_s for c in costs.values()) - hidden_gather_s(
+    comm_s = sum(c.comm_s for c in costs.values()) - hidden_comm_s(
         facts, params, devices, prefetch=schedule.prefetch,
-        gather_bucket_bytes=schedule.gather_bucket_bytes, regathered=regathered)
+        gather_bucket_bytes=schedule.gather_bucket_bytes, regathered=regathered,
+        reduces=reduces, in_flight=schedule.scatters_in_flight)
     optim_s = sum(c.optim_s for c in costs.values())
     host_s = sum(c.host_s for c in costs.values())
     dispatch_s = 0.0  # the profile's per-node dispatch overcounts ([Note: the host lane])

@@ -42,7 +42,7 @@ from ..core.strategies import Strategy, traits
 from ..cost_models.communication import all_reduce_parts_s
 from ..cost_models.graph_facts import small_gather_key
 from ..cost_models.memory import optimizer_state_bytes, shard_numel
-from ..cost_models.overlap import OVERLAP_EFFICIENCY, gather_s
+from ..cost_models.overlap import OVERLAP_EFFICIENCY, gather_s, reduce_s
 from ..cost_models.recompute import RegionCost
 from ..cost_models.step import attributed_compute_s, bucket_latencies_s, group_cost
 from ..cost_models.timeline import predict_peak_bytes
@@ -65,7 +65,8 @@ class _RowTerms:
     """Communication (without all-reduce latency, re-gathers recomputation adds, or overlap)
     plus optimizer step, or a region's recomputed forward."""
     gather_s: list[list[float]]
-    """All-gather seconds prefetching may hide (forward, and backward's re-gather)."""
+    """Collective seconds overlap may hide: all-gathers prefetching may hide (forward, and
+    backward's re-gather) and gradient collectives (``overlap.hidden_comm_s``), at most."""
     all_reduced: list[list[bool]]
     """Whether the option all-reduces a gradient (then some bucket pays a latency)."""
     gather_key: list[list[tuple[str, int] | None]]
@@ -101,8 +102,10 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
                 if prefetching:
                     gathered = (gather_s(state, devices, regathered=True).total_s
                                 * nodes_of.get(name, 1))
+                gathered += reduce_s(state, devices) * nodes_of.get(name, 1)
                 key = small_gather_key(state, devices.world_size, schedule.gather_bucket_bytes)
             elif state.trainable and devices.world_size > 1:
+                gathered = comm  # its all-reduce may run under backward's computation
                 # its latency share is counted once per bucket, in exhaustive_search's bound
                 full, bucket = state.numel * state.reduce_size, int(math.ceil(widest))
                 _, latency = all_reduce_parts_s(max(full, bucket), devices)
@@ -130,11 +133,13 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     """A lower bound on the predicted step time of every combination (flat, row-major over
     the groups of ``options`` then the ``regions``, options in order)::
 
-        bound = compute * scale + sum_i time_i - OVERLAP_EFFICIENCY * min(sum_i gather_i, compute)
-                + (one all-reduce latency if some option all-reduces)
+        bound = compute * scale + sum_i time_i + L
+                - OVERLAP_EFFICIENCY * min(sum_i overlappable_i + L, compute)
 
-    Prefetching hides at most ``OVERLAP_EFFICIENCY`` of the gathers, and no more than the
-    computation they overlap (``overlap.hidden_gather_s`` replays the profiled step); the
+    where ``L`` is one all-reduce latency if some option all-reduces. Overlap hides at most
+    ``OVERLAP_EFFICIENCY`` of the gathers prefetching starts early and of the gradient
+    collectives, and no more than the computation they overlap (``overlap.hidden_comm_s``
+    replays the profiled step); the
     latency shares of the gradients in one all-reduce bucket add up to one latency; of the
     sharded parameters with one gather key, all but one may save two gathers' and a
     reduce-scatter's latency by riding in another's bucket."""
@@ -155,8 +160,8 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     for count in small.values():
         time -= bucket_saving * np.maximum(0.0, count - 1)
     _, latency = all_reduce_parts_s(0, devices)  # the least latency of an all-reduce
-    return (compute * scale + time - OVERLAP_EFFICIENCY * np.minimum(gathered, compute)
-            + latency * reduced)
+    return (compute * scale + time + latency * reduced
+            - OVERLAP_EFFICIENCY * np.minimum(gathered + latency * reduced, compute))
 
 
 def peak_floor_bytes(analysis: Analysis, options: Mapping[str, list[str]],

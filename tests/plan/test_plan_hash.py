@@ -37,11 +37,14 @@ def test_searched_plan_hash_is_pinned():
     # 2.433 ms, 1.93 MiB) before a recomputed region's gathers and their reduce-scatters were
     # ordered as the runtime issues them and a residual gradient was counted once;
     # bb165a5afb41bcb9 (24 / 4 / 0, prefetch 1; predicted 2.499 ms, 1.90 MiB) before the fastest
-    # schedules were searched again at 95 and 90 % of the limit (search.TIGHTENED_SHARES). This
-    # plan: predicted 2.485 ms, 1.76 MiB of the 2.05 MiB it plans for.
-    assert plan.counts() == {"replicate": 23, "shard_grad_op": 0, "full_shard": 5,
+    # schedules were searched again at 95 and 90 % of the limit (search.TIGHTENED_SHARES);
+    # 6085085a4bae0262 (23 / 0 / 5, prefetch 1, 1 MiB gather buckets; predicted 2.80 ms, 1.8
+    # MiB) before backward's gradient collectives were replayed beside its computation
+    # (overlap.hidden_comm_s; that plan is now predicted 2.79 ms). This plan: predicted 2.75 ms,
+    # 1.9 MiB of the 2.05 MiB it plans for.
+    assert plan.counts() == {"replicate": 24, "shard_grad_op": 4, "full_shard": 0,
                              "hybrid_shard": 0, "hierarchical": 0}
     assert dict(plan.recompute) == {"model.blocks.0": "full", "model.blocks.1": "full"}
-    assert plan.schedule == Schedule(prefetch=1, gather_bucket_bytes=2**20,
+    assert plan.schedule == Schedule(prefetch=2, gather_bucket_bytes=2**16,
                                     reduce_bucket_bytes=25 * 2**20)
-    assert plan.hash() == "6085085a4bae0262"
+    assert plan.hash() == "945531e41f824741"

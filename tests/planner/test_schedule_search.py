@@ -22,7 +22,12 @@ from osdp_fx.core.buckets import (
 )
 from osdp_fx.cost_models.graph_facts import ParamState, sharded_gather_buckets
 from osdp_fx.core.setting import StepSetting
-from osdp_fx.cost_models.overlap import TimedGather, exposed_gather_s
+from osdp_fx.cost_models.overlap import (
+    TimedGather,
+    TimedReduce,
+    exposed_backward_s,
+    exposed_gather_s,
+)
 from osdp_fx.cost_models.step import bucket_copy_s
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
@@ -89,6 +94,35 @@ def test_exposed_gather_time_of_a_two_lane_replay():
     assert exposed_gather_s(compute, _timed([(0, 0, 0.5), (0, 1, 2.0)])) == 0.5 + 1.0
     # one link: two gathers started together run one after the other
     assert exposed_gather_s(compute, _timed([(0, 0, 0.5), (0, 2, 1.5), (0, 2, 1.5)])) == 0.5 + 1.0
+
+
+def test_backward_waits_for_its_gradient_collectives_by_hand():
+    """Backward's lane with gradient collectives (``overlap.exposed_backward_s``): a collective
+    starts after the computation of its step once the link is free; starting one more of a
+    kind than ``in_flight`` first waits for the oldest; backward ends when all have completed."""
+    compute = [1.0, 1.0, 1.0]
+
+    def rs(ready_at, seconds, kind="reduce_scatter"):
+        return TimedReduce(ready_at, seconds, kind)
+
+    # the last step's collective runs after all computation: all of it is waited for
+    assert exposed_backward_s(compute, [], [rs(2, 0.5)], in_flight=2) == 0.5
+    # one after the first step hides under the two steps after it, up to their 2 s
+    assert exposed_backward_s(compute, [], [rs(0, 1.5)], in_flight=2) == 0.0
+    assert exposed_backward_s(compute, [], [rs(0, 2.5)], in_flight=2) == 0.5
+    # one link: two started after the first step run one after the other (1.5 + 1.5 from
+    # t = 1, done at t = 4, one second after the computation ends at t = 3)
+    assert exposed_backward_s(compute, [], [rs(0, 1.5), rs(0, 1.5)], in_flight=2) == 1.0
+    # one in flight: starting the second waits for the first (t = 1 to 2.5), whose
+    # computation then ends at 4.5; the second runs from 2.5 to 4, hidden
+    assert exposed_backward_s(compute, [], [rs(0, 1.5), rs(0, 1.5)], in_flight=1) == 1.5
+    # a kind's window does not hold the other kind's collectives
+    assert exposed_backward_s(compute, [], [rs(0, 1.5), rs(0, 1.5, "all_reduce")],
+                              in_flight=1) == 1.0
+    # a re-gather shares the link: used at step 2, issued at step 1 behind a collective
+    # started after step 0 (link busy until t = 2.5), it completes at 3.0, waited 1.0 at t = 2
+    assert exposed_backward_s(compute, [TimedGather(1, 2, 0.5)], [rs(0, 1.5)],
+                              in_flight=2) == 1.0
 
 
 def _gpt(dim: int = 64):
@@ -293,7 +327,8 @@ def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_sear
     """With block buckets, full_shard holds each block's flat gradient and its shard until the
     reduce-scatter completes: two in flight hold two blocks' buffers. Under a limit only one in
     flight fits, the search keeps block buckets with one in flight (its step time predicted
-    the same: the step model does not see the number in flight)."""
+    the same here: in the replayed backward each block's reduce-scatter completes before the
+    next block's gradients are ready, so the window never makes backward wait)."""
     analysis = _gpt(dim=512)
     block = block_gather_bytes(analysis, world_size=4)
     two, one = (_predicted(analysis, "full_shard", Schedule(1, block, scatters_in_flight=k))
@@ -308,7 +343,8 @@ def test_one_collective_in_flight_holds_one_blocks_gradient_buffers_and_the_sear
     # faster still: local_search.refine)
     mixed = [f for f in found if set(f.found.strategies.values()) > {"replicate"}
              and "full_shard" in f.found.strategies.values()]
-    assert mixed[0].schedule == Schedule(1, block, scatters_in_flight=1), mixed[0].schedule
+    assert (mixed[0].schedule.gather_bucket_bytes, mixed[0].schedule.scatters_in_flight) == (
+        block, 1), mixed[0].schedule
     assert set(found[0].found.strategies.values()) - {"replicate"} == {"shard_grad_op"}
 
 
