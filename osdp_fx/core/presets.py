@@ -82,7 +82,7 @@ COMPUTE_EFFICIENCY_A100_SXM = 271.2 / 312
 """MAMF / peak, A100 SXM bf16 (same table)."""
 COMPUTE_EFFICIENCY_ASSUMED = 0.80
 """For GPUs without a MAMF measurement: H100 SXM's, rounded (an assumption)."""
-ATTENTION_EFFICIENCY = 0.32
+ATTENTION_EFFICIENCY = 0.314
 """Share of the matmul rate a fused attention kernel reaches where its time is estimated
 (``Devices.attention_efficiency``). Fitted, the one constant fitted to published runs: by
 ``python benchmarks/published.py --fit`` on five rows of llm-foundry's MPT tables, the
