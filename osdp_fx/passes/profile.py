@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -205,7 +206,7 @@ def profile_graph_pass(
     repeats an earlier one takes its profiles without running (``share_repeats``, [Note:
     repeated blocks]). ``whole_graph``: on the CPU, the measured node times are then scaled to
     the whole graph's forward and backward, timed as a step runs them
-    (:func:`scale_to_whole_graph`, at least ``WHOLE_GRAPH_REPEATS`` runs); in a process group
+    (:func:`scale_to_whole_graph`, :func:`whole_graph_runs` runs); in a process group
     this is collective (the ranks time their graphs at once, after a barrier). Returns
     ``PassResult(gm, False)``: the graph is not changed.
     """
@@ -226,10 +227,13 @@ def profile_graph_pass(
     if whole_graph and not fake and not any(t.is_cuda for t in tensors):
         import torch.distributed as dist
 
+        runs = whole_graph_runs(gm, least=max(repeats, WHOLE_GRAPH_REPEATS))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            count = torch.tensor([runs])  # every rank times as many runs, together
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            runs = int(count.item())
             dist.barrier()  # every rank times its whole graph at once, as its steps run
-        scale_to_whole_graph(gm, example_inputs, warmup=warmup,
-                             repeats=max(repeats, WHOLE_GRAPH_REPEATS))
+        scale_to_whole_graph(gm, example_inputs, warmup=warmup, repeats=runs)
     summary = summarize_profile(gm)
     log.info(
         "profiled %d nodes (%d of them as a repeated block's): %.3g forward FLOPs, %.3g "
@@ -260,6 +264,24 @@ WHOLE_GRAPH_REPEATS = 5
 """The least number of timed runs of the whole graph (their median is kept): with the
 profile's 3, a run the other ranks slowed could set a small model's computation
 (``docs/benchmarks.md``, "Predicted against measured")."""
+WHOLE_GRAPH_SECONDS = 0.4
+"""Seconds of whole-graph runs the profile aims at, by its nodes' summed times, between
+:data:`WHOLE_GRAPH_REPEATS` and :data:`WHOLE_GRAPH_MAX_REPEATS` runs: the median of more runs
+moves less from one compile to the next (``docs/benchmarks.md``, "Predicted against
+measured")."""
+WHOLE_GRAPH_MAX_REPEATS = 15
+"""The most timed runs of the whole graph."""
+
+
+def whole_graph_runs(gm: fx.GraphModule, *, least: int) -> int:
+    """How many runs :func:`scale_to_whole_graph` times: :data:`WHOLE_GRAPH_SECONDS` over the
+    nodes' measured forward and backward times, at least ``least``, at most
+    :data:`WHOLE_GRAPH_MAX_REPEATS` (or ``least`` where that is more)."""
+    total = sum((p.fwd_time_s or 0.0) + (p.bwd_time_s or 0.0) for n in gm.graph.nodes
+                if (p := osdp_meta(n).profile) is not None)
+    if total <= 0:
+        return least
+    return max(least, min(WHOLE_GRAPH_MAX_REPEATS, math.ceil(WHOLE_GRAPH_SECONDS / total)))
 
 
 def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, warmup: int,
