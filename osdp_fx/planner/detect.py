@@ -193,11 +193,39 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
     param_s, bucket_s = host.param_s, host.bucket_s
     optimizer_s = sharded_optimizer_tensor_times(times, tuple(optimizers), _optimizer,
                                                  world_size=world_size, rank=rank, device=device)
-    slowest = iter(_all_reduce_floats([*param_s.values(), *bucket_s.values(), *optimizer_s],
-                                      "max", None, device, distributed))
+    share = _wall_per_cpu_second(barrier) if device.type == "cpu" else 1.0
+    slowest = iter(_all_reduce_floats(
+        [share * t for t in (*param_s.values(), *bucket_s.values(), *optimizer_s)],
+        "max", None, device, distributed))
     return {"param_host_time_s": dict(zip(param_s, slowest)),
             "bucket_host_time_s": dict(zip(bucket_s, slowest)),
             "optimizer_sharded_tensor_time_s": dict(zip(optimizers, slowest))}
+
+
+def _wall_per_cpu_second(barrier: Callable[[], object] | None) -> float:
+    """The wall seconds one second of a rank's own work takes while every rank works at once,
+    at least 1: more where the ranks outnumber the cores they share. The median over
+    ``_PROBE_ROUNDS`` runs of a matmul loop, each after a barrier, of its wall over its
+    thread's CPU time ([Note: host time by the thread's clock])."""
+    import torch
+
+    a = torch.randn(128, 128)
+    ratios = []
+    for i in range(1 + _PROBE_ROUNDS):
+        if barrier is not None:
+            barrier()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(_SHARE_MATMULS):
+            torch.mm(a, a)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        if i and cpu > 0:
+            ratios.append(wall / cpu)
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
+
+
+_SHARE_MATMULS = 512
+"""128x128 matmuls in one run of ``_wall_per_cpu_second``: some tens of milliseconds, longer
+than the scheduler's time slices, so that ranks sharing a core take turns within it."""
 
 
 # [Note: host time by the thread's clock]
@@ -207,7 +235,11 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
 # measurements on one idle machine (``docs/cost-models.md`` gives the figures). The
 # rank's own thread's CPU time (``time.thread_time``) counts the work and not the waits, which
 # the collectives' link figures hold: on the CPU, where the host is the device, the probe times
-# by it. A GPU's host waits for its kernels, so there it times by the synchronized wall clock.
+# by it. A second of CPU time is not a second of the step where the ranks outnumber the cores
+# (four ranks on two cores each run half the time): the figures are scaled by the wall seconds
+# a second of a rank's work takes while every rank works (``_wall_per_cpu_second``), as the
+# profile's computation is timed by the wall with every rank at once. A GPU's host waits for
+# its kernels, so there it times by the synchronized wall clock.
 
 
 def _ranks_per_node_from_hosts(group: Any) -> int:
