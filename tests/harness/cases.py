@@ -331,3 +331,13 @@ def links_measured_twice(rank: int, world: int, *, ranks_per_node: int) -> list[
                 for _ in range(2)]
     finally:
         detect._CPU_COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = saved
+
+
+def wall_per_cpu_second(rank: int, world: int) -> float:
+    """This rank's wall seconds per second of its own work while every rank works at once
+    (``detect._wall_per_cpu_second``)."""
+    import torch.distributed as dist
+
+    from osdp_fx.planner import detect
+
+    return detect._wall_per_cpu_second(dist.barrier)

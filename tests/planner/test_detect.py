@@ -4,6 +4,7 @@ itself, its JSON and checks: tests/core/test_devices.py)."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,19 @@ def test_links_are_measured_again_on_the_same_nodes(worlds) -> None:
     results = worlds(4).run(cases.links_measured_twice, ranks_per_node=2)
     for first, second in results:
         assert first == second and "intra_node_latency_s" in first
+
+
+def test_a_cpu_second_costs_more_wall_where_ranks_outnumber_the_cores(worlds) -> None:
+    """The host probe's thread-clock figures are scaled by the wall seconds a second of a
+    rank's work takes while every rank works (``detect._wall_per_cpu_second``): 1 for one
+    process, and above 1 for the slowest of four ranks on fewer cores."""
+    from osdp_fx.planner import detect
+
+    assert detect._wall_per_cpu_second(None) >= 1.0
+    shares = worlds(4).run(cases.wall_per_cpu_second)
+    assert all(s >= 1.0 for s in shares)
+    if (os.cpu_count() or 1) <= 2:  # four ranks on two cores each run about half the time
+        assert max(shares) > 1.1, shares
 
 
 def test_the_gpu_margin_follows_the_caching_allocators_setting(monkeypatch):
