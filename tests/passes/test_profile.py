@@ -455,3 +455,25 @@ def test_the_whole_graph_is_timed_only_where_asked_and_not_under_fake_tensors(
     assert not calls
     profile_graph_pass(gm, (x,), **FAST, whole_graph=True)
     assert len(calls) == 1
+
+
+def test_the_whole_graph_is_timed_for_as_many_runs_as_fill_its_seconds() -> None:
+    """``whole_graph_runs``: ``WHOLE_GRAPH_SECONDS`` over the nodes' summed times, clamped
+    between the least asked and ``WHOLE_GRAPH_MAX_REPEATS``."""
+    torch.manual_seed(0)
+    gm, x = trace(MLP()), torch.randn(4, 16)
+    profile_graph_pass(gm, (x,), **FAST)
+    timed = [n for n in gm.graph.nodes if osdp_meta(n).profile.fwd_time_s]
+    limit = profile_module.WHOLE_GRAPH_MAX_REPEATS
+
+    def with_total(seconds: float) -> int:  # every node's time set so that they sum to it
+        for n in timed:
+            osdp_meta(n).profile = dataclasses.replace(
+                osdp_meta(n).profile, fwd_time_s=seconds / len(timed), bwd_time_s=0.0)
+        return profile_module.whole_graph_runs(gm, least=5)
+
+    assert with_total(1e-4) == limit  # a tiny graph: the most runs
+    assert with_total(1.0) == 5  # a long one: the least
+    target = profile_module.WHOLE_GRAPH_SECONDS
+    assert with_total(target / 7.5) == 8  # in between: as many as fill the seconds
+    assert profile_module.whole_graph_runs(gm, least=limit + 5) == limit + 5
