@@ -264,12 +264,12 @@ WHOLE_GRAPH_REPEATS = 5
 """The least number of timed runs of the whole graph (their median is kept): with the
 profile's 3, a run the other ranks slowed could set a small model's computation
 (``docs/benchmarks.md``, "Predicted against measured")."""
-WHOLE_GRAPH_SECONDS = 0.4
+WHOLE_GRAPH_SECONDS = 0.25
 """Seconds of whole-graph runs the profile aims at, by its nodes' summed times, between
 :data:`WHOLE_GRAPH_REPEATS` and :data:`WHOLE_GRAPH_MAX_REPEATS` runs: the median of more runs
 moves less from one compile to the next (``docs/benchmarks.md``, "Predicted against
 measured")."""
-WHOLE_GRAPH_MAX_REPEATS = 15
+WHOLE_GRAPH_MAX_REPEATS = 12
 """The most timed runs of the whole graph."""
 
 

@@ -205,13 +205,13 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
 def _wall_per_cpu_second(barrier: Callable[[], object] | None) -> float:
     """The wall seconds one second of a rank's own work takes while every rank works at once,
     at least 1: more where the ranks outnumber the cores they share. The median over
-    ``_PROBE_ROUNDS`` runs of a matmul loop, each after a barrier, of its wall over its
+    ``_SHARE_ROUNDS`` runs of a matmul loop, each after a barrier, of its wall over its
     thread's CPU time ([Note: host time by the thread's clock])."""
     import torch
 
     a = torch.randn(128, 128)
     ratios = []
-    for i in range(1 + _PROBE_ROUNDS):
+    for i in range(1 + _SHARE_ROUNDS):
         if barrier is not None:
             barrier()
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -223,9 +223,11 @@ def _wall_per_cpu_second(barrier: Callable[[], object] | None) -> float:
     return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
-_SHARE_MATMULS = 512
+_SHARE_MATMULS = 256
 """128x128 matmuls in one run of ``_wall_per_cpu_second``: some tens of milliseconds, longer
 than the scheduler's time slices, so that ranks sharing a core take turns within it."""
+_SHARE_ROUNDS = 5
+"""Timed runs of ``_wall_per_cpu_second`` (after one warmup); the median is kept."""
 
 
 # [Note: host time by the thread's clock]
