@@ -144,20 +144,26 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
             waited += t - now
             now = t
 
-    for step, seconds in enumerate(compute_s):
+    at = 0  # the step ``now`` is at: the computation of the steps before it is added
+    for step in sorted(s for s in used.keys() | issued.keys() | ready.keys()
+                       if 0 <= s < len(compute_s)):
+        # the steps without a collective in between, added one after the other as they run
+        now = functools.reduce(operator.add, compute_s[at:step], now)
         for group, wait in ((used[step], True), (issued[step], False)):
             for i in group:
                 if i not in done:
                     link_free = done[i] = max(now, link_free) + gathers[i].seconds
                 if wait:
                     wait_until(done[i])
-        now += seconds
+        now += compute_s[step]
+        at = step + 1
         for r in ready[step]:
             window = flight[r.kind]
             while len(window) >= in_flight:
                 wait_until(window.popleft())
             link_free = max(now, link_free) + r.seconds
             window.append(link_free)
+    now = functools.reduce(operator.add, compute_s[at:], now)
     for window in flight.values():
         for t in window:
             wait_until(t)
@@ -177,6 +183,15 @@ def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> Gather
                               spans_nodes=st.spans_nodes(devices.num_nodes))
             for st in stages if st.collective == "all_gather")
         for stages in (fwd, bwd)))
+
+
+def _lane_compute_s(facts: GraphFacts, devices: Devices) -> tuple[list[float], list[float]]:
+    """The computation lane's steps: each operator's forward in graph order, and each one's
+    backward in reverse order (derived once per facts and devices)."""
+    times = node_times(facts, devices)
+    fwd = [t.fwd_s if t else 0.0 for t in (times[n] for n in facts.nodes)]
+    bwd = [t.bwd_s if t else 0.0 for t in (times[n] for n in reversed(facts.nodes))]
+    return fwd, bwd
 
 
 @functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
@@ -204,9 +219,7 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     if devices.world_size <= 1:
         return 0.0
     nodes, pos = facts.nodes, facts.pos
-    times = node_times(facts, devices)
-    fwd_compute = [t.fwd_s if t else 0.0 for t in (times[n] for n in nodes)]
-    bwd_compute = [t.bwd_s if t else 0.0 for t in (times[n] for n in reversed(nodes))]
+    fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
     forward, backward = [], []
     if prefetch > 0:
         gather = {node: gather_s(params[name], devices, regathered=name in regathered)

@@ -65,16 +65,23 @@ def _replay_step_by_step(compute_s, gathers):
     return waited
 
 
+def _random_lane(rnd: random.Random, steps: int, gathers: int):
+    """A lane of up to ``steps`` computation steps and up to ``gathers`` (issued at, used at,
+    seconds) gathers in issue order, some used past the last step (never waited for)."""
+    n = rnd.randint(0, steps)
+    compute = [rnd.random() * 1e-3 for _ in range(n)]
+    timed = []
+    for _ in range(rnd.randint(0, gathers)):
+        use = rnd.randint(0, n + 2)
+        timed.append((rnd.randint(0, use), use, rnd.random() * 2e-3))
+    timed.sort(key=lambda g: (g[0], g[1]))
+    return compute, timed
+
+
 def test_exposed_gather_time_equals_the_step_by_step_replay_to_the_bit():
     rnd = random.Random(0)
     for _ in range(500):
-        n = rnd.randint(0, 40)
-        compute = [rnd.random() * 1e-3 for _ in range(n)]
-        gathers = []
-        for _ in range(rnd.randint(0, 12)):
-            use = rnd.randint(0, n + 2)  # some used past the last step: never waited for
-            gathers.append((rnd.randint(0, use), use, rnd.random() * 2e-3))
-        gathers.sort(key=lambda g: (g[0], g[1]))
+        compute, gathers = _random_lane(rnd, 40, 12)
         assert exposed_gather_s(compute, _timed(gathers)) == _replay_step_by_step(compute,
                                                                                   gathers)
 
@@ -123,6 +130,16 @@ def test_backward_waits_for_its_gradient_collectives_by_hand():
     # started after step 0 (link busy until t = 2.5), it completes at 3.0, waited 1.0 at t = 2
     assert exposed_backward_s(compute, [TimedGather(1, 2, 0.5)], [rs(0, 1.5)],
                               in_flight=2) == 1.0
+
+
+def test_backward_without_gradient_collectives_waits_as_the_gather_replay():
+    """With no gradient collectives, the backward lane's replay is the gathers' replay, to the
+    bit (both add the computation between collectives in order)."""
+    rnd = random.Random(1)
+    for _ in range(300):
+        compute, gathers = _random_lane(rnd, 30, 10)
+        assert exposed_backward_s(compute, _timed(gathers), [], in_flight=2) == (
+            exposed_gather_s(compute, _timed(gathers)))
 
 
 def _gpt(dim: int = 64):
