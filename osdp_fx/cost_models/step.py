@@ -31,10 +31,11 @@ optimizer + the runtime's host time (``Devices.param_host_time_s`` per group; wh
 runs ahead of the device, a GPU, the longer of the host's and the device's lanes: [Note: the
 host lane]) - the collective time the computation hides (:mod:`.overlap`: the all-gathers its
 prefetching starts early, and the gradient reduce-scatters and all-reduces backward runs
-asynchronously, within the schedule's window of collectives in flight). The plan's schedule (``buckets.Schedule``) sets the prefetch distance, which small
-parameters share a gather bucket and the all-reduce bucket size that shares latency. Its peak memory comes from
-:mod:`.timeline`. Both are also
-given as functions of the per-rank batch size ``b`` (compute and activations scale with ``b``).
+asynchronously, within the schedule's window of collectives in flight). The plan's schedule
+(``buckets.Schedule``) sets the prefetch distance, which small parameters share a gather
+bucket and the all-reduce bucket size that shares latency. Its peak memory comes from
+:mod:`.timeline`. Both are also given as functions of the per-rank batch size ``b`` (compute
+and activations scale with ``b``).
 """
 
 from __future__ import annotations
@@ -322,14 +323,10 @@ def bucket_latencies_s(strategy: str, devices: Devices, *, again: bool) -> tuple
             latency_s([st for st in backward if st.collective != "all_gather"]))
 
 
-def _gradients_ready(facts: GraphFacts) -> dict[str, int]:
+def _gradients_ready(facts: GraphFacts, _: None) -> dict[str, int]:
     """Per parameter group, the step of the backward lane (``t``-th backward: the node at
     position ``N - 1 - t``) after which its gradient is complete: the backward of its first
-    use in graph order (derived once per facts)."""
-    return facts.derive(_ready_steps, None)
-
-
-def _ready_steps(facts: GraphFacts, _: None) -> dict[str, int]:
+    use in graph order (``GraphFacts.derive``: found once per facts)."""
     last = len(facts.nodes) - 1
     ready: dict[str, int] = {}
     for node, name in facts.param_of.items():
@@ -362,15 +359,15 @@ def predict_step_time(
     backward_order = [n for n, st in list(params.items())[::-1]
                       if not traits(st.strategy).sharded and st.trainable]
     filled = {}
-    ready = _gradients_ready(facts)
+    ready = facts.derive(_gradients_ready, None)
     reduces = []  # the gradient collectives backward runs, replayed by ``overlap``
     for bucket in plan_buckets([(params[n].element_size, params[n].numel * params[n].element_size)
                                 for n in backward_order], schedule.reduce_bucket_bytes):
         members = [backward_order[i] for i in bucket]
         nbytes = sum(params[m].numel * params[m].reduce_size for m in members)
         filled.update(dict.fromkeys(members, nbytes))
-        per_byte, latency = all_reduce_parts_s(nbytes, devices)
         if devices.world_size > 1:
+            per_byte, latency = all_reduce_parts_s(nbytes, devices)
             reduces.append(TimedReduce(max(ready.get(m, 0) for m in members),
                                        per_byte * nbytes + latency, "all_reduce"))
     costs = {

@@ -272,23 +272,16 @@ def _synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time_s(
-    fn: Callable[[], object], device: Any, *, barrier: Callable[[], object] | None = None,
-    repeats: int | None = None, clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Median time of ``fn`` by ``clock`` (default: the wall) over ``repeats`` runs after one
-    warmup; with ``barrier``, timed as :func:`_interleaved_times_s` times one run."""
-    if barrier is not None:
-        return _interleaved_times_s([fn], device, barrier=barrier,
-                                    rounds=repeats or _REPEATS, clock=clock)[0]
+def _median_time_s(fn: Callable[[], object], device: Any) -> float:
+    """Median wall time of ``fn`` over ``_REPEATS`` runs after one warmup."""
     times = []
-    for i in range(1 + (repeats or _REPEATS)):
+    for i in range(1 + _REPEATS):
         _synchronize(device)
-        start = clock()
+        start = time.perf_counter()
         fn()
         _synchronize(device)
         if i:
-            times.append(clock() - start)
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
