@@ -8,6 +8,12 @@ reduce-scatter and an all-reduce over the whole world at 64 KiB, 1 MiB and 4 MiB
 matmul rate and the call's own seconds. The last row is each column's largest over its
 smallest: how far two calls a minute apart can disagree.
 
+A second table checks the last call against the collectives themselves: each collective of
+``CHECKED_SIZES`` (1 to 16 MiB, past the largest size the fit saw at 4 MiB and at it) timed
+directly through the runtime's collective functions, the median of ``CHECK_RUNS`` runs, each
+after a barrier and a short matmul (as ``detect_devices()`` times them), against the time its
+fitted link predicts.
+
     python benchmarks/detection.py [--world-size 2] [--ranks-per-node N] [--repeats 5]
 
 gloo on the CPU, NCCL on a GPU; run it with nothing else running.
@@ -26,17 +32,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from osdp_fx.runtime.launch import run_world  # noqa: E402
+from timing import median_s  # noqa: E402
 
 SIZES = ((64 << 10, "64K"), (1 << 20, "1M"), (4 << 20, "4M"))
 COLLECTIVES = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"))
+CHECKED_SIZES = (1, 4, 8, 12, 16)
+"""MiB of the collectives timed directly against the last call's prediction."""
+CHECK_RUNS = 10
 
 
-def calls(rank: int, world: int, repeats: int, ranks_per_node: int) -> list[dict[str, float]]:
-    """``repeats`` calls of ``detect_devices()`` on this rank, each as a row of figures."""
+def calls(rank: int, world: int, repeats: int,
+          ranks_per_node: int) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """``repeats`` calls of ``detect_devices()`` on this rank, each as a row of figures, and
+    the last call's predictions against collectives timed directly (:func:`checked`)."""
     from osdp_fx import detect_devices
     from osdp_fx.cost_models.communication import collective_time_s
 
     rows = []
+    devices = None
     for _ in range(repeats):
         start = time.perf_counter()
         devices = detect_devices(ranks_per_node=ranks_per_node)
@@ -48,6 +61,47 @@ def calls(rank: int, world: int, repeats: int, ranks_per_node: int) -> list[dict
         row["host/param (us)"] = devices.param_host_time_s["full_shard"] * 1e6
         row["host/bucket (us)"] = devices.bucket_host_time_s["full_shard"] * 1e6
         row["GFLOP/s"] = devices.compute_flops_per_s / 1e9
+        rows.append(row)
+    return rows, checked(devices, world)
+
+
+def checked(devices: Any, world: int) -> list[dict[str, float]]:
+    """Per size of :data:`CHECKED_SIZES`, each collective over the world timed directly
+    (module docstring) and as ``devices`` predicts it, in milliseconds."""
+    import torch.distributed as dist
+
+    from osdp_fx.cost_models.communication import collective_time_s
+    from osdp_fx.runtime.collectives import (
+        WORLD,
+        all_gather_flat_start,
+        all_reduce_sum_start,
+        reduce_scatter_flat_start,
+    )
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    side = 1024 if device.type == "cuda" else 256
+    a, b = torch.randn(side, side, device=device), torch.randn(side, side, device=device)
+
+    def before() -> None:
+        dist.barrier()
+        torch.mm(a, b)
+
+    rows = []
+    for mib in CHECKED_SIZES:
+        numel = mib * 2**20 // 4 // world * world
+        full = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // world, device=device)
+        runs = {
+            "all_gather": lambda: all_gather_flat_start(shard, WORLD).wait(),  # noqa: B023
+            "reduce_scatter": lambda: reduce_scatter_flat_start(  # noqa: B023
+                torch.empty_like(full), WORLD, consume=True).wait(),  # noqa: B023
+            "all_reduce": lambda: all_reduce_sum_start(full, WORLD).wait(),  # noqa: B023
+        }
+        row: dict[str, float] = {"MiB": float(mib)}
+        for collective, short in COLLECTIVES:
+            row[f"{short} timed (ms)"] = median_s(runs[collective], device, runs=CHECK_RUNS,
+                                                  warmup=2, before=before) * 1e3
+            row[f"{short} predicted (ms)"] = collective_time_s(collective, numel * 4,
+                                                               devices) * 1e3
         rows.append(row)
     return rows
 
@@ -74,10 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    rows = run_world(args.world_size, calls, args.repeats,
-                     args.ranks_per_node or args.world_size, backend=backend,
-                     timeout_s=1800)[0]
+    rows, check = run_world(args.world_size, calls, args.repeats,
+                            args.ranks_per_node or args.world_size, backend=backend,
+                            timeout_s=1800)[0]
     print(table(rows))
+    print()
+    columns = list(check[0])
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in check:
+        print("| " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
     return 0
 
 

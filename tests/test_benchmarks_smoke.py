@@ -352,15 +352,18 @@ def test_host_time_probe_prints_a_row_per_repeat_and_the_median() -> None:
 
 
 def test_detection_prints_a_row_per_call_and_the_spread() -> None:
-    """benchmarks/detection.py, one call in one process (its collectives take no time there;
-    tests/planner/test_detect.py measures a world of 2): the call's figures, none negative,
-    and each column's spread (1 over one call)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "detection.py"), "--repeats", "1",
-           "--world-size", "1"]
+    """benchmarks/detection.py, one call in a world of 2: the call's figures, none negative,
+    and each column's spread (1 over one call); then a row per checked size, timed and
+    predicted."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "detection.py"), "--repeats", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    calls, check = proc.stdout.split("\n\n")
+    sizes = [line.split("|")[1:-1] for line in check.splitlines() if line.startswith("| ")]
+    assert [float(row[0]) for row in sizes[1:]] == [1, 4, 8, 12, 16], check
+    assert all(float(cell) >= 0 for row in sizes[1:] for cell in row), check
+    lines = [line.split("|")[1:-1] for line in calls.splitlines() if line.startswith("| ")]
     header, call, spread = lines
     assert call[0].strip() == "1", proc.stdout
     assert len(call) == len(header) and all(float(cell) >= 0 for cell in call[1:]), call

@@ -34,12 +34,10 @@ log = logging.getLogger(__name__)
 
 
 _COLLECTIVE_SIZES_BYTES = tuple(2**k for k in range(12, 25, 2))
-"""Message sizes of the collective benchmarks on a GPU, 4 KiB to 16 MiB by factors of 4: small
-ones give latency, large ones bandwidth, and together they span the parameters plans move (a
-fit to fewer, wider-spaced sizes missed the times of the sizes in between on CPU gloo)."""
-_CPU_COLLECTIVE_SIZES_BYTES = _COLLECTIVE_SIZES_BYTES[:-1]
-"""On the CPU, 4 KiB to 4 MiB: gloo runs 4 MiB at its bandwidth already (several times its
-latency), and the 16 MiB runs took half of the collectives' measuring time."""
+"""Message sizes of the collective benchmarks, 4 KiB to 16 MiB by factors of 4: small ones give
+latency, large ones bandwidth, and together they span the parameters plans move (a fit to
+fewer, wider-spaced sizes missed the times of the sizes in between on CPU gloo; one to sizes
+up to 4 MiB missed gloo's larger ones, whose rate changes past it: ``docs/cost-models.md``)."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
 _PROBE_ROUNDS = 9
@@ -565,9 +563,8 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     keys: list[tuple[str, int]] = []
-    sizes = _COLLECTIVE_SIZES_BYTES if device.type == "cuda" else _CPU_COLLECTIVE_SIZES_BYTES
     runs: list[Callable[[], object]] = []
-    for nbytes in sizes:
+    for nbytes in _COLLECTIVE_SIZES_BYTES:
         numel = max(size, nbytes // 4 // size * size)
         full = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // size, device=device)

@@ -324,13 +324,13 @@ def links_measured_twice(rank: int, world: int, *, ranks_per_node: int) -> list[
 
     # two small sizes, three runs: the groups are under test here, not the figures (restored
     # after: the world is shared with other tests)
-    saved = detect._CPU_COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS
-    detect._CPU_COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = (4096, 16384), 3
+    saved = detect._COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS
+    detect._COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = (4096, 16384), 3
     try:
         return [sorted(detect._measure_links(None, torch.device("cpu"), world, ranks_per_node))
                 for _ in range(2)]
     finally:
-        detect._CPU_COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = saved
+        detect._COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = saved
 
 
 def wall_per_cpu_second(rank: int, world: int) -> float:
