@@ -286,11 +286,12 @@ def _median_time_s(fn: Callable[[], object], device: Any) -> float:
 def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
                          barrier: Callable[[], object], rounds: int,
                          between: Callable[[], object] | None = None,
-                         clock: Callable[[], float] = time.perf_counter) -> list[float]:
+                         clock: Callable[[], float] = time.perf_counter,
+                         calls: Sequence[int] | None = None) -> list[float]:
     """Each of ``runs``' time by ``clock`` as a step pays it, timed in ``rounds`` rounds that
-    each time every run once (after one warmup round): a run is ``_BACK_TO_BACK`` calls after
-    one barrier, each call preceded by ``between`` when given, whose own time (timed alone in
-    each round) is subtracted.
+    each time every run once (after one warmup round): a run is ``calls`` calls (per run;
+    default ``_BACK_TO_BACK`` each) after one barrier, each call preceded by ``between`` when
+    given, whose own time (timed alone in each round) is subtracted.
 
     Interleaved, a slow spell of the machine (the other ranks' processes, the system) falls on
     every run alike instead of on the sizes timed during it, which bent the fitted bandwidth
@@ -298,14 +299,14 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
     the ranks arrive together or not), and a step pays the mean of both modes: each run's time
     is the mean of its rounds without the fastest and the slowest."""
 
-    def timed(body: Callable[[], object]) -> float:
+    def timed(body: Callable[[], object], n: int = _BACK_TO_BACK) -> float:
         barrier()
         _synchronize(device)
         start = clock()
-        for _ in range(_BACK_TO_BACK):
+        for _ in range(n):
             body()
         _synchronize(device)
-        return (clock() - start) / _BACK_TO_BACK
+        return (clock() - start) / n
 
     def with_between(fn: Callable[[], object]) -> Callable[[], object]:
         def body() -> None:
@@ -316,9 +317,10 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
     bodies = list(runs) if between is None else [with_between(fn) for fn in runs]
     samples: list[list[float]] = [[] for _ in bodies]
     alone: list[float] = []
+    per_run = list(calls) if calls is not None else [_BACK_TO_BACK] * len(bodies)
     for i in range(1 + rounds):
         for j, body in enumerate(bodies):
-            t = timed(body)
+            t = timed(body, per_run[j])
             if i:
                 samples[j].append(t)
         if between is not None:
@@ -330,7 +332,16 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
 
 
 _BACK_TO_BACK = 4
-"""Collectives are timed in runs of this many calls after one barrier."""
+"""Collectives are timed in runs of this many calls after one barrier (those of at most
+``_BACK_TO_BACK_BYTES``)."""
+_BACK_TO_BACK_BYTES = 2**20
+"""Larger collectives are timed in runs of ``_LARGE_BACK_TO_BACK`` calls."""
+_LARGE_BACK_TO_BACK = 2
+"""Calls per run of a collective of more than ``_BACK_TO_BACK_BYTES``: they take milliseconds,
+far above the clock's and the barrier's noise, and four calls of the 16 MiB ones took half of
+the measuring time. One call per run timed a reduce-scatter with the allocation of its fresh
+buffer (which a step's repeated sizes find freed by the step before), slower than timed
+directly (``docs/cost-models.md``)."""
 
 
 def _matmul_flops_per_s(device: Any) -> float:
@@ -564,6 +575,7 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     keys: list[tuple[str, int]] = []
     runs: list[Callable[[], object]] = []
+    calls: list[int] = []
     for nbytes in _COLLECTIVE_SIZES_BYTES:
         numel = max(size, nbytes // 4 // size * size)
         full = torch.zeros(numel, device=device)
@@ -578,8 +590,11 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
         for collective, run in by_collective.items():
             keys.append((collective, numel * 4))
             runs.append(run)
+            calls.append(_BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES
+                         else _LARGE_BACK_TO_BACK)
     times = _interleaved_times_s(runs, device, barrier=lambda: dist.barrier(group=group),
-                                 between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS)
+                                 between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS,
+                                 calls=calls)
     return keys, times
 
 

@@ -147,3 +147,24 @@ def test_the_gpu_margin_follows_the_caching_allocators_setting(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True")
     assert expandable_segments() and allocator_margin() == GPU_MEMORY_MARGIN_EXPANDABLE
     assert GPU_MEMORY_MARGIN_EXPANDABLE < GPU_MEMORY_MARGIN
+
+
+def test_interleaved_runs_take_their_own_number_of_calls() -> None:
+    """Each run is timed in runs of its own number of calls, every round (after one warmup
+    round): a large collective is timed in fewer calls per run."""
+    import time
+
+    from osdp_fx.planner import detect
+
+    counts = [0, 0]
+
+    def run(j: int, seconds: float):
+        def body() -> None:
+            counts[j] += 1
+            time.sleep(seconds)
+        return body
+
+    times = detect._interleaved_times_s([run(0, 0.002), run(1, 0.004)], torch.device("cpu"),
+                                        barrier=lambda: None, rounds=3, calls=[4, 1])
+    assert counts == [4 * 4, 1 * 4]
+    assert all(t >= 0.002 for t in times)  # per call: at least a call's sleep
