@@ -71,12 +71,9 @@ def checked(devices: Any, world: int) -> list[dict[str, float]]:
     import torch.distributed as dist
 
     from osdp_fx.cost_models.communication import collective_time_s
-    from osdp_fx.runtime.collectives import (
-        WORLD,
-        all_gather_flat_start,
-        all_reduce_sum_start,
-        reduce_scatter_flat_start,
-    )
+    from osdp_fx.planner.detect import collective_runs
+    from osdp_fx.runtime.collectives import WORLD
+
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     side = 1024 if device.type == "cuda" else 256
     a, b = torch.randn(side, side, device=device), torch.randn(side, side, device=device)
@@ -88,14 +85,7 @@ def checked(devices: Any, world: int) -> list[dict[str, float]]:
     rows = []
     for mib in CHECKED_SIZES:
         numel = mib * 2**20 // 4 // world * world
-        full = torch.zeros(numel, device=device)
-        shard = torch.zeros(numel // world, device=device)
-        runs = {
-            "all_gather": lambda: all_gather_flat_start(shard, WORLD).wait(),  # noqa: B023
-            "reduce_scatter": lambda: reduce_scatter_flat_start(  # noqa: B023
-                torch.empty_like(full), WORLD, consume=True).wait(),  # noqa: B023
-            "all_reduce": lambda: all_reduce_sum_start(full, WORLD).wait(),  # noqa: B023
-        }
+        runs = collective_runs(numel, world, WORLD, device)
         row: dict[str, float] = {"MiB": float(mib)}
         for collective, short in COLLECTIVES:
             row[f"{short} timed (ms)"] = median_s(runs[collective], device, runs=CHECK_RUNS,

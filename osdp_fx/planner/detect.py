@@ -559,12 +559,7 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     import torch
     import torch.distributed as dist
 
-    from ..runtime.collectives import (
-        all_gather_flat_start,
-        all_reduce_sum_start,
-        reduce_scatter_flat_start,
-        register_group,
-    )
+    from ..runtime.collectives import register_group
 
     size = dist.get_world_size(group)
     name = WORLD
@@ -578,16 +573,7 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     calls: list[int] = []
     for nbytes in _COLLECTIVE_SIZES_BYTES:
         numel = max(size, nbytes // 4 // size * size)
-        full = torch.zeros(numel, device=device)
-        shard = torch.zeros(numel // size, device=device)
-        by_collective: dict[str, Callable[[], object]] = {
-            "all_gather": lambda shard=shard: all_gather_flat_start(shard, name).wait(),
-            # the runtime hands over the flat gradient it packed (here: a fresh buffer)
-            "reduce_scatter": lambda full=full: reduce_scatter_flat_start(
-                torch.empty_like(full), name, consume=True).wait(),
-            "all_reduce": lambda full=full: all_reduce_sum_start(full, name).wait(),
-        }
-        for collective, run in by_collective.items():
+        for collective, run in collective_runs(numel, size, name, device).items():
             keys.append((collective, numel * 4))
             runs.append(run)
             calls.append(_BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES
@@ -596,6 +582,30 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
                                  between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS,
                                  calls=calls)
     return keys, times
+
+
+def collective_runs(numel: int, size: int, name: str,
+                    device: Any) -> dict[str, Callable[[], object]]:
+    """One call of each collective over ``numel`` float32 elements in the group registered as
+    ``name`` (of ``size`` ranks), through the runtime's collective functions as a step runs
+    them: started, then waited for."""
+    import torch
+
+    from ..runtime.collectives import (
+        all_gather_flat_start,
+        all_reduce_sum_start,
+        reduce_scatter_flat_start,
+    )
+
+    full = torch.zeros(numel, device=device)
+    shard = torch.zeros(numel // size, device=device)
+    return {
+        "all_gather": lambda: all_gather_flat_start(shard, name).wait(),
+        # the runtime hands over the flat gradient it packed (here: a fresh buffer)
+        "reduce_scatter": lambda: reduce_scatter_flat_start(
+            torch.empty_like(full), name, consume=True).wait(),
+        "all_reduce": lambda: all_reduce_sum_start(full, name).wait(),
+    }
 
 
 _FILLER_MATMUL_SIZE = 256
