@@ -6,10 +6,11 @@ side, every named plan (``replicate``, ``shard_grad_op``, ``full_shard``, ``hybr
 ``hierarchical``, with the world as nodes of ``--ranks-per-node`` ranks), a plan file of
 ``full_shard`` in 64 KiB gather buckets, and the searched plan (under a limit halfway between
 the full_shard and replicate peaks), with ``devices=None`` (measured by compile_osdp) and with
-``detect_devices()``. It times them round-robin (``--rounds`` rounds of ``--steps`` steps each,
-the plans in turn, so that the machine's load falls on all alike), measures each one's peak
-memory over one step with the live-tensor tracker, and prints the predicted against the
-measured median step and peak.
+``detect_devices()``. It times the fourteen of a model round-robin (``--rounds`` rounds of
+``--steps`` steps each, the plans of both columns in turn, so that the machine's load falls on
+all alike), measures each one's peak memory over one step with the live-tensor tracker, and
+prints the predicted against the measured median step and peak, beside how far the fastest and
+the slowest round's median step lie from that median (the machine's own spread).
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--ranks-per-node 1]
         [--optimizer sgd] [--rounds 4] [--steps 5]
@@ -85,13 +86,14 @@ def measure(rank: int, world: int, models: list[str], optimizer: str, rounds: in
              "detect_devices()": detect_devices(ranks_per_node=ranks_per_node)}
     rows = []
     for name in models:
-        for label, devices in given.items():
-            cases = compile_cases(name, devices, optimizer, ranks_per_node=ranks_per_node,
-                                  world=world)
-            rows += [dict(r, model=name, devices=label) for r in time_round_robin(
-                cases, optimizer, rounds=rounds, steps=steps)]
-            del cases
-            gc.collect()  # the next model starts (and profiles) without this one's memory
+        cases = {(label, plan): case for label, devices in given.items()
+                 for plan, case in compile_cases(name, devices, optimizer,
+                                                 ranks_per_node=ranks_per_node,
+                                                 world=world).items()}
+        rows += [dict(r, model=name, devices=r["plan"][0], plan=r["plan"][1])
+                 for r in time_round_robin(cases, optimizer, rounds=rounds, steps=steps)]
+        del cases
+        gc.collect()  # the next model starts (and profiles) without this one's memory
     return rows
 
 
@@ -123,7 +125,8 @@ def compile_cases(name: str, devices: Devices | None, optimizer: str, *, ranks_p
 def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int,
                      steps: int) -> list[dict[str, Any]]:
     """Each case's median step (the slowest rank's: every rank times the same steps) over
-    ``rounds`` rounds of ``steps`` steps, the cases in turn within a round, and its peak."""
+    ``rounds`` rounds of ``steps`` steps, the cases in turn within a round, the fastest and
+    the slowest of its rounds' medians, and its peak."""
     opts = {label: (torch.optim.AdamW(c.parameters(), lr=1e-4) if optimizer == "adamw"
                     else torch.optim.SGD(c.parameters(), lr=1e-3))
             for label, (c, _) in cases.items()}
@@ -150,11 +153,16 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int,
 
         peak = measure_step_peak_bytes(step, params, opt, warmup_steps=0,
                                        zero_grad=lambda: opt.zero_grad(set_to_none=True))  # noqa: B023
-        measured = torch.tensor(statistics.median(times[label]))
+        per_round = [statistics.median(times[label][i:i + steps])
+                     for i in range(0, len(times[label]), steps)]
+        measured = torch.tensor([statistics.median(times[label]), min(per_round),
+                                 max(per_round)])
         torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
         pr = compiled.plan.prediction
         rows.append({"plan": label, "predicted_s": pr.step_time_s,
-                     "measured_s": float(measured), "predicted_bytes": pr.peak_memory_bytes,
+                     "measured_s": float(measured[0]),
+                     "rounds_s": (float(measured[1]), float(measured[2])),
+                     "predicted_bytes": pr.peak_memory_bytes,
                      "measured_bytes": peak, "figures": pr.figures,
                      "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s, pr.host_s)})
     return rows
@@ -181,18 +189,21 @@ def main() -> None:
             pass
     rows = run_world(args.world_size, measure, models, args.optimizer, args.rounds, args.steps,
                      args.ranks_per_node or args.world_size, timeout_s=1800)[0]
-    print("| model | devices | plan | step ms predicted | measured | error | peak MiB "
+    print("| model | devices | plan | step ms predicted | measured | error | rounds | peak MiB "
           "predicted | measured | error | predicted compute / comm / optimizer / host ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst_time = worst_memory = 0.0
     within = 0
     for r in rows:
-        t_err = r["predicted_s"] / r["measured_s"] - 1
+        measured = r["measured_s"]
+        t_err = r["predicted_s"] / measured - 1
         m_err = r["predicted_bytes"] / r["measured_bytes"] - 1
         worst_time, worst_memory = max(worst_time, abs(t_err)), max(worst_memory, abs(m_err))
         within += abs(t_err) <= 0.15
         print(f"| {r['model']} | {r['devices']} | {r['plan']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['measured_s'] * 1e3:.2f} | {t_err:+.1%} | {r['predicted_bytes'] / 2**20:.2f} | "
+              f"{r['measured_s'] * 1e3:.2f} | {t_err:+.1%} | "
+              f"{' to '.join(f'{x / measured - 1:+.0%}' for x in r['rounds_s'])} | "
+              f"{r['predicted_bytes'] / 2**20:.2f} | "
               f"{r['measured_bytes'] / 2**20:.2f} | {m_err:+.1%} | "
               f"{' / '.join(f'{x * 1e3:.1f}' for x in r['predicted_parts_s'])} |")
     print(json.dumps({"world_size": args.world_size, "ranks_per_node": args.ranks_per_node,
