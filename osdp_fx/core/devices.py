@@ -77,6 +77,13 @@ class Devices:
     "latency_s": alpha}``. ``detect`` fits every collective to its own timings (CPU gloo's
     all-gather and reduce-scatter are slower than its all-reduce, by a ratio that changes with
     the size); a collective without an entry runs at its scope's figures."""
+    concurrent_collective_ratio: float = 1.0
+    """The time two collectives take started together, over the time they take one after the
+    other, in [0.5, 1]: 1 where the link runs them one at a time (the default, and presets);
+    below 1 where it runs them side by side faster (gloo's threads on the CPU: a step has a
+    re-gather and gradient collectives in flight together in backward). The step model's
+    communication lane runs a collective started while another is in flight at it
+    ([Note: collectives together] in ``cost_models/overlap.py``); ``detect`` measures it."""
     optimizer_element_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured optimizer step time per parameter element, by optimizer kind ("sgd",
     "sgd_momentum", "adam", "adamw"); a kind missing here is modelled as memory-bound (the bytes
@@ -167,6 +174,12 @@ class Devices:
         if not _is_number(self.attention_efficiency) or not 0 < self.attention_efficiency <= 1:
             raise InputError(f"Devices.attention_efficiency must be a share of the matmul rate "
                              f"in (0, 1], got {self.attention_efficiency!r}")
+        if (not _is_number(self.concurrent_collective_ratio)
+                or not 0.5 <= self.concurrent_collective_ratio <= 1):
+            raise InputError(f"Devices.concurrent_collective_ratio must be in [0.5, 1] (the time "
+                             f"of two collectives started together over their time one after "
+                             f"the other; 1: one at a time), got "
+                             f"{self.concurrent_collective_ratio!r}")
         for name, keys, low, what in (
                 ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),
                 ("optimizer_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
@@ -299,7 +312,8 @@ def device_memory_bytes(device: Any = None) -> int:
     return DEFAULT_CPU_MEMORY_BYTES
 
 
-_FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "optimizer_element_time_s",
+_FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links",
+            "concurrent_collective_ratio", "optimizer_element_time_s",
             "optimizer_tensor_time_s", "optimizer_sharded_tensor_time_s", "param_host_time_s",
             "bucket_host_time_s",
             "host_overlaps_device", "attention_efficiency", "compute_flops_per_s_by_dtype")

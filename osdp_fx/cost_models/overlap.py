@@ -19,7 +19,9 @@ collective time the computation does not wait for is hidden; with ``d = 0`` ever
 starts at its use and hides nothing.
 
 Only a share :data:`OVERLAP_EFFICIENCY` of that ideal is credited: on CPU gloo's threads run on
-the cores the computation uses.
+the cores the computation uses. A collective started while another is in flight runs beside it
+at the devices' measured ratio ([Note: collectives together]), and what that saves is credited
+whole: it shortens the link's own time, not the computation's.
 """
 
 from __future__ import annotations
@@ -93,11 +95,35 @@ class TimedReduce:
     in flight, as the runtime keeps one per kind."""
 
 
-def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather]) -> float:
+# [Note: collectives together]
+# The link runs collectives one after the other unless ``Devices.concurrent_collective_ratio``
+# (r, measured by ``detect_devices``: two collectives started together take r of their time
+# one after the other, 1/2 <= r <= 1) is below 1. Then a collective started at ``now`` while
+# the link is busy until ``free`` runs beside what is in flight for o = min(free - now,
+# seconds) of its time, and while two run together the link does their work in r of the time:
+# it ends at free + seconds - 2 (1 - r) o. Two equal collectives started together end at r of
+# their time one after the other; what every collective saves is at most 2 (1 - r) of its
+# own seconds, the bound the exact search subtracts (``planner/exhaustive.py``). On CPU gloo
+# two collectives in flight together take about 0.8 of their time one after the other
+# (``docs/benchmarks.md``, "Collectives together"), and a sharded step has a re-gather and
+# gradient collectives in flight together in backward.
+
+
+def _ends_s(now: float, free: float, seconds: float, ratio: float) -> float:
+    """When a collective of ``seconds`` started at ``now`` ends on a link busy until ``free``
+    ([Note: collectives together])."""
+    if free <= now:
+        return now + seconds
+    return free + seconds - 2.0 * (1.0 - ratio) * min(free - now, seconds)
+
+
+def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather], *,
+                     ratio: float = 1.0) -> float:
     """Seconds the computation waits for gathers, replaying ``compute_s`` (one duration per
     step, in order) with ``gathers`` in issue order. A gather issued at step ``s`` starts after
     the gathers used at ``s`` were waited for (a prefetch follows its anchor's gather); one used
-    before it was issued starts at its use."""
+    before it was issued starts at its use; one started while another is in flight runs beside
+    it at ``ratio`` ([Note: collectives together])."""
     used, issued = defaultdict(list), defaultdict(list)
     for i, g in enumerate(gathers):
         used[g.used_at].append(i)
@@ -112,7 +138,7 @@ def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather])
         for group, wait in ((used[step], True), (issued[step], False)):
             for i in group:
                 if i not in done:
-                    link_free = done[i] = max(now, link_free) + gathers[i].seconds
+                    link_free = done[i] = _ends_s(now, link_free, gathers[i].seconds, ratio)
                 if wait and done[i] > now:
                     waited += done[i] - now
                     now = done[i]
@@ -120,13 +146,14 @@ def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather])
 
 
 def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather],
-                       reduces: Sequence[TimedReduce], *, in_flight: int) -> float:
+                       reduces: Sequence[TimedReduce], *, in_flight: int,
+                       ratio: float = 1.0) -> float:
     """Seconds backward waits for its collectives, replaying ``compute_s`` (one duration per
     step of the backward lane, in order) with the re-gathers ``gathers`` (as
     :func:`exposed_gather_s`) and the gradient collectives ``reduces`` on one link: a gradient
     collective starts after the computation of its step (first waiting for the oldest of its
-    kind when ``in_flight`` are in flight) once the link is free, and backward ends when every
-    one has completed."""
+    kind when ``in_flight`` are in flight), beside those in flight at ``ratio`` ([Note:
+    collectives together]), and backward ends when every one has completed."""
     used, issued, ready = defaultdict(list), defaultdict(list), defaultdict(list)
     for i, g in enumerate(gathers):
         used[g.used_at].append(i)
@@ -152,7 +179,7 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
         for group, wait in ((used[step], True), (issued[step], False)):
             for i in group:
                 if i not in done:
-                    link_free = done[i] = max(now, link_free) + gathers[i].seconds
+                    link_free = done[i] = _ends_s(now, link_free, gathers[i].seconds, ratio)
                 if wait:
                     wait_until(done[i])
         now += compute_s[step]
@@ -161,7 +188,7 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
             window = flight[r.kind]
             while len(window) >= in_flight:
                 wait_until(window.popleft())
-            link_free = max(now, link_free) + r.seconds
+            link_free = _ends_s(now, link_free, r.seconds, ratio)
             window.append(link_free)
     now = functools.reduce(operator.add, compute_s[at:], now)
     for window in flight.values():
@@ -215,7 +242,8 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
                   reduces: Sequence[TimedReduce] = (), in_flight: int = 1) -> float:
     """Seconds of collective time hidden under computation in one step (forward gathers,
     backward's re-gathers and the gradient collectives ``reduces``, at most ``in_flight`` of a
-    kind at once), credited at :data:`OVERLAP_EFFICIENCY`."""
+    kind at once), credited at :data:`OVERLAP_EFFICIENCY`, and the seconds collectives in
+    flight together save ([Note: collectives together]), credited whole."""
     if devices.world_size <= 1:
         return 0.0
     nodes, pos = facts.nodes, facts.pos
@@ -248,9 +276,17 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     if not (forward or backward or reduces):
         return 0.0
     total = sum(g.seconds for g in (*forward, *backward)) + sum(r.seconds for r in reduces)
-    exposed = (exposed_gather_s(fwd_compute, forward)
-               + exposed_backward_s(bwd_compute, backward, reduces, in_flight=in_flight))
-    return OVERLAP_EFFICIENCY * max(0.0, total - exposed)
+
+    def exposed(ratio: float) -> float:
+        return (exposed_gather_s(fwd_compute, forward, ratio=ratio)
+                + exposed_backward_s(bwd_compute, backward, reduces, in_flight=in_flight,
+                                     ratio=ratio))
+
+    one_at_a_time = exposed(1.0)
+    together = (one_at_a_time if devices.concurrent_collective_ratio >= 1.0
+                else exposed(devices.concurrent_collective_ratio))
+    return (OVERLAP_EFFICIENCY * max(0.0, total - one_at_a_time)
+            + max(0.0, one_at_a_time - together))
 
 
 def gather_windows(facts: GraphFacts, devices: Devices, *,

@@ -156,6 +156,7 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     )
     if world_size > 1:
         figures.update(_measure_links(group, device, world_size, ranks_per_node))
+        figures["concurrent_collective_ratio"] = _concurrent_collective_ratio(group, device)
     devices = Devices(
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
@@ -559,15 +560,8 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     import torch
     import torch.distributed as dist
 
-    from ..runtime.collectives import register_group
-
-    size = dist.get_world_size(group)
-    name = WORLD
-    if group is not None:
-        name = f"detect.ranks{'-'.join(map(str, dist.get_process_group_ranks(group)))}"
-        register_group(name, group)
-    n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    size, name = dist.get_world_size(group), _group_name(group)
+    a, b = _filler_operands(device)
     keys: list[tuple[str, int]] = []
     runs: list[Callable[[], object]] = []
     calls: list[int] = []
@@ -584,11 +578,33 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     return keys, times
 
 
-def collective_runs(numel: int, size: int, name: str,
-                    device: Any) -> dict[str, Callable[[], object]]:
-    """One call of each collective over ``numel`` float32 elements in the group registered as
-    ``name`` (of ``size`` ranks), through the runtime's collective functions as a step runs
-    them: started, then waited for."""
+def _group_name(group: Any) -> str:
+    """The name the runtime's collective functions know ``group`` by (registered here)."""
+    import torch.distributed as dist
+
+    from ..runtime.collectives import register_group
+
+    if group is None:
+        return WORLD
+    name = f"detect.ranks{'-'.join(map(str, dist.get_process_group_ranks(group)))}"
+    register_group(name, group)
+    return name
+
+
+def _filler_operands(device: Any) -> tuple[Any, Any]:
+    """The two square matrices of the short matmul run before each timed collective."""
+    import torch
+
+    n = 1024 if device.type == "cuda" else _FILLER_MATMUL_SIZE
+    return torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+
+def collective_starts(numel: int, size: int, name: str,
+                      device: Any) -> dict[str, Callable[[], Any]]:
+    """Starting one call of each collective over ``numel`` float32 elements in the group
+    registered as ``name`` (of ``size`` ranks), through the runtime's collective functions as
+    a step runs them; each returns what to ``wait()`` for. Each starter has buffers of its
+    own, so two calls of different starters may be in flight together."""
     import torch
 
     from ..runtime.collectives import (
@@ -600,12 +616,55 @@ def collective_runs(numel: int, size: int, name: str,
     full = torch.zeros(numel, device=device)
     shard = torch.zeros(numel // size, device=device)
     return {
-        "all_gather": lambda: all_gather_flat_start(shard, name).wait(),
+        "all_gather": lambda: all_gather_flat_start(shard, name),
         # the runtime hands over the flat gradient it packed (here: a fresh buffer)
         "reduce_scatter": lambda: reduce_scatter_flat_start(
-            torch.empty_like(full), name, consume=True).wait(),
-        "all_reduce": lambda: all_reduce_sum_start(full, name).wait(),
+            torch.empty_like(full), name, consume=True),
+        "all_reduce": lambda: all_reduce_sum_start(full, name),
     }
+
+
+def collective_runs(numel: int, size: int, name: str,
+                    device: Any) -> dict[str, Callable[[], object]]:
+    """One call of each collective over ``numel`` float32 elements in the group registered as
+    ``name`` (of ``size`` ranks), through the runtime's collective functions as a step runs
+    them: started, then waited for."""
+    return {collective: (lambda start=start: start().wait())
+            for collective, start in collective_starts(numel, size, name, device).items()}
+
+
+_CONCURRENT_SIZES_BYTES = (2**20, 2**22)
+"""Message sizes of the pairs of collectives timed together and one after the other
+(:func:`_concurrent_collective_ratio`): those of the parameters sharded plans gather."""
+_CONCURRENT_PAIRS = (("all_gather", "reduce_scatter"), ("all_reduce", "all_reduce"))
+"""The pairs a step has in flight together: a re-gather beside a gradient's reduce-scatter
+(sharded groups), and two gradient all-reduce buckets (replicated ones)."""
+
+
+def _concurrent_collective_ratio(group: Any, device: Any) -> float:
+    """``Devices.concurrent_collective_ratio``: the time of each pair of
+    :data:`_CONCURRENT_PAIRS` at each size of :data:`_CONCURRENT_SIZES_BYTES` started together
+    over its time one after the other, pooled (the sum of the one over the sum of the other),
+    within [1/2, 1]; timed interleaved as the collectives are (``_interleaved_times_s``, two
+    calls per run, each after the short matmul), the slowest rank's times."""
+    import torch
+    import torch.distributed as dist
+
+    size, name = dist.get_world_size(group), _group_name(group)
+    a, b = _filler_operands(device)
+    runs: list[Callable[[], object]] = []
+    for nbytes in _CONCURRENT_SIZES_BYTES:
+        numel = max(size, nbytes // 4 // size * size)
+        for first, second in _CONCURRENT_PAIRS:
+            x = collective_starts(numel, size, name, device)[first]
+            y = collective_starts(numel, size, name, device)[second]
+            runs.append(lambda x=x, y=y: (x().wait(), y().wait()))  # one after the other
+            runs.append(lambda x=x, y=y: [w.wait() for w in (x(), y())])  # together
+    times = _interleaved_times_s(runs, device, barrier=lambda: dist.barrier(group=group),
+                                 between=lambda: torch.mm(a, b), rounds=_PROBE_ROUNDS,
+                                 calls=[_LARGE_BACK_TO_BACK] * len(runs))
+    times = _all_reduce_floats(times, "max", group, device, True)
+    return min(1.0, max(0.5, sum(times[1::2]) / sum(times[0::2])))
 
 
 _FILLER_MATMUL_SIZE = 256

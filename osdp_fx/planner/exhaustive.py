@@ -67,6 +67,10 @@ class _RowTerms:
     gather_s: list[list[float]]
     """Collective seconds overlap may hide: all-gathers prefetching may hide (forward, and
     backward's re-gather) and gradient collectives (``overlap.hidden_comm_s``), at most."""
+    link_s: list[list[float]]
+    """The seconds of those collectives on the step's replayed link, at most (a replicated
+    gradient's with its share of its bucket's latency): what running them side by side can
+    save ([Note: collectives together] in ``cost_models/overlap.py``) is a share of it."""
     all_reduced: list[list[bool]]
     """Whether the option all-reduces a gradient (then some bucket pays a latency)."""
     gather_key: list[list[tuple[str, int] | None]]
@@ -87,9 +91,9 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
     bucket_saving = max((sum(bucket_latencies_s(st.value, devices, again=True))
                          for st in Strategy if traits(st).sharded), default=0.0)
     prefetching = schedule.prefetch > 0 and devices.world_size > 1
-    time, gathers, reduced, keys = [], [], [], []
+    time, gathers, links, reduced, keys = [], [], [], [], []
     for name, strategies in options.items():
-        t_row, g_row, r_row, k_row = [], [], [], []
+        t_row, g_row, l_row, r_row, k_row = [], [], [], [], []
         for strategy in strategies:
             state = param_state(analysis, name, strategy)
             # the largest all-reduce bucket (in reduce bytes) this gradient can share
@@ -98,14 +102,16 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
                               devices=devices, optimizer=setting.optimizer,
                               reduce_bucket_bytes=int(math.ceil(widest)))
             comm, gathered, all_reduced, key = cost.comm_s, 0.0, False, None
+            on_link = 0.0
             if traits(strategy).sharded:
                 if prefetching:
                     gathered = (gather_s(state, devices, regathered=True).total_s
                                 * nodes_of.get(name, 1))
                 gathered += reduce_s(state, devices) * nodes_of.get(name, 1)
+                on_link = gathered
                 key = small_gather_key(state, devices.world_size, schedule.gather_bucket_bytes)
             elif state.trainable and devices.world_size > 1:
-                gathered = comm  # its all-reduce may run under backward's computation
+                gathered = on_link = comm  # its all-reduce may run under backward's computation
                 # its latency share is counted once per bucket, in exhaustive_search's bound
                 full, bucket = state.numel * state.reduce_size, int(math.ceil(widest))
                 _, latency = all_reduce_parts_s(max(full, bucket), devices)
@@ -113,18 +119,21 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
                 all_reduced = True
             t_row.append(comm + cost.optim_s + cost.host_s)
             g_row.append(gathered)
+            l_row.append(on_link)
             r_row.append(all_reduced)
             k_row.append(None if key is None else (key, nodes_of.get(name, 1)))
         time.append(t_row)
         gathers.append(g_row)
+        links.append(l_row)
         reduced.append(r_row)
         keys.append(k_row)
     for opts in regions.values():
         time.append([o.recompute_s * scale for o in opts])
         gathers.append([0.0] * len(opts))
+        links.append([0.0] * len(opts))
         reduced.append([False] * len(opts))
         keys.append([None] * len(opts))
-    return _RowTerms(time, gathers, reduced, keys), bucket_saving
+    return _RowTerms(time, gathers, links, reduced, keys), bucket_saving
 
 
 def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
@@ -135,6 +144,7 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
 
         bound = compute * scale + sum_i time_i + L
                 - OVERLAP_EFFICIENCY * min(sum_i overlappable_i + L, compute)
+                - 2 (1 - r) (sum_i on_link_i + L)
 
     where ``L`` is one all-reduce latency if some option all-reduces. Overlap hides at most
     ``OVERLAP_EFFICIENCY`` of the gathers prefetching starts early and of the gradient
@@ -142,17 +152,21 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     replays the profiled step); the
     latency shares of the gradients in one all-reduce bucket add up to one latency; of the
     sharded parameters with one gather key, all but one may save two gathers' and a
-    reduce-scatter's latency by riding in another's bucket."""
+    reduce-scatter's latency by riding in another's bucket; collectives in flight together
+    save at most 2 (1 - r) of their seconds on the link (``r``:
+    ``Devices.concurrent_collective_ratio``, [Note: collectives together])."""
     devices = setting.devices
     terms, bucket_saving = _row_terms(analysis, options, regions, setting, scale)
     per_group, other_s = attributed_compute_s(analysis.facts, devices)
     compute = other_s + sum(per_group.values())
-    time, gathered, reduced = np.zeros(1), np.zeros(1), np.zeros(1, dtype=bool)
+    time, gathered, on_link = np.zeros(1), np.zeros(1), np.zeros(1)
+    reduced = np.zeros(1, dtype=bool)
     distinct = {k[0] for row in terms.gather_key for k in row if k is not None}
     small = {k: np.zeros(1) for k in distinct}  # small sharded parameters per bucket key
     for i, (t, g, r) in enumerate(zip(terms.time_s, terms.gather_s, terms.all_reduced)):
         time = np.add.outer(time, np.asarray(t)).reshape(-1)
         gathered = np.add.outer(gathered, np.asarray(g)).reshape(-1)
+        on_link = np.add.outer(on_link, np.asarray(terms.link_s[i])).reshape(-1)
         reduced = np.logical_or.outer(reduced, np.asarray(r)).reshape(-1)
         for k in distinct:
             small[k] = np.add.outer(small[k], [o[1] if o and o[0] == k else 0.0
@@ -160,8 +174,10 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     for count in small.values():
         time -= bucket_saving * np.maximum(0.0, count - 1)
     _, latency = all_reduce_parts_s(0, devices)  # the least latency of an all-reduce
+    together = 2.0 * (1.0 - devices.concurrent_collective_ratio)
     return (compute * scale + time + latency * reduced
-            - OVERLAP_EFFICIENCY * np.minimum(gathered + latency * reduced, compute))
+            - OVERLAP_EFFICIENCY * np.minimum(gathered + latency * reduced, compute)
+            - together * (on_link + latency * reduced))
 
 
 def peak_floor_bytes(analysis: Analysis, options: Mapping[str, list[str]],

@@ -81,6 +81,8 @@ def test_devices_whose_nodes_do_not_divide_the_world():
     ({"inter_node_bandwidth_bytes_per_s": -1e9}, "inter_node_bandwidth_bytes_per_s must be"),
     ({"intra_node_latency_s": -1e-6}, "intra_node_latency_s must be a non-negative"),
     ({"selective_op_time_s": "1ms"}, "selective_op_time_s must be a non-negative"),
+    ({"concurrent_collective_ratio": 0.4}, r"concurrent_collective_ratio must be in \[0.5, 1\]"),
+    ({"concurrent_collective_ratio": 1.2}, r"concurrent_collective_ratio must be in \[0.5, 1\]"),
     ({"memory_bytes": "lots"}, "'lots' is not a byte quantity"),
     ({"collective_links": {"intra_node.broadcast": LINK}},
      "unknown key 'intra_node.broadcast'.*e.g. 'intra_node.all_gather'"),

@@ -102,6 +102,10 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert node.collective_links["intra_node.all_reduce"] == {
         "bandwidth_bytes_per_s": node.intra_node_bandwidth_bytes_per_s,
         "latency_s": node.intra_node_latency_s}
+    # two collectives started together, timed against one after the other: a measured share
+    assert 0 < node.concurrent_collective_ratio <= 1
+    assert Devices.from_json(tmp_path / "node.0.json").concurrent_collective_ratio == (
+        node.concurrent_collective_ratio)
 
     nodes = two_nodes[0]
     assert (nodes.world_size, nodes.ranks_per_node, nodes.num_nodes) == (2, 1, 2)

@@ -132,6 +132,33 @@ def test_backward_waits_for_its_gradient_collectives_by_hand():
                               in_flight=2) == 1.0
 
 
+def test_collectives_in_flight_together_run_at_the_devices_ratio_by_hand():
+    """[Note: collectives together]: one started while the link is busy runs beside what is
+    in flight, and for as long as both run the link does their work in ``ratio`` of the time:
+    two equal ones started together end at ``ratio`` of their time one after the other."""
+    compute = [1.0, 1.0, 1.0]
+    gathers = _timed([(0, 0, 0.5), (0, 2, 1.5), (0, 2, 1.5)])
+    # one at a time: the third ends at 0.5 + 3.0 = 3.5, waited 1.0 at t = 2.5
+    assert exposed_gather_s(compute, gathers, ratio=1.0) == 0.5 + 1.0
+    # together from t = 0.5: 0.75 of 3.0 s, ends at 2.75, waited 0.25
+    assert exposed_gather_s(compute, gathers, ratio=0.75) == 0.5 + 0.25
+
+    def rs(ready_at, seconds):
+        return TimedReduce(ready_at, seconds, "reduce_scatter")
+
+    # two from t = 1 (3.0 s one after the other, ending at 4): together they end at 3.25
+    assert exposed_backward_s(compute, [], [rs(0, 1.5), rs(0, 1.5)], in_flight=2,
+                              ratio=0.75) == 0.25
+    # a short one beside a long one saves 2 (1 - ratio) of its own time: it ends at
+    # 3 + 0.25 - 0.125, where one after the other it ends at 3.25
+    assert exposed_backward_s(compute, [], [rs(0, 2.0), rs(0, 0.25)], in_flight=2,
+                              ratio=0.75) == 0.125
+    assert exposed_backward_s(compute, [], [rs(0, 2.0), rs(0, 0.25)], in_flight=2) == 0.25
+    # at 1/2, two started together run in the time of one
+    assert exposed_backward_s(compute, [], [rs(0, 1.5), rs(0, 1.5)], in_flight=2,
+                              ratio=0.5) == 0.0
+
+
 def test_backward_without_gradient_collectives_waits_as_the_gather_replay():
     """With no gradient collectives, the backward lane's replay is the gathers' replay, to the
     bit (both add the computation between collectives in order)."""

@@ -8,7 +8,9 @@ least and the largest predicted peak of any plan; profiles it fake (``analyze(fa
 operator runs). Brute force scores every combination (a strategy per trainable group x a policy
 per region, at most 3^3 x 3^3) with the models the search answers to: the timeline's peak
 (``cost_models.timeline.predict_step_memory``) and the step time
-(``cost_models.step.predict_step_time``), under the default schedule. Asserted:
+(``cost_models.step.predict_step_time``), under the default schedule, with the link running
+collectives one at a time or side by side (``Devices.concurrent_collective_ratio`` 1 or 0.75).
+Asserted:
 
 * the exact search's lower bounds (``exhaustive.step_time_bounds``, ``peak_floor_bytes``) are
   below every combination's step time and peak;
@@ -43,9 +45,7 @@ from osdp_fx.planner.exhaustive import peak_floor_bytes, step_time_bounds
 from osdp_fx.planner.search import search_plan
 
 OPTIMIZER = "adamw"
-DEVICES = Devices(world_size=2)
 SCHEDULE = Schedule()
-SETTING = StepSetting(DEVICES, optimizer=OPTIMIZER, schedule=SCHEDULE)
 MATRICES = ("qkv.weight", "proj.weight", "fc.weight", "out.weight")
 
 
@@ -68,7 +68,12 @@ def _analysis(depth: int, dim: int, seq: int, trainable: list[str]):
     return analyze(capture(net, (x,)), (x,), fake=True)
 
 
-def _scores(analysis):
+def _setting(ratio: float) -> StepSetting:
+    return StepSetting(Devices(world_size=2, concurrent_collective_ratio=ratio),
+                       optimizer=OPTIMIZER, schedule=SCHEDULE)
+
+
+def _scores(analysis, setting):
     """(peak bytes, step seconds, strategies, recompute) of every combination."""
     groups = [n for n, p in analysis.captured.params.items() if p.trainable]
     regions = list(find_regions(analysis.captured.gm.graph))
@@ -79,7 +84,6 @@ def _scores(analysis):
         states = param_states(analysis, chosen)
         for policies in itertools.product([str(p) for p in POLICIES], repeat=len(regions)):
             recompute = {r: p for r, p in zip(regions, policies) if p != "save"}
-            setting = StepSetting(DEVICES, optimizer=OPTIMIZER, schedule=SCHEDULE)
             peak = predict_step_memory(
                 analysis.captured.gm, states, setting=setting,
                 profiled_batch=analysis.batch_size, recompute=recompute).peak_bytes
@@ -93,16 +97,17 @@ def _scores(analysis):
 @seed(16)
 @settings(max_examples=15, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(case=instances(), share=st.floats(0.0, 1.0))
-def test_joint_search_equals_brute_force(case, share):
+@given(case=instances(), share=st.floats(0.0, 1.0), ratio=st.sampled_from([1.0, 0.75]))
+def test_joint_search_equals_brute_force(case, share, ratio):
     analysis = _analysis(*case)
-    scores = _scores(analysis)
-    _check_bounds(analysis, case[3], scores)
+    setting = _setting(ratio)
+    scores = _scores(analysis, setting)
+    _check_bounds(analysis, case[3], scores, setting)
     low, high = min(s[0] for s in scores), max(s[0] for s in scores)
     limit = int((low + share * (high - low)) / (1 - 0.03)) + 1
     fitting = [s for s in scores if s[0] <= plannable_bytes(limit)]
     try:
-        found = search_plan(analysis, SETTING, limit, fixed={
+        found = search_plan(analysis, setting, limit, fixed={
             n: REPLICATE for n, p in analysis.captured.params.items() if not p.trainable})
         strategies, recompute = found.strategies, found.recompute
     except PlanError:
@@ -114,13 +119,13 @@ def test_joint_search_equals_brute_force(case, share):
     assert found[1] <= best[1] * (1 + 1e-9), (found, best, limit)
 
 
-def _check_bounds(analysis, groups, scores):
+def _check_bounds(analysis, groups, scores, setting):
     """Every combination's step time and peak are at least the exact search's lower bounds."""
     options = {n: [REPLICATE, SHARD_GRAD_OP, FULL_SHARD] if n in groups else [REPLICATE]
                for n in analysis.captured.params}
-    regions = region_costs(analysis.facts, DEVICES)
-    bounds = step_time_bounds(analysis, options, regions, SETTING, scale=1.0)
-    floors = peak_floor_bytes(analysis, options, regions, SETTING)
+    regions = region_costs(analysis.facts, setting.devices)
+    bounds = step_time_bounds(analysis, options, regions, setting, scale=1.0)
+    floors = peak_floor_bytes(analysis, options, regions, setting)
     shape = [len(o) for o in options.values()] + [len(o) for o in regions.values()]
     for peak, seconds, strategies, recompute in scores:
         index = [options[n].index(strategies[n]) for n in options] + [
