@@ -16,7 +16,10 @@ the order they start, at ``communication.collective_time_s``). An operator waits
 gathers it uses; backward waits for a gradient collective when the window of those in flight
 is full and at its end; a collective starts when it is issued and the link is free. The
 collective time the computation does not wait for is hidden; with ``d = 0`` every gather
-starts at its use and hides nothing.
+starts at its use and hides nothing. A two-stage collective (``hierarchical``'s gathers and
+reduce-scatters, ``hybrid_shard``'s reduce-scatter and all-reduce across nodes) starts its first
+stage asynchronously and runs the others when it is waited for (``runtime/hierarchy.py``): only
+the first can hide.
 
 Only a share :data:`OVERLAP_EFFICIENCY` of that ideal is credited: on CPU gloo's threads run on
 the cores the computation uses. A collective started while another is in flight runs beside it
@@ -31,6 +34,7 @@ import functools
 import operator
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..core.devices import Devices
 from ..core.layout import collective_stages
@@ -51,6 +55,10 @@ class GatherSeconds:
     forward_s: float
     backward_s: float
     """Backward's re-gather (0 where backward does not re-gather)."""
+    forward_at_wait_s: float = 0.0
+    """Of ``forward_s``, the stages after the first: run when the gather is waited for."""
+    backward_at_wait_s: float = 0.0
+    """Of ``backward_s``, the stages after the first."""
 
     @property
     def total_s(self) -> float:
@@ -81,6 +89,8 @@ class TimedGather:
     used_at: int
     """The step that waits for it."""
     seconds: float
+    at_wait_s: float = 0.0
+    """Of ``seconds``, the stages run when it is waited for (after the first)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +103,8 @@ class TimedReduce:
     kind: str
     """``"reduce_scatter"`` or ``"all_reduce"``: each kind has its own window of collectives
     in flight, as the runtime keeps one per kind."""
+    at_wait_s: float = 0.0
+    """Of ``seconds``, the stages run when it is waited for (after the first)."""
 
 
 # [Note: collectives together]
@@ -123,7 +135,8 @@ def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather],
     step, in order) with ``gathers`` in issue order. A gather issued at step ``s`` starts after
     the gathers used at ``s`` were waited for (a prefetch follows its anchor's gather); one used
     before it was issued starts at its use; one started while another is in flight runs beside
-    it at ``ratio`` ([Note: collectives together])."""
+    it at ``ratio`` ([Note: collectives together]). Waiting for a gather runs its stages after
+    the first (``TimedGather.at_wait_s``): the computation waits for all of them."""
     used, issued = defaultdict(list), defaultdict(list)
     for i, g in enumerate(gathers):
         used[g.used_at].append(i)
@@ -137,11 +150,17 @@ def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather],
         at = step
         for group, wait in ((used[step], True), (issued[step], False)):
             for i in group:
+                g = gathers[i]
                 if i not in done:
-                    link_free = done[i] = _ends_s(now, link_free, gathers[i].seconds, ratio)
-                if wait and done[i] > now:
-                    waited += done[i] - now
-                    now = done[i]
+                    link_free = done[i] = _ends_s(now, link_free, g.seconds - g.at_wait_s,
+                                                  ratio)
+                if wait:
+                    end = max(now, done[i]) + g.at_wait_s
+                    if end > now:
+                        waited += end - now
+                        now = end
+                    if g.at_wait_s:
+                        link_free = max(link_free, now)
     return waited
 
 
@@ -153,7 +172,8 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
     :func:`exposed_gather_s`) and the gradient collectives ``reduces`` on one link: a gradient
     collective starts after the computation of its step (first waiting for the oldest of its
     kind when ``in_flight`` are in flight), beside those in flight at ``ratio`` ([Note:
-    collectives together]), and backward ends when every one has completed."""
+    collectives together]), and backward ends when every one has completed; waiting for a
+    collective runs its stages after the first (``at_wait_s``)."""
     used, issued, ready = defaultdict(list), defaultdict(list), defaultdict(list)
     for i, g in enumerate(gathers):
         used[g.used_at].append(i)
@@ -162,14 +182,17 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
     for r in reduces:
         ready[min(max(r.ready_at, 0), last)].append(r)
     done: dict[int, float] = {}
-    flight: dict[str, deque[float]] = defaultdict(deque)
+    flight: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
     now = link_free = waited = 0.0
 
-    def wait_until(t: float) -> None:
-        nonlocal now, waited
-        if t > now:
-            waited += t - now
-            now = t
+    def wait_until(t: float, then_s: float = 0.0) -> None:
+        """Wait for a collective whose first stage ends at ``t``, then run ``then_s``."""
+        nonlocal now, waited, link_free
+        end = max(now, t) + then_s
+        if end > now:
+            waited += end - now
+            now = end
+        link_free = max(link_free, now) if then_s else link_free
 
     at = 0  # the step ``now`` is at: the computation of the steps before it is added
     for step in sorted(s for s in used.keys() | issued.keys() | ready.keys()
@@ -178,38 +201,63 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
         now = functools.reduce(operator.add, compute_s[at:step], now)
         for group, wait in ((used[step], True), (issued[step], False)):
             for i in group:
+                g = gathers[i]
                 if i not in done:
-                    link_free = done[i] = _ends_s(now, link_free, gathers[i].seconds, ratio)
+                    link_free = done[i] = _ends_s(now, link_free, g.seconds - g.at_wait_s,
+                                                  ratio)
                 if wait:
-                    wait_until(done[i])
+                    wait_until(done[i], g.at_wait_s)
         now += compute_s[step]
         at = step + 1
         for r in ready[step]:
             window = flight[r.kind]
             while len(window) >= in_flight:
-                wait_until(window.popleft())
-            link_free = _ends_s(now, link_free, r.seconds, ratio)
-            window.append(link_free)
+                wait_until(*window.popleft())
+            link_free = _ends_s(now, link_free, r.seconds - r.at_wait_s, ratio)
+            window.append((link_free, r.at_wait_s))
     now = functools.reduce(operator.add, compute_s[at:], now)
     for window in flight.values():
-        for t in window:
-            wait_until(t)
+        for t, then_s in window:
+            wait_until(t, then_s)
     return waited
 
 
-@functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
-def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> GatherSeconds:
-    """Forward and backward all-gather seconds of one group (several stages added)."""
+def _stage_times_s(state: ParamState, devices: Devices, *,
+                   regathered: bool) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of one group's collectives stage by stage, in the order they run: its
+    forward all-gather's, backward's re-gather's, and its gradient's (``collective_stages``)."""
     fwd, bwd = collective_stages(
         state.strategy, state.numel, state.element_size, world_size=devices.world_size,
         ranks_per_node=devices.ranks_per_node, regathered=regathered, trainable=state.trainable,
         gather_element_size=state.compute_size, reduce_element_size=state.reduce_size,
         row=state.row)
-    return GatherSeconds(*(
-        sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
-                              spans_nodes=st.spans_nodes(devices.num_nodes))
-            for st in stages if st.collective == "all_gather")
-        for stages in (fwd, bwd)))
+
+    def times(stages: Sequence[Any]) -> list[float]:
+        return [collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
+                                  spans_nodes=st.spans_nodes(devices.num_nodes))
+                for st in stages]
+
+    return (times([st for st in fwd if st.collective == "all_gather"]),
+            times([st for st in bwd if st.collective == "all_gather"]),
+            times([st for st in bwd if st.collective != "all_gather"]))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
+def gather_s(state: ParamState, devices: Devices, *, regathered: bool) -> GatherSeconds:
+    """Forward and backward all-gather seconds of one group (several stages added), and of
+    each the stages after the first, which run when the gather is waited for."""
+    fwd, bwd, _ = _stage_times_s(state, devices, regathered=regathered)
+    return GatherSeconds(sum(fwd), sum(bwd), sum(fwd[1:]), sum(bwd[1:]))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
+def reduce_at_wait_s(state: ParamState, devices: Devices) -> float:
+    """Of :func:`reduce_s`, the stages after the first (``hybrid_shard``'s all-reduce across
+    nodes, ``hierarchical``'s reduce-scatter across nodes): they run when the gradient's
+    collective is waited for."""
+    if not state.trainable:
+        return 0.0
+    return sum(_stage_times_s(state, devices, regathered=False)[2][1:])
 
 
 def _lane_compute_s(facts: GraphFacts, devices: Devices) -> tuple[list[float], list[float]]:
@@ -258,8 +306,13 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
         use = [min(pos[u] for u in facts.param_uses(b[0])) for b in buckets]
         seconds = [max(0.0, sum(gather[n].forward_s for n in b) - latency * (len(b) - 1))
                    for b in buckets]
+        # a bucket's later stages: its members' less the latencies its riders save there
+        later = [max(0.0, sum(gather[n].forward_at_wait_s for n in b) - (len(b) - 1) * (
+            gather_s(dataclasses.replace(params[facts.param_of[b[0]]], numel=0), devices,
+                     regathered=False).forward_at_wait_s)) for b in buckets]
         forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
-                               seconds[i]) for i in range(len(buckets))]
+                               seconds[i], min(seconds[i], later[i]))
+                   for i in range(len(buckets))]
         # backward: re-gathered groups in the order forward saved them; unpacking the one
         # saved at index j starts the re-gathers of those saved at j - d .. j - 1
         saved = sorted((n for n, name in facts.param_of.items()
@@ -271,7 +324,7 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
         for i, n in enumerate(saved):
             later = unpack[i + 1:i + 1 + prefetch]
             backward.append(TimedGather(min([unpack[i], *later]), unpack[i],
-                                        gather[n].backward_s))
+                                        gather[n].backward_s, gather[n].backward_at_wait_s))
         backward.sort(key=lambda g: (g.issued_at, g.used_at))
     if not (forward or backward or reduces):
         return 0.0
@@ -333,10 +386,13 @@ def gather_windows(facts: GraphFacts, devices: Devices, *,
 def hidden_share_s(state: ParamState, window: GatherWindow, devices: Devices, *,
                    regathered: bool) -> float:
     """The collective seconds of one group that its ``window`` (:func:`gather_windows`) hides,
-    credited at :data:`OVERLAP_EFFICIENCY`: its gathers' and, sharded, its reduce-scatter's (a
-    replicated gradient's all-reduce waits for its bucket to fill: not credited here)."""
+    credited at :data:`OVERLAP_EFFICIENCY`: its gathers' and, sharded, its reduce-scatter's,
+    first stages only (a replicated gradient's all-reduce waits for its bucket to fill: not
+    credited here)."""
     gathered = gather_s(state, devices, regathered=regathered)
-    reduced = reduce_s(state, devices) if traits(state.strategy).sharded else 0.0
-    return OVERLAP_EFFICIENCY * (min(gathered.forward_s, window.forward_s)
-                                 + min(gathered.backward_s, window.backward_s)
-                                 + min(reduced, window.reduce_s))
+    reduced = (reduce_s(state, devices) - reduce_at_wait_s(state, devices)
+               if traits(state.strategy).sharded else 0.0)
+    return OVERLAP_EFFICIENCY * (
+        min(gathered.forward_s - gathered.forward_at_wait_s, window.forward_s)
+        + min(gathered.backward_s - gathered.backward_at_wait_s, window.backward_s)
+        + min(reduced, window.reduce_s))

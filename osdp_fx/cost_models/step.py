@@ -63,7 +63,7 @@ from .graph_facts import (
     sharded_gather_buckets,
 )
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from .overlap import TimedReduce, hidden_comm_s, reduce_s
+from .overlap import TimedReduce, hidden_comm_s, reduce_at_wait_s, reduce_s
 from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH
 
@@ -386,7 +386,7 @@ def predict_step_time(
                                                schedule.gather_bucket_bytes) for n in b}
     for bucket in buckets:
         scattered = False  # a trainable member before this one
-        scatter_s, scatter_ready = 0.0, 0
+        scatter_s, scatter_ready, scatter_later_s = 0.0, 0, 0.0
         for k, node in enumerate(bucket):
             name = facts.param_of[node]
             again = (node in together and name in regathered
@@ -397,6 +397,9 @@ def predict_step_time(
             if params[name].trainable:
                 saved += reduces_s if scattered else 0.0
                 scatter_s += reduce_s(params[name], devices) - (reduces_s if scattered else 0.0)
+                scatter_later_s += reduce_at_wait_s(params[name], devices) - (
+                    reduce_at_wait_s(dataclasses.replace(params[name], numel=0), devices)
+                    if scattered else 0.0)
                 scatter_ready = max(scatter_ready, ready.get(name, 0))
                 scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
@@ -407,7 +410,9 @@ def predict_step_time(
                                               comm_s=max(0.0, costs[name].comm_s - saved),
                                               host_s=costs[name].host_s + bucket_host)
         if scattered:
-            reduces.append(TimedReduce(scatter_ready, max(0.0, scatter_s), "reduce_scatter"))
+            scatter_s = max(0.0, scatter_s)
+            reduces.append(TimedReduce(scatter_ready, scatter_s, "reduce_scatter",
+                                       min(scatter_s, max(0.0, scatter_later_s))))
     compute_s = other_s + sum(per_group.values())
     comm_s = sum(c.comm_s for c in costs.values()) - hidden_comm_s(
         facts, params, devices, prefetch=schedule.prefetch,

@@ -9,6 +9,7 @@ from osdp_fx.core.devices import Devices
 from osdp_fx.cost_models.communication import all_gather_time_s, all_reduce_time_s
 from osdp_fx.cost_models.graph_facts import ParamState
 from osdp_fx.cost_models.memory import param_memory, persistent_bytes
+from osdp_fx.cost_models.overlap import gather_s, reduce_at_wait_s, reduce_s
 from osdp_fx.cost_models.step import group_cost
 
 # 2 nodes x 8 ranks; intra-node links 80x faster than inter-node ones
@@ -45,6 +46,30 @@ def test_step_cost_closed_form():
                                          8 * INTER["bandwidth_bytes_per_s"]),
             "latency_s": (14 * INTRA["latency_s"] + INTER["latency_s"]) / 15}
     assert full.comm_s == pytest.approx(3 * all_gather_time_s(padded, 16, **ring), rel=1e-12)
+
+
+def test_the_stages_after_the_first_run_when_waited_for():
+    """A two-stage collective starts its first stage and runs the others when waited for
+    (``runtime/hierarchy.py``): the step model keeps their seconds apart, which cannot hide."""
+    padded = 1008 * 4
+    state = ParamState(numel=NUMEL, element_size=4, strategy="hierarchical", trainable=True)
+    gathered = gather_s(state, DEVICES, regathered=True)
+    intra = all_gather_time_s(padded, 8, **INTRA)  # the node's stage, after the one across
+    assert gathered.forward_at_wait_s == gathered.backward_at_wait_s == pytest.approx(intra)
+    assert gathered.forward_s == pytest.approx(intra + all_gather_time_s(padded / 8, 2, **INTER))
+    # its reduce-scatter across nodes follows the node's
+    assert reduce_at_wait_s(state, DEVICES) == pytest.approx(
+        reduce_s(state, DEVICES) - all_gather_time_s(padded, 8, **INTRA))
+
+    hybrid = ParamState(numel=NUMEL, element_size=4, strategy="hybrid_shard", trainable=True)
+    assert gather_s(hybrid, DEVICES, regathered=True).forward_at_wait_s == 0.0  # one stage
+    assert reduce_at_wait_s(hybrid, DEVICES) == pytest.approx(
+        all_reduce_time_s(padded / 8, 2, **INTER))  # the shard's all-reduce across nodes
+
+    full = ParamState(NUMEL, 4, "full_shard", True)
+    assert gather_s(full, DEVICES, regathered=True).forward_at_wait_s == 0.0
+    assert reduce_at_wait_s(full, DEVICES) == 0.0
+    assert reduce_at_wait_s(ParamState(NUMEL, 4, "hybrid_shard", False), DEVICES) == 0.0
 
 
 def test_memory_closed_form():

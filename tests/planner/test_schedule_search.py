@@ -159,6 +159,27 @@ def test_collectives_in_flight_together_run_at_the_devices_ratio_by_hand():
                               ratio=0.5) == 0.0
 
 
+def test_the_stages_after_the_first_run_when_waited_for_by_hand():
+    """A two-stage collective's first stage runs on the link from its start; the others
+    (``at_wait_s``) run when it is waited for, and the computation waits for all of them."""
+    compute = [1.0, 1.0, 1.0]
+    # the second gather's first stage (0.75 s) runs from t = 0.5 to 1.25, hidden; its second
+    # (0.25 s) runs at its use, t = 1.5
+    assert exposed_gather_s(compute, _timed([(0, 0, 0.5), (0, 1, 1.0)])) == 0.5
+    assert exposed_gather_s(compute, [TimedGather(0, 0, 0.5),
+                                      TimedGather(0, 1, 1.0, 0.25)]) == 0.5 + 0.25
+    # a gradient collective from t = 1: its first stage ends at 2, its second runs when
+    # backward waits for it at its end, t = 3
+    assert exposed_backward_s(compute, [], [TimedReduce(0, 1.5, "reduce_scatter")],
+                              in_flight=2) == 0.0
+    assert exposed_backward_s(compute, [], [TimedReduce(0, 1.5, "reduce_scatter", 0.5)],
+                              in_flight=2) == 0.5
+    # one in flight: the second waits for the first, second stage and all (t = 1 to 2.5)
+    assert exposed_backward_s(compute, [], [TimedReduce(0, 1.5, "reduce_scatter", 0.5),
+                                            TimedReduce(0, 1.5, "reduce_scatter", 0.5)],
+                              in_flight=1) == 1.5 + 0.5
+
+
 def test_backward_without_gradient_collectives_waits_as_the_gather_replay():
     """With no gradient collectives, the backward lane's replay is the gathers' replay, to the
     bit (both add the computation between collectives in order)."""
