@@ -275,14 +275,7 @@ def reduce_s(state: ParamState, devices: Devices) -> float:
     the all-reduce across nodes; several stages added); 0 for a frozen group."""
     if not state.trainable:
         return 0.0
-    _, bwd = collective_stages(
-        state.strategy, state.numel, state.element_size, world_size=devices.world_size,
-        ranks_per_node=devices.ranks_per_node, regathered=False, trainable=True,
-        gather_element_size=state.compute_size, reduce_element_size=state.reduce_size,
-        row=state.row)
-    return sum(collective_time_s(st.collective, st.nbytes, devices, group_size=st.ranks,
-                                 spans_nodes=st.spans_nodes(devices.num_nodes))
-               for st in bwd if st.collective != "all_gather")
+    return sum(_stage_times_s(state, devices, regathered=False)[2])
 
 
 def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
