@@ -11,10 +11,11 @@ once its last gradient is in), with at most ``Schedule.scatters_in_flight`` of a
 (starting one more first waits for the oldest), and waits for the rest at the end of backward
 (``runtime.params.GradReduceScatters``, ``runtime.reducer.GradReducer``). This module replays
 one step on two lanes: computation (each operator's forward, then each backward in reverse
-order, at ``compute.node_compute_time_s``) and communication (the collectives, one at a time in
-the order they start, at ``communication.collective_time_s``). An operator waits for the
-gathers it uses; backward waits for a gradient collective when the window of those in flight
-is full and at its end; a collective starts when it is issued and the link is free. The
+order, at ``compute.node_compute_time_s``) and communication (the collectives in the order they
+start, at ``communication.collective_time_s``; one started while another is in flight runs
+beside it at the devices' measured ratio, [Note: collectives together]). An operator waits for
+the gathers it uses; backward waits for a gradient collective when the window of those in
+flight is full and at its end; a collective starts when it is issued. The
 collective time the computation does not wait for is hidden; with ``d = 0`` every gather
 starts at its use and hides nothing. A two-stage collective (``hierarchical``'s gathers and
 reduce-scatters, ``hybrid_shard``'s reduce-scatter and all-reduce across nodes) starts its first
@@ -22,9 +23,8 @@ stage asynchronously and runs the others when it is waited for (``runtime/hierar
 the first can hide.
 
 Only a share :data:`OVERLAP_EFFICIENCY` of that ideal is credited: on CPU gloo's threads run on
-the cores the computation uses. A collective started while another is in flight runs beside it
-at the devices' measured ratio ([Note: collectives together]), and what that saves is credited
-whole: it shortens the link's own time, not the computation's.
+the cores the computation uses. What collectives in flight together save is credited whole:
+it shortens the link's own time, not the computation's.
 """
 
 from __future__ import annotations
