@@ -5,6 +5,7 @@ Each call's fitted link figures are turned back into the time of an all-gather, 
 reduce-scatter and an all-reduce over the whole world at 64 KiB, 1 MiB and 4 MiB
 (``cost_models/communication.py``'s ``collective_time_s``), beside the host probe's figures
 (``Devices.param_host_time_s`` and ``Devices.bucket_host_time_s`` under ``full_shard``), the
+ratio of two collectives in flight together (``Devices.concurrent_collective_ratio``), the
 matmul rate and the call's own seconds. The last row is each column's largest over its
 smallest: how far two calls a minute apart can disagree.
 
@@ -60,6 +61,7 @@ def calls(rank: int, world: int, repeats: int,
                                                                   devices) * 1e3
         row["host/param (us)"] = devices.param_host_time_s["full_shard"] * 1e6
         row["host/bucket (us)"] = devices.bucket_host_time_s["full_shard"] * 1e6
+        row["together"] = devices.concurrent_collective_ratio
         row["GFLOP/s"] = devices.compute_flops_per_s / 1e9
         rows.append(row)
     return rows, checked(devices, world)
