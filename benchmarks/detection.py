@@ -73,12 +73,11 @@ def checked(devices: Any, world: int) -> list[dict[str, float]]:
     import torch.distributed as dist
 
     from osdp_fx.cost_models.communication import collective_time_s
-    from osdp_fx.planner.detect import collective_runs
+    from osdp_fx.planner.detect import collective_runs, filler_operands
     from osdp_fx.runtime.collectives import WORLD
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    side = 1024 if device.type == "cuda" else 256
-    a, b = torch.randn(side, side, device=device), torch.randn(side, side, device=device)
+    a, b = filler_operands(device)
 
     def before() -> None:
         dist.barrier()

@@ -561,7 +561,7 @@ def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], l
     import torch.distributed as dist
 
     size, name = dist.get_world_size(group), _group_name(group)
-    a, b = _filler_operands(device)
+    a, b = filler_operands(device)
     keys: list[tuple[str, int]] = []
     runs: list[Callable[[], object]] = []
     calls: list[int] = []
@@ -591,7 +591,7 @@ def _group_name(group: Any) -> str:
     return name
 
 
-def _filler_operands(device: Any) -> tuple[Any, Any]:
+def filler_operands(device: Any) -> tuple[Any, Any]:
     """The two square matrices of the short matmul run before each timed collective."""
     import torch
 
@@ -651,7 +651,7 @@ def _concurrent_collective_ratio(group: Any, device: Any) -> float:
     import torch.distributed as dist
 
     size, name = dist.get_world_size(group), _group_name(group)
-    a, b = _filler_operands(device)
+    a, b = filler_operands(device)
     runs: list[Callable[[], object]] = []
     for nbytes in _CONCURRENT_SIZES_BYTES:
         numel = max(size, nbytes // 4 // size * size)
