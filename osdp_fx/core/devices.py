@@ -30,6 +30,13 @@ DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_
 """Dtype names ``Devices.compute_flops_per_s_by_dtype`` takes (torch's, without 'torch.')."""
 
 
+OVERLAP_EFFICIENCY = 0.5
+"""The default ``Devices.overlap_efficiency``, and the presets': half of the ideal. Chosen on a
+2-core CPU when the step model had no host lane (prefetching took a ``full_shard`` step from 91
+to 69 ms, and a model crediting none or all of the overlap missed on either side); kept
+where nothing measured says otherwise (a GPU, whose collectives run beside its kernels, and the
+published rows the presets predict)."""
+
 _POSITIVE_RATES = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s",
                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
 _NON_NEGATIVE_TIMES = ("intra_node_latency_s", "inter_node_latency_s", "selective_op_time_s")
@@ -84,6 +91,13 @@ class Devices:
     re-gather and gradient collectives in flight together in backward). The step model's
     communication lane runs a collective started while another is in flight at it
     ([Note: collectives together] in ``cost_models/overlap.py``); ``detect`` measures it."""
+    overlap_efficiency: float = OVERLAP_EFFICIENCY
+    """Share of the collective time a step's schedule ideally hides under computation that
+    hiding it saves, in [0, 1]: :data:`OVERLAP_EFFICIENCY` by default and in the presets. On the
+    CPU a collective's work (gloo's copies, reductions and socket calls) runs on the cores the
+    computation runs on: where the ranks of a host keep every core it lends them busy, hiding
+    a collective saves nothing, and ``detect`` sets 0 ([Note: overlap on the CPU] in
+    ``planner/detect.py``)."""
     optimizer_element_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured optimizer step time per parameter element, by optimizer kind ("sgd",
     "sgd_momentum", "adam", "adamw"); a kind missing here is modelled as memory-bound (the bytes
@@ -180,6 +194,10 @@ class Devices:
                              f"of two collectives started together over their time one after "
                              f"the other; 1: one at a time), got "
                              f"{self.concurrent_collective_ratio!r}")
+        if not _is_number(self.overlap_efficiency) or not 0 <= self.overlap_efficiency <= 1:
+            raise InputError(f"Devices.overlap_efficiency must be in [0, 1] (the share of the "
+                             f"ideally hidden collective time that hiding saves; 0: none), "
+                             f"got {self.overlap_efficiency!r}")
         for name, keys, low, what in (
                 ("optimizer_element_time_s", OPTIMIZERS, 0, "non-negative seconds"),
                 ("optimizer_tensor_time_s", OPTIMIZERS, 0, "non-negative seconds"),
@@ -313,7 +331,7 @@ def device_memory_bytes(device: Any = None) -> int:
 
 
 _FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links",
-            "concurrent_collective_ratio", "optimizer_element_time_s",
+            "concurrent_collective_ratio", "overlap_efficiency", "optimizer_element_time_s",
             "optimizer_tensor_time_s", "optimizer_sharded_tensor_time_s", "param_host_time_s",
             "bucket_host_time_s",
             "host_overlaps_device", "attention_efficiency", "compute_flops_per_s_by_dtype")

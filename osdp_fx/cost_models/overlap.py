@@ -22,9 +22,10 @@ reduce-scatters, ``hybrid_shard``'s reduce-scatter and all-reduce across nodes) 
 stage asynchronously and runs the others when it is waited for (``runtime/hierarchy.py``): only
 the first can hide.
 
-Only a share :data:`OVERLAP_EFFICIENCY` of that ideal is credited: on CPU gloo's threads run on
-the cores the computation uses. What collectives in flight together save is credited whole:
-it shortens the link's own time, not the computation's.
+Only a share ``Devices.overlap_efficiency`` of that ideal is credited (none on a CPU whose cores
+the ranks keep busy: gloo's threads run on the cores the computation uses). What collectives in
+flight together save is credited whole: it shortens the link's own time, not the
+computation's.
 """
 
 from __future__ import annotations
@@ -41,12 +42,6 @@ from ..core.layout import collective_stages
 from ..core.strategies import traits
 from .communication import collective_time_s
 from .graph_facts import GraphFacts, ParamState, node_times, sharded_gather_buckets
-
-OVERLAP_EFFICIENCY = 0.5
-"""Share of the ideally hidden collective time that overlapping hides in practice: about half,
-by the full_shard steps with and without prefetching measured in ``docs/benchmarks.md`` and
-``docs/cost-models.md`` (gloo's threads share the cores the computation runs on)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class GatherSeconds:
@@ -283,7 +278,7 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
                   reduces: Sequence[TimedReduce] = (), in_flight: int = 1) -> float:
     """Seconds of collective time hidden under computation in one step (forward gathers,
     backward's re-gathers and the gradient collectives ``reduces``, at most ``in_flight`` of a
-    kind at once), credited at :data:`OVERLAP_EFFICIENCY`, and the seconds collectives in
+    kind at once), credited at ``Devices.overlap_efficiency``, and the seconds collectives in
     flight together save ([Note: collectives together]), credited whole."""
     if devices.world_size <= 1:
         return 0.0
@@ -331,7 +326,7 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     one_at_a_time = exposed(1.0)
     together = (one_at_a_time if devices.concurrent_collective_ratio >= 1.0
                 else exposed(devices.concurrent_collective_ratio))
-    return (OVERLAP_EFFICIENCY * max(0.0, total - one_at_a_time)
+    return (devices.overlap_efficiency * max(0.0, total - one_at_a_time)
             + max(0.0, one_at_a_time - together))
 
 
@@ -379,13 +374,13 @@ def gather_windows(facts: GraphFacts, devices: Devices, *,
 def hidden_share_s(state: ParamState, window: GatherWindow, devices: Devices, *,
                    regathered: bool) -> float:
     """The collective seconds of one group that its ``window`` (:func:`gather_windows`) hides,
-    credited at :data:`OVERLAP_EFFICIENCY`: its gathers' and, sharded, its reduce-scatter's,
+    credited at ``Devices.overlap_efficiency``: its gathers' and, sharded, its reduce-scatter's,
     first stages only (a replicated gradient's all-reduce waits for its bucket to fill: not
     credited here)."""
     gathered = gather_s(state, devices, regathered=regathered)
     reduced = (reduce_s(state, devices) - reduce_at_wait_s(state, devices)
                if traits(state.strategy).sharded else 0.0)
-    return OVERLAP_EFFICIENCY * (
+    return devices.overlap_efficiency * (
         min(gathered.forward_s - gathered.forward_at_wait_s, window.forward_s)
         + min(gathered.backward_s - gathered.backward_at_wait_s, window.backward_s)
         + min(reduced, window.reduce_s))

@@ -23,7 +23,7 @@ what the optimizer step holds) fits. The bound holds because each term it
 drops or shrinks can only add time: a group's communication is taken with the fewest re-gathers
 (those recomputation adds are left out), the all-reduce latency as one latency for all buckets,
 minus the latency a gather bucket can save, minus the most prefetching can hide
-(``cost_models.overlap``: ``OVERLAP_EFFICIENCY`` of the gathers, and no more than the
+(``cost_models.overlap``: ``Devices.overlap_efficiency`` of the gathers, and no more than the
 computation they hide under). ``tests/property/test_joint_search_exact.py`` checks both the
 bound and the answer against brute force.
 """
@@ -42,7 +42,7 @@ from ..core.strategies import Strategy, traits
 from ..cost_models.communication import all_reduce_parts_s
 from ..cost_models.graph_facts import small_gather_key
 from ..cost_models.memory import optimizer_state_bytes, shard_numel
-from ..cost_models.overlap import OVERLAP_EFFICIENCY, gather_s, reduce_s
+from ..cost_models.overlap import gather_s, reduce_s
 from ..cost_models.recompute import RegionCost
 from ..cost_models.step import attributed_compute_s, bucket_latencies_s, group_cost
 from ..cost_models.timeline import predict_peak_bytes
@@ -143,14 +143,14 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     the groups of ``options`` then the ``regions``, options in order)::
 
         bound = compute * scale + sum_i time_i + L
-                - OVERLAP_EFFICIENCY * min(sum_i overlappable_i + L, compute)
+                - e * min(sum_i overlappable_i + L, compute)
                 - 2 (1 - r) (sum_i on_link_i + L)
 
     where ``L`` is one all-reduce latency if some option all-reduces. Overlap hides at most
-    ``OVERLAP_EFFICIENCY`` of the gathers prefetching starts early and of the gradient
-    collectives, and no more than the computation they overlap (``overlap.hidden_comm_s``
-    replays the profiled step); the
-    latency shares of the gradients in one all-reduce bucket add up to one latency; of the
+    ``e`` (``Devices.overlap_efficiency``) of the gathers prefetching starts early and of the
+    gradient collectives, and no more than the computation they overlap
+    (``overlap.hidden_comm_s`` replays the profiled step); the latency shares of the
+    gradients in one all-reduce bucket add up to one latency; of the
     sharded parameters with one gather key, all but one may save two gathers' and a
     reduce-scatter's latency by riding in another's bucket; collectives in flight together
     save at most 2 (1 - r) of their seconds on the link (``r``:
@@ -176,7 +176,7 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     _, latency = all_reduce_parts_s(0, devices)  # the least latency of an all-reduce
     together = 2.0 * (1.0 - devices.concurrent_collective_ratio)
     return (compute * scale + time + latency * reduced
-            - OVERLAP_EFFICIENCY * np.minimum(gathered + latency * reduced, compute)
+            - devices.overlap_efficiency * np.minimum(gathered + latency * reduced, compute)
             - together * (on_link + latency * reduced))
 
 

@@ -212,6 +212,25 @@ def test_deeper_prefetch_costs_memory_and_saves_predicted_time():
     assert steps[0] > steps[1] >= steps[2], steps
 
 
+def test_hiding_saves_the_devices_share_of_the_hidden_time():
+    """``Devices.overlap_efficiency`` credits its share of what prefetching hides: none at 0,
+    where prefetching only costs memory (the CPU whose cores the ranks keep busy)."""
+    analysis = _gpt(dim=128)
+
+    def comm_s(depth: int, efficiency: float) -> float:
+        specs = param_specs(analysis.captured)
+        plan = build_plan({s.name: "full_shard" for s in specs}, specs, world_size=4,
+                          schedule=Schedule(depth))
+        devices = Devices(world_size=4, overlap_efficiency=efficiency)
+        return predict(analysis, plan, StepSetting(devices, optimizer="adamw")).prediction.comm_s
+
+    whole = comm_s(1, 0.0)  # nothing credited: every collective's seconds
+    assert comm_s(0, 0.0) == whole
+    # the gradients' reduce-scatters hide under backward at any depth, the gathers with prefetch
+    assert whole > comm_s(0, 1.0) > comm_s(1, 1.0)
+    assert comm_s(1, 0.5) == pytest.approx(whole - (whole - comm_s(1, 1.0)) / 2)
+
+
 def test_larger_gather_buckets_share_latency_and_hold_a_larger_flat_buffer():
     analysis = _gpt(dim=128)  # 256 KiB MLP weights, 64 KiB attention ones, 1.6 MiB in all
     small, mib, block = (_predicted(analysis, "full_shard", Schedule(1, g))
