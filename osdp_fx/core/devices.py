@@ -32,10 +32,10 @@ DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_
 
 OVERLAP_EFFICIENCY = 0.5
 """The default ``Devices.overlap_efficiency``, and the presets': half of the ideal. Chosen on a
-2-core CPU when the step model had no host lane (prefetching took a ``full_shard`` step from 91
-to 69 ms, and a model crediting none or all of the overlap missed on either side); kept
-where nothing measured says otherwise (a GPU, whose collectives run beside its kernels, and the
-published rows the presets predict)."""
+2-core CPU when the step model had no host lane, where a model crediting none or all of the
+overlap missed prefetching's steps on either side (``CHANGELOG.md``); kept where nothing
+measured says otherwise (a GPU, whose collectives run beside its kernels, and the published rows
+the presets predict)."""
 
 _POSITIVE_RATES = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s",
                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
