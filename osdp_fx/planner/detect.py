@@ -281,7 +281,8 @@ def _ranks_per_node_from_hosts(group: Any) -> int:
 # times the ranks on the host, against the cores the process may run on), a collective started
 # early takes its cycles from the computation, and hiding it saves nothing. There ``detect``
 # sets ``Devices.overlap_efficiency`` to 0; with cores to spare it keeps the default. What each
-# credit predicts against the steps measured: ``docs/benchmarks.md``, "Prediction accuracy".
+# credit predicts against the steps measured: ``docs/benchmarks.md``, "Predicted against
+# measured on this CPU".
 
 
 def cpu_overlap_efficiency(ranks_on_host: int, threads_per_rank: int, cores: int) -> float:
