@@ -192,7 +192,8 @@ def sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
                            small_bytes: int = SMALL_PARAM_BYTES,
                            region_first: Mapping[fx.Node, int] | None = None) -> list[list[fx.Node]]:
     """The forward all-gathers of the sharded parameters (their get_attr nodes), in the order
-    the runtime issues them: by first use, runs of parameters of one sharded strategy
+    the runtime issues them: each before the first node that reads its parameter (under mixed
+    precision the cast, wherever the capture put it), runs of parameters of one sharded strategy
     bucketed into one (``buckets.gather_buckets`` with ``small_bytes``, a bucket holding a
     parameter that is not small within one block: ``buckets.block_of``). ``region_first``:
     the position of the first operator of the recomputed region each of its operators is in;
@@ -216,7 +217,10 @@ def _sharded_gather_buckets(facts: GraphFacts, params: Mapping[str, ParamState],
     sharded = [n for n, name in facts.param_of.items()
                if traits(params[name].strategy).sharded and facts.param_uses(n)]
     at = region_first or {}
-    first = {n: min(at.get(u, facts.pos[u]) for u in facts.param_uses(n)) for n in sharded}
+    # in the order the runtime gathers them: before the first node reading the parameter node
+    # itself (its operator, a view of it, or its mixed-precision cast, which may sit far ahead
+    # of the operator: ``passes/shard.py``)
+    first = {n: min(at.get(u, facts.pos[u]) for u in n.users) for n in sharded}
     order = sorted(sharded, key=first.__getitem__)
 
     def key(n: fx.Node) -> tuple[str, int]:

@@ -177,6 +177,56 @@ def test_mixed_precision_leaves_the_packed_weights_and_scales_uncast():
     torch.testing.assert_close(got, eager, rtol=0, atol=2e-2)
 
 
+def test_the_step_model_buckets_the_gathers_as_the_runtime_does_under_bf16():
+    """In one process, world 2 planned: under mixed precision a float parameter is gathered
+    where its cast is, which an exported graph has ahead of the operator (the adapters, norms
+    and head here), and the packed weights at their operator. The step model's gather buckets
+    (``graph_facts.sharded_gather_buckets``) are the shard pass's all-gathers, member for
+    member: ordered by the operators, the packed and float tensors of a layer alternate and the
+    model counted a bucket per change of kind."""
+    from torch import nn
+
+    from osdp_fx.core.buckets import Schedule
+    from osdp_fx.core.node_meta import NodeRole, osdp_meta
+    from osdp_fx.core.precision import resolve_mixed_precision
+    from osdp_fx.cost_models.graph_facts import sharded_gather_buckets
+    from osdp_fx.passes.capture import capture
+    from osdp_fx.passes.pipeline import run_pipeline
+    from osdp_fx.passes.precision import CastParams
+    from osdp_fx.passes.shard import shard_parameters_pass
+    from osdp_fx.plan.request import build_plan
+    from osdp_fx.planner.analysis import analyze, param_states
+    from osdp_fx.planner.make import param_specs
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = qlora_cases.build()
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, labels=ids).loss
+
+    ids = qlora_cases.batch(0, 0)
+    captured = capture(WithLoss(), (ids,))
+    run_pipeline(captured.gm, [CastParams(torch.bfloat16)])
+    analysis = analyze(captured, (ids,), fake=True, precision=resolve_mixed_precision("bf16"))
+    specs = param_specs(captured)
+    schedule = Schedule(1, 2**21)
+    facts = analysis.facts
+    modelled = [[facts.param_of[n] for n in bucket] for bucket in sharded_gather_buckets(
+        facts, param_states(analysis, {s.name: "full_shard" for s in specs}), 2,
+        schedule.gather_bucket_bytes)]
+    plan = build_plan({s.name: "full_shard" for s in specs}, specs, world_size=2,
+                      schedule=schedule)
+    shard_parameters_pass(captured.gm, plan=plan, world_size=2, rank=0)
+    gathered = [[str(shard.target) for shard in (n.args[0] if isinstance(n.args[0], tuple)
+                                                 else (n.args[0],))]
+                for n in captured.gm.graph.nodes if osdp_meta(n).role == NodeRole.ALL_GATHER]
+    # the embedding; each layer's float tensors; the last norm and the head; the packed ones
+    assert len(gathered) == 5
+    assert modelled == gathered
+
+
 @pytest.mark.parametrize("kind", ["bnb", "torchao"])
 def test_the_memory_promise_holds_for_a_qlora_model_at_two_shapes(worlds, kind):
     """AdamW on the adapters of the 4-bit Llama under full_shard, shard_grad_op and the plan
