@@ -31,10 +31,11 @@ DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_
 
 
 OVERLAP_EFFICIENCY = 0.5
-"""The default ``Devices.overlap_efficiency``: half of the ideal. Chosen on a 2-core CPU, where
-a model crediting none or all of the overlap missed prefetching's steps on either side; credited
-at none on that CPU, the search chose plans without prefetching that stepped slower
-(``CHANGELOG.md``)."""
+"""The default ``Devices.overlap_efficiency``, and the presets': half of the ideal. Chosen on a
+2-core CPU when the step model had no host lane, where a model crediting none or all of the
+overlap missed prefetching's steps on either side (``CHANGELOG.md``); kept where nothing
+measured says otherwise (a GPU, whose collectives run beside its kernels, and the published rows
+the presets predict)."""
 
 _POSITIVE_RATES = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s",
                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
@@ -92,9 +93,11 @@ class Devices:
     ([Note: collectives together] in ``cost_models/overlap.py``); ``detect`` measures it."""
     overlap_efficiency: float = OVERLAP_EFFICIENCY
     """Share of the collective time a step's schedule ideally hides under computation that
-    hiding it saves, in [0, 1]: :data:`OVERLAP_EFFICIENCY` by default, in the presets and as
-    ``detect`` leaves it. 0 credits prefetching and asynchronous gradient collectives nothing,
-    so that the search no longer tells a schedule that prefetches from one that does not."""
+    hiding it saves, in [0, 1]: :data:`OVERLAP_EFFICIENCY` by default and in the presets. On the
+    CPU a collective's work (gloo's copies, reductions and socket calls) runs on the cores the
+    computation runs on: where the ranks of a host keep every core it lends them busy, hiding
+    a collective saves nothing, and ``detect`` sets 0 ([Note: overlap on the CPU] in
+    ``planner/detect.py``)."""
     optimizer_element_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured optimizer step time per parameter element, by optimizer kind ("sgd",
     "sgd_momentum", "adam", "adamw"); a kind missing here is modelled as memory-bound (the bytes

@@ -22,9 +22,10 @@ reduce-scatters, ``hybrid_shard``'s reduce-scatter and all-reduce across nodes) 
 stage asynchronously and runs the others when it is waited for (``runtime/hierarchy.py``): only
 the first can hide.
 
-Only a share ``Devices.overlap_efficiency`` of that ideal is credited: on CPU gloo's threads run
-on the cores the computation uses. What collectives in flight together save is credited whole:
-it shortens the link's own time, not the computation's.
+Only a share ``Devices.overlap_efficiency`` of that ideal is credited (none on a CPU whose cores
+the ranks keep busy: gloo's threads run on the cores the computation uses). What collectives in
+flight together save is credited whole: it shortens the link's own time, not the
+computation's.
 """
 
 from __future__ import annotations

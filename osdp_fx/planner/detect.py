@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core.devices import OPTIMIZERS, Devices, device_memory_bytes
+from ..core.devices import OPTIMIZERS, OVERLAP_EFFICIENCY, Devices, device_memory_bytes
 from ..core.presets import GPU_MEMORY_MARGIN, GPU_MEMORY_MARGIN_EXPANDABLE
 from ..core.layout import WORLD
 from ..core.strategies import COLLECTIVES
@@ -92,7 +92,9 @@ def detect_devices(
     sharing a host name) and across nodes (``collective_links``; the scope's figures are the
     all-reduce's). What the runtime itself costs on the host is measured over the default group
     (``group`` None): per parameter and per gather bucket per step by strategy, and the
-    optimizer's per-tensor time over sharded parameters (``host_probe.py``).
+    optimizer's per-tensor time over sharded parameters (``host_probe.py``). On the CPU, the
+    share of hidden collective time that hiding saves follows from the cores each host lends
+    its ranks ([Note: overlap on the CPU]).
     Figures that cannot be measured (inter-node on one node, all collectives without an
     initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
     defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
@@ -157,6 +159,7 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     if world_size > 1:
         figures.update(_measure_links(group, device, world_size, ranks_per_node))
         figures["concurrent_collective_ratio"] = _concurrent_collective_ratio(group, device)
+        figures["overlap_efficiency"] = _overlap_efficiency(group, device)
     devices = Devices(
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
@@ -243,12 +246,18 @@ _SHARE_ROUNDS = 5
 # its kernels, so there it times by the synchronized wall clock.
 
 
-def _ranks_per_node_from_hosts(group: Any) -> int:
-    """Ranks per host name; the ranks of one node are expected to be consecutive."""
+def _host_names(group: Any) -> list[str]:
+    """Every rank's host name, in rank order."""
     import torch.distributed as dist
 
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return hosts
+
+
+def _ranks_per_node_from_hosts(group: Any) -> int:
+    """Ranks per host name; the ranks of one node are expected to be consecutive."""
+    hosts = _host_names(group)
     counts = {h: hosts.count(h) for h in hosts}
     if len(set(counts.values())) != 1:
         raise InputError(
@@ -262,6 +271,49 @@ def _ranks_per_node_from_hosts(group: Any) -> int:
             "order, so inter-node estimates may be off", hosts,
         )
     return per_node
+
+
+# [Note: overlap on the CPU]
+# A step hides a collective under computation when the collective's work runs somewhere the
+# computation does not. On a GPU it runs beside the kernels (NCCL's own kernels and copy
+# engines). On the CPU gloo's threads copy, reduce and call the sockets on the host's cores: if
+# the ranks of a host already keep every core it lends them busy (each rank's torch threads
+# times the ranks on the host, against the cores the process may run on), a collective started
+# early takes its cycles from the computation, and hiding it saves nothing. There ``detect``
+# sets ``Devices.overlap_efficiency`` to 0; with cores to spare it keeps the default. What each
+# credit predicts against the steps measured: ``docs/benchmarks.md``, "Predicted against
+# measured on this CPU".
+
+
+def cpu_overlap_efficiency(ranks_on_host: int, threads_per_rank: int, cores: int) -> float:
+    """``Devices.overlap_efficiency`` on the CPU ([Note: overlap on the CPU]): 0 where
+    ``ranks_on_host`` ranks of ``threads_per_rank`` torch threads each keep the host's ``cores``
+    busy, else the default."""
+    return 0.0 if ranks_on_host * threads_per_rank >= cores else OVERLAP_EFFICIENCY
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _overlap_efficiency(group: Any, device: Any) -> float:
+    """``Devices.overlap_efficiency`` for the ranks of ``group`` on ``device``: the default on
+    a GPU; on the CPU by the cores of each host (:func:`cpu_overlap_efficiency`), the least over
+    the group's hosts, so that every rank plans with one figure."""
+    import torch
+
+    if device.type != "cpu":
+        return OVERLAP_EFFICIENCY
+    hosts = _host_names(group)
+    efficiency = cpu_overlap_efficiency(hosts.count(socket.gethostname()),
+                                        torch.get_num_threads(), usable_cores())
+    return _all_reduce_floats([efficiency], "min", group, device, True)[0]
 
 
 def _synchronize(device: Any) -> None:

@@ -11,9 +11,16 @@ import pytest
 import torch
 from harness import cases
 
-from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
+from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, OVERLAP_EFFICIENCY, Devices
 from osdp_fx.errors import InputError
-from osdp_fx.planner.detect import CPU_MEMORY_MARGIN, detect_devices, devices_for, measured
+from osdp_fx.planner.detect import (
+    CPU_MEMORY_MARGIN,
+    cpu_overlap_efficiency,
+    detect_devices,
+    devices_for,
+    measured,
+    usable_cores,
+)
 
 MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s")
 
@@ -106,6 +113,8 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert 0 < node.concurrent_collective_ratio <= 1
     assert Devices.from_json(tmp_path / "node.0.json").concurrent_collective_ratio == (
         node.concurrent_collective_ratio)
+    # the harness's ranks run one torch thread each, on this machine's cores
+    assert node.overlap_efficiency == cpu_overlap_efficiency(2, 1, usable_cores())
 
     nodes = two_nodes[0]
     assert (nodes.world_size, nodes.ranks_per_node, nodes.num_nodes) == (2, 1, 2)
@@ -114,6 +123,18 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert [getattr(nodes, f) for f in intra] == [getattr(defaults, f) for f in intra]
     assert all(key.startswith("inter_node.") for key in nodes.collective_links)
     assert not nodes.all_reduce_trees  # gloo runs its all-reduces as rings, not NCCL's trees
+
+
+@pytest.mark.parametrize(("ranks", "threads", "cores", "efficiency"), [
+    (2, 1, 2, 0.0),  # every core computes: a collective's work takes cycles from it
+    (4, 1, 2, 0.0),  # more ranks than cores
+    (2, 2, 4, 0.0),
+    (2, 1, 4, OVERLAP_EFFICIENCY),  # cores to spare for gloo's threads
+    (1, 3, 8, OVERLAP_EFFICIENCY),
+])
+def test_overlap_on_the_cpu_follows_the_cores_the_ranks_leave(ranks, threads, cores,
+                                                              efficiency) -> None:
+    assert cpu_overlap_efficiency(ranks, threads, cores) == efficiency
 
 
 def test_links_are_measured_again_on_the_same_nodes(worlds) -> None:
