@@ -280,9 +280,11 @@ def _ranks_per_node_from_hosts(group: Any) -> int:
 # the ranks of a host already keep every core it lends them busy (each rank's torch threads
 # times the ranks on the host, against the cores the process may run on), a collective started
 # early takes its cycles from the computation, and hiding it saves nothing. There ``detect``
-# sets ``Devices.overlap_efficiency`` to 0; with cores to spare it keeps the default. What each
-# credit predicts against the steps measured: ``docs/benchmarks.md``, "Predicted against
-# measured on this CPU".
+# sets ``Devices.overlap_efficiency`` to 0; with cores to spare it keeps the default. Not all of
+# a collective's time is work, though: part is waiting for the other ranks, which a prefetch
+# does hide, and at 0 the search no longer tells a schedule that prefetches from one that does
+# not. What each credit predicts and picks against the steps measured: ``docs/benchmarks.md``,
+# "Predicted against measured on this CPU" and the optimality runs.
 
 
 def cpu_overlap_efficiency(ranks_on_host: int, threads_per_rank: int, cores: int) -> float:
