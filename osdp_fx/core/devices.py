@@ -34,8 +34,8 @@ OVERLAP_EFFICIENCY = 0.5
 """The default ``Devices.overlap_efficiency``, and the presets': half of the ideal. Chosen on a
 2-core CPU when the step model had no host lane, where a model crediting none or all of the
 overlap missed prefetching's steps on either side (``CHANGELOG.md``); kept where nothing
-measured says otherwise (a GPU, whose collectives run beside its kernels, and the published rows
-the presets predict)."""
+measures it (a GPU, whose collectives run beside its kernels, and the published rows the
+presets predict); ``detect`` measures it on the CPU."""
 
 _POSITIVE_RATES = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s",
                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
@@ -95,9 +95,14 @@ class Devices:
     """Share of the collective time a step's schedule ideally hides under computation that
     hiding it saves, in [0, 1]: :data:`OVERLAP_EFFICIENCY` by default and in the presets. On the
     CPU a collective's work (gloo's copies, reductions and socket calls) runs on the cores the
-    computation runs on: where the ranks of a host keep every core it lends them busy, hiding
-    a collective saves nothing, and ``detect`` sets 0 ([Note: overlap on the CPU] in
-    ``planner/detect.py``)."""
+    computation runs on, and ``detect`` measures the share: an all-gather started beside a
+    computation against both alone ([Note: overlap on the CPU] in ``planner/detect.py``)."""
+    overlap_hides_latency: bool = True
+    """Whether the share :attr:`overlap_efficiency` applies to a collective's fixed cost (its
+    latency) as to the rest of its time: true where the link runs beside the computation (a
+    GPU's); ``detect`` sets False on the CPU, where that cost is gloo's threads waking and
+    their round trips between the ranks, which wait for the cores the computation keeps busy,
+    and hiding it saves nothing ([Note: overlap on the CPU])."""
     optimizer_element_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured optimizer step time per parameter element, by optimizer kind ("sgd",
     "sgd_momentum", "adam", "adamw"); a kind missing here is modelled as memory-bound (the bytes
@@ -215,6 +220,9 @@ class Devices:
         if not isinstance(self.host_overlaps_device, bool):
             raise InputError(f"Devices.host_overlaps_device must be True or False, got "
                              f"{self.host_overlaps_device!r}")
+        if not isinstance(self.overlap_hides_latency, bool):
+            raise InputError(f"Devices.overlap_hides_latency must be True or False, got "
+                             f"{self.overlap_hides_latency!r}")
 
     def __hash__(self) -> int:
         return self._fingerprint_hash
@@ -331,9 +339,9 @@ def device_memory_bytes(device: Any = None) -> int:
 
 
 _FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links",
-            "concurrent_collective_ratio", "overlap_efficiency", "optimizer_element_time_s",
-            "optimizer_tensor_time_s", "optimizer_sharded_tensor_time_s", "param_host_time_s",
-            "bucket_host_time_s",
+            "concurrent_collective_ratio", "overlap_efficiency", "overlap_hides_latency",
+            "optimizer_element_time_s", "optimizer_tensor_time_s",
+            "optimizer_sharded_tensor_time_s", "param_host_time_s", "bucket_host_time_s",
             "host_overlaps_device", "attention_efficiency", "compute_flops_per_s_by_dtype")
 """The fields of :class:`Devices` that are rates and times (not the world or the limit)."""
 

@@ -22,10 +22,12 @@ reduce-scatters, ``hybrid_shard``'s reduce-scatter and all-reduce across nodes) 
 stage asynchronously and runs the others when it is waited for (``runtime/hierarchy.py``): only
 the first can hide.
 
-Only a share ``Devices.overlap_efficiency`` of that ideal is credited (none on a CPU whose cores
-the ranks keep busy: gloo's threads run on the cores the computation uses). What collectives in
-flight together save is credited whole: it shortens the link's own time, not the
-computation's.
+Only a share ``Devices.overlap_efficiency`` of that ideal is credited, and where a collective's
+fixed cost does not hide (``Devices.overlap_hides_latency`` False: the CPU, whose gloo threads
+wait for the cores the computation keeps busy) only of the share of the hidden collectives'
+time beyond their latencies ([Note: overlap on the CPU] in ``planner/detect.py``). What
+collectives in flight together save is credited whole: it shortens the link's own time, not
+the computation's.
 """
 
 from __future__ import annotations
@@ -326,8 +328,20 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     one_at_a_time = exposed(1.0)
     together = (one_at_a_time if devices.concurrent_collective_ratio >= 1.0
                 else exposed(devices.concurrent_collective_ratio))
-    return (devices.overlap_efficiency * max(0.0, total - one_at_a_time)
+    beyond = (sum(max(0.0, g.seconds - latency_s("all_gather", devices))
+                  for g in (*forward, *backward))
+              + sum(max(0.0, r.seconds - latency_s(r.kind, devices)) for r in reduces))
+    return (devices.overlap_efficiency * beyond / total * max(0.0, total - one_at_a_time)
             + max(0.0, one_at_a_time - together))
+
+
+def latency_s(collective: str, devices: Devices) -> float:
+    """The part of a ``collective``'s time that hiding it does not save besides what
+    ``Devices.overlap_efficiency`` leaves: its latency (the time of an empty one) where
+    ``Devices.overlap_hides_latency`` is False, else 0."""
+    if devices.overlap_hides_latency:
+        return 0.0
+    return collective_time_s(collective, 0, devices)
 
 
 def gather_windows(facts: GraphFacts, devices: Devices, *,
@@ -376,11 +390,14 @@ def hidden_share_s(state: ParamState, window: GatherWindow, devices: Devices, *,
     """The collective seconds of one group that its ``window`` (:func:`gather_windows`) hides,
     credited at ``Devices.overlap_efficiency``: its gathers' and, sharded, its reduce-scatter's,
     first stages only (a replicated gradient's all-reduce waits for its bucket to fill: not
-    credited here)."""
+    credited here), each less its :func:`latency_s`."""
     gathered = gather_s(state, devices, regathered=regathered)
     reduced = (reduce_s(state, devices) - reduce_at_wait_s(state, devices)
                if traits(state.strategy).sharded else 0.0)
+    fixed = latency_s("all_gather", devices)
+    forward = gathered.forward_s - gathered.forward_at_wait_s
+    backward = gathered.backward_s - gathered.backward_at_wait_s
     return devices.overlap_efficiency * (
-        min(gathered.forward_s - gathered.forward_at_wait_s, window.forward_s)
-        + min(gathered.backward_s - gathered.backward_at_wait_s, window.backward_s)
-        + min(reduced, window.reduce_s))
+        min(max(0.0, forward - fixed), window.forward_s)
+        + min(max(0.0, backward - fixed), window.backward_s)
+        + min(max(0.0, reduced - latency_s("reduce_scatter", devices)), window.reduce_s))

@@ -93,8 +93,8 @@ def detect_devices(
     all-reduce's). What the runtime itself costs on the host is measured over the default group
     (``group`` None): per parameter and per gather bucket per step by strategy, and the
     optimizer's per-tensor time over sharded parameters (``host_probe.py``). On the CPU, the
-    share of hidden collective time that hiding saves follows from the cores each host lends
-    its ranks ([Note: overlap on the CPU]).
+    share of hidden collective time that hiding saves: an all-gather run beside a computation
+    against both alone ([Note: overlap on the CPU]).
     Figures that cannot be measured (inter-node on one node, all collectives without an
     initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
     defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
@@ -159,7 +159,9 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     if world_size > 1:
         figures.update(_measure_links(group, device, world_size, ranks_per_node))
         figures["concurrent_collective_ratio"] = _concurrent_collective_ratio(group, device)
-        figures["overlap_efficiency"] = _overlap_efficiency(group, device)
+        figures.update(_overlap_figures(group, device, Devices(
+            world_size=world_size, ranks_per_node=None if ranks_per_node == world_size
+            else ranks_per_node, **figures)))
     devices = Devices(
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
@@ -276,46 +278,78 @@ def _ranks_per_node_from_hosts(group: Any) -> int:
 # [Note: overlap on the CPU]
 # A step hides a collective under computation when the collective's work runs somewhere the
 # computation does not. On a GPU it runs beside the kernels (NCCL's own kernels and copy
-# engines). On the CPU gloo's threads copy, reduce and call the sockets on the host's cores: if
-# the ranks of a host already keep every core it lends them busy (each rank's torch threads
-# times the ranks on the host, against the cores the process may run on), a collective started
-# early takes its cycles from the computation, and hiding it saves nothing. There ``detect``
-# sets ``Devices.overlap_efficiency`` to 0; with cores to spare it keeps the default. Not all of
-# a collective's time is work, though: part is waiting for the other ranks, which a prefetch
-# does hide, and at 0 the search no longer tells a schedule that prefetches from one that does
-# not. What each credit predicts and picks against the steps measured: ``docs/benchmarks.md``,
-# "Predicted against measured on this CPU" and the optimality runs.
+# engines): ``detect`` keeps the default share. On the CPU gloo's threads copy, reduce and call
+# the sockets on the host's cores, which the ranks' computation keeps busy, so what hiding saves
+# depends on the machine, and ``detect`` measures it: an all-gather of
+# ``_OVERLAP_BYTES`` alone (C), a matmul loop of about ``_OVERLAP_COMPUTE_RATIO`` times its
+# length alone (T), and the all-gather started, the loop run, and the all-gather waited for
+# (B), interleaved, the slowest rank's times. The step model credits a hidden collective's
+# time beyond its latency (α, the fitted time of an empty all-gather) at the share e, so
+# T + C - B = e (C - α) / C min(T, C) gives e (:func:`overlap_efficiency_from`), clipped to
+# [0, 1]. The latency is left out because it does not hide there: gloo's threads wake and
+# make their round trips between the ranks only when a core is free, so a small all-gather
+# started beside the computation ends no sooner than after it (``Devices.
+# overlap_hides_latency`` False; timings in ``docs/cost-models.md``). What the measured share
+# predicts and picks against the steps measured: ``docs/benchmarks.md``, "Predicted against
+# measured on this CPU" and the optimality runs.
 
 
-def cpu_overlap_efficiency(ranks_on_host: int, threads_per_rank: int, cores: int) -> float:
-    """``Devices.overlap_efficiency`` on the CPU ([Note: overlap on the CPU]): 0 where
-    ``ranks_on_host`` ranks of ``threads_per_rank`` torch threads each keep the host's ``cores``
-    busy, else the default."""
-    return 0.0 if ranks_on_host * threads_per_rank >= cores else OVERLAP_EFFICIENCY
+def overlap_efficiency_from(alone_s: float, compute_s: float, together_s: float,
+                            latency_s: float) -> float:
+    """``Devices.overlap_efficiency`` from a collective of ``alone_s`` (``latency_s`` of it its
+    latency), a computation of ``compute_s``, and the two run together in ``together_s`` (the
+    collective started first, waited for after the computation): the saving over what the step
+    model's ideal credits ([Note: overlap on the CPU]), within [0, 1]."""
+    ideal = max(0.0, alone_s - latency_s) / alone_s * min(compute_s, alone_s) if alone_s else 0.0
+    if ideal <= 0.0:
+        return 0.0
+    return min(1.0, max(0.0, (alone_s + compute_s - together_s) / ideal))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _overlap_efficiency(group: Any, device: Any) -> float:
-    """``Devices.overlap_efficiency`` for the ranks of ``group`` on ``device``: the default on
-    a GPU; on the CPU by the cores of each host (:func:`cpu_overlap_efficiency`), the least over
-    the group's hosts, so that every rank plans with one figure."""
+def _overlap_figures(group: Any, device: Any, links: Devices) -> dict[str, Any]:
+    """``Devices.overlap_efficiency`` and ``overlap_hides_latency`` for the ranks of ``group``
+    on ``device``: the defaults on a GPU; on the CPU measured ([Note: overlap on the CPU]), with
+    the all-gather's latency as ``links`` (the link figures measured) has it."""
     import torch
+    import torch.distributed as dist
+
+    from ..cost_models.communication import collective_time_s
 
     if device.type != "cpu":
-        return OVERLAP_EFFICIENCY
-    hosts = _host_names(group)
-    efficiency = cpu_overlap_efficiency(hosts.count(socket.gethostname()),
-                                        torch.get_num_threads(), usable_cores())
-    return _all_reduce_floats([efficiency], "min", group, device, True)[0]
+        return {"overlap_efficiency": OVERLAP_EFFICIENCY, "overlap_hides_latency": True}
+    size, name = dist.get_world_size(group), _group_name(group)
+    numel = max(size, _OVERLAP_BYTES // 4 // size * size)
+    start = collective_starts(numel, size, name, device)["all_gather"]
+    a, b = filler_operands(device)
+    gather_s = _median_time_s(lambda: start().wait(), device)
+    matmul_s = _median_time_s(lambda: torch.mm(a, b), device)
+    count, = _all_reduce_floats([_OVERLAP_COMPUTE_RATIO * gather_s / matmul_s], "max", group,
+                                device, True)
+
+    def compute() -> None:
+        for _ in range(max(1, round(count))):
+            torch.mm(a, b)
+
+    def together() -> None:
+        handle = start()
+        compute()
+        handle.wait()
+
+    times = _interleaved_times_s([lambda: start().wait(), compute, together], device,
+                                 barrier=lambda: dist.barrier(group=group),
+                                 rounds=_PROBE_ROUNDS, calls=[1, 1, 1])
+    alone, computed, both = _all_reduce_floats(times, "max", group, device, True)
+    latency = collective_time_s("all_gather", 0, links)
+    return {"overlap_efficiency": overlap_efficiency_from(alone, computed, both, latency),
+            "overlap_hides_latency": False}
+
+
+_OVERLAP_BYTES = 2**22
+"""Bytes of the all-gather the overlap probe runs: one of the larger ones sharded plans
+gather, whose time is mostly its bytes'."""
+_OVERLAP_COMPUTE_RATIO = 1.5
+"""The overlap probe's computation, in lengths of its all-gather: longer, so that the ideal
+hides the whole all-gather."""
 
 
 def _synchronize(device: Any) -> None:

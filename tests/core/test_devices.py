@@ -85,6 +85,7 @@ def test_devices_whose_nodes_do_not_divide_the_world():
     ({"concurrent_collective_ratio": 1.2}, r"concurrent_collective_ratio must be in \[0.5, 1\]"),
     ({"overlap_efficiency": -0.1}, r"overlap_efficiency must be in \[0, 1\]"),
     ({"overlap_efficiency": 1.5}, r"overlap_efficiency must be in \[0, 1\]"),
+    ({"overlap_hides_latency": 0}, "overlap_hides_latency must be True or False"),
     ({"memory_bytes": "lots"}, "'lots' is not a byte quantity"),
     ({"collective_links": {"intra_node.broadcast": LINK}},
      "unknown key 'intra_node.broadcast'.*e.g. 'intra_node.all_gather'"),

@@ -11,15 +11,14 @@ import pytest
 import torch
 from harness import cases
 
-from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, OVERLAP_EFFICIENCY, Devices
+from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
 from osdp_fx.errors import InputError
 from osdp_fx.planner.detect import (
     CPU_MEMORY_MARGIN,
-    cpu_overlap_efficiency,
     detect_devices,
     devices_for,
     measured,
-    usable_cores,
+    overlap_efficiency_from,
 )
 
 MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s")
@@ -113,8 +112,8 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert 0 < node.concurrent_collective_ratio <= 1
     assert Devices.from_json(tmp_path / "node.0.json").concurrent_collective_ratio == (
         node.concurrent_collective_ratio)
-    # the harness's ranks run one torch thread each, on this machine's cores
-    assert node.overlap_efficiency == cpu_overlap_efficiency(2, 1, usable_cores())
+    # measured on the CPU: a share, applied beyond a collective's latency
+    assert 0 <= node.overlap_efficiency <= 1 and not node.overlap_hides_latency
 
     nodes = two_nodes[0]
     assert (nodes.world_size, nodes.ranks_per_node, nodes.num_nodes) == (2, 1, 2)
@@ -125,16 +124,20 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert not nodes.all_reduce_trees  # gloo runs its all-reduces as rings, not NCCL's trees
 
 
-@pytest.mark.parametrize(("ranks", "threads", "cores", "efficiency"), [
-    (2, 1, 2, 0.0),  # every core computes: a collective's work takes cycles from it
-    (4, 1, 2, 0.0),  # more ranks than cores
-    (2, 2, 4, 0.0),
-    (2, 1, 4, OVERLAP_EFFICIENCY),  # cores to spare for gloo's threads
-    (1, 3, 8, OVERLAP_EFFICIENCY),
+@pytest.mark.parametrize(("alone", "compute", "together", "latency", "efficiency"), [
+    (10.0, 15.0, 25.0, 2.0, 0.0),  # one after the other: hiding saved nothing
+    (10.0, 15.0, 17.0, 2.0, 1.0),  # all but the latency hidden: the model's ideal
+    (10.0, 15.0, 21.0, 2.0, 0.5),  # half of the time beyond the latency
+    (10.0, 5.0, 13.0, 2.0, 0.5),  # a shorter computation hides at most its own length
+    (10.0, 15.0, 30.0, 2.0, 0.0),  # slower together: no credit, not a negative one
+    (10.0, 15.0, 10.0, 2.0, 1.0),  # faster than the ideal (noise): at most all of it
+    (2.0, 15.0, 15.0, 2.0, 0.0),  # nothing beyond the latency to hide
 ])
-def test_overlap_on_the_cpu_follows_the_cores_the_ranks_leave(ranks, threads, cores,
-                                                              efficiency) -> None:
-    assert cpu_overlap_efficiency(ranks, threads, cores) == efficiency
+def test_overlap_efficiency_is_the_saving_over_the_models_ideal(alone, compute, together,
+                                                                latency, efficiency) -> None:
+    """Saving T + C - B over the ideal the step model credits, (C - latency) / C min(T, C)
+    ([Note: overlap on the CPU])."""
+    assert overlap_efficiency_from(alone, compute, together, latency) == pytest.approx(efficiency)
 
 
 def test_links_are_measured_again_on_the_same_nodes(worlds) -> None:

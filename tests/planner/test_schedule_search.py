@@ -22,11 +22,14 @@ from osdp_fx.core.buckets import (
 )
 from osdp_fx.cost_models.graph_facts import ParamState, sharded_gather_buckets
 from osdp_fx.core.setting import StepSetting
+from osdp_fx.cost_models.communication import collective_time_s
 from osdp_fx.cost_models.overlap import (
+    GatherWindow,
     TimedGather,
     TimedReduce,
     exposed_backward_s,
     exposed_gather_s,
+    hidden_share_s,
 )
 from osdp_fx.cost_models.step import bucket_copy_s
 from osdp_fx.errors import PlanError
@@ -229,6 +232,39 @@ def test_hiding_saves_the_devices_share_of_the_hidden_time():
     # the gradients' reduce-scatters hide under backward at any depth, the gathers with prefetch
     assert whole > comm_s(0, 1.0) > comm_s(1, 1.0)
     assert comm_s(1, 0.5) == pytest.approx(whole - (whole - comm_s(1, 1.0)) / 2)
+
+
+def test_where_latency_does_not_hide_only_the_time_beyond_it_is_credited():
+    """``Devices.overlap_hides_latency`` False (the CPU): the credit is the efficiency's share
+    of the hidden time beyond the collectives' latencies, none where a collective is all
+    latency, and each group's share in the search less its latency too."""
+    analysis = _gpt(dim=128)
+    specs = param_specs(analysis.captured)
+    plan = build_plan({s.name: "full_shard" for s in specs}, specs, world_size=4,
+                      schedule=Schedule(1))
+
+    def comm_s(efficiency: float, hides: bool, **links: float) -> float:
+        devices = Devices(world_size=4, overlap_efficiency=efficiency,
+                          overlap_hides_latency=hides, **links)
+        return predict(analysis, plan, StepSetting(devices, optimizer="adamw")).prediction.comm_s
+
+    whole = comm_s(0.0, True)
+    assert whole == comm_s(0.0, False)
+    assert whole > comm_s(1.0, False) > comm_s(1.0, True)
+    # bytes that take no time: every collective is its latency, and hiding saves nothing
+    instant = {"intra_node_bandwidth_bytes_per_s": 1e18}
+    assert comm_s(1.0, False, **instant) == pytest.approx(comm_s(0.0, False, **instant))
+    assert comm_s(1.0, True, **instant) < comm_s(0.0, True, **instant)
+    state = ParamState(numel=2**16, element_size=4, strategy="full_shard", trainable=True)
+    window = GatherWindow(1.0, 1.0, 1.0)  # longer than any collective here
+    for links in ({}, instant):
+        hides, not_hidden = (hidden_share_s(state, window, Devices(
+            world_size=4, overlap_efficiency=1.0, overlap_hides_latency=h, **links),
+            regathered=True) for h in (True, False))
+        devices = Devices(world_size=4, **links)
+        latencies = (2 * collective_time_s("all_gather", 0, devices)
+                     + collective_time_s("reduce_scatter", 0, devices))
+        assert not_hidden == pytest.approx(hides - latencies)
 
 
 def test_larger_gather_buckets_share_latency_and_hold_a_larger_flat_buffer():

@@ -10,8 +10,9 @@ per region, at most 3^3 x 3^3) with the models the search answers to: the timeli
 (``cost_models.timeline.predict_step_memory``) and the step time
 (``cost_models.step.predict_step_time``), under the default schedule, with the link running
 collectives one at a time or side by side (``Devices.concurrent_collective_ratio`` 1 or 0.75),
-and hiding collectives under computation saving half or none of their time
-(``Devices.overlap_efficiency`` 0.5 or 0).
+and hiding collectives under computation saving half of their time, none, or, as measured on
+a CPU, 0.3 of their time beyond their latencies (``Devices.overlap_efficiency`` 0.5, 0 or 0.3
+with ``overlap_hides_latency`` False).
 Asserted:
 
 * the exact search's lower bounds (``exhaustive.step_time_bounds``, ``peak_floor_bytes``) are
@@ -70,9 +71,9 @@ def _analysis(depth: int, dim: int, seq: int, trainable: list[str]):
     return analyze(capture(net, (x,)), (x,), fake=True)
 
 
-def _setting(ratio: float, efficiency: float) -> StepSetting:
+def _setting(ratio: float, overlap: tuple[float, bool]) -> StepSetting:
     return StepSetting(Devices(world_size=2, concurrent_collective_ratio=ratio,
-                               overlap_efficiency=efficiency),
+                               overlap_efficiency=overlap[0], overlap_hides_latency=overlap[1]),
                        optimizer=OPTIMIZER, schedule=SCHEDULE)
 
 
@@ -101,10 +102,10 @@ def _scores(analysis, setting):
 @settings(max_examples=15, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=instances(), share=st.floats(0.0, 1.0), ratio=st.sampled_from([1.0, 0.75]),
-       efficiency=st.sampled_from([0.5, 0.0]))
-def test_joint_search_equals_brute_force(case, share, ratio, efficiency):
+       overlap=st.sampled_from([(0.5, True), (0.0, True), (0.3, False)]))
+def test_joint_search_equals_brute_force(case, share, ratio, overlap):
     analysis = _analysis(*case)
-    setting = _setting(ratio, efficiency)
+    setting = _setting(ratio, overlap)
     scores = _scores(analysis, setting)
     _check_bounds(analysis, case[3], scores, setting)
     low, high = min(s[0] for s in scores), max(s[0] for s in scores)
