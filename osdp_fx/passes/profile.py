@@ -228,12 +228,13 @@ def profile_graph_pass(
         import torch.distributed as dist
 
         runs = whole_graph_runs(gm, least=max(repeats, WHOLE_GRAPH_REPEATS))
+        together = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             count = torch.tensor([runs])  # every rank times as many runs, together
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             runs = int(count.item())
-            dist.barrier()  # every rank times its whole graph at once, as its steps run
-        scale_to_whole_graph(gm, example_inputs, warmup=warmup, repeats=runs)
+            together = dist.barrier  # every rank runs each at once, as its steps run
+        scale_to_whole_graph(gm, example_inputs, warmup=warmup, repeats=runs, before=together)
     summary = summarize_profile(gm)
     log.info(
         "profiled %d nodes (%d of them as a repeated block's): %.3g forward FLOPs, %.3g "
@@ -252,7 +253,11 @@ def profile_graph_pass(
 # one rank per core, and half of it where four ranks shared two cores, the medians being the
 # runs no other rank interrupted (``docs/benchmarks.md``, "Predicted against measured").
 # So on the CPU the profile also times the whole graph, forward and then backward over the
-# parameters that train, as a step runs it (every rank at once, after a barrier),
+# parameters that train, as a step runs it (every rank at once, a barrier before each run:
+# after one barrier only, the ranks drifted apart over the runs, and where four ranks shared
+# two cores a rank timed its runs with one, two or three others beside it: one model's
+# replicated steps were then predicted a third too slow and another's 30 % too fast,
+# ``CHANGELOG.md``),
 # and scales the nodes' forward times, and apart their backward times, so that each adds up to
 # the whole's. The nodes keep their shares, which is what the schedule and overlap models
 # read; the step model reads the sums. On a GPU a node's time is its kernels' (CUDA events,
@@ -285,11 +290,13 @@ def whole_graph_runs(gm: fx.GraphModule, *, least: int) -> int:
 
 
 def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, warmup: int,
-                         repeats: int) -> tuple[float, float] | None:
+                         repeats: int, before: Callable[[], object] | None = None,
+                         ) -> tuple[float, float] | None:
     """Scale the measured node times of ``gm`` so that the forward times add up to the whole
     graph's forward and the backward times to its backward, each the median of ``repeats``
     runs of ``gm(*example_inputs)`` and of a backward from its floating outputs to the
-    parameters that require grad, after ``warmup`` ([Note: the whole graph's time]). Returns
+    parameters that require grad, after ``warmup``, each run after ``before`` (a barrier: the
+    ranks run each at once; [Note: the whole graph's time]). Returns
     the two factors, or None where nothing was scaled (no timed node, or the graph did not run
     straight through: logged)."""
     timed = [n for n in gm.graph.nodes
@@ -302,6 +309,8 @@ def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, w
     forward, backward = [], []
     try:
         for i in range(warmup + repeats):
+            if before is not None:
+                before()
             start = time.perf_counter()
             with torch.enable_grad():
                 outputs = [t for t in _tensor_list(gm(*example_inputs))
