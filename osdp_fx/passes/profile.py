@@ -207,7 +207,8 @@ def profile_graph_pass(
     repeated blocks]). ``whole_graph``: on the CPU, the measured node times are then scaled to
     the whole graph's forward and backward, timed as a step runs them
     (:func:`scale_to_whole_graph`, :func:`whole_graph_runs` runs); in a process group
-    this is collective (the ranks time their graphs at once, after a barrier). Returns
+    this is collective (the ranks run each timed run of their graphs at once, a barrier
+    before each). Returns
     ``PassResult(gm, False)``: the graph is not changed.
     """
     if warmup < 0 or repeats < 1:
