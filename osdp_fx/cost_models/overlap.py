@@ -328,10 +328,11 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     one_at_a_time = exposed(1.0)
     together = (one_at_a_time if devices.concurrent_collective_ratio >= 1.0
                 else exposed(devices.concurrent_collective_ratio))
-    beyond = (sum(max(0.0, g.seconds - latency_s("all_gather", devices))
-                  for g in (*forward, *backward))
+    fixed = latency_s("all_gather", devices)
+    beyond = (sum(max(0.0, g.seconds - fixed) for g in (*forward, *backward))
               + sum(max(0.0, r.seconds - latency_s(r.kind, devices)) for r in reduces))
-    return (devices.overlap_efficiency * beyond / total * max(0.0, total - one_at_a_time)
+    share = beyond / total if total > 0 else 0.0
+    return (devices.overlap_efficiency * share * max(0.0, total - one_at_a_time)
             + max(0.0, one_at_a_time - together))
 
 

@@ -25,7 +25,13 @@ from ..core.devices import OPTIMIZERS, OVERLAP_EFFICIENCY, Devices, device_memor
 from ..core.presets import GPU_MEMORY_MARGIN, GPU_MEMORY_MARGIN_EXPANDABLE
 from ..core.layout import WORLD
 from ..core.strategies import COLLECTIVES
-from ..cost_models.communication import CollectiveSample, Link, fit_link, network_link
+from ..cost_models.communication import (
+    CollectiveSample,
+    Link,
+    collective_time_s,
+    fit_link,
+    network_link,
+)
 from ..errors import InputError
 from .host_probe import runtime_host_times, sharded_optimizer_tensor_times
 from ..units import parse_bytes
@@ -312,8 +318,6 @@ def _overlap_figures(group: Any, device: Any, links: Devices) -> dict[str, Any]:
     the all-gather's latency as ``links`` (the link figures measured) has it."""
     import torch
     import torch.distributed as dist
-
-    from ..cost_models.communication import collective_time_s
 
     if device.type != "cpu":
         return {"overlap_efficiency": OVERLAP_EFFICIENCY, "overlap_hides_latency": True}
