@@ -5,9 +5,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
 
 * communication time ``comm_s(g, s)``: replicate: all-reduce of ``P`` (its latency shared with
   the other gradients of its all-reduce bucket: in the search, by its share of a full bucket of
-  the schedule's size; for a plan, by its share of the bucket it is in) plus packing it into the bucket and back (4 P bytes
-  of memory traffic); shard_grad_op: all-gather
-  and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
+  the schedule's size; for a plan, by its share of the bucket it is in) plus the reducer's
+  passes over it (packing it into the bucket, averaging it and copying it back: 6 P bytes of
+  memory traffic); shard_grad_op: all-gather and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
   re-gathers the parameter (some operator saved it); hybrid_shard and hierarchical: their
   collectives stage by stage (``plan.collective_stages``), each at the intra-node figures of
   ``Devices`` when it runs inside a node and at the inter-node figures when it crosses nodes;
@@ -66,6 +66,11 @@ from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
 from .overlap import TimedReduce, hidden_comm_s, reduce_at_wait_s, reduce_s
 from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH
+
+REDUCER_PASSES = 3
+"""Passes the gradient reducer (``runtime/reducer.py``) makes over a replicated gradient's
+bytes in a step, each reading and writing them: packing it into its all-reduce bucket,
+dividing the sum by the world size, copying the average back."""
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
 """Bytes one optimizer step moves per fp32 element: reads and writes of the parameter, gradient
@@ -190,8 +195,9 @@ def group_cost(
         # parameter, so a parameter bears its byte share of it.
         per_byte, latency = all_reduce_parts_s(max(full, reduce_bucket_bytes), devices)
         comm_s = per_byte * full + latency * min(1.0, full / reduce_bucket_bytes)
-        # packing the gradient into its bucket and copying the average back: 2 reads, 2 writes
-        comm_s += 4 * full / devices.memory_bandwidth_bytes_per_s
+        # the reducer packs the gradient into its bucket, divides the sum by the world size
+        # in place and copies the average back: each a read and a write of P bytes
+        comm_s += REDUCER_PASSES * 2 * full / devices.memory_bandwidth_bytes_per_s
     persistent, transient, optim_s = local, 0, 0.0
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)

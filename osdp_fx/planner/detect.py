@@ -466,14 +466,15 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
 
 
 def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float], list[float]]:
-    """Per optimizer kind, the step time per element (4 tensors of 256 Ki elements; on a GPU
-    the slope from 4 x 2 Mi to 4 x 8 Mi elements) and per tensor (64 tensors of 16 elements),
-    with torch.optim's default implementation.
+    """Per optimizer kind, the step time per element (the slope between two steps over 4
+    tensors each, of :data:`_OPTIMIZER_SLOPE_NUMELS` elements a tensor) and per tensor (64
+    tensors of 16 elements), with torch.optim's default implementation.
 
-    On a GPU a step of 4 x 256 Ki elements is its launches, not its arithmetic, which counted
-    per element overstated a whole model's optimizer step several times over
-    (``docs/benchmarks.md``, "On a GPU"); the slope between two larger sizes, whose launches
-    are the same, is the arithmetic's alone."""
+    The slope between two sizes whose launches and per-tensor work are the same is the
+    arithmetic's and memory traffic's alone: on a GPU a step of 4 x 256 Ki elements is its
+    launches, which counted per element overstated a whole model's optimizer step several
+    times over (``docs/benchmarks.md``, "On a GPU"). Both sizes are beyond the caches
+    ([Note: the optimizer beyond the caches])."""
     import torch
 
     def step_s(kind: str, tensors: int, numel: int) -> float:
@@ -484,19 +485,27 @@ def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float
         optimizer.step()  # creates the state
         return _median_time_s(optimizer.step, device)
 
+    small_numel, large_numel = _OPTIMIZER_SLOPE_NUMELS[device.type == "cuda"]
     per_element, per_tensor = [], []
     for kind in optimizers:
-        small = step_s(kind, 64, 16) / 64
-        per_tensor.append(small)
-        if device.type == "cuda":  # the slope: the launches are the same at both sizes
-            sizes = (2**21, 2**23)
-            times = [step_s(kind, 4, n) for n in sizes]
-            per_element.append(max(times[1] - times[0], 0.0) / (4 * (sizes[1] - sizes[0])))
-        else:
-            large = step_s(kind, 4, 2**18)
-            per_element.append(max(large - 4 * small, 0.0) / 2**20)
+        per_tensor.append(step_s(kind, 64, 16) / 64)
+        times = [step_s(kind, 4, n) for n in (small_numel, large_numel)]
+        per_element.append(max(times[1] - times[0], 0.0) / (4 * (large_numel - small_numel)))
     return per_element, per_tensor
 
+
+# [Note: the optimizer beyond the caches]
+# A training step reaches the optimizer after backward has streamed the activations, the
+# weights and the gradients through the caches, and a model whose optimizer step matters
+# holds more parameters than they do: its update reads and writes memory. Timed over tensors
+# that fit a CPU's last-level cache, the per-element time was below the one a model's step
+# pays (``docs/cost-models.md``, "The optimizer step"). Both sizes of the slope hold their
+# parameters and gradients beyond a CPU's last-level cache; a model small enough to keep its
+# own there is predicted its optimizer step too slow, by at most that step's own time.
+
+_OPTIMIZER_SLOPE_NUMELS = {False: (2**20, 2**21), True: (2**21, 2**23)}
+"""Elements per tensor of the two steps whose slope is the per-element time: on the CPU
+(False) and on a GPU (True)."""
 
 
 def _selective_op_time_s(device: Any) -> float:

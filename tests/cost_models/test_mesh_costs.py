@@ -10,7 +10,7 @@ from osdp_fx.cost_models.communication import all_gather_time_s, all_reduce_time
 from osdp_fx.cost_models.graph_facts import ParamState
 from osdp_fx.cost_models.memory import param_memory, persistent_bytes
 from osdp_fx.cost_models.overlap import gather_s, reduce_at_wait_s, reduce_s
-from osdp_fx.cost_models.step import group_cost
+from osdp_fx.cost_models.step import REDUCER_PASSES, group_cost
 
 # 2 nodes x 8 ranks; intra-node links 80x faster than inter-node ones
 DEVICES = Devices(world_size=16, ranks_per_node=8, memory_bandwidth_bytes_per_s=1e12,
@@ -46,6 +46,25 @@ def test_step_cost_closed_form():
                                          8 * INTER["bandwidth_bytes_per_s"]),
             "latency_s": (14 * INTRA["latency_s"] + INTER["latency_s"]) / 15}
     assert full.comm_s == pytest.approx(3 * all_gather_time_s(padded, 16, **ring), rel=1e-12)
+
+
+def test_a_replicated_gradient_pays_its_bucket_share_and_the_reducers_passes():
+    """A replicated group all-reduces its gradient in a bucket of the schedule's size: the
+    bucket's bytes over the ring, its share of the bucket's latency, and the reducer's three
+    passes over it (pack, average, copy back), each a read and a write at memory bandwidth."""
+    nbytes, bucket = 4 * NUMEL, 4 * 4 * NUMEL
+    state = ParamState(numel=NUMEL, element_size=4, strategy="replicate", trainable=True)
+    cost = group_cost(state, regathered=False, compute_s=0.0, devices=DEVICES, optimizer="sgd",
+                      reduce_bucket_bytes=bucket)
+    ring = {"bandwidth_bytes_per_s": min(INTRA["bandwidth_bytes_per_s"],
+                                         8 * INTER["bandwidth_bytes_per_s"]),
+            "latency_s": (14 * INTRA["latency_s"] + INTER["latency_s"]) / 15}
+    whole = all_reduce_time_s(bucket, 16, **ring)
+    latency = all_reduce_time_s(0, 16, **ring)
+    expected = ((whole - latency) * nbytes / bucket + latency / 4
+                + REDUCER_PASSES * 2 * nbytes / DEVICES.memory_bandwidth_bytes_per_s)
+    assert REDUCER_PASSES == 3
+    assert cost.comm_s == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_stages_after_the_first_run_when_waited_for():
