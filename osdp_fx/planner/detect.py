@@ -466,15 +466,17 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
 
 
 def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float], list[float]]:
-    """Per optimizer kind, the step time per element (the slope between two steps over 4
-    tensors each, of :data:`_OPTIMIZER_SLOPE_NUMELS` elements a tensor) and per tensor (64
-    tensors of 16 elements), with torch.optim's default implementation.
+    """Per optimizer kind, the step time per element and per tensor (a step over 64 tensors of
+    16 elements), with torch.optim's default implementation, both sizes of the per-element
+    figure beyond the caches ([Note: the optimizer beyond the caches]).
 
-    The slope between two sizes whose launches and per-tensor work are the same is the
-    arithmetic's and memory traffic's alone: on a GPU a step of 4 x 256 Ki elements is its
-    launches, which counted per element overstated a whole model's optimizer step several
-    times over (``docs/benchmarks.md``, "On a GPU"). Both sizes are beyond the caches
-    ([Note: the optimizer beyond the caches])."""
+    On the CPU the per-element time is a step over 4 tensors of 2 Mi elements less 4 tensors'
+    time, per element. On a GPU it is the slope between steps over 4 tensors of 2 Mi and of
+    8 Mi elements, whose launches are the same: a step of 4 x 256 Ki elements is its launches,
+    which counted per element overstated a whole model's optimizer step several times over
+    (``docs/benchmarks.md``, "On a GPU"), and torch.optim's foreach step over 64 small tensors
+    does not show what 4 launches of large ones cost. On the CPU one step's time is steadier
+    than a difference of two."""
     import torch
 
     def step_s(kind: str, tensors: int, numel: int) -> float:
@@ -485,12 +487,17 @@ def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float
         optimizer.step()  # creates the state
         return _median_time_s(optimizer.step, device)
 
-    small_numel, large_numel = _OPTIMIZER_SLOPE_NUMELS[device.type == "cuda"]
     per_element, per_tensor = [], []
     for kind in optimizers:
         per_tensor.append(step_s(kind, 64, 16) / 64)
-        times = [step_s(kind, 4, n) for n in (small_numel, large_numel)]
-        per_element.append(max(times[1] - times[0], 0.0) / (4 * (large_numel - small_numel)))
+        if device.type == "cuda":
+            small, large = _GPU_OPTIMIZER_NUMELS
+            times = [step_s(kind, 4, n) for n in (small, large)]
+            per_element.append(max(times[1] - times[0], 0.0) / (4 * (large - small)))
+        else:
+            numel = _CPU_OPTIMIZER_NUMEL
+            per_element.append(max(step_s(kind, 4, numel) - 4 * per_tensor[-1], 0.0)
+                               / (4 * numel))
     return per_element, per_tensor
 
 
@@ -499,13 +506,16 @@ def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float
 # weights and the gradients through the caches, and a model whose optimizer step matters
 # holds more parameters than they do: its update reads and writes memory. Timed over tensors
 # that fit a CPU's last-level cache, the per-element time was below the one a model's step
-# pays (``docs/cost-models.md``, "The optimizer step"). Both sizes of the slope hold their
+# pays (``docs/cost-models.md``, "The optimizer step"). The steps timed hold their
 # parameters and gradients beyond a CPU's last-level cache; a model small enough to keep its
 # own there is predicted its optimizer step too slow, by at most that step's own time.
 
-_OPTIMIZER_SLOPE_NUMELS = {False: (2**20, 2**21), True: (2**21, 2**23)}
-"""Elements per tensor of the two steps whose slope is the per-element time: on the CPU
-(False) and on a GPU (True)."""
+_CPU_OPTIMIZER_NUMEL = 2**21
+"""Elements per tensor of the 4 whose step gives the CPU's per-element optimizer time: 64 MiB
+of SGD's parameters and gradients."""
+_GPU_OPTIMIZER_NUMELS = (2**21, 2**23)
+"""Elements per tensor of the two steps over 4 tensors whose slope is a GPU's per-element
+optimizer time."""
 
 
 def _selective_op_time_s(device: Any) -> float:
