@@ -10,7 +10,11 @@ the full_shard and replicate peaks), with ``devices=None`` (measured by compile_
 ``--steps`` steps each, the plans of both columns in turn, so that the machine's load falls on
 all alike), measures each one's peak memory over one step with the live-tensor tracker, and
 prints the predicted against the measured median step and peak, beside how far the fastest and
-the slowest round's median step lie from that median (the machine's own spread).
+the slowest round's median step lie from that median (the machine's own spread). The plain
+model, without osdp-fx or collectives, is timed in the same rounds, and a second table puts
+its step beside what the profile made of it (computation and optimizer step): where the
+machine ran faster or slower while profiling than in the rounds, every plan's prediction
+moves with it.
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--ranks-per-node 1]
         [--optimizer sgd] [--rounds 4] [--steps 5]
@@ -80,6 +84,10 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return HFWithLoss(), (torch.randint(0, 1024, (8, 64)),)
 
 
+REFERENCE = ("plain model", "no collectives")
+"""The label of the plain model's row (:func:`time_round_robin`'s ``reference``)."""
+
+
 def measure(rank: int, world: int, models: list[str], optimizer: str, rounds: int,
             steps: int, ranks_per_node: int) -> list[dict[str, Any]]:
     given = {"devices=None": None,
@@ -90,8 +98,10 @@ def measure(rank: int, world: int, models: list[str], optimizer: str, rounds: in
                  for plan, case in compile_cases(name, devices, optimizer,
                                                  ranks_per_node=ranks_per_node,
                                                  world=world).items()}
-        rows += [dict(r, model=name, devices=r["plan"][0], plan=r["plan"][1])
-                 for r in time_round_robin(cases, optimizer, rounds=rounds, steps=steps)]
+        plain, inputs = build(name)  # the model itself, no collectives: the computation
+        timed = time_round_robin(cases, optimizer, rounds=rounds, steps=steps,
+                                 reference=(plain, inputs))
+        rows += [dict(r, model=name, devices=r["plan"][0], plan=r["plan"][1]) for r in timed]
         del cases
         gc.collect()  # the next model starts (and profiles) without this one's memory
     return rows
@@ -122,11 +132,19 @@ def compile_cases(name: str, devices: Devices | None, optimizer: str, *, ranks_p
     return cases
 
 
-def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int,
-                     steps: int) -> list[dict[str, Any]]:
+def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, steps: int,
+                     reference: tuple[nn.Module, tuple[Any, ...]] | None = None,
+                     ) -> list[dict[str, Any]]:
     """Each case's median step (the slowest rank's: every rank times the same steps) over
     ``rounds`` rounds of ``steps`` steps, the cases in turn within a round, the fastest and
-    the slowest of its rounds' medians, and its peak."""
+    the slowest of its rounds' medians, and its peak. ``reference``: the plain model and its
+    inputs, timed in the same rounds after the cases, without collectives; its row (plan
+    ``REFERENCE``) holds what the profile predicts for it, the first case's computation and
+    optimizer step: how far the machine's speed moved between the profile and the rounds."""
+    if reference is not None:
+        module, inputs = reference
+        first = next(iter(cases.values()))[0].plan.prediction
+        cases = {**cases, REFERENCE: (module, inputs)}
     opts = {label: (torch.optim.AdamW(c.parameters(), lr=1e-4) if optimizer == "adamw"
                     else torch.optim.SGD(c.parameters(), lr=1e-3))
             for label, (c, _) in cases.items()}
@@ -145,6 +163,12 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int,
     rows = []
     for label, (compiled, inputs) in cases.items():
         opt = opts[label]
+        if label == REFERENCE:
+            median = torch.tensor([statistics.median(times[label])])
+            torch.distributed.all_reduce(median, op=torch.distributed.ReduceOp.MAX)
+            rows.append({"plan": label, "predicted_s": first.compute_s + first.optim_s,
+                         "measured_s": float(median[0])})
+            continue
         params = list(compiled.parameters())
 
         def step() -> None:
@@ -194,6 +218,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst_time = worst_memory = 0.0
     within = 0
+    drift = [r for r in rows if (r["devices"], r["plan"]) == REFERENCE]
+    rows = [r for r in rows if (r["devices"], r["plan"]) != REFERENCE]
     for r in rows:
         measured = r["measured_s"]
         t_err = r["predicted_s"] / measured - 1
@@ -206,6 +232,13 @@ def main() -> None:
               f"{r['predicted_bytes'] / 2**20:.2f} | "
               f"{r['measured_bytes'] / 2**20:.2f} | {m_err:+.1%} | "
               f"{' / '.join(f'{x * 1e3:.1f}' for x in r['predicted_parts_s'])} |")
+    print()
+    print("| model | the plain model's step (no collectives), ms: profiled | measured in the "
+          "rounds | profile / rounds |")
+    print("|---|---|---|---|")
+    for r in drift:
+        print(f"| {r['model']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+              f"{r['predicted_s'] / r['measured_s']:.2f} |")
     print(json.dumps({"world_size": args.world_size, "ranks_per_node": args.ranks_per_node,
                       "optimizer": args.optimizer, "cases": len(rows),
                       "within_15_percent": within, "worst_time_error": round(worst_time, 4),

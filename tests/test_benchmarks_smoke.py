@@ -322,7 +322,7 @@ def test_torchtitans_llama_8b_fsdp_row_is_predicted_within_20_percent() -> None:
 def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None:
     """benchmarks/prediction_accuracy.py on the MLP, one round of one step: every plan is
     compiled, timed and reported under both kinds of devices, its one round's median the
-    median itself."""
+    median itself, and the plain model's step beside its profile."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "prediction_accuracy.py"), "--world-size",
            "2", "--models", "mlp", "--rounds", "1", "--steps", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -337,6 +337,11 @@ def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None
             assert row.split(" | ")[6] == "+0% to +0%", row
     summary = json.loads(lines[-1])
     assert summary["cases"] == 2 * len(plans)
+    # the plain model timed in the same rounds, beside what the profile made of it
+    (plain,) = [line.split(" | ") for line in lines
+                if line.startswith("| mlp | ") and line.count("|") == 5]
+    profiled, measured, ratio = (float(x.strip(" |")) for x in plain[1:])
+    assert profiled > 0 and measured > 0 and ratio == pytest.approx(profiled / measured, abs=0.01)
 
 
 def test_host_time_probe_prints_a_row_per_repeat_and_the_median() -> None:
