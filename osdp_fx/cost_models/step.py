@@ -7,8 +7,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   the other gradients of its all-reduce bucket: in the search, by its share of a full bucket of
   the schedule's size; for a plan, by its share of the bucket it is in) plus the reducer's
   passes over it (packing it into the bucket, averaging it and copying it back: 6 P bytes of
-  memory traffic); shard_grad_op: all-gather and reduce-scatter of ``Pp``; full_shard: the same plus a second all-gather when backward
-  re-gathers the parameter (some operator saved it); hybrid_shard and hierarchical: their
+  memory traffic); shard_grad_op: all-gather and reduce-scatter of ``Pp``; full_shard: the
+  same plus a second all-gather when backward re-gathers the parameter (some operator saved
+  it); hybrid_shard and hierarchical: their
   collectives stage by stage (``plan.collective_stages``), each at the intra-node figures of
   ``Devices`` when it runs inside a node and at the inter-node figures when it crosses nodes;
 * optimizer time ``optim_s(g, s)``: the measured per-tensor time plus the measured per-element

@@ -467,8 +467,8 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
 
 def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float], list[float]]:
     """Per optimizer kind, the step time per element and per tensor (a step over 64 tensors of
-    16 elements), with torch.optim's default implementation, both sizes of the per-element
-    figure beyond the caches ([Note: the optimizer beyond the caches]).
+    16 elements), with torch.optim's default implementation; the per-element time over
+    tensors beyond the caches ([Note: the optimizer beyond the caches]).
 
     On the CPU the per-element time is a step over 4 tensors of 2 Mi elements less 4 tensors'
     time, per element. On a GPU it is the slope between steps over 4 tensors of 2 Mi and of

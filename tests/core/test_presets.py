@@ -24,7 +24,7 @@ from osdp_fx.cost_models.step import attributed_compute_s
 from osdp_fx.errors import InputError
 from osdp_fx.passes.capture import capture
 from osdp_fx.passes.profile import NodeProfile, profile_graph_pass, summarize_profile
-from osdp_fx.plan.folded import folded_table
+from osdp_fx.plan.folded import fold, folded_table, param_signature
 from osdp_fx.planner.make import SearchOptions, plan_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,11 +179,19 @@ def test_gpt2_xl_compute_is_within_2x_of_the_datasheet_roofline(gpt2_xl_at_1024_
     assert plan.prediction.peak_memory_bytes <= 24 * GiB
 
 
-def test_gpt2_xl_folded_plan_fits_in_40_lines(gpt2_xl_at_1024_h100s):
+def test_gpt2_xl_folded_plan_fits_in_40_lines_beside_the_blocks_planned_apart(
+        gpt2_xl_at_1024_h100s):
+    """The folded view prints a pattern of blocks on one line and a block planned unlike every
+    other by member (tests/plan/test_folded.py): GPT-2 XL's 580 groups fit in 40 lines beside
+    the members of the few blocks the search plans apart (where its memory limit leaves room
+    for one more replicated weight in some blocks only)."""
     plan, _, _ = gpt2_xl_at_1024_h100s
     lines = folded_table(plan).splitlines()
     assert len(plan.params) == 580
-    assert len(lines) <= 40 and max(map(len, lines)) <= 120, "\n".join(lines)
+    folds = fold([(p.name, param_signature(plan, p)) for p in plan.params])
+    apart = [f for f in folds if not f.folded and f.label.startswith("model.transformer.h.")]
+    assert len(apart) <= 2 * 12, [f.label for f in apart]  # two blocks of 12 at most
+    assert len(lines) - len(apart) <= 40 and max(map(len, lines)) <= 120, "\n".join(lines)
     assert any(line.startswith("h.") and "-" in line.split()[0]
                for line in lines)  # the 48 blocks are folded
     assert "names under model.transformer." in " ".join(lines)  # the prefix every name shares
