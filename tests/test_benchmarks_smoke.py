@@ -353,7 +353,7 @@ def test_host_time_probe_prints_a_row_per_repeat_and_the_median() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
             if line.startswith("| 1 |") or line.startswith("| median |")]
-    assert len(rows) == 2, lines
+    assert len(rows) == 2, proc.stdout
     assert all(float(cell) >= 0 for row in rows for cell in row[1:]), rows
 
 
