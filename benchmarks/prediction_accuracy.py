@@ -142,9 +142,8 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
     ``REFERENCE``) holds what the profile predicts for it, the first case's computation and
     optimizer step: how far the machine's speed moved between the profile and the rounds."""
     if reference is not None:
-        module, inputs = reference
         first = next(iter(cases.values()))[0].plan.prediction
-        cases = {**cases, REFERENCE: (module, inputs)}
+        cases = {**cases, REFERENCE: reference}
     opts = {label: (torch.optim.AdamW(c.parameters(), lr=1e-4) if optimizer == "adamw"
                     else torch.optim.SGD(c.parameters(), lr=1e-3))
             for label, (c, _) in cases.items()}
