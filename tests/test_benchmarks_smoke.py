@@ -378,6 +378,36 @@ def test_detection_prints_a_row_per_call_and_the_spread() -> None:
     assert [c.strip() for c in spread[1:]] == ["1.00x"] * (len(header) - 1), spread
 
 
+def test_mesh_collectives_prices_every_stage_and_strategy() -> None:
+    """benchmarks/mesh_collectives.py at 16 KiB, one round, a 2 x 2 world: every stage and
+    every strategy's gather and gradient, each measured and priced in positive milliseconds."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "mesh_collectives.py"),
+           "--sizes-kib", "16", "--rounds", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {cells[1].strip(): cells[2:] for line in proc.stdout.splitlines()
+            if line.startswith("| 16 KiB |") and (cells := line.split("|")[1:-1])}
+    stages = [f"{scope} {c}" for scope in ("node", "cross-node")
+              for c in ("all-gather", "reduce-scatter")] + ["cross-node all-reduce"]
+    strategies = [f"{s} {part}" for s in ("hierarchical", "hybrid_shard", "full_shard")
+                  for part in ("gather", "gradient")]
+    assert sorted(rows) == sorted(stages + strategies), proc.stdout
+    assert all(float(cells[0]) > 0 and float(cells[1]) > 0 for cells in rows.values()), rows
+    # a two-stage collective is priced as its stages (printed to 0.01 ms): hierarchical
+    # gathers a block across nodes, then the whole in the node; hybrid_shard reduce-scatters
+    # in the node, then all-reduces the block across nodes
+    priced = {label: float(cells[1]) for label, cells in rows.items()}
+    for strategy, parts in {
+        "hierarchical gather": ("cross-node all-gather", "node all-gather"),
+        "hierarchical gradient": ("node reduce-scatter", "cross-node reduce-scatter"),
+        "hybrid_shard gather": ("node all-gather",),
+        "hybrid_shard gradient": ("node reduce-scatter", "cross-node all-reduce"),
+    }.items():
+        assert priced[strategy] == pytest.approx(sum(priced[p] for p in parts), abs=0.025), \
+            (strategy, priced)
+
+
 def test_concurrent_collectives_prints_every_way_at_every_size() -> None:
     """benchmarks/concurrent_collectives.py at 1 MiB, world 2: a row of positive times."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "concurrent_collectives.py"),

@@ -43,7 +43,6 @@ __all__ = [
     "collective_time_s",
     "fit_link",
     "group_link",
-    "network_link",
     "scope_link",
     "reduce_scatter_time_s",
 ]
@@ -191,19 +190,6 @@ def group_link(
     steps = size - 1
     return Link(min(intra.bandwidth_bytes_per_s, per_node * net.bandwidth_bytes_per_s),
                 ((size - nodes) * intra.latency_s + (nodes - 1) * net.latency_s) / steps)
-
-
-def network_link(world: Link, intra: Link, *, world_size: int, ranks_per_node: int) -> Link:
-    """The network figures of one rank that make a ring over the whole world of ``world_size``
-    ranks, ``ranks_per_node`` a node, run at ``world`` (its measured bus bandwidth and mean
-    step latency) given the node's ``intra`` figures: :func:`group_link`'s rule inverted
-    ([Note: rings across nodes]). Its bandwidth is ``world``'s over the ranks of a node, so that
-    a ring of every rank of every node runs at ``world``'s again (or at the node's, when that is
-    less); its latency is what the ``nodes - 1`` crossing steps take beyond the others."""
-    nodes = world_size // ranks_per_node
-    crossing = (world.latency_s * (world_size - 1)
-                - (world_size - nodes) * intra.latency_s) / max(1, nodes - 1)
-    return Link(world.bandwidth_bytes_per_s / ranks_per_node, max(crossing, _MIN_LATENCY_S))
 
 
 TREE_BANDWIDTH_SHARE = 0.92

@@ -27,10 +27,8 @@ from ..core.layout import WORLD
 from ..core.strategies import COLLECTIVES
 from ..cost_models.communication import (
     CollectiveSample,
-    Link,
     collective_time_s,
     fit_link,
-    network_link,
 )
 from ..errors import InputError
 from .host_probe import runtime_host_times, sharded_optimizer_tensor_times
@@ -602,88 +600,102 @@ def _all_reduce_floats(
 
 
 def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, float]:
-    """Fit intra-node figures on this node's ranks, and on the whole group its ring, kept as the
-    ``world`` figures, and the inter-node (network) figures of one rank that give it
-    (``communication.network_link``: [Note: rings across nodes])."""
+    """Fit link figures to the collectives timed over each kind of group a plan's collectives
+    run over, all in the same rounds ([Note: timing the groups together]): this node's ranks
+    (intra-node figures); on several nodes of several ranks, the whole group's ring (kept as
+    the ``world`` figures) and the ranks with this rank's local index, one per node
+    (inter-node figures), every node's cross-node group at once, as ``hybrid_shard`` and
+    ``hierarchical`` run them; on nodes of one rank, the whole group is that cross-node
+    group."""
     import torch.distributed as dist
 
-    measured: list[tuple[str, int, list[tuple[str, int]]]] = []  # (scope, ranks, keys)
-    times: list[float] = []
+    scopes: list[tuple[str, int, Any]] = []  # (scope, ranks, group)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    local = dist.get_rank(group) % ranks_per_node
     if ranks_per_node > 1:
         node_group = group
         if ranks_per_node < world_size:
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            first = dist.get_rank(group) // ranks_per_node * ranks_per_node
+            first = dist.get_rank(group) - local
             node_group = dist.new_group(
                 ranks[first:first + ranks_per_node], use_local_synchronization=True
             )
-        keys, node_times = _time_collectives(node_group, device)
         # (not destroyed: a group made with use_local_synchronization is named by its ranks,
         # and one made again under a destroyed one's name finds the old addresses in the store
         # and fails to connect; while this one lives, the next is named apart)
-        measured.append(("intra_node", ranks_per_node, keys))
-        times += node_times
+        scopes.append(("intra_node", ranks_per_node, node_group))
+    if 1 < ranks_per_node < world_size:
+        scopes.append(("world", world_size, group))
     if ranks_per_node < world_size:
-        keys, world_times = _time_collectives(group, device)
-        measured.append(("inter_node", world_size, keys))
-        times += world_times
+        cross_group = group
+        if ranks_per_node > 1:
+            cross_group = dist.new_group(ranks[local::ranks_per_node],
+                                         use_local_synchronization=True)
+        scopes.append(("inter_node", world_size // ranks_per_node, cross_group))
+    keys, times = _time_collectives([g for _, _, g in scopes], device,
+                                    barrier=lambda: dist.barrier(group=group))
     times = _all_reduce_floats(times, "max", group, device, True)
 
     figures: dict[str, Any] = {"collective_links": {}}
-    intra: dict[str, Link] = {}
-    for scope, size, keys in measured:
+    for index, (scope, size, _) in enumerate(scopes):
         samples = [
-            CollectiveSample(collective, nbytes, size, times.pop(0))  # type: ignore[arg-type]
-            for collective, nbytes in keys
+            CollectiveSample(collective, nbytes, size, t)  # type: ignore[arg-type]
+            for (i, collective, nbytes), t in zip(keys, times) if i == index
         ]
         # Every collective is fitted to its own timings (gloo runs all-gather and reduce-scatter
         # more slowly than all-reduce, by a ratio that changes with the size); the scope's
         # figures are the all-reduce's.
         for collective in COLLECTIVES:
             link = fit_link([x for x in samples if x.collective == collective])
-            if scope == "intra_node":
-                intra[collective] = link
-            else:  # the whole group's ring, kept as measured, and one rank's network figures
-                # that give it (for the groups of one rank per node)
-                if ranks_per_node > 1:
-                    figures["collective_links"][f"world.{collective}"] = {
-                        "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
-                        "latency_s": link.latency_s}
-                link = network_link(link, intra.get(collective, link), world_size=size,
-                                    ranks_per_node=ranks_per_node)
             figures["collective_links"][f"{scope}.{collective}"] = {
                 "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
-            if collective == "all_reduce":
+            if collective == "all_reduce" and scope != "world":
                 figures[f"{scope}_bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
                 figures[f"{scope}_latency_s"] = link.latency_s
         log.debug("%s collectives measured: %s", scope, samples)
     return figures
 
 
-def _time_collectives(group: Any, device: Any) -> tuple[list[tuple[str, int]], list[float]]:
-    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size, run as
-    a training step runs them: through the runtime's own collectives (``runtime/
+# [Note: timing the groups together]
+# A step of a `hybrid_shard` or `hierarchical` plan moves from group to group: a gather's
+# cross-node stage, then its node stage, then the next parameter's, with the world's flat
+# collectives between them where the plan mixes strategies. The collectives of each kind of
+# group (a node's ranks, the whole world, the ranks of one local index) are timed in the same
+# rounds, so that each is timed as such a step runs it. Timed group by group instead (each
+# group's sizes in rounds of their own, the cross-node figures derived from the world's ring
+# by the rule of [Note: rings across nodes]), the 2-rank groups of a 2 x 2 world on this CPU
+# measured about a third faster at small sizes than they ran alternating with the other
+# groups, and the strategies' two-stage gathers and reduce-scatters took a quarter to a third
+# more than their stages priced (`docs/benchmarks.md`, "Two-stage collectives").
+
+
+def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[], object],
+                      ) -> tuple[list[tuple[int, str, int]], list[float]]:
+    """Median times of all-gather, reduce-scatter and all-reduce of each benchmark size over
+    each of ``groups`` (keys ``(index of the group, collective, bytes)``, and the times in the
+    same order), run as a training step runs them: through the runtime's own collectives (``runtime/
     collectives.py``: its output allocated per call, gloo's reduce-scatter run as an all-reduce
     of a buffer handed over, its wait for gloo to release the output), started asynchronously
-    and waited for, each after some compute (a matmul, whose time is subtracted). Timed back
-    to back instead, with nothing in between, small collectives on CPU gloo cost about half as
-    much as they do inside a step."""
+    and waited for, each after some compute (a matmul, whose time is subtracted), every
+    group's in the same rounds, as a step of two-stage collectives moves from one group to the
+    other ([Note: timing the groups together]). Timed back to back instead, with nothing in
+    between, small collectives on CPU gloo cost about half as much as they do inside a step."""
     import torch
     import torch.distributed as dist
 
-    size, name = dist.get_world_size(group), _group_name(group)
     a, b = filler_operands(device)
-    keys: list[tuple[str, int]] = []
+    keys: list[tuple[int, str, int]] = []
     runs: list[Callable[[], object]] = []
     calls: list[int] = []
-    for nbytes in _COLLECTIVE_SIZES_BYTES:
-        numel = max(size, nbytes // 4 // size * size)
-        for collective, run in collective_runs(numel, size, name, device).items():
-            keys.append((collective, numel * 4))
-            runs.append(run)
-            calls.append(_BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES
-                         else _LARGE_BACK_TO_BACK)
-    times = _interleaved_times_s(runs, device, barrier=lambda: dist.barrier(group=group),
+    for index, group in enumerate(groups):
+        size, name = dist.get_world_size(group), _group_name(group)
+        for nbytes in _COLLECTIVE_SIZES_BYTES:
+            numel = max(size, nbytes // 4 // size * size)
+            for collective, run in collective_runs(numel, size, name, device).items():
+                keys.append((index, collective, numel * 4))
+                runs.append(run)
+                calls.append(_BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES
+                             else _LARGE_BACK_TO_BACK)
+    times = _interleaved_times_s(runs, device, barrier=barrier,
                                  between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS,
                                  calls=calls)
     return keys, times

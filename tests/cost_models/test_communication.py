@@ -21,7 +21,6 @@ from osdp_fx.cost_models.communication import (
     collective_time_s,
     fit_link,
     group_link,
-    network_link,
     reduce_scatter_time_s,
 )
 from osdp_fx.errors import InputError
@@ -202,19 +201,3 @@ def test_collective_links_are_checked(links, match) -> None:
         Devices(collective_links=links)
 
 
-@pytest.mark.parametrize("world_size, ranks_per_node", [(16, 8), (64, 8), (8, 2), (6, 1)])
-def test_network_link_inverts_the_ring_across_nodes(world_size, ranks_per_node) -> None:
-    """``detect_devices`` times a ring over the whole world and keeps one rank's network
-    figures (``network_link``): a ring over the whole world then runs at the timed figures
-    again, whatever the node's own."""
-    intra = Link(2e11, 3e-6)
-    timed = Link(6e10, 2e-5)
-    net = network_link(timed, intra, world_size=world_size, ranks_per_node=ranks_per_node)
-    devices = Devices(world_size=world_size, ranks_per_node=ranks_per_node,
-                      intra_node_bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s,
-                      intra_node_latency_s=intra.latency_s,
-                      inter_node_bandwidth_bytes_per_s=net.bandwidth_bytes_per_s,
-                      inter_node_latency_s=net.latency_s)
-    ring = group_link(devices, "all_reduce")
-    assert ring.bandwidth_bytes_per_s == pytest.approx(timed.bandwidth_bytes_per_s)
-    assert ring.latency_s == pytest.approx(timed.latency_s)

@@ -317,7 +317,8 @@ def detect_to_json(rank: int, world: int, *, out_dir: str) -> None:
 def links_measured_twice(rank: int, world: int, *, ranks_per_node: int) -> list[list[str]]:
     """The link figures of a world of nodes measured twice in a row (each measurement makes
     its node's group), as a process measures once for ``detect_devices()`` and again when
-    ``compile_osdp`` without devices measures its own: the figures' names each time."""
+    ``compile_osdp`` without devices measures its own: the figures' names each time, then the
+    names of the per-collective link figures."""
     import torch
 
     from osdp_fx.planner import detect
@@ -327,8 +328,9 @@ def links_measured_twice(rank: int, world: int, *, ranks_per_node: int) -> list[
     saved = detect._COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS
     detect._COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = (4096, 16384), 3
     try:
-        return [sorted(detect._measure_links(None, torch.device("cpu"), world, ranks_per_node))
+        runs = [detect._measure_links(None, torch.device("cpu"), world, ranks_per_node)
                 for _ in range(2)]
+        return [sorted(figures) + sorted(figures["collective_links"]) for figures in runs]
     finally:
         detect._COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = saved
 

@@ -141,11 +141,18 @@ def test_overlap_efficiency_is_the_saving_over_the_models_ideal(alone, compute, 
 
 
 def test_links_are_measured_again_on_the_same_nodes(worlds) -> None:
-    """World 4 as 2 nodes x 2: a second measurement makes its node groups again (a group made
-    under a destroyed one's name found the old addresses and never connected)."""
+    """World 4 as 2 nodes x 2: a second measurement makes its node and cross-node groups
+    again (a group made under a destroyed one's name found the old addresses and never
+    connected). Every kind of group a plan's collectives run over is timed: the node's ranks
+    (intra-node), the whole world's ring (``world``) and the ranks of one local index, one per
+    node (inter-node: ``hybrid_shard``'s all-reduce, ``hierarchical``'s first stages)."""
     results = worlds(4).run(cases.links_measured_twice, ranks_per_node=2)
     for first, second in results:
         assert first == second and "intra_node_latency_s" in first
+        assert "inter_node_latency_s" in first
+        for scope in ("intra_node", "inter_node", "world"):
+            for collective in ("all_gather", "reduce_scatter", "all_reduce"):
+                assert f"{scope}.{collective}" in first
 
 
 def test_a_cpu_second_costs_more_wall_where_ranks_outnumber_the_cores(worlds) -> None:
