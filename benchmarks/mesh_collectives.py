@@ -45,12 +45,8 @@ def timings(rank: int, world: int, ranks_per_node: int, sizes_kib: list[int],
 
     from osdp_fx.core.layout import collective_stages, mesh_group_name, mesh_shape
     from osdp_fx.cost_models.communication import collective_time_s
-    from osdp_fx.runtime.collectives import (
-        WORLD,
-        all_gather_flat_start,
-        all_reduce_sum_start,
-        reduce_scatter_flat_start,
-    )
+    from osdp_fx.planner.detect import collective_starts
+    from osdp_fx.runtime.collectives import WORLD
     from osdp_fx.runtime.hierarchy import gather_shards_start, init_mesh, reduce_scatter_shards_start
 
     devices = detect_devices(ranks_per_node=ranks_per_node)
@@ -58,6 +54,7 @@ def timings(rank: int, world: int, ranks_per_node: int, sizes_kib: list[int],
     nodes, per_node = mesh_shape(world, ranks_per_node)
     intra, inter = f"intra/{nodes}x{per_node}", f"inter/{nodes}x{per_node}"
     a, b = torch.randn(256, 256), torch.randn(256, 256)
+    cpu = torch.device("cpu")
 
     def priced_ms(strategy: str, numel: int, kinds: tuple[str, ...]) -> float:
         forward, backward = collective_stages(strategy, numel, 4, world_size=world,
@@ -75,24 +72,18 @@ def timings(rank: int, world: int, ranks_per_node: int, sizes_kib: list[int],
     rows = []
     for kib in sizes_kib:
         numel = kib * 1024 // 4 // world * world  # the parameter, padded to the world
-        node_numel, block = numel, numel // per_node  # a node stage's, a cross-node stage's
-        runs: dict[str, tuple[Any, float]] = {
-            "node all-gather": (lambda: all_gather_flat_start(
-                torch.empty(node_numel // per_node), intra).wait(),
-                stage_ms("all_gather", node_numel * 4, per_node, False)),
-            "node reduce-scatter": (lambda: reduce_scatter_flat_start(
-                torch.empty(node_numel), intra, consume=True).wait(),
-                stage_ms("reduce_scatter", node_numel * 4, per_node, False)),
-            "cross-node all-gather": (lambda: all_gather_flat_start(
-                torch.empty(block // nodes), inter).wait(),
-                stage_ms("all_gather", block * 4, nodes, True)),
-            "cross-node reduce-scatter": (lambda: reduce_scatter_flat_start(
-                torch.empty(block), inter, consume=True).wait(),
-                stage_ms("reduce_scatter", block * 4, nodes, True)),
-            "cross-node all-reduce": (lambda: all_reduce_sum_start(
-                torch.empty(block), inter).wait(),
-                stage_ms("all_reduce", block * 4, nodes, True)),
-        }
+        # each stage alone: over a node's ranks (the whole parameter), and over the ranks of
+        # one local index (a node's block of it, across nodes)
+        stages = {"node": (numel, per_node, intra, False),
+                  "cross-node": (numel // per_node, nodes, inter, True)}
+        runs: dict[str, tuple[Any, float]] = {}
+        for where, (stage_numel, size, name, spans) in stages.items():
+            for collective, start in collective_starts(stage_numel, size, name, cpu).items():
+                if where == "node" and collective == "all_reduce":
+                    continue  # no strategy all-reduces inside a node
+                runs[f"{where} {collective.replace('_', '-')}"] = (
+                    lambda start=start: start().wait(),
+                    stage_ms(collective, stage_numel * 4, size, spans))
         for strategy in ("hierarchical", "hybrid_shard", "full_shard"):
             group = (mesh_group_name(strategy, world, ranks_per_node)
                      if strategy != "full_shard" else WORLD)
