@@ -84,6 +84,16 @@ class Devices:
     "latency_s": alpha}``. ``detect`` fits every collective to its own timings (CPU gloo's
     all-gather and reduce-scatter are slower than its all-reduce, by a ratio that changes with
     the size); a collective without an entry runs at its scope's figures."""
+    collective_times: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Measured times of one collective in one scope, which its collectives over a group of
+    the same size are priced from instead of its link figures: keys as ``collective_links``'s,
+    values ``{"group_size": p, "total_bytes": [n1, n2, ...], "seconds": [t1, t2, ...]}`` (sizes
+    increasing, times not decreasing). A size between two timed ones costs the time on the
+    straight line between them, a smaller one the time on the line from the link figures'
+    fixed cost (at 0 bytes) to the first, a larger one the last time plus the last two's rate
+    ([Note: priced from the timed sizes] in ``cost_models/communication.py``). ``detect``
+    records the sizes it timed; a collective without an entry, or over a group of another size,
+    runs at its link figures."""
     concurrent_collective_ratio: float = 1.0
     """The time two collectives take started together, over the time they take one after the
     other, in [0.5, 1]: 1 where the link runs them one at a time (the default, and presets);
@@ -190,6 +200,7 @@ class Devices:
                 raise InputError(f"Devices.{name} must be a non-negative, finite number of "
                                  f"seconds, got {value!r}")
         _check_collective_links(self.collective_links)
+        _check_collective_times(self.collective_times)
         if not _is_number(self.attention_efficiency) or not 0 < self.attention_efficiency <= 1:
             raise InputError(f"Devices.attention_efficiency must be a share of the matmul rate "
                              f"in (0, 1], got {self.attention_efficiency!r}")
@@ -234,6 +245,8 @@ class Devices:
         def frozen(value: Any) -> Any:
             if isinstance(value, dict):
                 return tuple(sorted((k, frozen(v)) for k, v in value.items()))
+            if isinstance(value, list):
+                return tuple(frozen(v) for v in value)
             return value
 
         return hash(tuple(frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
@@ -317,6 +330,30 @@ def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
             )
 
 
+def _check_collective_times(tables: dict[str, dict[str, Any]]) -> None:
+    keys = {f"{scope}.{c}" for scope in LINK_SCOPES for c in COLLECTIVES}
+    for key, table in tables.items():
+        if key not in keys:
+            raise InputError(
+                f"Devices.collective_times has an unknown key {key!r}: keys are "
+                f"'<scope>.<collective>' as in collective_links, e.g. 'intra_node.all_gather'"
+            )
+        sizes = table.get("total_bytes") if isinstance(table, dict) else None
+        times = table.get("seconds") if isinstance(table, dict) else None
+        if (not isinstance(table, dict) or set(table) != {"group_size", "total_bytes", "seconds"}
+                or not _is_int(table["group_size"]) or table["group_size"] < 2
+                or not isinstance(sizes, list) or not isinstance(times, list)
+                or len(sizes) < 2 or len(sizes) != len(times)
+                or not all(_is_number(v) and 0 < v < float("inf") for v in sizes + times)
+                or any(b <= a for a, b in zip(sizes, sizes[1:]))
+                or any(b < a for a, b in zip(times, times[1:]))):
+            raise InputError(
+                f"Devices.collective_times[{key!r}] must be {{\"group_size\": ranks (2 or "
+                f"more), \"total_bytes\": [increasing positive sizes], \"seconds\": [as many "
+                f"positive times, none below the one before]}}, got {table!r}"
+            )
+
+
 LINK_SCOPES = ("intra_node", "inter_node", "world")
 """Scopes of link figures: collectives inside a node, collectives that cross nodes, and (link
 figures only) a ring over every rank of every node as measured."""
@@ -338,7 +375,7 @@ def device_memory_bytes(device: Any = None) -> int:
     return DEFAULT_CPU_MEMORY_BYTES
 
 
-_FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links",
+_FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "collective_times",
             "concurrent_collective_ratio", "overlap_efficiency", "overlap_hides_latency",
             "optimizer_element_time_s", "optimizer_tensor_time_s",
             "optimizer_sharded_tensor_time_s", "param_host_time_s", "bucket_host_time_s",

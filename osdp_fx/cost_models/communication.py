@@ -21,6 +21,7 @@ a :class:`Link` (used by ``detect_devices``).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -174,22 +175,34 @@ def group_link(
     modelled.
     """
     size = devices.world_size if group_size is None else group_size
-    if spans_nodes is None:
-        spans_nodes = devices.ranks_per_node is not None and size > devices.ranks_per_node
-    if not spans_nodes:
-        return scope_link(devices, collective, "intra_node")
-    net = scope_link(devices, collective, "inter_node")
+    scope = _scope_of(devices, size, spans_nodes)
+    if scope in ("intra_node", "inter_node"):
+        return scope_link(devices, collective, scope)
+    measured = devices.collective_links.get(f"world.{collective}")
+    if scope == "world" and measured is not None:
+        return Link(measured["bandwidth_bytes_per_s"], measured["latency_s"])
     per_node = devices.ranks_per_node or size
     nodes = size // per_node
-    if size <= devices.num_nodes or nodes < 2 or per_node < 2:
-        return net  # one rank per node: each crossing over one rank's link
-    measured = devices.collective_links.get(f"world.{collective}")
-    if measured is not None and size == devices.world_size:
-        return Link(measured["bandwidth_bytes_per_s"], measured["latency_s"])
     intra = scope_link(devices, collective, "intra_node")
+    net = scope_link(devices, collective, "inter_node")
     steps = size - 1
     return Link(min(intra.bandwidth_bytes_per_s, per_node * net.bandwidth_bytes_per_s),
                 ((size - nodes) * intra.latency_s + (nodes - 1) * net.latency_s) / steps)
+
+
+def _scope_of(devices: Devices, size: int, spans_nodes: bool | None) -> str | None:
+    """The scope of figures a group of ``size`` ranks of ``devices`` runs at, as
+    :func:`group_link` places it: ``"intra_node"``, ``"inter_node"`` (one rank per node),
+    ``"world"`` (a ring over the whole world of nodes of several ranks), or None (a ring over
+    several ranks of some of the nodes, at the rule of [Note: rings across nodes])."""
+    if spans_nodes is None:
+        spans_nodes = devices.ranks_per_node is not None and size > devices.ranks_per_node
+    if not spans_nodes:
+        return "intra_node"
+    per_node = devices.ranks_per_node or size
+    if size <= devices.num_nodes or size // per_node < 2 or per_node < 2:
+        return "inter_node"  # one rank per node: each crossing over one rank's link
+    return "world" if size == devices.world_size else None
 
 
 TREE_BANDWIDTH_SHARE = 0.92
@@ -214,8 +227,24 @@ def all_reduce_parts_s(
     (the ring moves ``2 (p - 1) / p n``). NCCL's tuning model (``src/graph/tuning.cc``) gives
     both and picks, per message size, the one it predicts faster: the tree for small messages
     over many nodes, the ring for large ones. Its per-channel caps on the tree's bandwidth, its
-    other protocols (LL, LL128) and NVLS are not modelled."""
+    other protocols (LL, LL128) and NVLS are not modelled. Where the group's times were
+    measured (``devices.collective_times``), the time at ``total_bytes`` is theirs
+    ([Note: priced from the timed sizes]), split into the fixed cost it starts from and the
+    mean rate above it."""
     size = devices.world_size if group_size is None else group_size
+    table = _timed(devices, "all_reduce", size, spans_nodes)
+    line = _line_all_reduce_parts_s(total_bytes, devices, size, spans_nodes)
+    if table is None:
+        return line
+    fixed = min(line[1], table["seconds"][0])
+    if total_bytes == 0:  # the rate of the first stretch
+        return (table["seconds"][0] - fixed) / table["total_bytes"][0], fixed
+    return (_interpolated_s(table, fixed, total_bytes) - fixed) / total_bytes, fixed
+
+
+def _line_all_reduce_parts_s(total_bytes: float, devices: Devices, size: int,
+                             spans_nodes: bool | None) -> tuple[float, float]:
+    """:func:`all_reduce_parts_s` at the link figures (not the timed sizes)."""
     link = group_link(devices, "all_reduce", group_size=size, spans_nodes=spans_nodes)
     _check(total_bytes, size, link.bandwidth_bytes_per_s, link.latency_s)
     if size == 1:
@@ -248,7 +277,8 @@ def collective_time_s(
     at the collective's link figures (:func:`group_link`).
 
     ``group_size`` (default: the world) and ``spans_nodes`` choose intra- or inter-node figures
-    as in :func:`group_link`.
+    as in :func:`group_link`. Where the group's times were measured
+    (``devices.collective_times``), the time is theirs ([Note: priced from the timed sizes]).
     """
     if collective not in _TIME_FUNCTIONS:
         raise InputError(
@@ -260,10 +290,46 @@ def collective_time_s(
                                                spans_nodes=spans_nodes)
         return per_byte * total_bytes + latency
     link = group_link(devices, collective, group_size=size, spans_nodes=spans_nodes)
-    return _TIME_FUNCTIONS[collective](
-        total_bytes, size,
-        bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, latency_s=link.latency_s,
-    )
+
+    def line_s(nbytes: float) -> float:
+        return _TIME_FUNCTIONS[collective](
+            nbytes, size,
+            bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, latency_s=link.latency_s,
+        )
+
+    time_s = line_s(total_bytes)
+    table = _timed(devices, collective, size, spans_nodes)
+    if table is None:
+        return time_s
+    return _interpolated_s(table, min(line_s(0), table["seconds"][0]), total_bytes)
+
+
+def _timed(devices: Devices, collective: Collective, size: int,
+           spans_nodes: bool | None) -> dict | None:
+    """The measured times ``collective`` over a group of ``size`` ranks is priced from
+    (``devices.collective_times`` of its scope, timed over a group of the same size), or None."""
+    scope = _scope_of(devices, size, spans_nodes)
+    table = devices.collective_times.get(f"{scope}.{collective}") if scope else None
+    return table if table is not None and table["group_size"] == size else None
+
+
+def _interpolated_s(table: dict, fixed_s: float, total_bytes: float) -> float:
+    """The time of ``total_bytes`` on the polyline through ``(0, fixed_s)`` and the timed
+    sizes of ``table``, continued past the last at the rate of the last two.
+
+    [Note: priced from the timed sizes] A collective's measured times need not lie on the
+    ring model's straight line: CPU gloo's rate changes with the size (its times over
+    4 KiB-16 MiB bend upwards at world 4, so that one line fitted to all of them prices the
+    middle sizes above their times and the largest below: ``docs/cost-models.md``). Where the
+    sizes were timed, a size between two of them costs the time on the straight line between
+    the two, which is every timed size's own time and follows the curve between them; below
+    the first timed size the line runs from the fitted fixed cost (the collective's time at
+    0 bytes at its link figures, which bucketed collectives share), and past the last at the
+    rate between the last two, the rate of the largest messages."""
+    sizes, times = table["total_bytes"], table["seconds"]
+    xs, ys = [0.0, *sizes], [fixed_s, *times]
+    i = min(bisect.bisect_right(xs, total_bytes), len(xs) - 1)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (total_bytes - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 @dataclasses.dataclass(frozen=True)

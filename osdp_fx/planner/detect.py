@@ -599,7 +599,7 @@ def _all_reduce_floats(
     return tensor.tolist()
 
 
-def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, float]:
+def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int) -> dict[str, Any]:
     """Fit link figures to the collectives timed over each kind of group a plan's collectives
     run over, all in the same rounds ([Note: timing the groups together]): this node's ranks
     (intra-node figures); on several nodes of several ranks, the whole group's ring (kept as
@@ -635,7 +635,7 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
                                     barrier=lambda: dist.barrier(group=group))
     times = _all_reduce_floats(times, "max", group, device, True)
 
-    figures: dict[str, Any] = {"collective_links": {}}
+    figures: dict[str, Any] = {"collective_links": {}, "collective_times": {}}
     for index, (scope, size, _) in enumerate(scopes):
         samples = [
             CollectiveSample(collective, nbytes, size, t)  # type: ignore[arg-type]
@@ -648,11 +648,36 @@ def _measure_links(group: Any, device: Any, world_size: int, ranks_per_node: int
             link = fit_link([x for x in samples if x.collective == collective])
             figures["collective_links"][f"{scope}.{collective}"] = {
                 "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s}
+            figures["collective_times"][f"{scope}.{collective}"] = _timed_sizes(
+                [x for x in samples if x.collective == collective], size)
             if collective == "all_reduce" and scope != "world":
                 figures[f"{scope}_bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
                 figures[f"{scope}_latency_s"] = link.latency_s
         log.debug("%s collectives measured: %s", scope, samples)
     return figures
+
+
+def _timed_sizes(samples: Sequence[CollectiveSample], size: int) -> dict[str, Any]:
+    """``Devices.collective_times``'s entry of one collective's samples over ``size`` ranks,
+    made non-decreasing by pooling: a size timed below a smaller one (sizes timed alike, apart
+    by the noise of the rounds) takes, with it, the mean of the two, so that a larger message
+    is never priced below a smaller one and no time is raised to another's noise."""
+    ordered = sorted(samples, key=lambda x: x.total_bytes)
+    return {"group_size": size, "total_bytes": [int(x.total_bytes) for x in ordered],
+            "seconds": non_decreasing([x.time_s for x in ordered])}
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in least squares (pool adjacent
+    violators: each run of values that falls is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 # [Note: timing the groups together]

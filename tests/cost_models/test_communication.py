@@ -201,3 +201,71 @@ def test_collective_links_are_checked(links, match) -> None:
         Devices(collective_links=links)
 
 
+
+
+TIMED = {"group_size": 2, "total_bytes": [2**12, 2**20, 2**24], "seconds": [1e-3, 2e-3, 18e-3]}
+
+
+def test_timed_sizes_price_their_collective_on_the_polyline_between_them(tmp_path) -> None:
+    """A collective with measured times (``collective_times``) costs, over a group of the size
+    it was timed on, each timed size's time; between two, the time on the straight line
+    between them; below the first, on the line from its link figures' fixed cost; past the
+    last, at the rate of the last two. Its all-reduce parts add up to the same time."""
+    link = {"bandwidth_bytes_per_s": 1e9, "latency_s": 4e-4}
+    devices = Devices(world_size=4, ranks_per_node=2,
+                      collective_links={"intra_node.all_gather": link},
+                      collective_times={"intra_node.all_gather": TIMED,
+                                        "intra_node.all_reduce": TIMED})
+    plain = dataclasses.replace(devices, collective_times={})
+    for n, t in zip(TIMED["total_bytes"], TIMED["seconds"]):
+        assert collective_time_s("all_gather", n, devices, group_size=2) == pytest.approx(t)
+    middle = (2**20 + 2**24) / 2
+    assert collective_time_s("all_gather", middle, devices, group_size=2) == pytest.approx(10e-3)
+    # the fixed cost: the line's time at 0 bytes, one ring step's latency over 2 ranks
+    assert collective_time_s("all_gather", 0, devices, group_size=2) == pytest.approx(4e-4)
+    assert collective_time_s("all_gather", 2**11, devices, group_size=2) == pytest.approx(7e-4)
+    rate = 16e-3 / (2**24 - 2**20)
+    assert collective_time_s("all_gather", 2**25, devices, group_size=2) == pytest.approx(
+        18e-3 + rate * 2**24)
+    # the all-reduce's parts: the fixed cost it starts from and the mean rate above it
+    per_byte, latency = all_reduce_parts_s(middle, devices, group_size=2)
+    assert latency == pytest.approx(plain.intra_node_latency_s * 2)
+    assert per_byte * middle + latency == pytest.approx(10e-3)
+    assert collective_time_s("all_reduce", middle, devices, group_size=2) == pytest.approx(10e-3)
+    # over a group of another size, and for a collective without times, the link figures
+    for collective, size in (("all_gather", 4), ("reduce_scatter", 2), ("all_reduce", 4)):
+        assert collective_time_s(collective, middle, devices, group_size=size) == (
+            collective_time_s(collective, middle, plain, group_size=size))
+    devices.to_json(tmp_path / "devices.json")
+    assert Devices.from_json(tmp_path / "devices.json") == devices
+    assert hash(Devices.from_json(tmp_path / "devices.json")) == hash(devices)
+
+
+def test_timed_sizes_of_each_scope_price_its_groups() -> None:
+    """The times of a scope price the groups the link figures of that scope would: the node's
+    ranks (``intra_node``), one rank per node (``inter_node``), the whole world's ring across
+    nodes (``world``)."""
+    times = {f"{scope}.all_gather": dict(TIMED, group_size=size, seconds=[
+        t * factor for t in TIMED["seconds"]])
+        for scope, size, factor in (("intra_node", 2, 1), ("inter_node", 2, 2), ("world", 4, 3))}
+    devices = Devices(world_size=4, ranks_per_node=2, collective_times=times)
+    n = 2**20
+    assert collective_time_s("all_gather", n, devices, group_size=2) == pytest.approx(2e-3)
+    assert collective_time_s("all_gather", n, devices, group_size=2,
+                             spans_nodes=True) == pytest.approx(4e-3)
+    assert collective_time_s("all_gather", n, devices) == pytest.approx(6e-3)
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"group_size": 2, "total_bytes": [1, 2], "seconds": [2e-3, 1e-3]}, "none below"),
+    ({"group_size": 2, "total_bytes": [2, 1], "seconds": [1e-3, 2e-3]}, "increasing"),
+    ({"group_size": 1, "total_bytes": [1, 2], "seconds": [1e-3, 2e-3]}, "2 or more"),
+    ({"group_size": 2, "total_bytes": [1], "seconds": [1e-3]}, "increasing"),
+    ({"group_size": 2, "total_bytes": [1, 2], "seconds": [1e-3]}, "as many"),
+    ({"total_bytes": [1, 2], "seconds": [1e-3, 2e-3]}, "group_size"),
+])
+def test_collective_times_are_checked(table, match) -> None:
+    with pytest.raises(InputError, match=match):
+        Devices(collective_times={"intra_node.all_gather": table})
+    with pytest.raises(InputError, match="unknown key 'node.all_gather'"):
+        Devices(collective_times={"node.all_gather": TIMED})

@@ -318,7 +318,8 @@ def links_measured_twice(rank: int, world: int, *, ranks_per_node: int) -> list[
     """The link figures of a world of nodes measured twice in a row (each measurement makes
     its node's group), as a process measures once for ``detect_devices()`` and again when
     ``compile_osdp`` without devices measures its own: the figures' names each time, then the
-    names of the per-collective link figures."""
+    names of the per-collective link figures, then those of the timed sizes with the ranks
+    they were timed over."""
     import torch
 
     from osdp_fx.planner import detect
@@ -330,7 +331,10 @@ def links_measured_twice(rank: int, world: int, *, ranks_per_node: int) -> list[
     try:
         runs = [detect._measure_links(None, torch.device("cpu"), world, ranks_per_node)
                 for _ in range(2)]
-        return [sorted(figures) + sorted(figures["collective_links"]) for figures in runs]
+        return [sorted(figures) + sorted(figures["collective_links"])
+                + sorted(f"{key}:{times['group_size']}"
+                         for key, times in figures["collective_times"].items())
+                for figures in runs]
     finally:
         detect._COLLECTIVE_SIZES_BYTES, detect._COLLECTIVE_REPEATS = saved
 

@@ -9,15 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from harness import cases
 
 from osdp_fx.core.devices import DEFAULT_CPU_MEMORY_BYTES, OPTIMIZERS, Devices
+from osdp_fx.cost_models.communication import collective_time_s
 from osdp_fx.errors import InputError
 from osdp_fx.planner.detect import (
     CPU_MEMORY_MARGIN,
     detect_devices,
     devices_for,
     measured,
+    non_decreasing,
     overlap_efficiency_from,
 )
 
@@ -108,6 +112,13 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert node.collective_links["intra_node.all_reduce"] == {
         "bandwidth_bytes_per_s": node.intra_node_bandwidth_bytes_per_s,
         "latency_s": node.intra_node_latency_s}
+    # the timed sizes kept, and each priced at its own time ([Note: priced from the timed
+    # sizes])
+    assert sorted(node.collective_times) == sorted(node.collective_links)
+    for key, times in node.collective_times.items():
+        assert times["group_size"] == 2 and len(times["total_bytes"]) >= 2
+        for nbytes, seconds in zip(times["total_bytes"], times["seconds"]):
+            assert collective_time_s(key.split(".")[1], nbytes, node) == pytest.approx(seconds)
     # two collectives started together, timed against one after the other: a measured share
     assert 0 < node.concurrent_collective_ratio <= 1
     assert Devices.from_json(tmp_path / "node.0.json").concurrent_collective_ratio == (
@@ -153,6 +164,8 @@ def test_links_are_measured_again_on_the_same_nodes(worlds) -> None:
         for scope in ("intra_node", "inter_node", "world"):
             for collective in ("all_gather", "reduce_scatter", "all_reduce"):
                 assert f"{scope}.{collective}" in first
+                # its sizes timed over the group's ranks: 2 in a node and across, 4 in the ring
+                assert f"{scope}.{collective}:{4 if scope == 'world' else 2}" in first
 
 
 def test_a_cpu_second_costs_more_wall_where_ranks_outnumber_the_cores(worlds) -> None:
@@ -203,3 +216,19 @@ def test_interleaved_runs_take_their_own_number_of_calls() -> None:
                                         barrier=lambda: None, rounds=3, calls=[4, 1])
     assert counts == [4 * 4, 1 * 4]
     assert all(t >= 0.002 for t in times)  # per call: at least a call's sleep
+
+
+def test_timed_sizes_are_pooled_where_a_larger_one_timed_faster() -> None:
+    """A size timed below a smaller one shares the mean of the two with it (pool adjacent
+    violators): neither time is raised to the other's noise."""
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert non_decreasing([5.0, 1.0, 1.0, 1.0]) == [2.0] * 4
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
+@given(st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=12))
+def test_pooled_times_never_fall_and_keep_their_sum(times) -> None:
+    pooled = non_decreasing(times)
+    assert len(pooled) == len(times)
+    assert all(b >= a for a, b in zip(pooled, pooled[1:]))
+    assert sum(pooled) == pytest.approx(sum(times))
