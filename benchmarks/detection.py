@@ -1,19 +1,18 @@
 """How steady ``detect_devices()`` is: several calls in one world, and what each call's figures
 predict for a few collectives and for the runtime's host time.
 
-Each call's fitted link figures are turned back into the time of an all-gather, a
-reduce-scatter and an all-reduce over the whole world at 64 KiB, 1 MiB and 4 MiB
-(``cost_models/communication.py``'s ``collective_time_s``), beside the host probe's figures
-(``Devices.param_host_time_s`` and ``Devices.bucket_host_time_s`` under ``full_shard``), the
-ratio of two collectives in flight together (``Devices.concurrent_collective_ratio``), the
-matmul rate and the call's own seconds. The last row is each column's largest over its
+Each call's figures price an all-gather, a reduce-scatter and an all-reduce over the whole
+world at 64 KiB, 1 MiB and 4 MiB (``cost_models/communication.py``'s ``collective_time_s``),
+beside the host probe's figures (``Devices.param_host_time_s`` and
+``Devices.bucket_host_time_s`` under ``full_shard``), the ratio of two collectives in flight
+together (``Devices.concurrent_collective_ratio``), the matmul rate and the call's own seconds. The last row is each column's largest over its
 smallest: how far two calls a minute apart can disagree.
 
 A second table checks the last call against the collectives themselves: each collective of
 ``CHECKED_SIZES`` (1 to 16 MiB, past the largest size the fit saw at 4 MiB and at it) timed
 directly through the runtime's collective functions, the median of ``CHECK_RUNS`` runs, each
-after a barrier and a short matmul (as ``detect_devices()`` times them), against the time its
-fitted link predicts.
+after a barrier and a short matmul (as ``detect_devices()`` times them), against its price
+(``collective_time_s``: on the polyline through the call's timed sizes).
 
     python benchmarks/detection.py [--world-size 2] [--ranks-per-node N] [--repeats 5]
 

@@ -312,15 +312,21 @@ class Devices:
         return cls(**data)
 
 
-def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
+def _check_scope_keys(field: str, entries: dict[str, Any]) -> None:
+    """Every key of ``Devices.<field>`` names a scope and a collective."""
     keys = {f"{scope}.{c}" for scope in LINK_SCOPES for c in COLLECTIVES}
+    unknown = [key for key in entries if key not in keys]
+    if unknown:
+        raise InputError(
+            f"Devices.{field} has an unknown key {unknown[0]!r}: keys are "
+            f"'<scope>.<collective>' with scope {' or '.join(LINK_SCOPES)} and collective "
+            f"one of {', '.join(COLLECTIVES)}, e.g. 'intra_node.all_gather'"
+        )
+
+
+def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
+    _check_scope_keys("collective_links", links)
     for key, figures in links.items():
-        if key not in keys:
-            raise InputError(
-                f"Devices.collective_links has an unknown key {key!r}: keys are "
-                f"'<scope>.<collective>' with scope {' or '.join(LINK_SCOPES)} and collective "
-                f"one of {', '.join(COLLECTIVES)}, e.g. 'intra_node.all_gather'"
-            )
         if (not isinstance(figures, dict) or set(figures) != {"bandwidth_bytes_per_s", "latency_s"}
                 or not 0 < figures["bandwidth_bytes_per_s"] < float("inf")
                 or not 0 <= figures["latency_s"] < float("inf")):
@@ -331,13 +337,8 @@ def _check_collective_links(links: dict[str, dict[str, float]]) -> None:
 
 
 def _check_collective_times(tables: dict[str, dict[str, Any]]) -> None:
-    keys = {f"{scope}.{c}" for scope in LINK_SCOPES for c in COLLECTIVES}
+    _check_scope_keys("collective_times", tables)
     for key, table in tables.items():
-        if key not in keys:
-            raise InputError(
-                f"Devices.collective_times has an unknown key {key!r}: keys are "
-                f"'<scope>.<collective>' as in collective_links, e.g. 'intra_node.all_gather'"
-            )
         sizes = table.get("total_bytes") if isinstance(table, dict) else None
         times = table.get("seconds") if isinstance(table, dict) else None
         if (not isinstance(table, dict) or set(table) != {"group_size", "total_bytes", "seconds"}
