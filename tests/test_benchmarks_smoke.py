@@ -419,3 +419,20 @@ def test_concurrent_collectives_prints_every_way_at_every_size() -> None:
             if line.startswith("| 1 MiB |")]
     assert len(rows) == 1 and len(rows[0]) == 8, proc.stdout
     assert all(float(cell) > 0 for cell in rows[0][1:]), rows
+
+
+def test_step_windows_compares_short_and_long_timings_of_a_step() -> None:
+    """benchmarks/step_windows.py for two seconds in a 2-rank world: both kinds of window
+    counted, each ratio to the whole run's median positive and in order."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_windows.py"), "--model", "mlp",
+           "--world-size", "2", "--seconds", "2", "--long-seconds", "0.2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "steps" in line]
+    assert len(rows) == 2, proc.stdout
+    for cells in rows:
+        assert int(cells[1]) >= 1, proc.stdout
+        p5, p50, p95, least, most = (float(c) for c in cells[2:])
+        assert 0 < least <= p5 <= p50 <= p95 <= most, proc.stdout
