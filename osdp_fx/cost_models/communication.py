@@ -15,6 +15,10 @@ at its inter-node figures, one rank's network link; a ring over several ranks of
 nodes as NCCL runs it, its hops across nodes spread over every network link of a node
 ([Note: rings across nodes], :func:`group_link`).
 
+Where a collective's times were measured at several sizes over a group of the same size
+(``Devices.collective_times``, which ``detect_devices`` records), it is priced on the polyline
+through them instead ([Note: priced from the timed sizes]).
+
 All functions are pure; :func:`fit_link` inverts the model to turn measured collective times into
 a :class:`Link` (used by ``detect_devices``).
 """
@@ -324,8 +328,9 @@ def _interpolated_s(table: dict, fixed_s: float, total_bytes: float) -> float:
     sizes were timed, a size between two of them costs the time on the straight line between
     the two, which is every timed size's own time and follows the curve between them; below
     the first timed size the line runs from the fitted fixed cost (the collective's time at
-    0 bytes at its link figures, which bucketed collectives share), and past the last at the
-    rate between the last two, the rate of the largest messages."""
+    0 bytes at its link figures, which bucketed collectives share; no more than the first
+    timed size's time), and past the last at the rate between the last two, the rate of the
+    largest messages."""
     sizes, times = table["total_bytes"], table["seconds"]
     xs, ys = [0.0, *sizes], [fixed_s, *times]
     i = min(bisect.bisect_right(xs, total_bytes), len(xs) - 1)
