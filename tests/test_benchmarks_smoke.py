@@ -408,31 +408,45 @@ def test_mesh_collectives_prices_every_stage_and_strategy() -> None:
             (strategy, priced)
 
 
-def test_concurrent_collectives_prints_every_way_at_every_size() -> None:
-    """benchmarks/concurrent_collectives.py at 1 MiB, world 2: a row of positive times."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "concurrent_collectives.py"),
-           "--sizes-mib", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+def benchmark_rows(script: str, *args: str, timeout: int = 300,
+                   starting: str = "| ") -> tuple[list[list[str]], str]:
+    """The cells of the Markdown rows starting with ``starting`` that ``benchmarks/<script>``
+    prints with ``args`` (it must exit 0), and all it printed."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
-            if line.startswith("| 1 MiB |")]
-    assert len(rows) == 1 and len(rows[0]) == 8, proc.stdout
+    return [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith(starting)], proc.stdout
+
+
+def test_concurrent_collectives_prints_every_way_at_every_size() -> None:
+    """benchmarks/concurrent_collectives.py at 1 MiB, world 2: a row of positive times."""
+    rows, out = benchmark_rows("concurrent_collectives.py", "--sizes-mib", "1",
+                               starting="| 1 MiB |")
+    assert len(rows) == 1 and len(rows[0]) == 8, out
     assert all(float(cell) > 0 for cell in rows[0][1:]), rows
 
 
 def test_step_windows_compares_short_and_long_timings_of_a_step() -> None:
     """benchmarks/step_windows.py for two seconds in a 2-rank world: both kinds of window
     counted, each ratio to the whole run's median positive and in order."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_windows.py"), "--model", "mlp",
-           "--world-size", "2", "--seconds", "2", "--long-seconds", "0.2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
-            if line.startswith("| ") and "steps" in line]
-    assert len(rows) == 2, proc.stdout
+    rows, out = benchmark_rows("step_windows.py", "--model", "mlp", "--world-size", "2",
+                               "--seconds", "2", "--long-seconds", "0.2", timeout=600)
+    rows = [cells for cells in rows if "steps" in "|".join(cells)]
+    assert len(rows) == 2, out
     for cells in rows:
-        assert int(cells[1]) >= 1, proc.stdout
+        assert int(cells[1]) >= 1, out
         p5, p50, p95, least, most = (float(c) for c in cells[2:])
-        assert 0 < least <= p5 <= p50 <= p95 <= most, proc.stdout
+        assert 0 < least <= p5 <= p50 <= p95 <= most, out
+
+
+def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
+    """benchmarks/split_cost.py, the MLP at world 2 with a linear split in two: the split and
+    unsplit graphs profiled apart and timed together, six positive figures."""
+    rows, out = benchmark_rows("split_cost.py", "--models", "mlp", "--world-size", "2",
+                               "--rounds", "1", "--runs", "1", "--splits",
+                               "mlp.layers.1.weight=2", timeout=600, starting="| mlp |")
+    assert len(rows) == 1 and len(rows[0]) == 8, out
+    assert rows[0][1].strip() == "mlp.layers.1.weight x2", rows
+    assert all(float(cell) > 0 for cell in rows[0][2:]), rows

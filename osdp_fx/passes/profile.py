@@ -225,7 +225,7 @@ def profile_graph_pass(
     profiler = NodeProfiler(gm, warmup=warmup, repeats=repeats, fake=fake,
                              meta_device=torch.device(meta_device), share_repeats=share_repeats)
     profiler.profile(list(example_inputs))
-    if whole_graph and not fake and not any(t.is_cuda for t in tensors):
+    if whole_graph and times_whole_graph(gm, example_inputs, fake=fake):
         import torch.distributed as dist
 
         runs = whole_graph_runs(gm, least=max(repeats, WHOLE_GRAPH_REPEATS))
@@ -302,11 +302,8 @@ def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, w
     ranks run each at once; [Note: the whole graph's time]). Returns
     the two factors, or None where nothing was scaled (no timed node, or the graph did not run
     straight through: logged)."""
-    timed = [n for n in gm.graph.nodes
-             if (p := osdp_meta(n).profile) is not None and p.fwd_time_s is not None]
-    node_fwd = sum(osdp_meta(n).profile.fwd_time_s for n in timed)
-    node_bwd = sum(osdp_meta(n).profile.bwd_time_s for n in timed)
-    if not timed or node_fwd <= 0:
+    timed = _timed_nodes(gm)
+    if not timed or sum(osdp_meta(n).profile.fwd_time_s for n in timed) <= 0:
         return None
     leaves = [p for p in gm.parameters() if p.requires_grad]
     forward, backward = [], []
@@ -331,15 +328,39 @@ def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, w
         log.warning("the profile keeps its node times: running the whole graph failed with "
                     "%s: %s", type(e).__name__, e)
         return None
-    fwd_scale = statistics.median(forward) / node_fwd
-    bwd_scale = statistics.median(backward) / node_bwd if node_bwd > 0 else 1.0
+    scales = scale_to_times(gm, statistics.median(forward), statistics.median(backward))
+    log.info("profile scaled to the whole graph: forward x%.3f, backward x%.3f", *scales)
+    return scales
+
+
+def _timed_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` with measured times."""
+    return [n for n in gm.graph.nodes
+            if (p := osdp_meta(n).profile) is not None and p.fwd_time_s is not None]
+
+
+def times_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                      fake: bool) -> bool:
+    """Whether :func:`profile_graph_pass` with ``whole_graph`` times the whole graph of ``gm`` on
+    ``example_inputs``: real tensors on the CPU ([Note: the whole graph's time])."""
+    tensors = _tensor_list(list(example_inputs)) + list(gm.parameters())
+    return not fake and not any(_is_fake_or_meta(t) or t.is_cuda for t in tensors)
+
+
+def scale_to_times(gm: fx.GraphModule, fwd_s: float, bwd_s: float) -> tuple[float, float]:
+    """Scale the measured node times of ``gm`` so that the forward times add up to ``fwd_s``
+    and the backward times to ``bwd_s``, each node keeping its share. Returns the two factors
+    (1.0 where the nodes' times add up to nothing)."""
+    timed = _timed_nodes(gm)
+    node_fwd = sum(osdp_meta(n).profile.fwd_time_s for n in timed)
+    node_bwd = sum(osdp_meta(n).profile.bwd_time_s for n in timed)
+    fwd_scale = fwd_s / node_fwd if node_fwd > 0 else 1.0
+    bwd_scale = bwd_s / node_bwd if node_bwd > 0 else 1.0
     for n in timed:
         profile = osdp_meta(n).profile
         osdp_meta(n).profile = dataclasses.replace(
             profile, fwd_time_s=profile.fwd_time_s * fwd_scale,
             bwd_time_s=profile.bwd_time_s * bwd_scale)
-    log.info("profile scaled to the whole graph: forward x%.3f, backward x%.3f", fwd_scale,
-             bwd_scale)
     return fwd_scale, bwd_scale
 
 
@@ -357,8 +378,7 @@ def slowest_rank_times_pass(gm: fx.GraphModule) -> PassResult:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return PassResult(gm, False)
-    timed = [n for n in gm.graph.nodes
-             if (p := osdp_meta(n).profile) is not None and p.fwd_time_s is not None]
+    timed = _timed_nodes(gm)
     count = torch.tensor([len(timed), -len(timed)], dtype=torch.float64)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if count.tolist() != [len(timed), -len(timed)]:

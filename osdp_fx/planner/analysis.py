@@ -26,7 +26,7 @@ from ..cost_models.shapes import node_factors
 from ..cost_models.step import GroupCost, StepTime, group_cost, predict_step_time, regathered_params
 from ..passes.capture import Captured, unchanged_state
 from ..passes.pipeline import run_pipeline
-from ..passes.profile import ProfileGraph, SlowestRankTimes
+from ..passes.profile import ProfileGraph, SlowestRankTimes, scale_to_times, times_whole_graph
 from ..passes.quantized import quantized_format
 from ..passes.sequence import NodeNumels, sequence_numels
 from ..plan.request import ParamSpec
@@ -231,7 +231,8 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
             warmup: int = 1, repeats: int = 3,
             precision: MixedPrecision | None = None,
             max_shape: tuple[int, int | None] | None = None,
-            share_repeats: bool = True) -> Analysis:
+            share_repeats: bool = True,
+            computation: tuple[float, float] | None = None) -> Analysis:
     """Profile ``captured.gm`` on ``example_inputs``, the node times scaled to the whole
     graph's on the CPU ([Note: the whole graph's time] in ``passes/profile.py``); in a process
     group, the node times are made the same on every rank, summing to the slowest rank's
@@ -241,7 +242,12 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
     call with the same reuses those times (the last few are kept), so that compiling the same
     model twice gives the same plan, as ``Devices`` are detected once per group; the sequence
     analysis is reused alike, in any group. Under fake tensors a repeated block takes the
-    profile of the first like it (``share_repeats``; [Note: repeated blocks])."""
+    profile of the first like it (``share_repeats``; [Note: repeated blocks]).
+
+    ``computation``: the forward and backward seconds of a graph that computes what this one
+    does (the graph before its linears were split), to which this graph's node times are
+    scaled where its whole graph would be timed, each node keeping its share ([Note: the split
+    graph's computation] in ``planner/make.py``)."""
     fake = fake or any(p.device.type == "meta" for p in captured.gm.parameters())
     key = None if fake else _profile_key(captured.gm, example_inputs)
     if key is None or not _restore_profile(captured.gm, key):
@@ -256,6 +262,8 @@ def analyze(captured: Captured, example_inputs: tuple[Any, ...], *, fake: bool =
         if not fake:
             run_pipeline(captured.gm, [SlowestRankTimes()])
             _remember_profile(captured.gm, key)
+    if computation is not None and times_whole_graph(captured.gm, example_inputs, fake=fake):
+        scale_to_times(captured.gm, *computation)
     trainable = {name: p.trainable for name, p in captured.params.items()}
     batch, seq = input_shape(example_inputs)
     return Analysis(captured, graph_facts(captured.gm, trainable), batch, precision,

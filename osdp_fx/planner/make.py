@@ -7,7 +7,8 @@ search may vary (:class:`SearchOptions`), and returns the plan in force with its
 1. :func:`analyze` profiles the normalised graph, cast first to the compute precision when
    there is one (``CastParams``; on the meta device or under ``fake=True`` without running
    it), and derives its storage and gradient facts; it profiles again only after the search
-   splits a linear;
+   splits a linear, the split graph computing in the time measured for the unsplit one
+   ([Note: the split graph's computation]);
 2. a named plan (a strategy, a Plan, a plan file) is resolved against the model
    (:func:`resolve_named`), or the searches of ``planner/search.py`` choose the splits, the
    batch size, and per parameter group a strategy (with the recomputed regions and the
@@ -41,6 +42,7 @@ from ..cost_models.timeline import (
 from ..passes.capture import Captured
 from ..passes.pipeline import run_pipeline
 from ..passes.precision import CastParams
+from ..passes.profile import summarize_profile
 from ..passes.split_linear import apply_splits, weight_splits
 from ..plan.plan import Plan, Prediction
 from ..plan.request import PlanRequest, PlanSpec, build_plan, resolve_plan
@@ -159,7 +161,8 @@ def _profile(captured: Captured, example_inputs: tuple[Any, ...], setting: StepS
              options: SearchOptions, *, search: bool, decide: Decide) -> Analysis:
     """The analysis of the captured graph cast to the compute precision (the profile measures
     what a step computes), after the splits searched on it; profiled again only when the
-    search splits a linear."""
+    search splits a linear, in the unsplit graph's computation time ([Note: the split graph's
+    computation])."""
     precision = setting.precision
     if precision is not None:
         run_pipeline(captured.gm, [CastParams(precision.param_dtype)])
@@ -169,9 +172,29 @@ def _profile(captured: Captured, example_inputs: tuple[Any, ...], setting: StepS
     if search and options.split and setting.devices.world_size > 1:
         chosen = decide(lambda: choose_splits(analysis, setting, setting.memory_limit_bytes))
         if chosen:
+            unsplit = summarize_profile(captured.gm)
             apply_splits(captured, chosen)
-            analysis = profile()
+            computation = None
+            if unsplit.fwd_time_s is not None and unsplit.bwd_time_s is not None:
+                computation = unsplit.fwd_time_s, unsplit.bwd_time_s
+            analysis = profile(computation=computation)
     return analysis
+
+
+# [Note: the split graph's computation]
+# A linear split into parts computes the same products in parts, and the split graph is profiled
+# again only for where in the graph its time and memory fall (which part's gather the schedule
+# waits for, which part's output is saved). Its whole-graph time, though, is a second snapshot of
+# a machine whose speed moves from one second to the next where ranks share cores ([Note: the
+# whole graph's time] in ``passes/profile.py``): profiled apart, the split and unsplit graphs of a
+# searched plan took times further apart than the two took timed whole in the same rounds
+# (``benchmarks/split_cost.py``, figures in ``docs/benchmarks.md``). The searched plan, priced on
+# the one snapshot, and the named plans it is compared with, priced on the other, then differed by
+# the snapshots more than by the plans. So on the CPU the split graph's node times are scaled to
+# the forward and backward times measured for the unsplit graph, each node keeping its share of
+# the split graph's own profile. On a GPU a node's time is its kernels' ([Note: timing a node on a
+# GPU]), which no second snapshot of the whole moves, and the split graph keeps the times of its
+# parts' own kernels.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,8 +33,11 @@ def test_code_shows_the_sub_linears_and_their_collectives(split_memory):
 
 
 def test_search_splits_the_dominant_linear_when_memory_requires(worlds):
+    """The searched plan splits the big linear to fit, and its split graph computes in the
+    time measured for the unsplit graph ([Note: the split graph's computation])."""
     for r in worlds(2).run(split_cases.searched_split):
         plan = r["plan"]
         assert r["unsplit_peak"] > r["limit"]
         assert dict(plan.splits).get("big.weight", 1) > 1, plan
         assert plan.peak_memory_bytes <= r["limit"]
+        assert plan.prediction.compute_s == pytest.approx(r["unsplit_compute_s"], rel=1e-9)

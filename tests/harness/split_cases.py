@@ -67,4 +67,4 @@ def searched_split(rank: int, world: int, *, width: int = 2048) -> dict[str, Any
     loss = compiled(*batch)
     loss.backward()
     return {"limit": limit, "unsplit_peak": unsplit.peak_memory_bytes, "plan": compiled.plan,
-            "loss": loss.item()}
+            "loss": loss.item(), "unsplit_compute_s": unsplit.prediction.compute_s}

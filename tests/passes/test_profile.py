@@ -437,6 +437,31 @@ def test_node_times_are_scaled_to_the_whole_graph_keeping_their_shares() -> None
     assert gm.code == code
 
 
+def test_node_times_are_scaled_to_given_times_keeping_their_shares() -> None:
+    """``scale_to_times`` (a split graph given its unsplit graph's computation): forward and
+    backward sums become the given seconds, each node's time the same share of its sum."""
+    torch.manual_seed(0)
+    gm, x = trace(MLP()), torch.randn(4, 16)
+    profile_graph_pass(gm, (x,), **FAST)
+    timed = [n for n in gm.graph.nodes if osdp_meta(n).profile.fwd_time_s]
+    fwd_before = sum(osdp_meta(n).profile.fwd_time_s for n in timed)
+    bwd_before = sum(osdp_meta(n).profile.bwd_time_s for n in timed)
+    shares = {n: osdp_meta(n).profile.fwd_time_s / fwd_before for n in timed}
+    scales = profile_module.scale_to_times(gm, 0.5, 0.25)
+    assert scales == pytest.approx((0.5 / fwd_before, 0.25 / bwd_before))
+    assert sum(osdp_meta(n).profile.fwd_time_s for n in timed) == pytest.approx(0.5)
+    assert sum(osdp_meta(n).profile.bwd_time_s for n in timed) == pytest.approx(0.25)
+    for n, share in shares.items():
+        assert osdp_meta(n).profile.fwd_time_s == pytest.approx(0.5 * share)
+
+
+def test_the_whole_graph_is_timed_on_real_cpu_tensors_only() -> None:
+    gm, x = trace(MLP()), torch.randn(4, 16)
+    assert profile_module.times_whole_graph(gm, (x,), fake=False)
+    assert not profile_module.times_whole_graph(gm, (x,), fake=True)
+    assert not profile_module.times_whole_graph(gm, (x.to("meta"),), fake=False)
+
+
 def test_the_whole_graph_is_timed_only_where_asked_and_not_under_fake_tensors(
         monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
