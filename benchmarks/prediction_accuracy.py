@@ -14,13 +14,16 @@ the slowest round's median step lie from that median (the machine's own spread).
 model, without osdp-fx or collectives, is timed in the same rounds, and a second table puts
 its step beside what the profile made of it (computation and optimizer step): where the
 machine ran faster or slower while profiling than in the rounds, every plan's prediction
-moves with it.
+moves with it. The column "error at the rounds' speed" takes that out: the plan's predicted
+computation and optimizer step scaled by the plain model's measured / profiled step, the rest
+as predicted. It tells the cost models' own error from the machine's drift; the target is
+the column before it.
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--ranks-per-node 1]
         [--optimizer sgd] [--rounds 4] [--steps 5]
 
 Prints a Markdown table and, last, one JSON line with the worst absolute errors and how many
-plans are predicted within 15 % of their measured step. The targets: memory within 10 %, step
+plans are predicted within 15 % of their measured step (and how many at the rounds' speed). The targets: memory within 10 %, step
 time within 15 %.
 """
 
@@ -212,21 +215,27 @@ def main() -> None:
             pass
     rows = run_world(args.world_size, measure, models, args.optimizer, args.rounds, args.steps,
                      args.ranks_per_node or args.world_size, timeout_s=1800)[0]
-    print("| model | devices | plan | step ms predicted | measured | error | rounds | peak MiB "
-          "predicted | measured | error | predicted compute / comm / optimizer / host ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | devices | plan | step ms predicted | measured | error | error at the "
+          "rounds' speed | rounds | peak MiB predicted | measured | error | predicted compute "
+          "/ comm / optimizer / host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst_time = worst_memory = 0.0
-    within = 0
+    within = within_at_speed = 0
     drift = [r for r in rows if (r["devices"], r["plan"]) == REFERENCE]
+    speed = {r["model"]: r["measured_s"] / r["predicted_s"] for r in drift}
     rows = [r for r in rows if (r["devices"], r["plan"]) != REFERENCE]
     for r in rows:
         measured = r["measured_s"]
         t_err = r["predicted_s"] / measured - 1
+        compute, _, optim, _ = r["predicted_parts_s"]
+        at_speed = r["predicted_s"] + (compute + optim) * (speed[r["model"]] - 1)
+        s_err = at_speed / measured - 1
         m_err = r["predicted_bytes"] / r["measured_bytes"] - 1
         worst_time, worst_memory = max(worst_time, abs(t_err)), max(worst_memory, abs(m_err))
         within += abs(t_err) <= 0.15
+        within_at_speed += abs(s_err) <= 0.15
         print(f"| {r['model']} | {r['devices']} | {r['plan']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['measured_s'] * 1e3:.2f} | {t_err:+.1%} | "
+              f"{r['measured_s'] * 1e3:.2f} | {t_err:+.1%} | {s_err:+.1%} | "
               f"{' to '.join(f'{x / measured - 1:+.0%}' for x in r['rounds_s'])} | "
               f"{r['predicted_bytes'] / 2**20:.2f} | "
               f"{r['measured_bytes'] / 2**20:.2f} | {m_err:+.1%} | "
@@ -240,7 +249,9 @@ def main() -> None:
               f"{r['predicted_s'] / r['measured_s']:.2f} |")
     print(json.dumps({"world_size": args.world_size, "ranks_per_node": args.ranks_per_node,
                       "optimizer": args.optimizer, "cases": len(rows),
-                      "within_15_percent": within, "worst_time_error": round(worst_time, 4),
+                      "within_15_percent": within,
+                      "within_15_percent_at_the_rounds_speed": within_at_speed,
+                      "worst_time_error": round(worst_time, 4),
                       "worst_memory_error": round(worst_memory, 4)}))
 
 
