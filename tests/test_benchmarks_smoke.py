@@ -458,3 +458,17 @@ def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
     assert len(rows) == 1 and len(rows[0]) == 8, out
     assert rows[0][1].strip() == "mlp.layers.1.weight x2", rows
     assert all(float(cell) > 0 for cell in rows[0][2:]), rows
+
+
+def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase() -> None:
+    """benchmarks/mixed_cost.py on the MLP at world 2, one round of one step: three plans,
+    each with its predicted and measured step and phases, ``replicate`` first at +0."""
+    rows, out = benchmark_rows("mixed_cost.py", "--model", "mlp", "--rounds", "1", "--steps",
+                               "1", timeout=600)
+    rows = [cells for cells in rows if cells[0].strip() != "plan"]
+    assert [cells[0].strip().split(" on ")[0] for cells in rows] == \
+        ["replicate", "full_shard", "full_shard"], out
+    assert rows[1][0].strip().endswith("bias"), out
+    for cells in rows:
+        assert all(float(c) > 0 for c in cells[1:6]), cells
+    assert float(rows[0][6]) == 0 and float(rows[0][7]) == 0, rows[0]
