@@ -45,6 +45,7 @@ from .sharded import (
     is_dtensor,
     like,
     local_of,
+    read_locally,
     split_of,
     split_signature,
 )
@@ -149,7 +150,10 @@ class ParamTable:
             else:
                 continue
             owner, _, leaf = part.rpartition(".")
-            self.gm.get_submodule(owner)._parameters[leaf] = present
+            module = self.gm.get_submodule(owner)
+            module._parameters[leaf] = present
+            if not entry.sharded:
+                read_locally(present, module, leaf)
         for group, split in self.splits.items():
             self._merge(group, split, replicas)
             signature = self.signature(group)
@@ -219,7 +223,13 @@ class ParamTable:
     def repoint(self) -> None:
         """After the module's parameters were converted (``module.to(...)``, ``.double()``):
         each split weight's parts view its parameter's new storage again (the same part
-        objects, which the graph, the hooks and the reducer hold)."""
+        objects, which the graph, the hooks and the reducer hold); each replicated DTensor's
+        new local tensor becomes the graph's leaf (``sharded.read_locally``)."""
+        for part, entry in self.entries.items():
+            param = None if entry.sharded or part in self._parts else self.gm.get_parameter(part)
+            if param is not None and is_dtensor(param):
+                owner, _, leaf = part.rpartition(".")
+                read_locally(param, self.gm.get_submodule(owner), leaf)
         for group, split in self.splits.items():
             first = self._parts.get(split.parts[0])
             if first is None:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,9 +175,67 @@ def as_replicated(param: nn.Parameter, *, world_size: int) -> nn.Parameter:
 
 def local_param(param: torch.Tensor) -> torch.Tensor:
     """What the graph computes with for a replicated parameter (``passes/shard.py``): a
-    DTensor's local tensor, through ``to_local`` (differentiable: the gradient reaches the
-    parameter as a DTensor of its placement), or the parameter itself."""
-    return param.to_local() if is_dtensor(param) else param
+    ``Replicate()`` DTensor's local tensor, the leaf of autograd :func:`read_locally` made it
+    ([Note: a replicated parameter's local leaf]), or, for one it did not, the local tensor
+    through ``to_local`` (differentiable); any other parameter itself."""
+    if not is_dtensor(param):
+        return param
+    local = param._local_tensor  # type: ignore[attr-defined]
+    if _OWNER not in local.__dict__:
+        return param.to_local()  # type: ignore[attr-defined]
+    if local.requires_grad != param.requires_grad:  # frozen, or thawed, since
+        local.requires_grad_(param.requires_grad)
+    return local
+
+
+_OWNER = "_osdp_replica_of"
+"""The attribute of a replicated parameter's local leaf that names the parameter whose
+gradient it makes: (a weak reference to its module, its name there)."""
+
+
+def read_locally(param: torch.Tensor, module: nn.Module, name: str) -> None:
+    """Make the local tensor of ``param``, the ``Replicate()`` DTensor parameter ``name`` of
+    ``module``, the leaf of autograd the graph reads (:func:`local_param`), whose gradient
+    becomes ``param``'s ([Note: a replicated parameter's local leaf]). Again after a
+    conversion gave the parameter a new local tensor; nothing when done already."""
+    local = param._local_tensor  # type: ignore[attr-defined]
+    if _OWNER in local.__dict__:
+        return
+    # the module, weakly, and the name, not the parameter: the local tensor is the
+    # parameter's (no cycle), and a parameter with a weak reference cannot be converted in
+    # place (``torch.utils.swap_tensors``, which ``module.to()`` uses for DTensors)
+    owner = (weakref.ref(module), name)
+    if local.is_floating_point() or local.is_complex():  # (others never need a gradient)
+        # the hook, also on a frozen parameter's leaf: it runs once one is thawed
+        local.requires_grad_(True)
+        local.register_post_accumulate_grad_hook(functools.partial(_hand_grad, owner))
+        local.requires_grad_(param.requires_grad)
+    local.__dict__[_OWNER] = owner
+
+
+def _hand_grad(owner: tuple[weakref.ref, str], local: torch.Tensor) -> None:
+    """[Note: a replicated parameter's local leaf] The gradient autograd accumulated into
+    ``local`` becomes its parameter's: ``p.grad``, a DTensor of ``p``'s spec over it, or added
+    to the one there; then ``p``'s own post-accumulate-grad hooks run (the runtime's reducer,
+    the user's), as autograd runs them for a parameter it accumulates into.
+
+    Reading a replicated DTensor parameter through ``to_local`` (or any differentiable
+    function of it) makes its gradient a DTensor inside autograd, which accumulates it through
+    DTensor's dispatch (``detach``, ``add``): each costs a parameter tens of microseconds of
+    Python in every step. The graph reads the local tensor itself, a leaf: autograd
+    accumulates a plain tensor, and the DTensor is made once, from the parameter's spec."""
+    grad, local.grad = local.grad, None
+    module = owner[0]()
+    param = None if module is None else module._parameters.get(owner[1])
+    if param is None or grad is None:
+        return
+    if param.grad is None:
+        param.grad = _dtensor_type()(grad, param._spec,  # type: ignore[attr-defined]
+                                     requires_grad=False)
+    else:
+        local_of(param.grad).add_(grad)
+    for hook in (param._post_accumulate_grad_hooks or {}).values():  # type: ignore[attr-defined]
+        hook(param)
 
 
 def like(param: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:

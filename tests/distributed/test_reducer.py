@@ -60,3 +60,32 @@ def test_an_all_gather_output_is_the_callers_alone_when_waited_for(worlds):
                            numel=numel):
         assert r["held_elsewhere"] == 0
         assert r["total"] == gathers * numel * (1.0 + 2.0)
+
+
+def test_replicated_parameters_of_a_mixed_plan_get_their_gradients_as_replicate_does(
+        worlds, tmp_path):
+    """Under a plan that shards one group, the replicated parameters are ``Replicate()``
+    DTensors whose local tensors the graph reads as autograd leaves ([Note: a replicated
+    parameter's local leaf]): each gets a DTensor gradient equal to what ``replicate`` gives,
+    accumulated over two backwards, fresh after ``zero_grad``, after ``.double()`` too, and
+    the post-accumulate-grad hooks registered on the parameter run once per backward."""
+    plan = tmp_path / "mixed.json"
+    plan.write_text('{"format": "osdp-fx-plan", "version": 1, "default": "replicate", '
+                    '"params": {"layers.0.weight": "full_shard"}}')
+    results = worlds(2).run(reducer_cases.replicated_in_a_mixed_plan, plan=str(plan))
+    for r in results:
+        mixed, plain = r["mixed"], r["replicate"]
+        replicated = [n for n in mixed["placements"] if n != "layers.0.weight"]
+        assert replicated and all(mixed["placements"][n] == "(Replicate(),)" for n in replicated)
+        assert mixed["placements"]["layers.0.weight"] == "(Shard(dim=0),)"
+        # the graph's leaves: the local tensors, before and after ``.double()`` converted them
+        for leaves in mixed["leaves"]:
+            assert {n: leaves[n] for n in replicated} == dict.fromkeys(replicated, True)
+        for n in replicated:
+            assert mixed["hooks"][n] == ["DTensor"] * 4, n  # once a backward, p.grad set
+            assert mixed["double"][n] == (torch.float64, "DTensor"), n
+            for key in ("once", "again"):
+                torch.testing.assert_close(mixed[key][n], plain[key][n], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(mixed["twice"][n], 2 * mixed["once"][n],
+                                       rtol=1e-6, atol=1e-7)
+        assert all(calls == ["Tensor"] * 4 for calls in plain["hooks"].values())

@@ -95,3 +95,56 @@ def gloo_all_gather_outputs_let_go(rank: int, world: int, *, gathers: int = 200,
         held_elsewhere += references(gathered) > own
         total += gathered.sum().item()
     return {"held_elsewhere": held_elsewhere, "total": total}
+
+
+def replicated_in_a_mixed_plan(rank: int, world: int, *, plan: str) -> dict[str, Any]:
+    """The test MLP compiled under ``plan`` (a file sharding one group, replicating the rest)
+    and under ``replicate``; on this rank's slice of one batch: each replicated parameter's
+    placement, how often a post-accumulate-grad hook the user registered on it fired and what
+    ``p.grad`` was then, the gradients after one backward, after a second one without
+    ``zero_grad`` (accumulated), after ``zero_grad`` and one more, and after ``.double()``."""
+    from osdp_fx import compile_osdp
+
+    from .models import batches, build, local
+
+    x, y = local(batches("mlp", global_batch=2 * world, steps=1)[0], rank, world)
+    out: dict[str, Any] = {}
+    for label, chosen in (("mixed", plan), ("replicate", "replicate")):
+        model, loss_fn = build("mlp")
+        compiled = compile_osdp(model, (x,), plan=chosen, optimizer="sgd", plan_cache=False)
+        seen: dict[str, list[str]] = {}
+        for name, p in compiled.named_parameters():
+            if type(p).__name__ != "Parameter" or label == "replicate":
+                seen[name] = []
+                p.register_post_accumulate_grad_hook(
+                    lambda q, name=name: seen[name].append(type(q.grad).__name__))
+
+        def backward() -> None:
+            loss_fn(compiled(x), (x, y)).backward()
+
+        def grads() -> dict[str, torch.Tensor]:
+            return {n: getattr(p.grad, "_local_tensor", p.grad).clone()
+                    for n, p in compiled.named_parameters()}
+
+        backward()
+        once = grads()
+        backward()
+        twice = grads()
+        compiled.zero_grad(set_to_none=True)
+        backward()
+        again = grads()
+        compiled.zero_grad(set_to_none=True)
+        leaves_before = {n: bool(p._local_tensor.requires_grad)
+                         for n, p in compiled.named_parameters() if hasattr(p, "_local_tensor")}
+        compiled.double()
+        loss_fn(compiled(x.double()), (x.double(), y.double())).backward()
+        leaves = {n: bool(p._local_tensor.requires_grad)
+                  for n, p in compiled.named_parameters() if hasattr(p, "_local_tensor")}
+        out[label] = {
+            "leaves": (leaves_before, leaves),
+            "placements": {n: str(getattr(p, "placements", None))
+                           for n, p in compiled.named_parameters()},
+            "hooks": seen, "once": once, "twice": twice, "again": again,
+            "double": {n: (p.grad.dtype, type(p.grad).__name__)
+                       for n, p in compiled.named_parameters()}}
+    return out
