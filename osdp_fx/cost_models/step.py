@@ -168,11 +168,14 @@ def _attributed_compute_s(facts: GraphFacts,
 def group_cost(
     state: ParamState, *, regathered: bool, compute_s: float, devices: Devices, optimizer: str,
     grad_accumulation: int = 1, reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    among_sharded: bool = False,
 ) -> GroupCost:
     """Costs of one group under ``state.strategy`` (see the module docstring; replicated
     gradients in all-reduce buckets of ``reduce_bucket_bytes``); accumulating
     over ``grad_accumulation`` > 1 micro-batches with ``no_sync()``, a sharded group also holds
-    its padded full gradient in the reduce dtype for the whole step."""
+    its padded full gradient in the reduce dtype for the whole step. ``among_sharded``: the
+    plan shards other groups, so a replicated one is a ``Replicate()`` DTensor too, and the
+    optimizer steps it at the per-tensor time over DTensors ([Note: the host lane])."""
     world = devices.world_size
     full = state.numel * state.reduce_size  # the gradient, as reduced
     chunks = shard_count(state.strategy, world, devices.ranks_per_node)
@@ -202,7 +205,8 @@ def group_cost(
     persistent, transient, optim_s = local, 0, 0.0
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
-        optim_s = optimizer_time_s(optimizer, local_numel, devices, sharded=t.sharded)
+        optim_s = optimizer_time_s(optimizer, local_numel, devices,
+                                   sharded=t.sharded or among_sharded)
         if t.sharded and grad_accumulation > 1:
             persistent += padded_numel * state.reduce_size
     if t.keeps_gathered:
@@ -229,7 +233,12 @@ def group_cost(
 # strategy) and charged to the group (``GroupCost.host_s``), and so is what it spends per gather
 # bucket (``Devices.bucket_host_time_s``: its collectives' launch and completion), once per
 # bucket (its first member's); the optimizer's per-tensor time
-# over sharded parameters (DTensors) is measured apart (``optimizer_sharded_tensor_time_s``).
+# over sharded parameters (DTensors) is measured apart (``optimizer_sharded_tensor_time_s``),
+# and charged to a replicated group too where the plan shards others: the compiled module then
+# hands it to the optimizer as a ``Replicate()`` DTensor (``runtime/sharded.py``). What the
+# runtime spends on such a group besides (the hook that makes its gradient a DTensor, [Note:
+# a replicated parameter's local leaf]) is not measured apart: the probe times replicated
+# groups as plain tensors.
 # Where the host is the device (the CPU: ``Devices.host_overlaps_device`` False), the lanes
 # are one: every host second is a second of the step, and the step is compute + communication
 # + optimizer + host. Where the host runs ahead of the device (a GPU), forward and backward
@@ -377,10 +386,13 @@ def predict_step_time(
             per_byte, latency = all_reduce_parts_s(nbytes, devices)
             reduces.append(TimedReduce(max(ready.get(m, 0) for m in members),
                                        per_byte * nbytes + latency, "all_reduce"))
+    among_sharded = devices.world_size > 1 and any(traits(st.strategy).sharded
+                                                   for st in params.values())
     costs = {
         name: group_cost(state, regathered=name in regathered, compute_s=per_group.get(name, 0.0),
                          devices=devices, optimizer=setting.optimizer,
-                         reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes))
+                         reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes),
+                         among_sharded=among_sharded)
         for name, state in params.items()
     }
     # A bucket pays each collective's latency once: its members after the first ride in the

@@ -64,6 +64,25 @@ def test_the_optimizer_over_sharded_parameters_takes_its_own_per_tensor_time() -
     assert optimizer_time_s("sgd", 1000, plain, sharded=True) == pytest.approx(3e-6)
 
 
+def test_replicated_groups_among_sharded_ones_step_at_the_dtensor_rate(tmp_path) -> None:
+    """Where a plan shards a group, the optimizer steps each replicated group as a
+    ``Replicate()`` DTensor: at ``optimizer_sharded_tensor_time_s``, where a plan replicating
+    every group steps plain tensors at ``optimizer_tensor_time_s``."""
+    plain, dtensor = 2e-6, 30e-6
+    devices = Devices(**_fields(DEVICES), optimizer_tensor_time_s={"sgd": plain},
+                      optimizer_sharded_tensor_time_s={"sgd": dtensor})
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text('{"format": "osdp-fx-plan", "version": 1, "default": "replicate", '
+                     '"params": {"layers.0.weight": "full_shard"}}')
+    base = _planned("replicate", DEVICES).plan.prediction
+    everything = _planned("replicate", devices).plan.prediction
+    assert everything.optim_s == pytest.approx(base.optim_s + 6 * plain)
+    reference = _planned(str(mixed), DEVICES).plan.prediction
+    one_sharded = _planned(str(mixed), devices).plan.prediction
+    # all six groups, the five replicated among them, at the DTensor rate
+    assert one_sharded.optim_s == pytest.approx(reference.optim_s + 6 * dtensor)
+
+
 @pytest.mark.parametrize("strategy", ["replicate", "shard_grad_op", "full_shard"])
 def test_each_group_pays_its_strategys_host_time_once_per_step(strategy: str) -> None:
     base = _planned(strategy, DEVICES).plan
