@@ -460,15 +460,20 @@ def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
     assert all(float(cell) > 0 for cell in rows[0][2:]), rows
 
 
-def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase() -> None:
+def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase(tmp_path) -> None:
     """benchmarks/mixed_cost.py on the MLP at world 2, one round of one step: three plans,
-    each with its predicted and measured step and phases, ``replicate`` first at +0."""
+    each with its predicted and measured step and phases, ``replicate`` first at +0, and the
+    CPU time of the ranks' threads; ``--profile`` writes each plan's profile per rank."""
     rows, out = benchmark_rows("mixed_cost.py", "--model", "mlp", "--rounds", "1", "--steps",
-                               "1", timeout=600)
+                               "1", "--profile", str(tmp_path), timeout=600)
     rows = [cells for cells in rows if cells[0].strip() != "plan"]
     assert [cells[0].strip().split(" on ")[0] for cells in rows] == \
         ["replicate", "full_shard", "full_shard"], out
     assert rows[1][0].strip().endswith("bias"), out
     for cells in rows:
         assert all(float(c) > 0 for c in cells[1:6]), cells
+        assert float(cells[8]) > 0 and float(cells[9]) >= 0, cells
     assert float(rows[0][6]) == 0 and float(rows[0][7]) == 0, rows[0]
+    profiles = sorted(f.name for f in tmp_path.iterdir())
+    assert profiles == [f"{n}-rank{r}.txt" for n in range(3) for r in range(2)], profiles
+    assert "aten::addmm" in (tmp_path / "1-rank0.txt").read_text()
