@@ -477,3 +477,16 @@ def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase(tmp_path) -> No
     profiles = sorted(f.name for f in tmp_path.iterdir())
     assert profiles == [f"{n}-rank{r}.txt" for n in range(3) for r in range(2)], profiles
     assert "aten::addmm" in (tmp_path / "1-rank0.txt").read_text()
+
+
+def test_sync_wait_prints_each_ranks_wait_per_stretch() -> None:
+    """benchmarks/sync_wait.py at world 2, two stretches of 3 runs: a row each, every wait
+    positive, the longest at least each rank's mean."""
+    rows, out = benchmark_rows("sync_wait.py", "--compute-ms", "0", "2", "--runs", "3",
+                               timeout=300)
+    rows = [cells for cells in rows if not cells[0].strip().startswith("computation")]
+    assert [float(cells[0]) for cells in rows] == [0.0, 2.0], out
+    for cells in rows:
+        means = [float(cell.split("/")[1]) for cell in cells[1:3]]
+        assert all(float(x) > 0 for cell in cells[1:3] for x in cell.split("/")), cells
+        assert float(cells[3]) >= max(means) - 0.01, cells
