@@ -114,10 +114,9 @@ def replicated_in_a_mixed_plan(rank: int, world: int, *, plan: str) -> dict[str,
         compiled = compile_osdp(model, (x,), plan=chosen, optimizer="sgd", plan_cache=False)
         seen: dict[str, list[str]] = {}
         for name, p in compiled.named_parameters():
-            if type(p).__name__ != "Parameter" or label == "replicate":
-                seen[name] = []
-                p.register_post_accumulate_grad_hook(
-                    lambda q, name=name: seen[name].append(type(q.grad).__name__))
+            seen[name] = []
+            p.register_post_accumulate_grad_hook(
+                lambda q, name=name: seen[name].append(type(q.grad).__name__))
 
         def backward() -> None:
             loss_fn(compiled(x), (x, y)).backward()
@@ -125,6 +124,10 @@ def replicated_in_a_mixed_plan(rank: int, world: int, *, plan: str) -> dict[str,
         def grads() -> dict[str, torch.Tensor]:
             return {n: getattr(p.grad, "_local_tensor", p.grad).clone()
                     for n, p in compiled.named_parameters()}
+
+        def leaves() -> dict[str, bool]:  # whether each DTensor's local tensor needs a gradient
+            return {n: bool(p._local_tensor.requires_grad)
+                    for n, p in compiled.named_parameters() if hasattr(p, "_local_tensor")}
 
         backward()
         once = grads()
@@ -134,14 +137,11 @@ def replicated_in_a_mixed_plan(rank: int, world: int, *, plan: str) -> dict[str,
         backward()
         again = grads()
         compiled.zero_grad(set_to_none=True)
-        leaves_before = {n: bool(p._local_tensor.requires_grad)
-                         for n, p in compiled.named_parameters() if hasattr(p, "_local_tensor")}
+        before = leaves()
         compiled.double()
         loss_fn(compiled(x.double()), (x.double(), y.double())).backward()
-        leaves = {n: bool(p._local_tensor.requires_grad)
-                  for n, p in compiled.named_parameters() if hasattr(p, "_local_tensor")}
         out[label] = {
-            "leaves": (leaves_before, leaves),
+            "leaves": (before, leaves()),
             "placements": {n: str(getattr(p, "placements", None))
                            for n, p in compiled.named_parameters()},
             "hooks": seen, "once": once, "twice": twice, "again": again,
