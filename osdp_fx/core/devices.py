@@ -39,7 +39,14 @@ presets predict); ``detect`` measures it on the CPU."""
 
 _POSITIVE_RATES = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s",
                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
-_NON_NEGATIVE_TIMES = ("intra_node_latency_s", "inter_node_latency_s", "selective_op_time_s")
+_NON_NEGATIVE_TIMES = ("intra_node_latency_s", "inter_node_latency_s", "selective_op_time_s",
+                       "sync_wait_s", "replica_host_time_s")
+
+SYNC_STRETCH_S = 10e-3
+"""The computation since the ranks last synchronised after which a blocking collective waits
+``Devices.sync_wait_s`` more than its price; after less, a share in proportion ([Note: the
+wait after a stretch of computation] in ``cost_models/overlap.py``). ``detect`` measures the
+wait after this long."""
 
 
 def _is_int(value: Any) -> bool:
@@ -140,11 +147,24 @@ class Devices:
     release of its output, its re-gather's handle, its gradients' flat buffer and the reduced
     chunk copied out). ``detect`` measures it ([Note: the host lane] in
     ``cost_models/step.py``); 0 for a strategy missing here."""
+    replica_host_time_s: float = 0.0
+    """Measured host time the runtime spends per step on a replicated parameter group of a
+    plan that shards other groups, beyond ``param_host_time_s["replicate"]``: its parameter is
+    then a ``Replicate()`` DTensor whose local tensor the graph reads as a leaf of autograd,
+    and a hook on that leaf makes each gradient a DTensor ([Note: a replicated parameter's
+    local leaf] in ``runtime/sharded.py``). ``detect`` measures it; 0 when not measured."""
     host_overlaps_device: bool = False
     """Whether the host runs ahead of the device: a GPU, whose kernels queue while the CPU
     dispatches the next ones, so a step takes the longer of the host's and the device's
     lanes; False on the CPU, where the host computes, and every host second is a second of
     the step ([Note: the host lane])."""
+    sync_wait_s: float = 0.0
+    """What a blocking collective takes beyond its price (the link figures') when the ranks
+    reach it after :data:`SYNC_STRETCH_S` or more of computation since they last synchronised:
+    they drift apart while they compute, and the first to arrive waits for the last ([Note: the
+    wait after a stretch of computation] in ``cost_models/overlap.py``). ``detect`` measures it
+    (a small all-gather after a stretch of matmuls against the matmuls alone); 0 when not
+    measured (presets)."""
     selective_op_time_s: float = 0.0
     """Time torch's selective activation checkpointing adds per operator of a selectively
     recomputed region, in forward and in the recomputation together (its dispatch mode runs

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..core.devices import Devices
+from ..core.devices import SYNC_STRETCH_S, Devices
 from ..core.layout import collective_stages
 from ..core.strategies import traits
 from .communication import collective_time_s
@@ -275,6 +276,45 @@ def reduce_s(state: ParamState, devices: Devices) -> float:
     return sum(_stage_times_s(state, devices, regathered=False)[2])
 
 
+def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
+                  prefetch: int, gather_bucket_bytes: int,
+                  regathered: set[str]) -> tuple[list[TimedGather], list[TimedGather]]:
+    """The gathers of one step as the runtime issues and waits for them with prefetch distance
+    ``prefetch`` (0: each at its use): forward's, one per gather bucket, on the forward lane,
+    and backward's re-gathers on the backward lane, in issue order."""
+    nodes, pos = facts.nodes, facts.pos
+    gather = {node: gather_s(params[name], devices, regathered=name in regathered)
+              for node, name in facts.param_of.items()}
+    latency = collective_time_s("all_gather", 0, devices)
+    # forward: bucket i starts after the gather of bucket i - d (at its first use)
+    buckets = sharded_gather_buckets(facts, params, devices.world_size, gather_bucket_bytes)
+    use = [min(pos[u] for u in facts.param_uses(b[0])) for b in buckets]
+    seconds = [max(0.0, sum(gather[n].forward_s for n in b) - latency * (len(b) - 1))
+               for b in buckets]
+    # a bucket's later stages: its members' less the latencies its riders save there
+    later = [max(0.0, sum(gather[n].forward_at_wait_s for n in b) - (len(b) - 1) * (
+        gather_s(dataclasses.replace(params[facts.param_of[b[0]]], numel=0), devices,
+                 regathered=False).forward_at_wait_s)) for b in buckets]
+    forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
+                           seconds[i], min(seconds[i], later[i]))
+               for i in range(len(buckets))]
+    # backward: re-gathered groups in the order forward saved them; unpacking the one
+    # saved at index j starts the re-gathers of those saved at j - d .. j - 1
+    saved = sorted((n for n, name in facts.param_of.items()
+                    if traits(params[name].strategy).freed_after_forward
+                    and facts.savers.get(n) and gather[n].backward_s > 0),
+                   key=lambda n: min(pos[j] for j in facts.savers[n]))
+    last = len(nodes) - 1
+    unpack = [last - max(pos[j] for j in facts.savers[n]) for n in saved]
+    backward = []
+    for i, n in enumerate(saved):
+        later = unpack[i + 1:i + 1 + prefetch]
+        backward.append(TimedGather(min([unpack[i], *later]), unpack[i],
+                                    gather[n].backward_s, gather[n].backward_at_wait_s))
+    backward.sort(key=lambda g: (g.issued_at, g.used_at))
+    return forward, backward
+
+
 def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
                   prefetch: int, gather_bucket_bytes: int, regathered: set[str],
                   reduces: Sequence[TimedReduce] = (), in_flight: int = 1) -> float:
@@ -284,38 +324,11 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     flight together save ([Note: collectives together]), credited whole."""
     if devices.world_size <= 1:
         return 0.0
-    nodes, pos = facts.nodes, facts.pos
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
-    forward, backward = [], []
-    if prefetch > 0:
-        gather = {node: gather_s(params[name], devices, regathered=name in regathered)
-                  for node, name in facts.param_of.items()}
-        latency = collective_time_s("all_gather", 0, devices)
-        # forward: bucket i starts after the gather of bucket i - d (at its first use)
-        buckets = sharded_gather_buckets(facts, params, devices.world_size, gather_bucket_bytes)
-        use = [min(pos[u] for u in facts.param_uses(b[0])) for b in buckets]
-        seconds = [max(0.0, sum(gather[n].forward_s for n in b) - latency * (len(b) - 1))
-                   for b in buckets]
-        # a bucket's later stages: its members' less the latencies its riders save there
-        later = [max(0.0, sum(gather[n].forward_at_wait_s for n in b) - (len(b) - 1) * (
-            gather_s(dataclasses.replace(params[facts.param_of[b[0]]], numel=0), devices,
-                     regathered=False).forward_at_wait_s)) for b in buckets]
-        forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
-                               seconds[i], min(seconds[i], later[i]))
-                   for i in range(len(buckets))]
-        # backward: re-gathered groups in the order forward saved them; unpacking the one
-        # saved at index j starts the re-gathers of those saved at j - d .. j - 1
-        saved = sorted((n for n, name in facts.param_of.items()
-                        if traits(params[name].strategy).freed_after_forward
-                        and facts.savers.get(n) and gather[n].backward_s > 0),
-                       key=lambda n: min(pos[j] for j in facts.savers[n]))
-        last = len(nodes) - 1
-        unpack = [last - max(pos[j] for j in facts.savers[n]) for n in saved]
-        for i, n in enumerate(saved):
-            later = unpack[i + 1:i + 1 + prefetch]
-            backward.append(TimedGather(min([unpack[i], *later]), unpack[i],
-                                        gather[n].backward_s, gather[n].backward_at_wait_s))
-        backward.sort(key=lambda g: (g.issued_at, g.used_at))
+    forward, backward = (timed_gathers(facts, params, devices, prefetch=prefetch,
+                                       gather_bucket_bytes=gather_bucket_bytes,
+                                       regathered=regathered)
+                         if prefetch > 0 else ([], []))
     if not (forward or backward or reduces):
         return 0.0
     total = sum(g.seconds for g in (*forward, *backward)) + sum(r.seconds for r in reduces)
@@ -334,6 +347,79 @@ def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     share = beyond / total if total > 0 else 0.0
     return (devices.overlap_efficiency * share * max(0.0, total - one_at_a_time)
             + max(0.0, one_at_a_time - together))
+
+
+# [Note: the wait after a stretch of computation]
+# Ranks that compute without synchronising drift apart: on the CPU, where every rank's
+# process and gloo's threads share the cores, one rank falls behind another by milliseconds
+# within a forward. A blocking collective then waits for the last rank to arrive: its time in
+# a step is its price (the link figures, timed after a short matmul, as collectives follow one
+# another in a sharded step) plus what the ranks drifted apart since they last synchronised.
+# ``detect`` measures that wait after ``SYNC_STRETCH_S`` of computation (``Devices.
+# sync_wait_s``: a small all-gather after that much matmul, against the matmul alone); after a
+# shorter stretch ``c`` the step model charges the share ``c / SYNC_STRETCH_S`` of it. How
+# that line follows the waits measured after stretches of other lengths: ``docs/cost-models.md``.
+# The ranks synchronise where they wait for a collective: each gather's wait, and the end of
+# backward, which waits for the gradients' collectives. What drifts is the computation
+# between the last of those and the issue of the next collective, so a gather prefetched at
+# another's wait is issued right after a synchronisation and waits for nothing more, while
+# the first gather of forward (after the optimizer step and the forward before it), the
+# first re-gather of backward, a gather of a plan that shards a few groups far apart, and the
+# last gradient collective of backward (issued after the computation since the last wait)
+# each pay their share. A step's wait at its end follows a whole forward and backward under
+# ``replicate`` and pays ``sync_wait_s`` whole; the same wait under ``full_shard`` follows its
+# last re-gather. The share is charged at the profiled batch and does not scale with it.
+
+
+def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[float],
+                     forward: Sequence[TimedGather], backward: Sequence[TimedGather],
+                     reduces: Sequence[TimedReduce], *, between_steps_s: float) -> list[float]:
+    """For each collective of one step the ranks block on (the gathers ``forward`` on the
+    forward lane ``fwd_compute_s`` and ``backward`` on the backward lane ``bwd_compute_s``, and
+    the last of the gradient collectives ``reduces``, waited for at the end of backward), the
+    computation between the ranks' last synchronisation and its issue ([Note: the wait after a
+    stretch of computation]). The ranks synchronise at each gather's wait and at the end of
+    backward; ``between_steps_s`` separates one step's end from the next one's forward (the
+    optimizer step). A collective issued at a wait of the same step position follows it."""
+    fwd_at = [0.0, *itertools.accumulate(fwd_compute_s)]
+    bwd_at = [fwd_at[-1] + t for t in (0.0, *itertools.accumulate(bwd_compute_s))]
+    end = bwd_at[-1]
+    syncs = [(fwd_at[g.used_at], ("forward", i)) for i, g in enumerate(forward)]
+    syncs += [(bwd_at[g.used_at], ("backward", i)) for i, g in enumerate(backward)]
+    issues = [(fwd_at[g.issued_at], ("forward", i)) for i, g in enumerate(forward)]
+    issues += [(bwd_at[g.issued_at], ("backward", i)) for i, g in enumerate(backward)]
+    if reduces:
+        last = len(bwd_compute_s) - 1
+        syncs.append((end, ("end", 0)))
+        issues.append((max(bwd_at[min(max(r.ready_at, 0), last) + 1] for r in reduces),
+                       ("end", 0)))
+    if not syncs:
+        return []
+    cycle = end + between_steps_s  # the same synchronisation one step before
+    stretches = []
+    for t, key in issues:
+        before = [s for s, other in syncs if s < t or (s == t and other != key)]
+        since = max(before) if before else max(s for s, _ in syncs) - cycle
+        stretches.append(max(0.0, t - since))
+    return stretches
+
+
+def sync_wait_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
+                prefetch: int, gather_bucket_bytes: int, regathered: set[str],
+                reduces: Sequence[TimedReduce], between_steps_s: float) -> float:
+    """Seconds one step's blocking collectives wait for the ranks to arrive beyond their price:
+    ``Devices.sync_wait_s`` for each, at the share of ``SYNC_STRETCH_S`` the computation before
+    it since the ranks last synchronised takes (:func:`sync_stretches_s`, [Note: the wait after
+    a stretch of computation])."""
+    if devices.world_size <= 1 or not devices.sync_wait_s:
+        return 0.0
+    fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
+    forward, backward = timed_gathers(facts, params, devices, prefetch=prefetch,
+                                      gather_bucket_bytes=gather_bucket_bytes,
+                                      regathered=regathered)
+    stretches = sync_stretches_s(fwd_compute, bwd_compute, forward, backward, reduces,
+                                 between_steps_s=between_steps_s)
+    return devices.sync_wait_s * sum(min(1.0, c / SYNC_STRETCH_S) for c in stretches)
 
 
 def latency_s(collective: str, devices: Devices) -> float:

@@ -30,7 +30,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
 A plan's predicted step time is total compute + the communication of every group + the
 optimizer + the runtime's host time (``Devices.param_host_time_s`` per group; where the host
 runs ahead of the device, a GPU, the longer of the host's and the device's lanes: [Note: the
-host lane]) - the collective time the computation hides (:mod:`.overlap`: the all-gathers its
+host lane]) + what its blocking collectives wait for the ranks to arrive after a stretch of
+computation ([Note: the wait after a stretch of computation] in :mod:`.overlap`) - the
+collective time the computation hides (:mod:`.overlap`: the all-gathers its
 prefetching starts early, and the gradient reduce-scatters and all-reduces backward runs
 asynchronously, within the schedule's window of collectives in flight). The plan's schedule
 (``buckets.Schedule``) sets the prefetch distance, which small parameters share a gather
@@ -64,7 +66,7 @@ from .graph_facts import (
     sharded_gather_buckets,
 )
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from .overlap import TimedReduce, hidden_comm_s, reduce_at_wait_s, reduce_s
+from .overlap import TimedReduce, hidden_comm_s, reduce_at_wait_s, reduce_s, sync_wait_s
 from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH
 
@@ -174,8 +176,9 @@ def group_cost(
     gradients in all-reduce buckets of ``reduce_bucket_bytes``); accumulating
     over ``grad_accumulation`` > 1 micro-batches with ``no_sync()``, a sharded group also holds
     its padded full gradient in the reduce dtype for the whole step. ``among_sharded``: the
-    plan shards other groups, so a replicated one is a ``Replicate()`` DTensor too, and the
-    optimizer steps it at the per-tensor time over DTensors ([Note: the host lane])."""
+    plan shards other groups, so a replicated one is a ``Replicate()`` DTensor too: the
+    optimizer steps it at the per-tensor time over DTensors, and the runtime spends
+    ``Devices.replica_host_time_s`` more on it ([Note: the host lane])."""
     world = devices.world_size
     full = state.numel * state.reduce_size  # the gradient, as reduced
     chunks = shard_count(state.strategy, world, devices.ranks_per_node)
@@ -220,7 +223,8 @@ def group_cost(
         strategy=state.strategy, compute_s=compute_s, comm_s=comm_s,
         comm_bytes=sum(st.nbytes for st in stages), optim_s=optim_s,
         persistent_bytes=persistent, transient_bytes=transient,
-        host_s=devices.param_host_time_s.get(state.strategy, 0.0),
+        host_s=devices.param_host_time_s.get(state.strategy, 0.0) + (
+            devices.replica_host_time_s if among_sharded and not t.sharded else 0.0),
     )
 
 
@@ -235,10 +239,11 @@ def group_cost(
 # bucket (its first member's); the optimizer's per-tensor time
 # over sharded parameters (DTensors) is measured apart (``optimizer_sharded_tensor_time_s``),
 # and charged to a replicated group too where the plan shards others: the compiled module then
-# hands it to the optimizer as a ``Replicate()`` DTensor (``runtime/sharded.py``). What the
-# runtime spends on such a group besides (the hook that makes its gradient a DTensor, [Note:
-# a replicated parameter's local leaf]) is not measured apart: the probe times replicated
-# groups as plain tensors.
+# hands it to the optimizer as a ``Replicate()`` DTensor (``runtime/sharded.py``), and what
+# the runtime spends on such a group besides (the hook that makes its gradient a DTensor,
+# [Note: a replicated parameter's local leaf]) is measured apart too
+# (``Devices.replica_host_time_s``: the probe's replicated chain as such DTensors) and
+# charged to it.
 # Where the host is the device (the CPU: ``Devices.host_overlaps_device`` False), the lanes
 # are one: every host second is a second of the step, and the step is compute + communication
 # + optimizer + host. Where the host runs ahead of the device (a GPU), forward and backward
@@ -264,7 +269,8 @@ class StepTime:
     compute_s: float
     """Forward + backward of every operator."""
     comm_s: float
-    """Collectives, less the all-gather time prefetching hides (``overlap``)."""
+    """Collectives, and what they wait for the ranks to arrive (``sync_wait_s``), less the
+    collective time the computation hides (``overlap``)."""
     optim_s: float
     """Optimizer step."""
     step_time_expr: sympy.Expr
@@ -276,6 +282,9 @@ class StepTime:
     GPU's profile, ``NodeProfile.host_time_s``); 0 where the host computes."""
     host_overlaps_device: bool = False
     """Whether the host lane runs beside the device's (``Devices.host_overlaps_device``)."""
+    sync_wait_s: float = 0.0
+    """Of ``comm_s``, what the blocking collectives wait for the ranks to arrive beyond their
+    price ([Note: the wait after a stretch of computation] in ``overlap.py``)."""
 
     @property
     def step_s(self) -> float:
@@ -433,15 +442,19 @@ def predict_step_time(
             reduces.append(TimedReduce(scatter_ready, scatter_s, "reduce_scatter",
                                        min(scatter_s, max(0.0, scatter_later_s))))
     compute_s = other_s + sum(per_group.values())
-    comm_s = sum(c.comm_s for c in costs.values()) - hidden_comm_s(
+    optim_s = sum(c.optim_s for c in costs.values())
+    waits_s = sync_wait_s(facts, params, devices, prefetch=schedule.prefetch,
+                          gather_bucket_bytes=schedule.gather_bucket_bytes,
+                          regathered=regathered, reduces=reduces, between_steps_s=optim_s)
+    comm_s = sum(c.comm_s for c in costs.values()) + waits_s - hidden_comm_s(
         facts, params, devices, prefetch=schedule.prefetch,
         gather_bucket_bytes=schedule.gather_bucket_bytes, regathered=regathered,
         reduces=reduces, in_flight=schedule.scatters_in_flight)
-    optim_s = sum(c.optim_s for c in costs.values())
     host_s = sum(c.host_s for c in costs.values())
     dispatch_s = 0.0  # the profile's per-node dispatch overcounts ([Note: the host lane])
     overlaps = devices.host_overlaps_device
     expr = lanes_s(sympy.Float(compute_s) * BATCH / profiled_batch, sympy.Float(comm_s),
                    sympy.Float(optim_s), sympy.Float(host_s), dispatch_s=sympy.Float(dispatch_s),
                    host_overlaps_device=overlaps)
-    return StepTime(compute_s, comm_s, optim_s, expr, host_s, dispatch_s, overlaps), costs
+    return StepTime(compute_s, comm_s, optim_s, expr, host_s, dispatch_s, overlaps,
+                    waits_s), costs

@@ -287,9 +287,7 @@ def _footer(plan: Plan) -> list[str]:
         lines.append(
             f"predicted per rank ({pr.optimizer}, batch {pr.batch_size}"
             + (f", figures {pr.figures}" if pr.figures else "") + "): step "
-            f"{pr.step_time_s * 1e3:.2f} ms (compute {pr.compute_s * 1e3:.2f}, communication "
-            f"{pr.comm_s * 1e3:.2f}, optimizer {pr.optim_s * 1e3:.2f}"
-            + (f", runtime host {pr.host_s * 1e3:.2f}" if pr.host_s else "") + "); peak memory "
+            f"{pr.step_time_s * 1e3:.2f} ms ({pr.time_parts()}); peak memory "
             f"{format_bytes(pr.peak_memory_bytes)} at {pr.peak_at}")
         if pr.peak_by_category:
             lines.append(f"peak memory by category: {pr.breakdown()}")

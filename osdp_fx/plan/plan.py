@@ -207,7 +207,9 @@ class Prediction:
     compute_s: float
     """Forward and backward of every operator."""
     comm_s: float
-    """Collectives, less the all-gather time prefetching is predicted to hide."""
+    """Collectives and their waits for the ranks to arrive (``sync_wait_s``), less the
+    collective time prefetching and asynchronous gradient collectives are predicted to
+    hide."""
     optim_s: float
     """Optimizer step."""
     peak_memory_bytes: int
@@ -263,6 +265,18 @@ class Prediction:
     host_s: float = 0.0
     """The runtime's host time per step beyond its collectives and operators (measured per
     parameter by ``detect_devices``; 0 with figures that do not measure it)."""
+    sync_wait_s: float = 0.0
+    """Of ``comm_s``, what the blocking collectives wait for the ranks to arrive after a
+    stretch of computation (``Devices.sync_wait_s``; [Note: the wait after a stretch of
+    computation] in ``cost_models/overlap.py``)."""
+
+    def time_parts(self) -> str:
+        """The step's parts in milliseconds, as the plan prints them."""
+        waits = (f" with {self.sync_wait_s * 1e3:.2f} of waiting for the ranks"
+                 if self.sync_wait_s else "")
+        host = f", runtime host {self.host_s * 1e3:.2f}" if self.host_s else ""
+        return (f"compute {self.compute_s * 1e3:.2f}, communication {self.comm_s * 1e3:.2f}"
+                f"{waits}, optimizer {self.optim_s * 1e3:.2f}{host}")
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

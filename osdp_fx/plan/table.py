@@ -72,9 +72,7 @@ def plan_table(plan: Any) -> str:
             + (f" x sequence {pr.seq_len}" if pr.seq_len else "")
             + (f", memory of {pr.grad_accumulation} micro-batches per step with no_sync"
                if pr.grad_accumulation > 1 else "") + "): step "
-            f"{pr.step_time_s * 1e3:.2f} ms (compute {pr.compute_s * 1e3:.2f}, communication "
-            f"{pr.comm_s * 1e3:.2f}, optimizer {pr.optim_s * 1e3:.2f}"
-            + (f", runtime host {pr.host_s * 1e3:.2f}" if pr.host_s else "") + "); peak memory "
+            f"{pr.step_time_s * 1e3:.2f} ms ({pr.time_parts()}); peak memory "
             f"{format_bytes(pr.peak_memory_bytes)} at {pr.peak_at}"
         )
         if pr.peak_by_category:

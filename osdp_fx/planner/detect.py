@@ -21,7 +21,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core.devices import OPTIMIZERS, OVERLAP_EFFICIENCY, Devices, device_memory_bytes
+from ..core.devices import (
+    OPTIMIZERS,
+    OVERLAP_EFFICIENCY,
+    SYNC_STRETCH_S,
+    Devices,
+    device_memory_bytes,
+)
 from ..core.presets import GPU_MEMORY_MARGIN, GPU_MEMORY_MARGIN_EXPANDABLE
 from ..core.layout import WORLD
 from ..core.strategies import COLLECTIVES
@@ -163,9 +169,10 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     if world_size > 1:
         figures.update(_measure_links(group, device, world_size, ranks_per_node))
         figures["concurrent_collective_ratio"] = _concurrent_collective_ratio(group, device)
-        figures.update(_overlap_figures(group, device, Devices(
-            world_size=world_size, ranks_per_node=None if ranks_per_node == world_size
-            else ranks_per_node, **figures)))
+        links = Devices(world_size=world_size, ranks_per_node=None if ranks_per_node == world_size
+                        else ranks_per_node, **figures)
+        figures.update(_overlap_figures(group, device, links))
+        figures["sync_wait_s"] = _sync_wait_s(group, device, links)
     devices = Devices(
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
@@ -182,8 +189,8 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
 def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], object] | None,
                   world_size: int, distributed: bool) -> dict[str, Any]:
     """What the runtime costs on the host (``host_probe.py``): per parameter and per gather
-    bucket per step by strategy, and the optimizer's per-tensor time over sharded parameters;
-    the slowest rank's."""
+    bucket per step by strategy, per replicated parameter of a plan that shards others, and
+    the optimizer's per-tensor time over sharded parameters; the slowest rank's."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if distributed else 0
@@ -203,11 +210,13 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
                                                  world_size=world_size, rank=rank, device=device)
     share = _wall_per_cpu_second(barrier) if device.type == "cpu" else 1.0
     slowest = iter(_all_reduce_floats(
-        [share * t for t in (*param_s.values(), *bucket_s.values(), *optimizer_s)],
+        [share * t for t in (*param_s.values(), *bucket_s.values(), *optimizer_s,
+                             host.replica_s)],
         "max", None, device, distributed))
     return {"param_host_time_s": dict(zip(param_s, slowest)),
             "bucket_host_time_s": dict(zip(bucket_s, slowest)),
-            "optimizer_sharded_tensor_time_s": dict(zip(optimizers, slowest))}
+            "optimizer_sharded_tensor_time_s": dict(zip(optimizers, slowest)),
+            "replica_host_time_s": next(slowest)}
 
 
 def _wall_per_cpu_second(barrier: Callable[[], object] | None) -> float:
@@ -346,6 +355,41 @@ def _overlap_figures(group: Any, device: Any, links: Devices) -> dict[str, Any]:
             "overlap_hides_latency": False}
 
 
+def _sync_wait_s(group: Any, device: Any, links: Devices) -> float:
+    """``Devices.sync_wait_s`` for the ranks of ``group`` on ``device``: matmuls for about
+    ``SYNC_STRETCH_S`` (the same count on every rank, from the slowest rank's matmul), then a
+    ``_SYNC_BYTES`` all-gather waited for, against the matmuls alone, timed interleaved
+    (``_interleaved_times_s``, each run a few of them back to back after a barrier); the
+    slowest rank's difference, less the all-gather's price at ``links`` (the link figures
+    measured), at least 0 ([Note: the wait after a stretch of computation] in
+    ``cost_models/overlap.py``)."""
+    import torch
+    import torch.distributed as dist
+
+    size, name = dist.get_world_size(group), _group_name(group)
+    start = collective_starts(size * _SYNC_BYTES // 4 // size, size, name, device)["all_gather"]
+    a, b = filler_operands(device)
+    count, = _all_reduce_floats([SYNC_STRETCH_S / _median_time_s(lambda: torch.mm(a, b), device)],
+                                "max", group, device, True)
+
+    def compute() -> None:
+        for _ in range(max(1, round(count))):
+            torch.mm(a, b)
+
+    def then_gather() -> None:
+        compute()
+        start().wait()
+
+    computed, gathered = _all_reduce_floats(
+        _interleaved_times_s([compute, then_gather], device,
+                             barrier=lambda: dist.barrier(group=group), rounds=_PROBE_ROUNDS),
+        "max", group, device, True)
+    price = collective_time_s("all_gather", _SYNC_BYTES, links, group_size=size)
+    return max(0.0, gathered - computed - price)
+
+
+_SYNC_BYTES = 256
+"""Bytes of the all-gather the sync-wait probe runs: a small one, whose time is its latency."""
 _OVERLAP_BYTES = 2**22
 """Bytes of the all-gather the overlap probe runs: one of the larger ones sharded plans
 gather, whose time is mostly its bytes'."""

@@ -1,6 +1,6 @@
 """What the runtime itself costs on the host, measured: ``detect_devices``'s probe of the figures
-``Devices.param_host_time_s``, ``Devices.bucket_host_time_s`` and
-``Devices.optimizer_sharded_tensor_time_s``.
+``Devices.param_host_time_s``, ``Devices.bucket_host_time_s``,
+``Devices.replica_host_time_s`` and ``Devices.optimizer_sharded_tensor_time_s``.
 
 A compiled step spends host time that neither its operators' profile nor its collectives'
 link figures hold ([Note: the host lane] in ``cost_models/step.py``): per sharded parameter,
@@ -18,9 +18,11 @@ The difference divided by 32 is one parameter's time; the same chain over plain 
 the same way, is subtracted (its operators are the profile's). The collectives are the same in
 both runs (one bucket), so their time cancels too. A bucket's time is the chain of 40 gathered
 in 8 buckets against the same chain in one, less the time of one bucket's collectives run bare
-(which the link figures hold). Every chain is timed in the same rounds, one after the other in
-each round (``detect_devices``' interleaved timing), so the differences are of runs that met
-the same state of the machine. On the CPU each is timed by the rank's own thread's clock
+(which the link figures hold). A replicated parameter of a plan that shards others: the
+replicated chains with their weights as ``Replicate()`` DTensors read as leaves of autograd,
+their slope less the plain replicated chains' (in a world of several ranks only). Every
+chain is timed in the same rounds, one after the other in each round (``detect_devices``'
+interleaved timing), so the differences are of runs that met the same state of the machine. On the CPU each is timed by the rank's own thread's clock
 ([Note: host time by the thread's clock] in ``planner/detect.py``).
 """
 
@@ -52,6 +54,9 @@ class HostTimes:
     bucket_s: dict[str, float]
     """Per gather bucket beyond its members, for the sharded strategies
     (``Devices.bucket_host_time_s``)."""
+    replica_s: float = 0.0
+    """Per replicated parameter of a plan that shards others, beyond its figure in ``param_s``
+    (``Devices.replica_host_time_s``)."""
 
 
 def runtime_host_times(times: Callable[[Sequence[Callable[[], object]]], list[float]], *,
@@ -82,6 +87,10 @@ def runtime_host_times(times: Callable[[Sequence[Callable[[], object]]], list[fl
                                           buckets=PROBE_BUCKETS)
     runs["bare", high // PROBE_BUCKETS] = _bucket_collectives(fs, high // PROBE_BUCKETS,
                                                               world_size, device)
+    if world_size > 1:
+        for k in PROBE_PARAMS:
+            runs["replica", k] = _runtime_step(Strategy.REPLICATE, k, world_size, rank, device,
+                                               as_replicas=True)
     t = dict(zip(runs, times(list(runs.values()))))
 
     def slope(kind: str) -> float:
@@ -92,7 +101,9 @@ def runtime_host_times(times: Callable[[Sequence[Callable[[], object]]], list[fl
         param_s.setdefault(strategy.value, param_s[fs.value])
     bucket = max(0.0, (t["buckets", high] - t[fs.value, high]) / (PROBE_BUCKETS - 1)
                  - t["bare", high // PROBE_BUCKETS])
-    return HostTimes(param_s, {s.value: bucket for s in Strategy if traits(s).sharded})
+    replica = (max(0.0, slope("replica") - slope(Strategy.REPLICATE.value))
+               if world_size > 1 else 0.0)
+    return HostTimes(param_s, {s.value: bucket for s in Strategy if traits(s).sharded}, replica)
 
 
 def sharded_optimizer_tensor_times(
@@ -166,10 +177,14 @@ def _plain_step(k: int, device: Any) -> Callable[[], object]:
 
 
 def _runtime_step(strategy: Strategy, k: int, world_size: int, rank: int,
-                  device: Any, *, buckets: int = 1) -> Callable[[], object]:
+                  device: Any, *, buckets: int = 1,
+                  as_replicas: bool = False) -> Callable[[], object]:
     """One forward and backward of the probe's chain as a compiled module runs it under
     ``strategy``, a sharded chain gathered in ``buckets`` buckets of equal length (gradients
-    set to None after each, as ``zero_grad()`` does)."""
+    set to None after each, as ``zero_grad()`` does); ``as_replicas``: a replicated chain's
+    weights are ``Replicate()`` DTensors read as the leaves of autograd, as in a plan that
+    shards other groups (``runtime/sharded.py``, [Note: a replicated parameter's local
+    leaf])."""
     import torch
 
     from ..runtime.accumulation import GradSync, HeldGrads
@@ -182,7 +197,7 @@ def _runtime_step(strategy: Strategy, k: int, world_size: int, rank: int,
         make_shard,
     )
     from ..runtime.reducer import GradReducer
-    from ..runtime.sharded import as_dtensor
+    from ..runtime.sharded import as_dtensor, as_replicated, local_param, read_locally
 
     side, shape = PROBE_SIDE, (PROBE_SIDE, PROBE_SIDE)
     fulls = [torch.nn.Parameter(torch.randn(shape, device=device)) for _ in range(k)]
@@ -194,6 +209,13 @@ def _runtime_step(strategy: Strategy, k: int, world_size: int, rank: int,
         replicated = []
     else:
         params = replicated = fulls
+    holder = None  # the replicas' module: their hooks hold it weakly
+    if as_replicas:
+        holder = torch.nn.Module()
+        for i, f in enumerate(fulls):
+            holder.register_parameter(f"w{i}", as_replicated(f, world_size=world_size))
+            read_locally(holder.get_parameter(f"w{i}"), holder, f"w{i}")
+        params = replicated = list(holder.parameters())
     held = HeldGrads()
     runtime = ModuleRuntime(
         GradSync(GradReducer(replicated, WORLD), GradReduceScatters(held=held), held),
@@ -203,6 +225,8 @@ def _runtime_step(strategy: Strategy, k: int, world_size: int, rank: int,
     def step() -> None:
         with runtime.forward() as scope:
             weights = params
+            if holder is not None:  # the leaves, read as the graph reads them
+                weights = [local_param(p) for p in holder.parameters()]
             if t.sharded:
                 per = k // buckets
                 weights = [w for i in range(0, k, per) for w in all_gather_params(

@@ -366,7 +366,7 @@ def predict(analysis: Analysis, plan: Plan, setting: StepSetting) -> Plan:
         peak_by_category=memory.peak_by_category, memory_timeline=memory.timeline,
         grad_accumulation=setting.grad_accumulation, regions=region_rows(
             analysis.facts, setting.devices, recompute, scale),
-        figures=setting.devices.figures, host_s=step.host_s,
+        figures=setting.devices.figures, host_s=step.host_s, sync_wait_s=step.sync_wait_s,
     )
     regathered = analysis.regathered | recomputed_params(
         analysis.facts, region_spans(analysis.facts, recompute))

@@ -83,6 +83,25 @@ def test_replicated_groups_among_sharded_ones_step_at_the_dtensor_rate(tmp_path)
     assert one_sharded.optim_s == pytest.approx(reference.optim_s + 6 * dtensor)
 
 
+def test_replicated_groups_among_sharded_ones_pay_the_replicas_host_time(tmp_path) -> None:
+    """Where a plan shards a group, each replicated group is a ``Replicate()`` DTensor read as
+    a leaf, and pays ``replica_host_time_s`` beyond its strategy's host time; where it
+    replicates every group, none does."""
+    extra = 50e-6
+    devices = Devices(**_fields(DEVICES), replica_host_time_s=extra)
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text('{"format": "osdp-fx-plan", "version": 1, "default": "replicate", '
+                     '"params": {"layers.0.weight": "full_shard"}}')
+    assert (_planned("replicate", devices).plan.prediction.host_s
+            == _planned("replicate", DEVICES).plan.prediction.host_s)
+    reference = _planned(str(mixed), DEVICES).plan
+    one_sharded = _planned(str(mixed), devices).plan
+    # the five replicated groups, not the sharded one
+    assert one_sharded.prediction.host_s == pytest.approx(reference.prediction.host_s
+                                                          + 5 * extra)
+    assert one_sharded.step_time_s == pytest.approx(reference.step_time_s + 5 * extra)
+
+
 @pytest.mark.parametrize("strategy", ["replicate", "shard_grad_op", "full_shard"])
 def test_each_group_pays_its_strategys_host_time_once_per_step(strategy: str) -> None:
     base = _planned(strategy, DEVICES).plan
@@ -164,6 +183,8 @@ def test_detect_devices_measures_the_host_figures_in_one_process() -> None:
     assert all(0 <= t < 0.1 and math.isfinite(t) for t in devices.bucket_host_time_s.values())
     assert set(devices.optimizer_sharded_tensor_time_s) == {"sgd", "sgd_momentum", "adam",
                                                             "adamw"}
+    # one rank shards nothing: no replicas among sharded groups, no ranks to wait for
+    assert devices.replica_host_time_s == 0.0 and devices.sync_wait_s == 0.0
     assert devices.host_overlaps_device is False  # this CPU
 
 

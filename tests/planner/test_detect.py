@@ -125,6 +125,10 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
         node.concurrent_collective_ratio)
     # measured on the CPU: a share, applied beyond a collective's latency
     assert 0 <= node.overlap_efficiency <= 1 and not node.overlap_hides_latency
+    # the wait after a stretch of computation, and the host time of a replicated parameter
+    # among sharded ones: measured, and within what a step on this CPU could hold
+    assert 0 <= node.sync_wait_s < 0.05 and 0 <= node.replica_host_time_s < 0.005
+    assert Devices.from_json(tmp_path / "node.0.json").sync_wait_s == node.sync_wait_s
 
     nodes = two_nodes[0]
     assert (nodes.world_size, nodes.ranks_per_node, nodes.num_nodes) == (2, 1, 2)

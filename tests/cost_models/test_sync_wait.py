@@ -1,0 +1,106 @@
+"""The wait of a blocking collective after a stretch of computation ([Note: the wait after a
+stretch of computation] in ``cost_models/overlap.py``): which collectives pay it and after how
+much computation, worked by hand, and what a plan's prediction charges for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from osdp_fx import Devices
+from osdp_fx.core.devices import SYNC_STRETCH_S
+from osdp_fx.core.setting import StepSetting
+from osdp_fx.cost_models.overlap import TimedGather, TimedReduce, sync_stretches_s
+from osdp_fx.errors import InputError
+from osdp_fx.examples import MLP
+from osdp_fx.passes.capture import capture
+from osdp_fx.planner.make import plan_model
+
+MS = 1e-3
+
+
+def test_each_blocking_collective_pays_for_the_computation_since_the_last_wait() -> None:
+    """Forward lane 1, 2, 3, 4 ms and backward lane 4, 3, 2, 1 ms (a step of 20 ms), the
+    optimizer step 0.5 ms between steps. The ranks wait at the first gather (forward step 0),
+    the second (step 2, 3 ms in), the re-gather (backward step 1, 14 ms in) and the end of
+    backward (20 ms)."""
+    forward = [TimedGather(0, 0, 1.0), TimedGather(0, 2, 1.0)]  # the second prefetched at 0
+    backward = [TimedGather(1, 1, 1.0)]
+    reduces = [TimedReduce(3, 1.0, "reduce_scatter"), TimedReduce(1, 1.0, "all_reduce")]
+    stretches = sync_stretches_s([1 * MS, 2 * MS, 3 * MS, 4 * MS],
+                                 [4 * MS, 3 * MS, 2 * MS, 1 * MS],
+                                 forward, backward, reduces, between_steps_s=0.5 * MS)
+    assert stretches == pytest.approx([
+        0.5 * MS,  # the first gather: since the end of the step before, and its optimizer step
+        0.0,  # prefetched at the first one's wait: right after a synchronisation
+        11 * MS,  # the re-gather, at 14 ms: since the second gather's wait at 3 ms
+        6 * MS,  # the last gradient collective, issued at 20 ms: since the re-gather's wait
+    ])
+
+
+def test_without_gathers_the_step_end_follows_a_whole_step() -> None:
+    """``replicate``: the one wait is the end of backward, after forward, backward and the
+    optimizer step; without gradient collectives nothing waits."""
+    lanes = ([2 * MS, 3 * MS], [3 * MS, 2 * MS])
+    reduces = [TimedReduce(0, 1.0, "all_reduce"), TimedReduce(1, 1.0, "all_reduce")]
+    assert sync_stretches_s(*lanes, [], [], reduces, between_steps_s=1 * MS) == (
+        pytest.approx([11 * MS]))
+    assert sync_stretches_s(*lanes, [], [], [], between_steps_s=1 * MS) == []
+
+
+def _predicted(plan: str, devices: Devices, tmp_path):
+    if plan.endswith(".json"):
+        path = tmp_path / plan
+        path.write_text('{"format": "osdp-fx-plan", "version": 1, "default": "replicate", '
+                        '"params": {"layers.2.weight": "full_shard"}}')
+        plan = str(path)
+    torch.manual_seed(0)
+    model, x = MLP((64, 128, 128, 64)), torch.randn(8, 64)
+    planned = plan_model(capture(model, (x,)), (x,), plan, StepSetting(devices, optimizer="sgd"))
+    return planned.plan.prediction
+
+
+DEVICES = dict(world_size=2, memory_bytes=2**30, compute_flops_per_s=1e9,
+               memory_bandwidth_bytes_per_s=1e10)
+
+
+@pytest.mark.parametrize("plan, waits", [
+    ("replicate", 1),  # the end of backward
+    ("last.json", 3),  # the last linear's gather, its re-gather in backward, the end
+])
+def test_a_plan_pays_the_wait_once_per_collective_after_a_long_stretch(plan, waits, tmp_path,
+                                                                       monkeypatch) -> None:
+    """With a stretch of a nanosecond every computation before a collective is long: each
+    blocking collective pays ``sync_wait_s`` whole."""
+    import osdp_fx.cost_models.overlap as overlap
+
+    monkeypatch.setattr(overlap, "SYNC_STRETCH_S", 1e-9)
+    wait = 2 * MS
+    base = _predicted(plan, Devices(**DEVICES), tmp_path)
+    charged = _predicted(plan, Devices(**DEVICES, sync_wait_s=wait), tmp_path)
+    assert base.sync_wait_s == 0.0
+    assert charged.sync_wait_s == pytest.approx(waits * wait)
+    # in the communication, and nothing else moves
+    assert charged.comm_s == pytest.approx(base.comm_s + waits * wait)
+    assert charged.step_time_s == pytest.approx(base.step_time_s + waits * wait)
+    assert charged.compute_s == pytest.approx(base.compute_s)
+
+
+def test_a_short_step_pays_its_share_and_one_rank_nothing(tmp_path) -> None:
+    """The MLP's step (forward, backward and optimizer) is shorter than ``SYNC_STRETCH_S``,
+    so ``replicate``'s one wait is that share of ``sync_wait_s``; one rank waits for none."""
+    wait = 2 * MS
+    step = _predicted("replicate", Devices(**DEVICES, sync_wait_s=wait), tmp_path)
+    assert step.compute_s + step.optim_s < SYNC_STRETCH_S
+    assert step.sync_wait_s == pytest.approx(
+        wait * (step.compute_s + step.optim_s) / SYNC_STRETCH_S)
+    alone = _predicted("replicate", Devices(**dict(DEVICES, world_size=1), sync_wait_s=wait),
+                       tmp_path)
+    assert alone.sync_wait_s == 0.0
+
+
+def test_the_wait_and_the_replicas_host_time_are_checked() -> None:
+    for name in ("sync_wait_s", "replica_host_time_s"):
+        with pytest.raises(InputError, match=name):
+            Devices(**{name: -1e-3})
+        assert getattr(Devices(**{name: 1e-3}), name) == 1e-3
