@@ -190,8 +190,17 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                      "rounds_s": (float(measured[1]), float(measured[2])),
                      "predicted_bytes": pr.peak_memory_bytes,
                      "measured_bytes": peak, "figures": pr.figures,
-                     "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s, pr.host_s)})
+                     "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s, pr.host_s),
+                     "predicted_waits_s": pr.sync_wait_s})
     return rows
+
+
+def _parts_ms(row: dict[str, Any]) -> list[str]:
+    """A row's predicted parts in milliseconds, the communication's waits for the ranks in
+    parentheses."""
+    cells = [f"{x * 1e3:.1f}" for x in row["predicted_parts_s"]]
+    cells[1] += f" ({row['predicted_waits_s'] * 1e3:.1f})"
+    return cells
 
 
 def main() -> None:
@@ -217,7 +226,7 @@ def main() -> None:
                      args.ranks_per_node or args.world_size, timeout_s=1800)[0]
     print("| model | devices | plan | step ms predicted | measured | error | error at the "
           "rounds' speed | rounds | peak MiB predicted | measured | error | predicted compute "
-          "/ comm / optimizer / host ms |")
+          "/ comm (of it waits for the ranks) / optimizer / host ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst_time = worst_memory = 0.0
     within = within_at_speed = 0
@@ -239,7 +248,7 @@ def main() -> None:
               f"{' to '.join(f'{x / measured - 1:+.0%}' for x in r['rounds_s'])} | "
               f"{r['predicted_bytes'] / 2**20:.2f} | "
               f"{r['measured_bytes'] / 2**20:.2f} | {m_err:+.1%} | "
-              f"{' / '.join(f'{x * 1e3:.1f}' for x in r['predicted_parts_s'])} |")
+              f"{' / '.join(_parts_ms(r))} |")
     print()
     print("| model | the plain model's step (no collectives), ms: profiled | measured in the "
           "rounds | profile / rounds |")

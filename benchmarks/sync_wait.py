@@ -1,16 +1,18 @@
-"""How long a blocking collective waits for the other ranks after a stretch of computation:
-the wait a plan pays at each collective it blocks on in the middle of a step (a sharded
-group's all-gather in forward, its re-gather in backward), which the step model does not
-charge ("What a mixed plan costs beyond its collectives" in ``docs/benchmarks.md``).
+"""What a blocking collective takes after a stretch of computation, against what the step model
+charges for it: its price (the link figures) and the wait for the ranks to arrive, the share
+``c / SYNC_STRETCH_S`` of ``Devices.sync_wait_s`` after ``c`` of computation ([Note: the wait
+after a stretch of computation] in ``osdp_fx/cost_models/overlap.py``).
 
-    python benchmarks/sync_wait.py [--world-size 2] [--compute-ms 0 2 5 10 20 40] [--runs 40]
+    python benchmarks/sync_wait.py [--world-size 2] [--compute-ms 0.3 2 5 10 20 40] [--runs 15]
 
-Per stretch: every rank passes a barrier, multiplies 256x256 matrices for about that many
-milliseconds (the same count on every rank, from the slowest rank's timing of one), then
-all-gathers 256 bytes through the runtime's collective function and waits for it. Prints, per
-stretch, each rank's median and mean wait over ``--runs`` runs and the mean over the runs of
-the longest wait among the ranks; on the CPU, one torch thread per rank. Run it with nothing
-else running.
+Starts a gloo world on the CPU (one torch thread per rank) and measures its devices once
+(``detect_devices()``). Per stretch, timed round-robin for ``--runs`` rounds, each run 4 calls
+after a barrier: 256x256 matmuls for about that many milliseconds (the same count on every
+rank, from the slowest rank's timing of one), and the same matmuls followed by a 256-byte
+all-gather through the runtime's collective function, waited for. Prints per stretch each
+rank's mean difference (what the all-gather took after the stretch), the slowest rank's, and
+the model's charge: the all-gather's price plus its share of ``sync_wait_s``. Run it with
+nothing else running.
 """
 
 from __future__ import annotations
@@ -28,52 +30,78 @@ import torch  # noqa: E402
 
 from osdp_fx.runtime.launch import run_world  # noqa: E402
 
+CALLS = 4
+"""Calls per timed run, after one barrier (as ``detect_devices`` times its collectives)."""
+GATHER_BYTES = 256
 
-def waits(rank: int, world: int, compute_ms: list[float], runs: int) -> dict[float, list[float]]:
-    """Per stretch, this rank's wait in seconds for each run (module docstring)."""
+
+def measure(rank: int, world: int, compute_ms: list[float], runs: int) -> dict[str, Any]:
+    """This rank's mean time of the all-gather after each stretch (module docstring), and the
+    model's figures."""
     import torch.distributed as dist
 
+    from osdp_fx import detect_devices
+    from osdp_fx.core.devices import SYNC_STRETCH_S
+    from osdp_fx.cost_models.communication import collective_time_s
     from osdp_fx.runtime.collectives import WORLD, all_gather_flat_start
 
     torch.set_num_threads(1)
-    shard = torch.zeros(64)
+    devices = detect_devices()
+    shard = torch.zeros(GATHER_BYTES // 4 // world)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     start = time.perf_counter()
     for _ in range(20):
         a @ b
     per_mm = torch.tensor((time.perf_counter() - start) / 20, dtype=torch.float64)
     dist.all_reduce(per_mm, op=dist.ReduceOp.MAX)  # the same work on every rank, as in a step
-    out: dict[float, list[float]] = {}
+    after: dict[float, float] = {}
     for ms in compute_ms:
-        count = int(ms / 1e3 / float(per_mm))
-        out[ms] = []
-        for _ in range(runs):
-            dist.barrier()
+        count = max(1, round(ms / 1e3 / float(per_mm)))
+
+        def compute(count: int = count) -> None:
             for _ in range(count):
                 a @ b
-            t0 = time.perf_counter()
+
+        def then_gather() -> None:
+            compute()
             all_gather_flat_start(shard, WORLD).wait()
-            out[ms].append(time.perf_counter() - t0)
-    return out
+
+        times: dict[str, list[float]] = {"compute": [], "gather": []}
+        for _ in range(runs + 1):  # the first round warms up
+            for key, body in (("compute", compute), ("gather", then_gather)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(CALLS):
+                    body()
+                times[key].append((time.perf_counter() - t0) / CALLS)
+        after[ms] = statistics.mean(times["gather"][1:]) - statistics.mean(times["compute"][1:])
+    price = collective_time_s("all_gather", GATHER_BYTES, devices)
+    return {"after": after, "price": price, "sync_wait_s": devices.sync_wait_s,
+            "stretch_s": SYNC_STRETCH_S}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--compute-ms", type=float, nargs="+", default=[0, 2, 5, 10, 20, 40])
-    parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--compute-ms", type=float, nargs="+",
+                        default=[0.3, 2, 5, 10, 20, 40])
+    parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
-    results: list[Any] = run_world(args.world_size, waits, args.compute_ms, args.runs)
-    print(f"world {args.world_size}, {args.runs} runs per stretch; the wait of a 256-byte "
-          "all-gather, ms\n")
-    ranks = " | ".join(f"rank {r}: median / mean" for r in range(args.world_size))
-    print(f"| computation before it, ms | {ranks} | the longest wait, mean |")
-    print("|---:|" + "---:|" * (args.world_size + 1))
+    results: list[dict[str, Any]] = run_world(args.world_size, measure, args.compute_ms,
+                                              args.runs)
+    first = results[0]
+    print(f"world {args.world_size}, {args.runs} rounds per stretch; a {GATHER_BYTES}-byte "
+          f"all-gather after a stretch of matmuls, ms; its price {first['price'] * 1e3:.2f}, "
+          f"sync_wait_s {first['sync_wait_s'] * 1e3:.2f} (detect_devices())\n")
+    ranks = " | ".join(f"rank {r}" for r in range(args.world_size))
+    print(f"| computation before it, ms | {ranks} | the slowest rank | the model's charge |")
+    print("|---:|" + "---:|" * (args.world_size + 2))
     for ms in args.compute_ms:
-        cells = " | ".join(f"{statistics.median(r[ms]) * 1e3:.2f} / "
-                           f"{statistics.mean(r[ms]) * 1e3:.2f}" for r in results)
-        longest = statistics.mean(max(run) for run in zip(*(r[ms] for r in results)))
-        print(f"| {ms:g} | {cells} | {longest * 1e3:.2f} |")
+        cells = " | ".join(f"{r['after'][ms] * 1e3:.2f}" for r in results)
+        slowest = max(r["after"][ms] for r in results)
+        share = min(1.0, ms / 1e3 / first["stretch_s"])
+        charge = first["price"] + share * first["sync_wait_s"]
+        print(f"| {ms:g} | {cells} | {slowest * 1e3:.2f} | {charge * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

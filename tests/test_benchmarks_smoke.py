@@ -7,6 +7,7 @@ that the files and the final JSON line are written. No assertion on any time.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -343,7 +344,9 @@ def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None
             assert cells[7] == "+0% to +0%", row
             # at the rounds' speed: the computation and optimizer step at the plain model's
             predicted, step = float(cells[3]), float(cells[4])
-            compute, _, optim, _ = (float(x) for x in cells[-1].strip(" |").split(" / "))
+            compute, comm, optim, _ = cells[-1].strip(" |").split(" / ")
+            assert float(comm.split(" (")[0]) >= float(comm.split(" (")[1].rstrip(")")), row
+            compute, optim = float(compute), float(optim)
             at_speed = predicted + (compute + optim) * (measured / profiled - 1)
             assert float(cells[6].rstrip("%")) == pytest.approx(
                 (at_speed / step - 1) * 100, abs=0.3), row
@@ -479,14 +482,18 @@ def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase(tmp_path) -> No
     assert "aten::addmm" in (tmp_path / "1-rank0.txt").read_text()
 
 
-def test_sync_wait_prints_each_ranks_wait_per_stretch() -> None:
-    """benchmarks/sync_wait.py at world 2, two stretches of 3 runs: a row each, every wait
-    positive, the longest at least each rank's mean."""
-    rows, out = benchmark_rows("sync_wait.py", "--compute-ms", "0", "2", "--runs", "3",
+def test_sync_wait_prints_each_stretch_against_the_models_charge() -> None:
+    """benchmarks/sync_wait.py at world 2, two stretches of 2 rounds: a row each, the slowest
+    rank's time the largest of the ranks', the model's charge its price plus at most
+    ``sync_wait_s``, more after the longer stretch where the wait is measured."""
+    rows, out = benchmark_rows("sync_wait.py", "--compute-ms", "0.3", "12", "--runs", "2",
                                timeout=300)
     rows = [cells for cells in rows if not cells[0].strip().startswith("computation")]
-    assert [float(cells[0]) for cells in rows] == [0.0, 2.0], out
+    assert [float(cells[0]) for cells in rows] == [0.3, 12.0], out
+    price, wait = (float(x) for x in re.findall(r"price ([\d.]+), sync_wait_s ([\d.]+)", out)[0])
+    assert price > 0 and wait >= 0, out
     for cells in rows:
-        means = [float(cell.split("/")[1]) for cell in cells[1:3]]
-        assert all(float(x) > 0 for cell in cells[1:3] for x in cell.split("/")), cells
-        assert float(cells[3]) >= max(means) - 0.01, cells
+        assert float(cells[3]) == max(float(cells[1]), float(cells[2])), cells
+    short, long = (float(cells[4]) for cells in rows)
+    assert long == pytest.approx(price + wait, abs=0.011), out  # past the stretch: the whole
+    assert short == pytest.approx(price + 0.03 * wait, abs=0.011), out  # 0.3 of 10 ms

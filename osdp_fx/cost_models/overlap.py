@@ -375,32 +375,56 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
                      forward: Sequence[TimedGather], backward: Sequence[TimedGather],
                      reduces: Sequence[TimedReduce], *, between_steps_s: float) -> list[float]:
     """For each collective of one step the ranks block on (the gathers ``forward`` on the
-    forward lane ``fwd_compute_s`` and ``backward`` on the backward lane ``bwd_compute_s``, and
-    the last of the gradient collectives ``reduces``, waited for at the end of backward), the
-    computation between the ranks' last synchronisation and its issue ([Note: the wait after a
-    stretch of computation]). The ranks synchronise at each gather's wait and at the end of
-    backward; ``between_steps_s`` separates one step's end from the next one's forward (the
-    optimizer step). A collective issued at a wait of the same step position follows it."""
+    forward lane ``fwd_compute_s`` and ``backward`` on the backward lane ``bwd_compute_s``, in
+    the order they are issued, and the last of the gradient collectives ``reduces``, waited
+    for at the end of backward), the computation between the ranks' last synchronisation and
+    its issue ([Note: the wait after a stretch of computation]). Events at one position of a
+    lane run as the replay runs them (:func:`exposed_gather_s`): the gathers used there, each
+    issued first if it was not, then waited for; then those issued there; a gradient
+    collective after its position's computation. The ranks synchronise at each gather's wait
+    and at the end of backward; ``between_steps_s`` separates one step's end from the next
+    one's forward (the optimizer step)."""
+    events: list[tuple[float, bool]] = []  # (time, whether the ranks synchronise there)
+
+    def lane(at: Sequence[float], gathers: Sequence[TimedGather],
+             ready: dict[int, float] | None = None) -> None:
+        used, issued = defaultdict(list), defaultdict(list)
+        for i, g in enumerate(gathers):
+            used[g.used_at].append(i)
+            issued[g.issued_at].append(i)
+        started: set[int] = set()
+        for step in sorted(used.keys() | issued.keys() | (ready or {}).keys()):
+            for i in used.get(step, ()):
+                if i not in started:
+                    started.add(i)
+                    events.append((at[step], False))
+                events.append((at[step], True))
+            for i in issued.get(step, ()):
+                if i not in started:
+                    started.add(i)
+                    events.append((at[step], False))
+            if ready and step in ready:
+                events.append((ready[step], False))
+
     fwd_at = [0.0, *itertools.accumulate(fwd_compute_s)]
     bwd_at = [fwd_at[-1] + t for t in (0.0, *itertools.accumulate(bwd_compute_s))]
-    end = bwd_at[-1]
-    syncs = [(fwd_at[g.used_at], ("forward", i)) for i, g in enumerate(forward)]
-    syncs += [(bwd_at[g.used_at], ("backward", i)) for i, g in enumerate(backward)]
-    issues = [(fwd_at[g.issued_at], ("forward", i)) for i, g in enumerate(forward)]
-    issues += [(bwd_at[g.issued_at], ("backward", i)) for i, g in enumerate(backward)]
-    if reduces:
-        last = len(bwd_compute_s) - 1
-        syncs.append((end, ("end", 0)))
-        issues.append((max(bwd_at[min(max(r.ready_at, 0), last) + 1] for r in reduces),
-                       ("end", 0)))
+    lane(fwd_at, forward)
+    last = len(bwd_compute_s) - 1
+    # the last gradient collective: issued after its position's computation
+    issue = max((min(max(r.ready_at, 0), last) for r in reduces), default=None)
+    lane(bwd_at, backward, None if issue is None else {issue: bwd_at[issue + 1]})
+    if issue is not None:
+        events.append((bwd_at[-1], True))
+    syncs = [t for t, sync in events if sync]
     if not syncs:
         return []
-    cycle = end + between_steps_s  # the same synchronisation one step before
+    since = syncs[-1] - (bwd_at[-1] + between_steps_s)  # the last one, a step before
     stretches = []
-    for t, key in issues:
-        before = [s for s, other in syncs if s < t or (s == t and other != key)]
-        since = max(before) if before else max(s for s, _ in syncs) - cycle
-        stretches.append(max(0.0, t - since))
+    for t, sync in events:
+        if sync:
+            since = t
+        else:
+            stretches.append(max(0.0, t - since))
     return stretches
 
 

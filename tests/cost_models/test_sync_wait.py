@@ -38,6 +38,17 @@ def test_each_blocking_collective_pays_for_the_computation_since_the_last_wait()
     ])
 
 
+def test_gathers_used_at_one_operator_wait_in_turn() -> None:
+    """A linear's weight and bias in two gather buckets, both first used by its operator at
+    forward step 0 (the bias's prefetched there): the weight's is issued after the step
+    before (and its optimizer step) and waited for, then the bias's follows that wait."""
+    forward = [TimedGather(0, 0, 1.0), TimedGather(0, 0, 1.0), TimedGather(0, 1, 1.0)]
+    stretches = sync_stretches_s([2 * MS, 3 * MS], [3 * MS, 2 * MS], forward, [],
+                                 [TimedReduce(1, 1.0, "reduce_scatter")],
+                                 between_steps_s=1 * MS)
+    assert stretches == pytest.approx([1 * MS, 0.0, 0.0, 8 * MS])
+
+
 def test_without_gathers_the_step_end_follows_a_whole_step() -> None:
     """``replicate``: the one wait is the end of backward, after forward, backward and the
     optimizer step; without gradient collectives nothing waits."""
