@@ -360,14 +360,14 @@ def _sync_wait_s(group: Any, device: Any, links: Devices) -> float:
     ``SYNC_STRETCH_S`` (the same count on every rank, from the slowest rank's matmul), then a
     ``_SYNC_BYTES`` all-gather waited for, against the matmuls alone, timed interleaved
     (``_interleaved_times_s``, each run a few of them back to back after a barrier); the
-    slowest rank's difference, less the all-gather's price at ``links`` (the link figures
-    measured), at least 0 ([Note: the wait after a stretch of computation] in
+    slowest rank's time of each, the difference less the all-gather's price at ``links``
+    (the link figures measured), at least 0 ([Note: the wait after a stretch of computation] in
     ``cost_models/overlap.py``)."""
     import torch
     import torch.distributed as dist
 
     size, name = dist.get_world_size(group), _group_name(group)
-    start = collective_starts(size * _SYNC_BYTES // 4 // size, size, name, device)["all_gather"]
+    start = collective_starts(_SYNC_BYTES // 4, size, name, device)["all_gather"]
     a, b = filler_operands(device)
     count, = _all_reduce_floats([SYNC_STRETCH_S / _median_time_s(lambda: torch.mm(a, b), device)],
                                 "max", group, device, True)
