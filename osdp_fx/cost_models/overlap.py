@@ -315,20 +315,17 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     return forward, backward
 
 
-def hidden_comm_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
-                  prefetch: int, gather_bucket_bytes: int, regathered: set[str],
-                  reduces: Sequence[TimedReduce] = (), in_flight: int = 1) -> float:
-    """Seconds of collective time hidden under computation in one step (forward gathers,
-    backward's re-gathers and the gradient collectives ``reduces``, at most ``in_flight`` of a
-    kind at once), credited at ``Devices.overlap_efficiency``, and the seconds collectives in
-    flight together save ([Note: collectives together]), credited whole."""
+def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedGather],
+                  backward: Sequence[TimedGather], reduces: Sequence[TimedReduce] = (),
+                  in_flight: int = 1) -> float:
+    """Seconds of collective time hidden under computation in one step (the forward gathers
+    ``forward``, backward's re-gathers ``backward``, as :func:`timed_gathers` gives them under a
+    schedule that prefetches, and the gradient collectives ``reduces``, at most ``in_flight``
+    of a kind at once), credited at ``Devices.overlap_efficiency``, and the seconds
+    collectives in flight together save ([Note: collectives together]), credited whole."""
     if devices.world_size <= 1:
         return 0.0
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
-    forward, backward = (timed_gathers(facts, params, devices, prefetch=prefetch,
-                                       gather_bucket_bytes=gather_bucket_bytes,
-                                       regathered=regathered)
-                         if prefetch > 0 else ([], []))
     if not (forward or backward or reduces):
         return 0.0
     total = sum(g.seconds for g in (*forward, *backward)) + sum(r.seconds for r in reduces)
@@ -428,19 +425,17 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
     return stretches
 
 
-def sync_wait_s(facts: GraphFacts, params: Mapping[str, ParamState], devices: Devices, *,
-                prefetch: int, gather_bucket_bytes: int, regathered: set[str],
-                reduces: Sequence[TimedReduce], between_steps_s: float) -> float:
-    """Seconds one step's blocking collectives wait for the ranks to arrive beyond their price:
-    ``Devices.sync_wait_s`` for each, at the share of ``SYNC_STRETCH_S`` the computation before
-    it since the ranks last synchronised takes (:func:`sync_stretches_s`, [Note: the wait after
-    a stretch of computation])."""
+def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedGather],
+                backward: Sequence[TimedGather], reduces: Sequence[TimedReduce],
+                between_steps_s: float) -> float:
+    """Seconds one step's blocking collectives (the gathers ``forward`` and ``backward`` as
+    :func:`timed_gathers` gives them, and the gradient collectives ``reduces``) wait for the
+    ranks to arrive beyond their price: ``Devices.sync_wait_s`` for each, at the share of
+    ``SYNC_STRETCH_S`` the computation before it since the ranks last synchronised takes
+    (:func:`sync_stretches_s`, [Note: the wait after a stretch of computation])."""
     if devices.world_size <= 1 or not devices.sync_wait_s:
         return 0.0
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
-    forward, backward = timed_gathers(facts, params, devices, prefetch=prefetch,
-                                      gather_bucket_bytes=gather_bucket_bytes,
-                                      regathered=regathered)
     stretches = sync_stretches_s(fwd_compute, bwd_compute, forward, backward, reduces,
                                  between_steps_s=between_steps_s)
     return devices.sync_wait_s * sum(min(1.0, c / SYNC_STRETCH_S) for c in stretches)

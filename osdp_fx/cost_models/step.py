@@ -66,7 +66,14 @@ from .graph_facts import (
     sharded_gather_buckets,
 )
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
-from .overlap import TimedReduce, hidden_comm_s, reduce_at_wait_s, reduce_s, sync_wait_s
+from .overlap import (
+    TimedReduce,
+    hidden_comm_s,
+    reduce_at_wait_s,
+    reduce_s,
+    sync_wait_s,
+    timed_gathers,
+)
 from .recompute import recompute_time_s, recomputed_params, region_spans
 from .timeline import BATCH
 
@@ -443,13 +450,17 @@ def predict_step_time(
                                        min(scatter_s, max(0.0, scatter_later_s))))
     compute_s = other_s + sum(per_group.values())
     optim_s = sum(c.optim_s for c in costs.values())
-    waits_s = sync_wait_s(facts, params, devices, prefetch=schedule.prefetch,
-                          gather_bucket_bytes=schedule.gather_bucket_bytes,
-                          regathered=regathered, reduces=reduces, between_steps_s=optim_s)
+    forward, backward = (timed_gathers(facts, params, devices, prefetch=schedule.prefetch,
+                                       gather_bucket_bytes=schedule.gather_bucket_bytes,
+                                       regathered=regathered)
+                         if devices.world_size > 1 else ([], []))
+    waits_s = sync_wait_s(facts, devices, forward=forward, backward=backward, reduces=reduces,
+                          between_steps_s=optim_s)
+    # without prefetching every gather starts at its use and hides nothing
+    prefetched = ((forward, backward) if schedule.prefetch > 0 else ([], []))
     comm_s = sum(c.comm_s for c in costs.values()) + waits_s - hidden_comm_s(
-        facts, params, devices, prefetch=schedule.prefetch,
-        gather_bucket_bytes=schedule.gather_bucket_bytes, regathered=regathered,
-        reduces=reduces, in_flight=schedule.scatters_in_flight)
+        facts, devices, forward=prefetched[0], backward=prefetched[1], reduces=reduces,
+        in_flight=schedule.scatters_in_flight)
     host_s = sum(c.host_s for c in costs.values())
     dispatch_s = 0.0  # the profile's per-node dispatch overcounts ([Note: the host lane])
     overlaps = devices.host_overlaps_device
