@@ -43,11 +43,13 @@ from ..units import parse_bytes
 log = logging.getLogger(__name__)
 
 
-_COLLECTIVE_SIZES_BYTES = tuple(2**k for k in range(12, 25, 2))
-"""Message sizes of the collective benchmarks, 4 KiB to 16 MiB by factors of 4: small ones give
-latency, large ones bandwidth, and together they span the parameters plans move (a fit to
-fewer, wider-spaced sizes missed the times of the sizes in between on CPU gloo; one to sizes
-up to 4 MiB missed gloo's larger ones, whose rate changes past it: ``docs/cost-models.md``)."""
+_COLLECTIVE_SIZES_BYTES = (*(2**k for k in range(12, 23, 2)), 2**23, 2**24)
+"""Message sizes of the collective benchmarks, 4 KiB to 4 MiB by factors of 4, then 8 and 16
+MiB: small ones give latency, large ones bandwidth, and together they span the parameters plans
+move (a fit to fewer, wider-spaced sizes missed the times of the sizes in between on CPU gloo;
+one to sizes up to 4 MiB missed gloo's larger ones, whose rate changes past it, and a step
+from 4 to 16 MiB priced the sizes between on a line above their times, the rate climbing
+near 16 MiB: ``docs/cost-models.md``)."""
 _REPEATS = 5
 """Timed runs per benchmark (after one warmup); the median is kept."""
 _PROBE_ROUNDS = 9
