@@ -146,7 +146,9 @@ class Devices:
     collectives on the host (the autograd function around its all-gather, its send buffer, the
     release of its output, its re-gather's handle, its gradients' flat buffer and the reduced
     chunk copied out). ``detect`` measures it ([Note: the host lane] in
-    ``cost_models/step.py``); 0 for a strategy missing here."""
+    ``cost_models/step.py``; on the CPU by the thread's clock, not scaled by the ranks' share
+    of the cores: [Note: a bucket's work in the waits] in ``planner/detect.py``); 0 for a
+    strategy missing here."""
     replica_host_time_s: float = 0.0
     """Measured host time the runtime spends per step on a replicated parameter group of a
     plan that shards other groups, beyond ``param_host_time_s["replicate"]``: its parameter is
