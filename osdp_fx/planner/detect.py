@@ -267,13 +267,12 @@ _SHARE_ROUNDS = 5
 # The share scales work done while every rank works at once. A gather bucket's own host work
 # (``host_probe.py``: its collectives' launch and completion) runs around its collectives'
 # waits, and where the ranks outnumber the cores those waits are every rank's gloo threads
-# woken in turn while the cores idle: the work fills them. Four ranks on two cores: the
-# probe's chain of 40 full_shard parameters in 8 buckets took 18.4 ms more per extra bucket by
-# the wall than in one, its collectives run bare 19.1 ms (0 to 2.2 ms beyond them over three
-# measurements), where the thread's clock counted 1.3-1.7 ms of work per bucket beyond them,
-# 2.5-3.5 ms scaled by the share. The wall's own figure carries the waits' noise (at two
-# ranks 0 and 0.5 ms where the thread's clock counts 0.8, whose charge fits the step of a
-# plan of many buckets), so a bucket keeps the thread's figure, unscaled.
+# woken in turn while the cores idle: the work fills them. By the wall, with four ranks on two
+# cores, the probe's chain in 8 buckets took about what its extra buckets' collectives take
+# run bare, where the thread's figure scaled by the share charged each bucket twice its work
+# (``docs/cost-models.md`` gives the figures). The wall's own figure carries the waits'
+# noise, down to nothing at two ranks where the thread's figure fits the step of a plan of
+# many buckets, so a bucket keeps the thread's figure, unscaled.
 
 
 def _host_names(group: Any) -> list[str]:
