@@ -196,7 +196,6 @@ def readme_example() -> str:
     return blocks[0]
 
 
-@pytest.mark.slow
 def test_the_readme_example_runs_and_resumes_as_written(tmp_path):
     """``torchrun --nproc_per_node 2 train.py`` twice: the first run trains 100 steps and saves a
     checkpoint, the second resumes from it (its plan from the plan cache) and trains 100 more."""

@@ -1,14 +1,19 @@
-"""What ``python -m osdp_fx plan`` writes to stderr when it is not a terminal (a log file, CI):
-at most one line per stage, and the search's candidates only at DEBUG, labelled as such."""
+"""The command line as a user meets it: what ``python -m osdp_fx plan`` writes to stderr when it
+is not a terminal (a log file, CI): at most one line per stage, and the search's candidates
+only at DEBUG, labelled as such; and ``python -m osdp_fx demo`` as the README runs it."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 
 from osdp_fx.cli import main
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = ["plan", "osdp_fx/examples.py:tiny_gpt", "--world-size", "2", "--memory", "96MiB"]
 
 
@@ -58,3 +63,25 @@ def test_the_search_candidates_are_logged_at_debug_as_candidates(capsys):
     assert candidates and all(r.levelno == logging.DEBUG for r in candidates)
     assert not [r for r in searched if r.getMessage().startswith("search:")
                 and r.levelno >= logging.INFO]
+
+
+def test_the_demo_runs_as_the_readme_says(tmp_path):
+    """``python -m osdp_fx demo``, the README's first command, in a subprocess: a 2-rank world
+    searches a plan under 12 MiB, prints it and the rewritten graph, and trains 5 steps."""
+    env = {**os.environ, "OSDP_FX_PLAN_CACHE": str(tmp_path / "plan-cache"),
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "osdp_fx", "demo"], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    plan = out.split("== plan ==", 1)[1].split("== rewritten graph (rank 0) ==", 1)[0]
+    assert "Plan for world size 2" in plan and "memory limit 12.0 MiB" in plan, plan
+    assert "full_shard" in plan or "shard_grad_op" in plan, plan  # 12 MiB forces sharding
+    graph = out.split("== rewritten graph (rank 0) ==", 1)[1].split("== training", 1)[0]
+    assert "def forward(" in graph and "all_gather" in graph, graph[-3000:]
+    losses = [float(v) for v in re.findall(r"^step \d+: loss (\S+)$", out, re.MULTILINE)]
+    assert len(losses) == 5 and losses[-1] < losses[0], out[-2000:]
+    held = [int(n.replace(",", "")) for n in
+            re.findall(r"rank \d+: ([\d,]+)", out.rsplit("parameter elements held", 1)[1])]
+    assert len(held) == 2 and held[0] == held[1] > 0, out[-500:]
