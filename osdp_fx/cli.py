@@ -247,7 +247,8 @@ def profile_command(args: argparse.Namespace) -> int:
         p = osdp_meta(node).profile
         if node.op in ("placeholder", "output") or (p.fwd_flops == 0 and not p.output_bytes):
             continue
-        rows.append([node.name, str(node.target)[:40], f"{p.fwd_flops:.3g}", f"{p.bwd_flops:.3g}",
+        rows.append([node.name, _target_text(node.target)[:40], f"{p.fwd_flops:.3g}",
+                     f"{p.bwd_flops:.3g}",
                      format_bytes(p.output_bytes), format_bytes(p.saved_bytes),
                      _ms_or_dash(p.fwd_time_s), _ms_or_dash(p.bwd_time_s)])
     print(tabulate(rows, headers=["node", "target", "fwd FLOPs", "bwd FLOPs", "output",
@@ -281,6 +282,15 @@ def profile_command(args: argparse.Namespace) -> int:
          f"{pr.peak_memory_bytes / measured_peak - 1:+.1%}"],
     ], headers=["", "predicted", "measured", "error"], disable_numparse=True))
     return 0
+
+
+def _target_text(target: Any) -> str:
+    """A node's target as the profile table names it: a method's or attribute's name, an
+    operator overload as torch prints it (``aten.mm.default``), a function by its name
+    (``cross_entropy``, not its ``repr`` with an address)."""
+    if isinstance(target, str) or isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
 
 
 def _ms_or_dash(seconds: float | None) -> str:

@@ -85,3 +85,22 @@ def test_the_demo_runs_as_the_readme_says(tmp_path):
     held = [int(n.replace(",", "")) for n in
             re.findall(r"rank \d+: ([\d,]+)", out.rsplit("parameter elements held", 1)[1])]
     assert len(held) == 2 and held[0] == held[1] > 0, out[-500:]
+
+
+def test_profile_prints_each_operator_and_the_prediction_beside_the_measured_step(capsys):
+    assert main(["profile", "osdp_fx/examples.py:tiny_gpt", "--repeats", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    table, totals = out.split("\ntotals: ", 1)
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    assert len(rows) > 20, table
+    targets = {row[1] for row in rows}
+    assert {"embedding", "linear", "cross_entropy"} <= targets, targets  # names, no addresses
+    assert not [t for t in targets if "0x" in t or t.startswith("<")], targets
+    forward, backward = (float(v) for v in
+                         re.match(r"([\d.e+]+) forward FLOPs, ([\d.e+]+) backward", totals).groups())
+    assert forward > 0 and 1.5 <= backward / forward <= 2.5, totals  # backward: about twice
+    step = re.search(r"^step time \(SGD, one process\) +([\d.]+) ms +([\d.]+) ms", totals,
+                     re.MULTILINE)
+    assert step and float(step.group(1)) > 0 and float(step.group(2)) > 0, totals
+    peak = re.search(r"^peak memory .* ([+-][\d.]+)%$", totals, re.MULTILINE)
+    assert peak and -10 <= float(peak.group(1)) <= 5, totals  # the memory promise
