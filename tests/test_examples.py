@@ -106,6 +106,34 @@ def test_plan_cluster_saves_a_plan_for_64_gpus(tmp_path):
     assert set(plan["params"]) == names
 
 
+@pytest.mark.slow
+def test_llama70b_lora_is_planned_for_a_node_of_h100s(tmp_path):
+    """``examples/llama70b_lora.py`` through ``python -m osdp_fx plan`` as
+    ``docs/finetuning.md`` runs it, with 2 of its 80 layers and 512 tokens: the bf16 base frozen
+    (its groups marked so), the adapters trained, the searched plan fitting the H100's 80 GiB."""
+    pytest.importorskip("peft")
+    (tmp_path / "two_layers.py").write_text(
+        f"import sys\nsys.path.insert(0, {EXAMPLES!r})\n"
+        "from llama70b_lora import llama70b_lora\n\n\n"
+        "def two_layers():\n    return llama70b_lora(layers=2, seq_len=512)\n")
+    out = run([sys.executable, "-m", "osdp_fx", "plan", "two_layers.py:two_layers", "--devices",
+               "h100-sxm-8x", "--mixed-precision", "bf16", "--save", "plan.json", "--quiet"],
+              tmp_path)
+    assert "Plan for world size 8" in out and "compute in bfloat16" in out, out[-3000:]
+    rows = [line for line in out.splitlines() if "lora_" in line or "_proj.base_layer" in line]
+    assert len(rows) == 2 * 4 * 3, out[-3000:]  # q, k, v, o of 2 layers: base, lora_A, lora_B
+    for row in rows:
+        assert ("(frozen)" in row) == ("base_layer" in row), row
+    frozen = re.search(r"^parameters per rank: .* \(([\d.]+ \w+) of them frozen\)", out,
+                       re.MULTILINE)
+    assert frozen, out[-3000:]
+    searched = re.search(r"^searched \(osdp-fx\) .* (\S+)$", out, re.MULTILINE)
+    assert searched and searched.group(1) == "yes", out[-2000:]
+    with open(tmp_path / "plan.json") as f:
+        plan = json.load(f)
+    assert (plan["world_size"], plan["mixed_precision"]["param_dtype"]) == (8, "bfloat16")
+
+
 @pytest.mark.parametrize("factory, parameters", [
     ("llama3_1b", 1_235_814_400), ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496)])
 def test_llama_shapes_have_the_published_parameter_counts(factory, parameters):
