@@ -1,7 +1,8 @@
 """What a blocking collective takes after a stretch of computation, against what the step model
 charges for it: its price (the link figures) and the wait for the ranks to arrive, the share
-``c / SYNC_STRETCH_S`` of ``Devices.sync_wait_s`` after ``c`` of computation ([Note: the wait
-after a stretch of computation] in ``osdp_fx/cost_models/overlap.py``).
+``sqrt(c / SYNC_STRETCH_S)`` of ``Devices.sync_wait_s`` after ``c`` of computation
+(``overlap.sync_wait_share``, [Note: the wait after a stretch of computation] in
+``osdp_fx/cost_models/overlap.py``).
 
     python benchmarks/sync_wait.py [--world-size 2] [--compute-ms 0.3 2 5 10 20 40] [--runs 15]
 
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from osdp_fx.cost_models.overlap import sync_wait_share  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
 
 CALLS = 4
@@ -41,7 +43,6 @@ def measure(rank: int, world: int, compute_ms: list[float], runs: int) -> dict[s
     import torch.distributed as dist
 
     from osdp_fx import detect_devices
-    from osdp_fx.core.devices import SYNC_STRETCH_S
     from osdp_fx.cost_models.communication import collective_time_s
     from osdp_fx.runtime.collectives import WORLD, all_gather_flat_start
 
@@ -76,8 +77,7 @@ def measure(rank: int, world: int, compute_ms: list[float], runs: int) -> dict[s
                 times[key].append((time.perf_counter() - t0) / CALLS)
         after[ms] = statistics.mean(times["gather"][1:]) - statistics.mean(times["compute"][1:])
     price = collective_time_s("all_gather", GATHER_BYTES, devices)
-    return {"after": after, "price": price, "sync_wait_s": devices.sync_wait_s,
-            "stretch_s": SYNC_STRETCH_S}
+    return {"after": after, "price": price, "sync_wait_s": devices.sync_wait_s}
 
 
 def main() -> None:
@@ -99,8 +99,7 @@ def main() -> None:
     for ms in args.compute_ms:
         cells = " | ".join(f"{r['after'][ms] * 1e3:.2f}" for r in results)
         slowest = max(r["after"][ms] for r in results)
-        share = min(1.0, ms / 1e3 / first["stretch_s"])
-        charge = first["price"] + share * first["sync_wait_s"]
+        charge = first["price"] + sync_wait_share(ms / 1e3) * first["sync_wait_s"]
         print(f"| {ms:g} | {cells} | {slowest * 1e3:.2f} | {charge * 1e3:.2f} |")
 
 

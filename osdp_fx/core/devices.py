@@ -44,9 +44,9 @@ _NON_NEGATIVE_TIMES = ("intra_node_latency_s", "inter_node_latency_s", "selectiv
 
 SYNC_STRETCH_S = 10e-3
 """The computation since the ranks last synchronised after which a blocking collective waits
-``Devices.sync_wait_s`` more than its price; after less, a share in proportion ([Note: the
-wait after a stretch of computation] in ``cost_models/overlap.py``). ``detect`` measures the
-wait after this long."""
+``Devices.sync_wait_s`` more than its price; after a stretch ``c``, ``sqrt(c /
+SYNC_STRETCH_S)`` of it ([Note: the wait after a stretch of computation] in
+``cost_models/overlap.py``). ``detect`` measures the wait after this long."""
 
 
 def _is_int(value: Any) -> bool:
@@ -162,9 +162,10 @@ class Devices:
     the step ([Note: the host lane])."""
     sync_wait_s: float = 0.0
     """What a blocking collective takes beyond its price (the link figures') when the ranks
-    reach it after :data:`SYNC_STRETCH_S` or more of computation since they last synchronised:
-    they drift apart while they compute, and the first to arrive waits for the last ([Note: the
-    wait after a stretch of computation] in ``cost_models/overlap.py``). ``detect`` measures it
+    reach it after :data:`SYNC_STRETCH_S` of computation since they last synchronised (after
+    more or less, more or less of it: the square root of the ratio): they drift apart while
+    they compute, and the first to arrive waits for the last ([Note: the wait after a stretch
+    of computation] in ``cost_models/overlap.py``). ``detect`` measures it
     (a small all-gather after a stretch of matmuls against the matmuls alone); 0 when not
     measured (presets)."""
     selective_op_time_s: float = 0.0

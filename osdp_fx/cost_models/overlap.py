@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import operator
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
@@ -354,8 +355,12 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 # another in a sharded step) plus what the ranks drifted apart since they last synchronised.
 # ``detect`` measures that wait after ``SYNC_STRETCH_S`` of computation (``Devices.
 # sync_wait_s``: a small all-gather after that much matmul, against the matmul alone); after a
-# shorter stretch ``c`` the step model charges the share ``c / SYNC_STRETCH_S`` of it. How
-# that line follows the waits measured after stretches of other lengths: ``docs/cost-models.md``.
+# stretch ``c`` the step model charges ``sqrt(c / SYNC_STRETCH_S)`` of it (:func:
+# `sync_wait_share`). Each rank's progress is its own sum of many small delays (a core taken by
+# another process, a gloo thread, a page fault), so how far two ranks drift apart grows as a
+# random walk does, with the square root of the time they compute apart, and keeps growing
+# past ``SYNC_STRETCH_S``. How that curve follows the waits measured after stretches of other
+# lengths: ``docs/cost-models.md``.
 # The ranks synchronise where they wait for a collective: each gather's wait, and the end of
 # backward, which waits for the gradients' collectives. What drifts is the computation
 # between the last of those and the issue of the next collective, so a gather prefetched at
@@ -425,20 +430,28 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
     return stretches
 
 
+def sync_wait_share(stretch_s: float) -> float:
+    """The share of ``Devices.sync_wait_s`` a blocking collective waits for the ranks beyond its
+    price after ``stretch_s`` of computation since they last synchronised: the square root of
+    its ratio to ``SYNC_STRETCH_S``, the stretch ``detect`` measures the wait after ([Note: the
+    wait after a stretch of computation])."""
+    return math.sqrt(max(stretch_s, 0.0) / SYNC_STRETCH_S)
+
+
 def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedGather],
                 backward: Sequence[TimedGather], reduces: Sequence[TimedReduce],
                 between_steps_s: float) -> float:
     """Seconds one step's blocking collectives (the gathers ``forward`` and ``backward`` as
     :func:`timed_gathers` gives them, and the gradient collectives ``reduces``) wait for the
-    ranks to arrive beyond their price: ``Devices.sync_wait_s`` for each, at the share of
-    ``SYNC_STRETCH_S`` the computation before it since the ranks last synchronised takes
+    ranks to arrive beyond their price: ``Devices.sync_wait_s`` for each, at the share
+    :func:`sync_wait_share` gives the computation before it since the ranks last synchronised
     (:func:`sync_stretches_s`, [Note: the wait after a stretch of computation])."""
     if devices.world_size <= 1 or not devices.sync_wait_s:
         return 0.0
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
     stretches = sync_stretches_s(fwd_compute, bwd_compute, forward, backward, reduces,
                                  between_steps_s=between_steps_s)
-    return devices.sync_wait_s * sum(min(1.0, c / SYNC_STRETCH_S) for c in stretches)
+    return devices.sync_wait_s * sum(sync_wait_share(c) for c in stretches)
 
 
 def latency_s(collective: str, devices: Devices) -> float:

@@ -10,7 +10,12 @@ import torch
 from osdp_fx import Devices
 from osdp_fx.core.devices import SYNC_STRETCH_S
 from osdp_fx.core.setting import StepSetting
-from osdp_fx.cost_models.overlap import TimedGather, TimedReduce, sync_stretches_s
+from osdp_fx.cost_models.overlap import (
+    TimedGather,
+    TimedReduce,
+    sync_stretches_s,
+    sync_wait_share,
+)
 from osdp_fx.errors import InputError
 from osdp_fx.examples import MLP
 from osdp_fx.passes.capture import capture
@@ -79,13 +84,13 @@ DEVICES = dict(world_size=2, memory_bytes=2**30, compute_flops_per_s=1e9,
     ("replicate", 1),  # the end of backward
     ("last.json", 3),  # the last linear's gather, its re-gather in backward, the end
 ])
-def test_a_plan_pays_the_wait_once_per_collective_after_a_long_stretch(plan, waits, tmp_path,
-                                                                       monkeypatch) -> None:
-    """With a stretch of a nanosecond every computation before a collective is long: each
-    blocking collective pays ``sync_wait_s`` whole."""
+def test_a_plan_pays_the_wait_once_per_collective_after_computation(plan, waits, tmp_path,
+                                                                   monkeypatch) -> None:
+    """With a share of one for any computation before it, each blocking collective after some
+    computation pays ``sync_wait_s`` whole: their count."""
     import osdp_fx.cost_models.overlap as overlap
 
-    monkeypatch.setattr(overlap, "SYNC_STRETCH_S", 1e-9)
+    monkeypatch.setattr(overlap, "sync_wait_share", lambda stretch_s: float(stretch_s > 0))
     wait = 2 * MS
     base = _predicted(plan, Devices(**DEVICES), tmp_path)
     charged = _predicted(plan, Devices(**DEVICES, sync_wait_s=wait), tmp_path)
@@ -97,14 +102,23 @@ def test_a_plan_pays_the_wait_once_per_collective_after_a_long_stretch(plan, wai
     assert charged.compute_s == pytest.approx(base.compute_s)
 
 
-def test_a_short_step_pays_its_share_and_one_rank_nothing(tmp_path) -> None:
-    """The MLP's step (forward, backward and optimizer) is shorter than ``SYNC_STRETCH_S``,
-    so ``replicate``'s one wait is that share of ``sync_wait_s``; one rank waits for none."""
+def test_the_share_grows_with_the_square_root_of_the_stretch() -> None:
+    """Ranks drift apart as random walks do: the whole wait after ``SYNC_STRETCH_S``, half of
+    it after a quarter of that, twice it after four times, nothing after nothing."""
+    assert sync_wait_share(SYNC_STRETCH_S) == pytest.approx(1.0)
+    assert sync_wait_share(SYNC_STRETCH_S / 4) == pytest.approx(0.5)
+    assert sync_wait_share(4 * SYNC_STRETCH_S) == pytest.approx(2.0)
+    assert sync_wait_share(0.0) == 0.0
+
+
+def test_a_step_pays_the_share_of_its_stretch_and_one_rank_nothing(tmp_path) -> None:
+    """``replicate``'s one wait, at the end of backward, follows the whole step (forward,
+    backward and optimizer): it pays that stretch's share of ``sync_wait_s``; one rank waits
+    for none."""
     wait = 2 * MS
     step = _predicted("replicate", Devices(**DEVICES, sync_wait_s=wait), tmp_path)
-    assert step.compute_s + step.optim_s < SYNC_STRETCH_S
-    assert step.sync_wait_s == pytest.approx(
-        wait * (step.compute_s + step.optim_s) / SYNC_STRETCH_S)
+    stretch = step.compute_s + step.optim_s
+    assert step.sync_wait_s == pytest.approx(wait * (stretch / SYNC_STRETCH_S) ** 0.5)
     alone = _predicted("replicate", Devices(**dict(DEVICES, world_size=1), sync_wait_s=wait),
                        tmp_path)
     assert alone.sync_wait_s == 0.0
