@@ -96,8 +96,8 @@ def test_profile_prints_each_operator_and_the_prediction_beside_the_measured_ste
     targets = {row[1] for row in rows}
     assert {"embedding", "linear", "cross_entropy"} <= targets, targets  # names, no addresses
     assert not [t for t in targets if "0x" in t or t.startswith("<")], targets
-    forward, backward = (float(v) for v in
-                         re.match(r"([\d.e+]+) forward FLOPs, ([\d.e+]+) backward", totals).groups())
+    flops = re.match(r"([\d.e+]+) forward FLOPs, ([\d.e+]+) backward", totals)
+    forward, backward = (float(v) for v in flops.groups())
     assert forward > 0 and 1.5 <= backward / forward <= 2.5, totals  # backward: about twice
     step = re.search(r"^step time \(SGD, one process\) +([\d.]+) ms +([\d.]+) ms", totals,
                      re.MULTILINE)

@@ -355,8 +355,8 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 # another in a sharded step) plus what the ranks drifted apart since they last synchronised.
 # ``detect`` measures that wait after ``SYNC_STRETCH_S`` of computation (``Devices.
 # sync_wait_s``: a small all-gather after that much matmul, against the matmul alone); after a
-# stretch ``c`` the step model charges ``sqrt(c / SYNC_STRETCH_S)`` of it (:func:
-# `sync_wait_share`). Each rank's progress is its own sum of many small delays (a core taken by
+# stretch ``c`` the step model charges ``sqrt(c / SYNC_STRETCH_S)`` of it
+# (``sync_wait_share``). Each rank's progress is its own sum of many small delays (a core taken by
 # another process, a gloo thread, a page fault), so how far two ranks drift apart grows as a
 # random walk does, with the square root of the time they compute apart, and keeps growing
 # past ``SYNC_STRETCH_S``. How that curve follows the waits measured after stretches of other
