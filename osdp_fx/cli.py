@@ -288,7 +288,7 @@ def _target_text(target: Any) -> str:
     """A node's target as the profile table names it: a method's or attribute's name, an
     operator overload as torch prints it (``aten.mm.default``), a function by its name
     (``cross_entropy``, not its ``repr`` with an address)."""
-    if isinstance(target, str) or isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, (str, torch._ops.OpOverload)):
         return str(target)
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
 

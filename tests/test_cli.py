@@ -1,6 +1,7 @@
 """The command line as a user meets it: what ``python -m osdp_fx plan`` writes to stderr when it
 is not a terminal (a log file, CI): at most one line per stage, and the search's candidates
-only at DEBUG, labelled as such; and ``python -m osdp_fx demo`` as the README runs it."""
+only at DEBUG, labelled as such; ``python -m osdp_fx demo`` as the README runs it; and the
+table ``python -m osdp_fx profile`` prints."""
 
 from __future__ import annotations
 
