@@ -12,6 +12,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   it); hybrid_shard and hierarchical: their
   collectives stage by stage (``plan.collective_stages``), each at the intra-node figures of
   ``Devices`` when it runs inside a node and at the inter-node figures when it crosses nodes;
+  a sharded gradient reduced alone also pays its copy into the collective's buffer where the
+  runtime makes one (:func:`scatter_input_copy_s`: gloo's in-place reduction, a padded or
+  cast gradient);
 * optimizer time ``optim_s(g, s)``: the measured per-tensor time plus the measured per-element
   time of the optimizer kind times the local numel (``detect_devices``); without measurements
   memory-bound, ``bytes_per_element(optimizer) * local numel / memory bandwidth``;
@@ -204,6 +207,8 @@ def group_cost(
                                    spans_nodes=st.spans_nodes(devices.num_nodes))
                  for st in stages)
     t = traits(state.strategy)
+    if t.sharded:
+        comm_s += scatter_input_copy_s(state, devices)
     if not t.sharded and stages:
         # Replicated gradients share bucketed all-reduces: latency is paid per bucket, not per
         # parameter, so a parameter bears its byte share of it.
@@ -337,6 +342,29 @@ def bucket_copy_s(state: ParamState, devices: Devices, *, again: bool) -> float:
     return moved / devices.memory_bandwidth_bytes_per_s
 
 
+def scatter_input_copy_s(state: ParamState, devices: Devices) -> float:
+    """What launching the reduce-scatter of a group's gradient alone copies: the full gradient
+    into a buffer of the collective's own, each byte read and written at the device's measured
+    copy bandwidth. gloo reduces in place (``Devices.reduce_scatter_copies_input``) and autograd's
+    gradient may be read by another operator's backward (an addition hands both inputs the same
+    tensor), so the runtime clones it; elsewhere it copies only to pad the gradient to whole
+    rows per rank or to cast it to the reduce dtype (``GradReduceScatters.start`` in
+    ``runtime/params.py``; under gradient accumulation the gradient is added into the held
+    buffer instead, as many bytes or more). A member of a gather bucket of several is packed
+    into the bucket's flat gradient instead (:func:`bucket_copy_s`). 0 for a frozen group and
+    at world 1."""
+    if not state.trainable or devices.world_size <= 1:
+        return 0.0
+    chunks = shard_count(state.strategy, devices.world_size, devices.ranks_per_node)
+    padded_numel = gathered_param_bytes(state.numel, element_size=1, world_size=chunks,
+                                        row=state.row)
+    if not (devices.reduce_scatter_copies_input or padded_numel != state.numel
+            or state.reduce_size != state.compute_size):
+        return 0.0
+    moved = state.numel * state.compute_size + padded_numel * state.reduce_size
+    return moved / devices.memory_bandwidth_bytes_per_s
+
+
 def bucket_latencies_s(strategy: str, devices: Devices, *, again: bool) -> tuple[float, float]:
     """The latencies a member of a gather bucket after its first saves by riding in the
     bucket's collectives under ``strategy``: (its all-gathers', re-gathered when ``again``;
@@ -439,6 +467,7 @@ def predict_step_time(
                 scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
                 saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)
+                saved += scatter_input_copy_s(params[name], devices)  # packed, not copied
             strategy = params[name].strategy
             bucket_host = 0.0 if k else devices.bucket_host_time_s.get(strategy, 0.0)
             costs[name] = dataclasses.replace(costs[name],

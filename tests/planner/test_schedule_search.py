@@ -31,7 +31,7 @@ from osdp_fx.cost_models.overlap import (
     exposed_gather_s,
     hidden_share_s,
 )
-from osdp_fx.cost_models.step import bucket_copy_s
+from osdp_fx.cost_models.step import bucket_copy_s, scatter_input_copy_s
 from osdp_fx.errors import PlanError
 from osdp_fx.examples import GPTWithLoss, TinyGPT
 from osdp_fx.passes.capture import capture
@@ -265,6 +265,43 @@ def test_where_latency_does_not_hide_only_the_time_beyond_it_is_credited():
         latencies = (2 * collective_time_s("all_gather", 0, devices)
                      + collective_time_s("reduce_scatter", 0, devices))
         assert not_hidden == pytest.approx(hides - latencies)
+
+
+def test_a_gradient_reduced_alone_is_copied_where_the_collective_cannot_take_it_over():
+    """gloo reduces in place, so the runtime clones autograd's gradient before a lone
+    reduce-scatter; elsewhere it copies only to pad the gradient to whole rows per rank or to
+    cast it: a read and a write at the copy bandwidth. A bucket of several packs its members'
+    gradients instead (``bucket_copy_s``), and a frozen group reduces nothing."""
+    nccl = Devices(world_size=2, memory_bandwidth_bytes_per_s=1e9)
+    gloo = Devices(world_size=2, memory_bandwidth_bytes_per_s=1e9,
+                   reduce_scatter_copies_input=True)
+    even = ParamState(numel=1000, element_size=4, strategy="full_shard", trainable=True)
+    odd = ParamState(numel=1001, element_size=4, strategy="shard_grad_op", trainable=True)
+    assert scatter_input_copy_s(even, nccl) == 0.0
+    assert scatter_input_copy_s(even, gloo) == pytest.approx(8000 / 1e9)
+    assert scatter_input_copy_s(odd, nccl) == pytest.approx((4004 + 4008) / 1e9)  # padded
+    cast = ParamState(numel=1000, element_size=4, strategy="full_shard", trainable=True,
+                      compute_element_size=2)  # bf16 gradient, reduced in fp32
+    assert scatter_input_copy_s(cast, nccl) == pytest.approx((2000 + 4000) / 1e9)
+    frozen = ParamState(numel=1000, element_size=4, strategy="full_shard", trainable=False)
+    assert scatter_input_copy_s(frozen, gloo) == 0.0
+    assert scatter_input_copy_s(even, Devices(world_size=1, reduce_scatter_copies_input=True)) == 0
+
+    # in a plan: only the groups gathered alone pay it, each once
+    analysis = _gpt(dim=128)  # the MLP weights are gathered alone, the rest in small buckets
+    specs = param_specs(analysis.captured)
+    plan = build_plan({s.name: "full_shard" for s in specs}, specs, world_size=2,
+                      schedule=Schedule(1))
+    copying, not_copying = (predict(analysis, plan, StepSetting(
+        Devices(world_size=2, reduce_scatter_copies_input=flag), optimizer="adamw"))
+        for flag in (True, False))
+    states = param_states(analysis, {s.name: "full_shard" for s in specs})
+    alone = [analysis.facts.param_of[b[0]] for b in sharded_gather_buckets(
+        analysis.facts, states, 2, SMALL_PARAM_BYTES) if len(b) == 1]
+    assert 0 < len(alone) < len(specs)
+    expected = sum(scatter_input_copy_s(states[n], Devices(
+        world_size=2, reduce_scatter_copies_input=True)) for n in alone)
+    assert copying.prediction.comm_s - not_copying.prediction.comm_s == pytest.approx(expected)
 
 
 def test_larger_gather_buckets_share_latency_and_hold_a_larger_flat_buffer():
