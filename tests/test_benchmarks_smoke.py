@@ -482,6 +482,25 @@ def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase(tmp_path) -> No
     assert "aten::addmm" in (tmp_path / "1-rank0.txt").read_text()
 
 
+def test_collectives_in_step_times_each_pair_of_ways() -> None:
+    """benchmarks/collectives_in_step.py on the MLP at world 2, one round of one step: the
+    mixed plan with its all-reduce beside its reduce-scatters and after them, and
+    ``full_shard`` with two reduce-scatters in flight and one, each predicted and measured."""
+    rows, out = benchmark_rows("collectives_in_step.py", "--world-size", "2", "--rounds", "1",
+                               "--steps", "1", timeout=600)
+    rows = [cells for cells in rows if cells[0].strip() != "collectives"]
+    assert [cells[0].strip() for cells in rows] == [
+        "the reduce-scatters beside the all-reduce",
+        "two reduce-scatters in flight against one"], out
+    assert "replicate" in rows[0][1] and "shard" in rows[0][1], rows[0]
+    assert rows[1][1].strip() == "8 full_shard", rows[1]
+    for cells in rows:
+        assert all(float(c) > 0 for c in cells[2:6]), cells
+        # the saving columns are the differences of the two ways
+        assert float(cells[6]) == pytest.approx(float(cells[4]) - float(cells[2]), abs=0.11)
+        assert float(cells[7]) == pytest.approx(float(cells[5]) - float(cells[3]), abs=0.11)
+
+
 def test_sync_wait_prints_each_stretch_against_the_models_charge() -> None:
     """benchmarks/sync_wait.py at world 2, two stretches of 2 rounds: a row each, the slowest
     rank's time the largest of the ranks', the model's charge its price plus the square root

@@ -120,6 +120,18 @@ class TimedReduce:
 # gradient collectives in flight together in backward.
 
 
+# [Note: the all-reduce runs alone]
+# Two reduce-scatters in flight together save what the ratio says inside a step: `full_shard`
+# with two in flight against one, predicted 7.1-9.7 ms apart and measured 5.8-13.1 at world 4
+# (`benchmarks/collectives_in_step.py`, the MLP of `prediction_accuracy.py`, three runs). The
+# replicated gradients' all-reduce beside the sharded gradients' reduce-scatters saves nothing:
+# a mixed plan's step with the all-reduce started only after them measured -0.9 to +0.1 ms
+# slower at world 4 and 0.0 to +1.9 at world 2, where the ratio credited 4.3-6.0 and 3.0-3.8
+# (docs/benchmarks.md, "Collectives in flight together inside a step"), though the same pair
+# started together outside a step saves 0.85-0.95 of their time. So the replay runs the
+# all-reduce after what is in flight, and what starts while it is in flight after it.
+
+
 def _ends_s(now: float, free: float, seconds: float, ratio: float) -> float:
     """When a collective of ``seconds`` started at ``now`` ends on a link busy until ``free``
     ([Note: collectives together])."""
@@ -172,7 +184,9 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
     collective starts after the computation of its step (first waiting for the oldest of its
     kind when ``in_flight`` are in flight), beside those in flight at ``ratio`` ([Note:
     collectives together]), and backward ends when every one has completed; waiting for a
-    collective runs its stages after the first (``at_wait_s``)."""
+    collective runs its stages after the first (``at_wait_s``). The replicated gradients'
+    all-reduce runs after the collectives in flight, and those started while it is in flight
+    after it ([Note: the all-reduce runs alone])."""
     used, issued, ready = defaultdict(list), defaultdict(list), defaultdict(list)
     for i, g in enumerate(gathers):
         used[g.used_at].append(i)
@@ -183,6 +197,12 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
     done: dict[int, float] = {}
     flight: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
     now = link_free = waited = 0.0
+    alone_until = 0.0  # the end of the last all-reduce: what starts before it runs after it
+
+    def beside(t: float) -> float:
+        """The ratio a collective started at ``t`` runs at beside those in flight ([Note: the
+        all-reduce runs alone])."""
+        return 1.0 if t < alone_until else ratio
 
     def wait_until(t: float, then_s: float = 0.0) -> None:
         """Wait for a collective whose first stage ends at ``t``, then run ``then_s``."""
@@ -203,7 +223,7 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
                 g = gathers[i]
                 if i not in done:
                     link_free = done[i] = _ends_s(now, link_free, g.seconds - g.at_wait_s,
-                                                  ratio)
+                                                  beside(now))
                 if wait:
                     wait_until(done[i], g.at_wait_s)
         now += compute_s[step]
@@ -212,7 +232,10 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
             window = flight[r.kind]
             while len(window) >= in_flight:
                 wait_until(*window.popleft())
-            link_free = _ends_s(now, link_free, r.seconds - r.at_wait_s, ratio)
+            alone = r.kind == "all_reduce"
+            link_free = _ends_s(now, link_free, r.seconds - r.at_wait_s,
+                                1.0 if alone else beside(now))
+            alone_until = link_free if alone else alone_until
             window.append((link_free, r.at_wait_s))
     now = functools.reduce(operator.add, compute_s[at:], now)
     for window in flight.values():

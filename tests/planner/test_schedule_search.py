@@ -162,6 +162,36 @@ def test_collectives_in_flight_together_run_at_the_devices_ratio_by_hand():
                               ratio=0.5) == 0.0
 
 
+def test_the_all_reduce_runs_alone_by_hand():
+    """[Note: the all-reduce runs alone]: the replicated gradients' all-reduce runs after the
+    reduce-scatter in flight, and a reduce-scatter started while it is in flight runs after it,
+    whatever the ratio; two reduce-scatters still run together at it."""
+    compute = [1.0, 1.0, 1.0]
+
+    def reduce(ready_at, seconds, kind="reduce_scatter"):
+        return TimedReduce(ready_at, seconds, kind)
+
+    # from t = 1: the reduce-scatter ends at 2.5, the all-reduce after it at 4, waited 1.0
+    beside_scatter = [reduce(0, 1.5), reduce(0, 1.5, "all_reduce")]
+    for ratio in (1.0, 0.75, 0.5):
+        assert exposed_backward_s(compute, [], beside_scatter, in_flight=2,
+                                  ratio=ratio) == 1.0
+    # the all-reduce first: the reduce-scatter started beside it runs after it
+    before_scatter = [reduce(0, 1.5, "all_reduce"), reduce(0, 1.5)]
+    assert exposed_backward_s(compute, [], before_scatter, in_flight=2, ratio=0.5) == 1.0
+    # a re-gather issued while the all-reduce is in flight runs after it too: the all-reduce
+    # from t = 1 to 2.5, the gather (0.5 s) issued at t = 1 ends at 3.0, its use at t = 2
+    # waits 1.0 (beside the all-reduce at 1/2 it would end at 2.5)
+    regather = _timed([(1, 2, 0.5)])
+    assert exposed_backward_s(compute, regather, [reduce(0, 1.5, "all_reduce")],
+                              in_flight=2, ratio=0.5) == 1.0
+    # once it has completed, collectives run together again: from t = 3 two reduce-scatters
+    # of 1.0 s end at 3 + 2 x 0.75 = 4.5, one after the other at 5
+    after = [reduce(0, 0.5, "all_reduce"), reduce(2, 1.0), reduce(2, 1.0)]
+    assert exposed_backward_s(compute, [], after, in_flight=2, ratio=0.75) == 1.5
+    assert exposed_backward_s(compute, [], after, in_flight=2, ratio=1.0) == 2.0
+
+
 def test_the_stages_after_the_first_run_when_waited_for_by_hand():
     """A two-stage collective's first stage runs on the link from its start; the others
     (``at_wait_s``) run when it is waited for, and the computation waits for all of them."""
