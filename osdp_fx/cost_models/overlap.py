@@ -121,14 +121,11 @@ class TimedReduce:
 
 
 # [Note: the all-reduce runs alone]
-# Two reduce-scatters in flight together save what the ratio says inside a step: `full_shard`
-# with two in flight against one, predicted 7.1-9.7 ms apart and measured 5.8-13.1 at world 4
-# (`benchmarks/collectives_in_step.py`, the MLP of `prediction_accuracy.py`, three runs). The
-# replicated gradients' all-reduce beside the sharded gradients' reduce-scatters saves nothing:
-# a mixed plan's step with the all-reduce started only after them measured -0.9 to +0.1 ms
-# slower at world 4 and 0.0 to +1.9 at world 2, where the ratio credited 4.3-6.0 and 3.0-3.8
-# (docs/benchmarks.md, "Collectives in flight together inside a step"), though the same pair
-# started together outside a step saves 0.85-0.95 of their time. So the replay runs the
+# Inside a step, two reduce-scatters in flight together save about what the ratio says, but
+# the replicated gradients' all-reduce beside the sharded gradients' reduce-scatters saves
+# next to nothing, though the same pair started together outside a step runs at the ratio
+# (`benchmarks/collectives_in_step.py` times both pairs in a step, each way; its runs are in
+# docs/benchmarks.md, "Collectives in flight together inside a step"). So the replay runs the
 # all-reduce after what is in flight, and what starts while it is in flight after it.
 
 
