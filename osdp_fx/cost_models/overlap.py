@@ -232,7 +232,8 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
             alone = r.kind == "all_reduce"
             link_free = _ends_s(now, link_free, r.seconds - r.at_wait_s,
                                 1.0 if alone else beside(now))
-            alone_until = link_free if alone else alone_until
+            if alone:
+                alone_until = link_free
             window.append((link_free, r.at_wait_s))
     now = functools.reduce(operator.add, compute_s[at:], now)
     for window in flight.values():
