@@ -16,7 +16,9 @@ slowest rank's median):
   the same devices with ``concurrent_collective_ratio`` 1 (nothing saved by collectives in
   flight together), so the difference is what the model credits them;
 - **two reduce-scatters in flight against one**: ``full_shard`` with
-  ``Schedule.scatters_in_flight`` 2 (the default) and 1, each predicted under its own schedule.
+  ``Schedule.scatters_in_flight`` 2 (the default) and 1, each predicted under its own schedule;
+  and the same in 64 KiB gather buckets (``prediction_accuracy.py``'s bucket plan: many small
+  collectives).
 
 Prints per pair both steps, predicted and measured, and what the first saves over the second.
 
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from osdp_fx import compile_osdp, detect_devices  # noqa: E402
+from osdp_fx.core.buckets import Schedule  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
 
 
@@ -130,9 +133,13 @@ def measure(rank: int, world: int, model_name: str, rounds: int, steps: int,
              + full[0].plan.peak_memory_bytes) // 2
     searched = compiled(None, memory_limit=limit)
     searched_file = saved(searched[0].plan, "searched.json")
-    one = saved(dataclasses.replace(full[0].plan, schedule=dataclasses.replace(
-        full[0].plan.schedule, scatters_in_flight=1)), "one-in-flight.json")
-    one_module = compiled(one)
+    def in_flight(n: int, schedule: Schedule, name: str) -> Any:
+        return compiled(saved(dataclasses.replace(full[0].plan, schedule=dataclasses.replace(
+            schedule, scatters_in_flight=n)), name))
+
+    one_module = in_flight(1, full[0].plan.schedule, "one-in-flight.json")
+    small = Schedule(prefetch=full[0].plan.schedule.prefetch)  # 64 KiB gather buckets
+    small_two, small_one = (in_flight(n, small, f"64KiB-{n}-in-flight.json") for n in (2, 1))
     on = [False]
     rows = []
     with all_reduce_after_scatters(on):
@@ -146,6 +153,9 @@ def measure(rank: int, world: int, model_name: str, rounds: int, steps: int,
                 "together": (full, lambda: None, full[0].plan.prediction.step_time_s),
                 "apart": (one_module, lambda: None,
                           one_module[0].plan.prediction.step_time_s)},
+            "two reduce-scatters in flight against one, 64 KiB gather buckets": {
+                "together": (small_two, lambda: None, small_two[0].plan.prediction.step_time_s),
+                "apart": (small_one, lambda: None, small_one[0].plan.prediction.step_time_s)},
         }
         for pair, ways in pairs.items():
             cases = {way: case for way, (case, _, _) in ways.items()}
