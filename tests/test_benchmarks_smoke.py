@@ -485,15 +485,17 @@ def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase(tmp_path) -> No
 def test_collectives_in_step_times_each_pair_of_ways() -> None:
     """benchmarks/collectives_in_step.py on the MLP at world 2, one round of one step: the
     mixed plan with its all-reduce beside its reduce-scatters and after them, and
-    ``full_shard`` with two reduce-scatters in flight and one, each predicted and measured."""
+    ``full_shard`` with two reduce-scatters in flight and one, in its own gather buckets and in
+    64 KiB ones, each predicted and measured."""
     rows, out = benchmark_rows("collectives_in_step.py", "--world-size", "2", "--rounds", "1",
                                "--steps", "1", timeout=600)
     rows = [cells for cells in rows if cells[0].strip() != "collectives"]
     assert [cells[0].strip() for cells in rows] == [
         "the reduce-scatters beside the all-reduce",
-        "two reduce-scatters in flight against one"], out
+        "two reduce-scatters in flight against one",
+        "two reduce-scatters in flight against one, 64 KiB gather buckets"], out
     assert "replicate" in rows[0][1] and "shard" in rows[0][1], rows[0]
-    assert rows[1][1].strip() == "8 full_shard", rows[1]
+    assert rows[1][1].strip() == rows[2][1].strip() == "8 full_shard", rows[1:]
     for cells in rows:
         assert all(float(c) > 0 for c in cells[2:6]), cells
         # the saving columns are the differences of the two ways
