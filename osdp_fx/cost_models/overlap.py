@@ -3,8 +3,9 @@ asynchronous gradient collectives save.
 
 With prefetch distance ``d`` (``Schedule.prefetch``) the runtime starts each forward all-gather
 (of one parameter, or of a bucket of small ones) right after the gather ``d`` places before it
-has been waited for, and backward's re-gather of a freed parameter when the parameter saved
-``d`` places after it in forward is unpacked (``runtime.params.StepContext``). In backward it
+has been waited for, and backward's re-gather of a freed parameter (of a bucket's saved
+members together, in one all-gather, where they fit its size) when the one saved ``d`` places
+after it in forward is unpacked (``runtime.params.StepContext``). In backward it
 starts each gradient collective as soon as its gradients are complete (a gather bucket's
 reduce-scatter after the backward of its members' first use; a replicated all-reduce bucket
 once its last gradient is in), with at most ``Schedule.scatters_in_flight`` of a kind in flight
@@ -41,11 +42,19 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch import fx
+
 from ..core.devices import SYNC_STRETCH_S, Devices
 from ..core.layout import collective_stages
 from ..core.strategies import traits
 from .communication import collective_time_s
-from .graph_facts import GraphFacts, ParamState, node_times, sharded_gather_buckets
+from .graph_facts import (
+    GraphFacts,
+    ParamState,
+    node_times,
+    regathered_together,
+    sharded_gather_buckets,
+)
 
 @dataclasses.dataclass(frozen=True)
 class GatherSeconds:
@@ -303,7 +312,9 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
                   regathered: set[str]) -> tuple[list[TimedGather], list[TimedGather]]:
     """The gathers of one step as the runtime issues and waits for them with prefetch distance
     ``prefetch`` (0: each at its use): forward's, one per gather bucket, on the forward lane,
-    and backward's re-gathers on the backward lane, in issue order."""
+    and backward's re-gathers on the backward lane, in issue order: one per parameter, or one
+    per bucket whose saved members backward re-gathers in one all-gather
+    (:func:`~.graph_facts.regathered_together`, as the memory timeline and the runtime do)."""
     nodes, pos = facts.nodes, facts.pos
     gather = {node: gather_s(params[name], devices, regathered=name in regathered)
               for node, name in facts.param_of.items()}
@@ -320,19 +331,34 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
                            seconds[i], min(seconds[i], later[i]))
                for i in range(len(buckets))]
-    # backward: re-gathered groups in the order forward saved them; unpacking the one
-    # saved at index j starts the re-gathers of those saved at j - d .. j - 1
+    # backward: re-gathered groups in the order forward saved them, a bucket's saved members
+    # in one all-gather when the first of them is unpacked; unpacking the unit saved at index
+    # j starts the re-gathers of those saved at j - d .. j - 1
     saved = sorted((n for n, name in facts.param_of.items()
                     if traits(params[name].strategy).freed_after_forward
                     and facts.savers.get(n) and gather[n].backward_s > 0),
                    key=lambda n: min(pos[j] for j in facts.savers[n]))
+    together = {n: b for b in regathered_together(facts, params, buckets, devices.world_size,
+                                                  gather_bucket_bytes) for n in b}
+    units: list[list[fx.Node]] = []
+    seen: set[fx.Node] = set()
+    for n in saved:
+        if n not in seen:
+            unit = [m for m in saved if m in together[n]] if n in together else [n]
+            seen.update(unit)
+            units.append(unit)
     last = len(nodes) - 1
-    unpack = [last - max(pos[j] for j in facts.savers[n]) for n in saved]
+    unpack = [min(last - max(pos[j] for j in facts.savers[m]) for m in unit) for unit in units]
     backward = []
-    for i, n in enumerate(saved):
+    for i, unit in enumerate(units):
         later = unpack[i + 1:i + 1 + prefetch]
-        backward.append(TimedGather(min([unpack[i], *later]), unpack[i],
-                                    gather[n].backward_s, gather[n].backward_at_wait_s))
+        riders = len(unit) - 1  # ride in the first member's all-gather: its latency once
+        at_wait_latency = gather_s(dataclasses.replace(params[facts.param_of[unit[0]]], numel=0),
+                                   devices, regathered=True).backward_at_wait_s if riders else 0.0
+        backward.append(TimedGather(
+            min([unpack[i], *later]), unpack[i],
+            max(0.0, sum(gather[m].backward_s for m in unit) - latency * riders),
+            max(0.0, sum(gather[m].backward_at_wait_s for m in unit) - at_wait_latency * riders)))
     backward.sort(key=lambda g: (g.issued_at, g.used_at))
     return forward, backward
 

@@ -20,7 +20,11 @@ from osdp_fx.core.buckets import (
     block_of,
     candidate_schedules,
 )
-from osdp_fx.cost_models.graph_facts import ParamState, sharded_gather_buckets
+from osdp_fx.cost_models.graph_facts import (
+    ParamState,
+    regathered_together,
+    sharded_gather_buckets,
+)
 from osdp_fx.core.setting import StepSetting
 from osdp_fx.cost_models.communication import collective_time_s
 from osdp_fx.cost_models.overlap import (
@@ -29,7 +33,9 @@ from osdp_fx.cost_models.overlap import (
     TimedReduce,
     exposed_backward_s,
     exposed_gather_s,
+    gather_s,
     hidden_share_s,
+    timed_gathers,
 )
 from osdp_fx.cost_models.step import bucket_copy_s, scatter_input_copy_s
 from osdp_fx.errors import PlanError
@@ -364,6 +370,33 @@ def test_a_bucket_pays_for_copying_its_members_through_its_flat_buffers():
     # one bucket of 1.6 MiB gathered over 4 ranks, re-gathered, reduced: about 12 MiB moved
     extra = slow.prediction.comm_s - fast.prediction.comm_s
     assert 10 * 2**20 / 1e8 < extra < 14 * 2**20 / 1e8
+
+
+def test_backward_re_gathers_a_buckets_saved_members_in_one_all_gather():
+    """The replay's backward re-gathers as the runtime runs them: a gather bucket whose saved
+    members fit the bucket size in one all-gather (its latency once, issued when the first of
+    them is unpacked), a parameter alone otherwise, as many as forward has buckets here."""
+    analysis = _gpt(dim=128)
+    facts = analysis.facts
+    states = param_states(analysis, {s.name: "full_shard" for s in param_specs(analysis.captured)})
+    devices = Devices(world_size=4)
+    latency = collective_time_s("all_gather", 0, devices)
+    ridden = {}
+    for bucket_bytes in (2**20, SMALL_PARAM_BYTES):
+        buckets = sharded_gather_buckets(facts, states, 4, bucket_bytes)
+        together = regathered_together(facts, states, buckets, 4, bucket_bytes)
+        forward, backward = timed_gathers(facts, states, devices, prefetch=1,
+                                          gather_bucket_bytes=bucket_bytes,
+                                          regathered=analysis.regathered)
+        saved = [n for b in buckets for n in b if facts.savers.get(n)]
+        riders = sum(len([n for n in b if facts.savers.get(n)]) - 1 for b in together)
+        assert len(forward) == len(buckets)
+        assert len(backward) == len(saved) - riders
+        each = sum(gather_s(states[facts.param_of[n]], devices, regathered=True).backward_s
+                   for n in saved)
+        assert sum(g.seconds for g in backward) == pytest.approx(each - riders * latency)
+        ridden[bucket_bytes] = riders
+    assert ridden[2**20] > ridden[SMALL_PARAM_BYTES]  # a block's members ride in one re-gather
 
 
 def test_smaller_all_reduce_buckets_pay_more_latency():
