@@ -133,6 +133,7 @@ def measure(rank: int, world: int, model_name: str, rounds: int, steps: int,
              + full[0].plan.peak_memory_bytes) // 2
     searched = compiled(None, memory_limit=limit)
     searched_file = saved(searched[0].plan, "searched.json")
+
     def in_flight(n: int, schedule: Schedule, name: str) -> Any:
         return compiled(saved(dataclasses.replace(full[0].plan, schedule=dataclasses.replace(
             schedule, scatters_in_flight=n)), name))
