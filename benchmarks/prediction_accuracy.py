@@ -20,7 +20,11 @@ as predicted. It tells the cost models' own error from the machine's drift; the 
 the column before it.
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--ranks-per-node 1]
-        [--optimizer sgd] [--rounds 4] [--steps 5]
+        [--optimizer sgd] [--rounds 20] [--steps 2]
+
+Many short rounds rather than a few long ones: copies of one plan timed together measure
+closer to each other so (``benchmarks/round_robin_noise.py``; the figures in
+``docs/benchmarks.md``).
 
 Prints a Markdown table and, last, one JSON line with the worst absolute errors and how many
 plans are predicted within 15 % of their measured step (and how many at the rounds' speed). The targets: memory within 10 %, step
@@ -210,8 +214,9 @@ def main() -> None:
                         help="ranks per (pretended) node, for hybrid_shard and hierarchical "
                              "(default: all on one node)")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5, help="steps of a plan per round")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps of a plan per round (module docstring)")
     parser.add_argument("--models", default=None, help="comma-separated: mlp, gpt, hf_gpt2")
     args = parser.parse_args()
     models = args.models.split(",") if args.models else ["mlp", "gpt"]

@@ -452,6 +452,22 @@ def test_step_windows_compares_short_and_long_timings_of_a_step() -> None:
         assert 0 < least <= p5 <= p50 <= p95 <= most, out
 
 
+def test_round_robin_noise_times_every_copy_under_every_setting() -> None:
+    """benchmarks/round_robin_noise.py, two copies of the MLP's `replicate` at world 2 under
+    two settings: a row per setting and plan, two positive medians and their spread."""
+    rows, out = benchmark_rows("round_robin_noise.py", "--model", "mlp", "--plans", "replicate",
+                               "--copies", "2", "--settings", "1x1,2x1", "--repeats", "1")
+    rows = [cells for cells in rows if cells[0].strip() in ("1 x 1", "2 x 1")]
+    assert [cells[0].strip() for cells in rows] == ["1 x 1", "2 x 1"], out
+    for cells in rows:
+        assert cells[1].strip() == "`replicate`", out
+        medians = [float(x) for x in cells[2].split(",")]
+        assert len(medians) == 2 and min(medians) > 0, out
+        # the medians are printed to 0.1 ms, the spread from the unrounded ones
+        assert float(cells[3].strip(" %")) == pytest.approx(
+            (max(medians) / min(medians) - 1) * 100, abs=0.1 + 10 / min(medians)), out
+
+
 def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
     """benchmarks/split_cost.py, the MLP at world 2 with a linear split in two: the split and
     unsplit graphs profiled apart and timed together, six positive figures."""
