@@ -468,6 +468,24 @@ def test_round_robin_noise_times_every_copy_under_every_setting() -> None:
             (max(medians) / min(medians) - 1) * 100, abs=0.1 + 10 / min(medians)), out
 
 
+def test_prefetch_in_step_times_every_distance_in_both_buckets() -> None:
+    """benchmarks/prefetch_in_step.py, the MLP at world 2, one round of one step: a row per
+    bucket size and prefetch distance, each saving over prefetch 0 the difference of the
+    rows' steps."""
+    rows, out = benchmark_rows("prefetch_in_step.py", "--model", "mlp", "--rounds", "1",
+                               "--steps", "1", timeout=600)
+    rows = [[c.strip() for c in cells] for cells in rows if "buckets" in cells[0]
+            and cells[0].strip() != "buckets"]
+    assert [(r[0], r[1]) for r in rows] == [(b, p) for b in ("block buckets", "64 KiB buckets")
+                                           for p in ("0", "1", "2")], out
+    for base, *prefetched in (rows[:3], rows[3:]):
+        for r in prefetched:
+            for column, saved in ((2, 6), (4, 7)):
+                assert float(r[saved]) == pytest.approx(
+                    float(base[column]) - float(r[column]), abs=0.15), out
+        assert all(float(r[2]) > 0 and float(r[4]) > 0 and float(r[3]) >= 0 for r in rows), out
+
+
 def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
     """benchmarks/split_cost.py, the MLP at world 2 with a linear split in two: the split and
     unsplit graphs profiled apart and timed together, six positive figures."""
