@@ -415,22 +415,14 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 # the first gather of forward (after the optimizer step and the forward before it), the
 # first re-gather of backward, a gather of a plan that shards a few groups far apart, and the
 # last gradient collective of backward (issued after the computation since the last wait)
-# each pay their share. Where a collective's round trips run only while its rank waits (the
-# CPU, ``Devices.overlap_hides_latency`` False: gloo's threads find a core when the rank's
-# computation leaves one), a prefetched gather starts at the rank's next wait: prefetched one
-# ahead that is its own use, and it pays what a gather issued at its use pays; prefetched
-# further, the wait of a gather before it, right after a synchronisation. On this CPU at
-# world 2, prefetching one ahead saved a step much less than crediting it the waits
-# predicted, and two ahead about what was predicted (``benchmarks/prefetch_in_step.py``; the
-# figures, and those of world 4, in ``docs/benchmarks.md``). A step's wait at its end follows a whole forward and backward under
+# each pay their share. A step's wait at its end follows a whole forward and backward under
 # ``replicate`` and pays ``sync_wait_s`` whole; the same wait under ``full_shard`` follows its
 # last re-gather. The share is charged at the profiled batch and does not scale with it.
 
 
 def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[float],
                      forward: Sequence[TimedGather], backward: Sequence[TimedGather],
-                     reduces: Sequence[TimedReduce], *, between_steps_s: float,
-                     progress_at_waits: bool = False) -> list[float]:
+                     reduces: Sequence[TimedReduce], *, between_steps_s: float) -> list[float]:
     """For each collective of one step the ranks block on (the gathers ``forward`` on the
     forward lane ``fwd_compute_s`` and ``backward`` on the backward lane ``bwd_compute_s``, in
     the order they are issued, and the last of the gradient collectives ``reduces``, waited
@@ -440,8 +432,7 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
     issued first if it was not, then waited for; then those issued there; a gradient
     collective after its position's computation. The ranks synchronise at each gather's wait
     and at the end of backward; ``between_steps_s`` separates one step's end from the next
-    one's forward (the optimizer step). With ``progress_at_waits`` a gather issued ahead of
-    its use starts at the next wait instead (its own use, or another gather's)."""
+    one's forward (the optimizer step)."""
     events: list[tuple[float, bool]] = []  # (time, whether the ranks synchronise there)
 
     def lane(at: Sequence[float], gathers: Sequence[TimedGather],
@@ -451,24 +442,14 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
             used[g.used_at].append(i)
             issued[g.issued_at].append(i)
         started: set[int] = set()
-        waiting: list[int] = []  # issued ahead, to start at the next wait
         for step in sorted(used.keys() | issued.keys() | (ready or {}).keys()):
             for i in used.get(step, ()):
                 if i not in started:
                     started.add(i)
                     events.append((at[step], False))
                 events.append((at[step], True))
-            if used.get(step):
-                for i in waiting:
-                    if i not in started:
-                        started.add(i)
-                        events.append((at[step], False))
-                waiting = []
             for i in issued.get(step, ()):
                 if i not in started:
-                    if progress_at_waits:
-                        waiting.append(i)
-                        continue
                     started.add(i)
                     events.append((at[step], False))
             if ready and step in ready:
@@ -516,8 +497,7 @@ def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedG
         return 0.0
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
     stretches = sync_stretches_s(fwd_compute, bwd_compute, forward, backward, reduces,
-                                 between_steps_s=between_steps_s,
-                                 progress_at_waits=not devices.overlap_hides_latency)
+                                 between_steps_s=between_steps_s)
     return devices.sync_wait_s * sum(sync_wait_share(c) for c in stretches)
 
 

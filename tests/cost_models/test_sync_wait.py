@@ -43,31 +43,6 @@ def test_each_blocking_collective_pays_for_the_computation_since_the_last_wait()
     ])
 
 
-def test_where_collectives_progress_at_waits_a_prefetch_starts_at_the_next_wait() -> None:
-    """Forward lane 1, 2, 3, 4 ms, a gather used at each step, backward 1 ms and the optimizer
-    step 0.5 ms (the first gather follows 5.5 ms since the step before's last wait, at its
-    last gather). Prefetched one ahead, each gather is issued at the wait before its use; where collectives
-    progress only while the rank waits (the CPU), it starts at the next wait, its own use, and
-    pays the computation since the previous wait as a gather issued at its use does.
-    Prefetched two ahead, the next wait is the gather before it: right after a
-    synchronisation."""
-    lanes = ([1 * MS, 2 * MS, 3 * MS, 4 * MS], [1 * MS])
-    unprefetched = [TimedGather(s, s, 1.0) for s in range(4)]
-    one_ahead = [TimedGather(0, 0, 1.0), *(TimedGather(s - 1, s, 1.0) for s in range(1, 4))]
-    two_ahead = [TimedGather(0, 0, 1.0), TimedGather(0, 1, 1.0),
-                 *(TimedGather(s - 2, s, 1.0) for s in range(2, 4))]
-
-    def stretches(forward, progress_at_waits):
-        return sync_stretches_s(*lanes, forward, [], [], between_steps_s=0.5 * MS,
-                                progress_at_waits=progress_at_waits)
-
-    waits = pytest.approx([5.5 * MS, 1 * MS, 2 * MS, 3 * MS])
-    assert stretches(unprefetched, False) == waits and stretches(unprefetched, True) == waits
-    assert stretches(one_ahead, True) == waits
-    assert stretches(one_ahead, False) == pytest.approx([5.5 * MS, 0.0, 0.0, 0.0])
-    assert stretches(two_ahead, True) == pytest.approx([5.5 * MS, 1 * MS, 0.0, 0.0])
-
-
 def test_gathers_used_at_one_operator_wait_in_turn() -> None:
     """A linear's weight and bias in two gather buckets, both first used by its operator at
     forward step 0 (the bias's prefetched there): the weight's is issued after the step
