@@ -144,7 +144,9 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                      ) -> list[dict[str, Any]]:
     """Each case's median step (the slowest rank's: every rank times the same steps) over
     ``rounds`` rounds of ``steps`` steps, the cases in turn within a round, the fastest and
-    the slowest of its rounds' medians, and its peak. ``reference``: the plain model and its
+    the slowest of its rounds' medians, and its peak; and this rank's median CPU seconds per
+    step, of the whole process (its gloo threads' work with it) and of the thread that runs
+    the step (``cpu_s``). ``reference``: the plain model and its
     inputs, timed in the same rounds after the cases, without collectives; its row (plan
     ``REFERENCE``) holds what the profile predicts for it, the first case's computation and
     optimizer step: how far the machine's speed moved between the profile and the rounds."""
@@ -155,17 +157,21 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                     else torch.optim.SGD(c.parameters(), lr=1e-3))
             for label, (c, _) in cases.items()}
     times: dict[str, list[float]] = {label: [] for label in cases}
+    cpu: dict[str, list[tuple[float, float]]] = {label: [] for label in cases}
     for r in range(rounds + 1):  # the first round warms up
         for label, (compiled, inputs) in cases.items():
             for _ in range(steps):
                 torch.distributed.barrier()
-                start = time.perf_counter()
+                start, process = time.perf_counter(), time.process_time()
+                thread = time.thread_time()
                 compiled(*inputs).backward()
                 opts[label].step()
                 elapsed = time.perf_counter() - start
+                used = (time.process_time() - process, time.thread_time() - thread)
                 opts[label].zero_grad(set_to_none=True)
                 if r:
                     times[label].append(elapsed)
+                    cpu[label].append(used)
     rows = []
     for label, (compiled, inputs) in cases.items():
         opt = opts[label]
@@ -195,7 +201,8 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                      "predicted_bytes": pr.peak_memory_bytes,
                      "measured_bytes": peak, "figures": pr.figures,
                      "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s, pr.host_s),
-                     "predicted_waits_s": pr.sync_wait_s})
+                     "predicted_waits_s": pr.sync_wait_s,
+                     "cpu_s": tuple(statistics.median(c) for c in zip(*cpu[label]))})
     return rows
 
 

@@ -11,7 +11,9 @@ all with one ``detect_devices()``. The six are timed round-robin together
 (``prediction_accuracy.time_round_robin``: ``--rounds`` rounds of ``--steps`` steps, the
 slowest rank's median). Prints each one's predicted step, the blocking collectives' predicted
 waits for the ranks within it, its measured step, and what prefetching 1 and 2 ahead saves
-over not prefetching, predicted and measured.
+over not prefetching, predicted and measured, and the CPU a step takes (the ranks' mean of
+each one's median): the thread that runs it, and the process's other threads (gloo's, whose
+work beside the computation takes the cores from it).
 
     python benchmarks/prefetch_in_step.py [--model hf_gpt2] [--world-size 2] [--rounds 25]
         [--steps 2]
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -65,7 +68,7 @@ def measure(rank: int, world: int, model: str, rounds: int, steps: int,
     rows = time_round_robin(cases, "sgd", rounds=rounds, steps=steps)
     return [{"buckets": r["plan"][0], "prefetch": r["plan"][1],
              "predicted_s": r["predicted_s"], "waits_s": r["predicted_waits_s"],
-             "measured_s": r["measured_s"]} for r in rows]
+             "measured_s": r["measured_s"], "cpu_s": r["cpu_s"]} for r in rows]
 
 
 def main() -> None:
@@ -75,14 +78,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    rows = run_world(args.world_size, measure, args.model, args.rounds, args.steps,
-                     timeout_s=3600)[0]
-    by = {(r["buckets"], r["prefetch"]): r for r in rows}
+    ranks = run_world(args.world_size, measure, args.model, args.rounds, args.steps,
+                      timeout_s=3600)
+    by = {(r["buckets"], r["prefetch"]): r for r in ranks[0]}
+    cpu = {key: [statistics.mean(rows[i]["cpu_s"][k] for rows in ranks) for k in (0, 1)]
+           for i, key in enumerate(by)}  # the ranks' mean: (process, the step's thread)
     print(f"{args.model}, world {args.world_size}, `full_shard`")
     print()
     print("| buckets | prefetch | predicted step, ms | of it waits for the ranks | measured | "
-          "error | saved over prefetch 0: predicted | measured |")
-    print("|---|---|---|---|---|---|---|---|")
+          "error | saved over prefetch 0: predicted | measured | CPU: the step's thread | "
+          "the process's other threads |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for buckets in BUCKETS:
         base = by[(buckets, 0)]
         for prefetch in PREFETCH:
@@ -93,7 +99,8 @@ def main() -> None:
             print(f"| {buckets} | {prefetch} | {r['predicted_s'] * 1e3:.1f} | "
                   f"{r['waits_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
                   f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:+.1f} % |"
-                  + (saved or " | |"))
+                  + (saved or " | |") + f" {cpu[(buckets, prefetch)][1] * 1e3:.1f} | "
+                  f"{(cpu[(buckets, prefetch)][0] - cpu[(buckets, prefetch)][1]) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

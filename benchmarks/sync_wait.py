@@ -2,7 +2,8 @@
 charges for it: its price (the link figures) and the wait for the ranks to arrive, the share
 ``sqrt(c / SYNC_STRETCH_S)`` of ``Devices.sync_wait_s`` after ``c`` of computation
 (``overlap.sync_wait_share``, [Note: the wait after a stretch of computation] in
-``osdp_fx/cost_models/overlap.py``).
+``osdp_fx/cost_models/overlap.py``); and the same all-gather started before the stretch (as a
+prefetched gather is, right after the ranks synchronised), which the model charges its price.
 
     python benchmarks/sync_wait.py [--world-size 2] [--compute-ms 0.3 2 5 10 20 40] [--runs 15]
 
@@ -12,8 +13,11 @@ after a barrier: 256x256 matmuls for about that many milliseconds (the same coun
 rank, from the slowest rank's timing of one), and the same matmuls followed by a 256-byte
 all-gather through the runtime's collective function, waited for. Prints per stretch each
 rank's mean difference (what the all-gather took after the stretch), the slowest rank's, and
-the model's charge: the all-gather's price plus its share of ``sync_wait_s``. Run it with
-nothing else running.
+the model's charge: the all-gather's price plus its share of ``sync_wait_s``. Then, timed in
+the same rounds, the all-gather started before the matmuls and waited for after them: the
+slowest rank's time over the matmuls alone; and when such an all-gather completes, polled
+between the matmuls (the slowest rank's median of the runs, each run one call, against the
+median of the all-gather alone). Run it with nothing else running.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def measure(rank: int, world: int, compute_ms: list[float], runs: int) -> dict[s
     per_mm = torch.tensor((time.perf_counter() - start) / 20, dtype=torch.float64)
     dist.all_reduce(per_mm, op=dist.ReduceOp.MAX)  # the same work on every rank, as in a step
     after: dict[float, float] = {}
+    started_before: dict[float, float] = {}
+    completed: dict[float, float] = {}
     for ms in compute_ms:
         count = max(1, round(ms / 1e3 / float(per_mm)))
 
@@ -67,17 +73,50 @@ def measure(rank: int, world: int, compute_ms: list[float], runs: int) -> dict[s
             compute()
             all_gather_flat_start(shard, WORLD).wait()
 
-        times: dict[str, list[float]] = {"compute": [], "gather": []}
+        def beside(count: int = count) -> None:
+            pending = all_gather_flat_start(shard, WORLD)
+            compute(count)
+            pending.wait()
+
+        times: dict[str, list[float]] = {"compute": [], "gather": [], "beside": []}
         for _ in range(runs + 1):  # the first round warms up
-            for key, body in (("compute", compute), ("gather", then_gather)):
+            for key, body in (("compute", compute), ("gather", then_gather),
+                              ("beside", beside)):
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(CALLS):
                     body()
                 times[key].append((time.perf_counter() - t0) / CALLS)
-        after[ms] = statistics.mean(times["gather"][1:]) - statistics.mean(times["compute"][1:])
+        alone = statistics.mean(times["compute"][1:])
+        after[ms] = statistics.mean(times["gather"][1:]) - alone
+        started_before[ms] = statistics.mean(times["beside"][1:]) - alone
+        completed[ms] = _completion_s(shard, a, b, count, runs)
     price = collective_time_s("all_gather", GATHER_BYTES, devices)
-    return {"after": after, "price": price, "sync_wait_s": devices.sync_wait_s}
+    return {"after": after, "before": started_before, "completed": completed,
+            "alone": _completion_s(shard, a, b, 0, runs), "price": price,
+            "sync_wait_s": devices.sync_wait_s}
+
+
+def _completion_s(shard: torch.Tensor, a: torch.Tensor, b: torch.Tensor, count: int,
+                  runs: int) -> float:
+    """The median over ``runs`` runs (after a barrier each) of the time from starting an
+    all-gather of ``shard`` to its completion, polled between up to ``count`` matmuls run
+    meanwhile (then waited for; ``count`` 0: waited for at once)."""
+    import torch.distributed as dist
+
+    out = torch.empty(shard.numel() * dist.get_world_size())
+    ends = []
+    for _ in range(runs + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        work = dist.all_gather_into_tensor(out, shard, async_op=True)
+        for _ in range(count):
+            if work.is_completed():
+                break
+            a @ b
+        work.wait()
+        ends.append(time.perf_counter() - t0)
+    return statistics.median(ends[1:])
 
 
 def main() -> None:
@@ -101,6 +140,16 @@ def main() -> None:
         slowest = max(r["after"][ms] for r in results)
         charge = first["price"] + sync_wait_share(ms / 1e3) * first["sync_wait_s"]
         print(f"| {ms:g} | {cells} | {slowest * 1e3:.2f} | {charge * 1e3:.2f} |")
+    print(f"\nThe same all-gather started before the matmuls, waited for after them (the "
+          f"slowest rank's time over the matmuls alone; the model charges its price, "
+          f"{first['price'] * 1e3:.2f}), and when it completes (the slowest rank's median; "
+          f"alone, waited for at once: {max(r['alone'] for r in results) * 1e3:.2f}), ms\n")
+    print("| computation after its start, ms | started before it: what it adds | "
+          "completed after |")
+    print("|---:|---:|---:|")
+    for ms in args.compute_ms:
+        print(f"| {ms:g} | {max(r['before'][ms] for r in results) * 1e3:.2f} | "
+              f"{max(r['completed'][ms] for r in results) * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

@@ -471,7 +471,7 @@ def test_round_robin_noise_times_every_copy_under_every_setting() -> None:
 def test_prefetch_in_step_times_every_distance_in_both_buckets() -> None:
     """benchmarks/prefetch_in_step.py, the MLP at world 2, one round of one step: a row per
     bucket size and prefetch distance, each saving over prefetch 0 the difference of the
-    rows' steps."""
+    rows' steps, and the CPU of the step's thread positive."""
     rows, out = benchmark_rows("prefetch_in_step.py", "--model", "mlp", "--rounds", "1",
                                "--steps", "1", timeout=600)
     rows = [[c.strip() for c in cells] for cells in rows if "buckets" in cells[0]
@@ -484,6 +484,8 @@ def test_prefetch_in_step_times_every_distance_in_both_buckets() -> None:
                 assert float(r[saved]) == pytest.approx(
                     float(base[column]) - float(r[column]), abs=0.15), out
         assert all(float(r[2]) > 0 and float(r[4]) > 0 and float(r[3]) >= 0 for r in rows), out
+        # the CPU of the step's thread, and of the process's other threads (gloo's)
+        assert all(float(r[8]) > 0 and float(r[9]) >= 0 for r in rows), out
 
 
 def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
@@ -540,11 +542,18 @@ def test_collectives_in_step_times_each_pair_of_ways() -> None:
 def test_sync_wait_prints_each_stretch_against_the_models_charge() -> None:
     """benchmarks/sync_wait.py at world 2, two stretches of 2 rounds: a row each, the slowest
     rank's time the largest of the ranks', the model's charge its price plus the square root
-    of the stretch's share of 10 ms of ``sync_wait_s``."""
+    of the stretch's share of 10 ms of ``sync_wait_s``; and a row each for the all-gather
+    started before the stretch, with a positive completion time."""
     rows, out = benchmark_rows("sync_wait.py", "--compute-ms", "0.3", "12", "--runs", "2",
                                timeout=300)
     rows = [cells for cells in rows if not cells[0].strip().startswith("computation")]
+    before = [cells for cells in rows if len(cells) == 3]  # the all-gather started before
+    rows = [cells for cells in rows if len(cells) == 5]
     assert [float(cells[0]) for cells in rows] == [0.3, 12.0], out
+    assert [float(cells[0]) for cells in before] == [0.3, 12.0], out
+    # it completes after its start, and and alone it takes some time
+    alone = float(re.findall(r"waited for at once: ([\d.]+)", out)[0])
+    assert alone > 0 and all(float(cells[2]) > 0 for cells in before), out
     price, wait = (float(x) for x in re.findall(r"price ([\d.]+), sync_wait_s ([\d.]+)", out)[0])
     assert price > 0 and wait >= 0, out
     for cells in rows:

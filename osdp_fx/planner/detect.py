@@ -313,10 +313,12 @@ def _ranks_per_node_from_hosts(group: Any) -> int:
 # (B), interleaved, the slowest rank's times. The step model credits a hidden collective's
 # time beyond its latency (α, the fitted time of an empty all-gather) at the share e, so
 # T + C - B = e (C - α) / C min(T, C) gives e (:func:`overlap_efficiency_from`), clipped to
-# [0, 1]. The latency is left out because it does not hide there: gloo's threads wake and
-# make their round trips between the ranks only when a core is free, so a small all-gather
-# started beside the computation ends no sooner than after it (``Devices.
-# overlap_hides_latency`` False; timings in ``docs/cost-models.md``). What the measured share
+# [0, 1]. The latency is left out because it does not hide there: gloo's threads wake on
+# cores the computation holds and make their round trips between the ranks when the
+# scheduler next takes a core from it (at its tick), so a small all-gather started beside the
+# computation completes milliseconds later than alone, often after the computation
+# (``Devices.overlap_hides_latency`` False; timings in ``docs/cost-models.md`` and in
+# ``docs/benchmarks.md``, "A blocking collective's wait after computation"). What the measured share
 # predicts and picks against the steps measured: ``docs/benchmarks.md``, "Predicted against
 # measured on this CPU" and the optimality runs.
 
