@@ -7,8 +7,8 @@ side, every named plan (``replicate``, ``shard_grad_op``, ``full_shard``, ``hybr
 ``full_shard`` in 64 KiB gather buckets, and the searched plan (under a limit halfway between
 the full_shard and replicate peaks), with ``devices=None`` (measured by compile_osdp) and with
 ``detect_devices()``. It times the fourteen of a model round-robin (``--rounds`` rounds of
-``--steps`` steps each, the plans of both columns in turn, so that the machine's load falls on
-all alike), measures each one's peak memory over one step with the live-tensor tracker, and
+``--steps`` steps each after ``--warm-steps`` untimed ones, the plans of both columns in turn,
+so that the machine's load falls on all alike), measures each one's peak memory over one step with the live-tensor tracker, and
 prints the predicted against the measured median step and peak, beside how far the fastest and
 the slowest round's median step lie from that median (the machine's own spread). The plain
 model, without osdp-fx or collectives, is timed in the same rounds, and a second table puts
@@ -20,11 +20,13 @@ as predicted. It tells the cost models' own error from the machine's drift; the 
 the column before it.
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--ranks-per-node 1]
-        [--optimizer sgd] [--rounds 20] [--steps 2]
+        [--optimizer sgd] [--rounds 20] [--steps 2] [--warm-steps 1]
 
 Many short rounds rather than a few long ones: copies of one plan timed together measure
 closer to each other so (``benchmarks/round_robin_noise.py``; the figures in
-``docs/benchmarks.md``).
+``docs/benchmarks.md``). A step run right after another plan's finds the caches holding that
+plan's tensors, which a training loop, stepping one plan, does not: each round first runs an
+untimed step of the plan, and times the steps after it.
 
 Prints a Markdown table and, last, one JSON line with the worst absolute errors and how many
 plans are predicted within 15 % of their measured step (and how many at the rounds' speed). The targets: memory within 10 %, step
@@ -96,7 +98,7 @@ REFERENCE = ("plain model", "no collectives")
 
 
 def measure(rank: int, world: int, models: list[str], optimizer: str, rounds: int,
-            steps: int, ranks_per_node: int) -> list[dict[str, Any]]:
+            steps: int, ranks_per_node: int, warm_steps: int = 0) -> list[dict[str, Any]]:
     given = {"devices=None": None,
              "detect_devices()": detect_devices(ranks_per_node=ranks_per_node)}
     rows = []
@@ -107,7 +109,7 @@ def measure(rank: int, world: int, models: list[str], optimizer: str, rounds: in
                                                  world=world).items()}
         plain, inputs = build(name)  # the model itself, no collectives: the computation
         timed = time_round_robin(cases, optimizer, rounds=rounds, steps=steps,
-                                 reference=(plain, inputs))
+                                 reference=(plain, inputs), warm_steps=warm_steps)
         rows += [dict(r, model=name, devices=r["plan"][0], plan=r["plan"][1]) for r in timed]
         del cases
         gc.collect()  # the next model starts (and profiles) without this one's memory
@@ -141,12 +143,12 @@ def compile_cases(name: str, devices: Devices | None, optimizer: str, *, ranks_p
 
 def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, steps: int,
                      reference: tuple[nn.Module, tuple[Any, ...]] | None = None,
-                     ) -> list[dict[str, Any]]:
+                     warm_steps: int = 0) -> list[dict[str, Any]]:
     """Each case's median step (the slowest rank's: every rank times the same steps) over
-    ``rounds`` rounds of ``steps`` steps, the cases in turn within a round, the fastest and
-    the slowest of its rounds' medians, and its peak; and this rank's median CPU seconds per
-    step, of the whole process (its gloo threads' work with it) and of the thread that runs
-    the step (``cpu_s``). ``reference``: the plain model and its
+    ``rounds`` rounds of ``steps`` steps (after ``warm_steps`` untimed ones), the cases in turn
+    within a round, the fastest and the slowest of its rounds' medians, and its peak; and this
+    rank's median CPU seconds per step, of the whole process (its gloo threads' work with it)
+    and of the thread that runs the step (``cpu_s``). ``reference``: the plain model and its
     inputs, timed in the same rounds after the cases, without collectives; its row (plan
     ``REFERENCE``) holds what the profile predicts for it, the first case's computation and
     optimizer step: how far the machine's speed moved between the profile and the rounds."""
@@ -160,7 +162,7 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
     cpu: dict[str, list[tuple[float, float]]] = {label: [] for label in cases}
     for r in range(rounds + 1):  # the first round warms up
         for label, (compiled, inputs) in cases.items():
-            for _ in range(steps):
+            for k in range(warm_steps + steps):
                 torch.distributed.barrier()
                 start, process = time.perf_counter(), time.process_time()
                 thread = time.thread_time()
@@ -169,7 +171,7 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                 elapsed = time.perf_counter() - start
                 used = (time.process_time() - process, time.thread_time() - thread)
                 opts[label].zero_grad(set_to_none=True)
-                if r:
+                if r and k >= warm_steps:
                     times[label].append(elapsed)
                     cpu[label].append(used)
     rows = []
@@ -225,6 +227,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2,
                         help="steps of a plan per round (module docstring)")
     parser.add_argument("--models", default=None, help="comma-separated: mlp, gpt, hf_gpt2")
+    parser.add_argument("--warm-steps", type=int, default=1,
+                        help="untimed steps of a plan before its timed ones in each round "
+                             "(module docstring)")
     args = parser.parse_args()
     models = args.models.split(",") if args.models else ["mlp", "gpt"]
     if not args.models:
@@ -235,7 +240,8 @@ def main() -> None:
         except ImportError:
             pass
     rows = run_world(args.world_size, measure, models, args.optimizer, args.rounds, args.steps,
-                     args.ranks_per_node or args.world_size, timeout_s=1800)[0]
+                     args.ranks_per_node or args.world_size, args.warm_steps,
+                     timeout_s=1800)[0]
     print("| model | devices | plan | step ms predicted | measured | error | error at the "
           "rounds' speed | rounds | peak MiB predicted | measured | error | predicted compute "
           "/ comm (of it waits for the ranks) / optimizer / host ms |")
