@@ -148,7 +148,9 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
     ``rounds`` rounds of ``steps`` steps (after ``warm_steps`` untimed ones), the cases in turn
     within a round, the fastest and the slowest of its rounds' medians, and its peak; and this
     rank's median CPU seconds per step, of the whole process (its gloo threads' work with it)
-    and of the thread that runs the step (``cpu_s``). ``reference``: the plain model and its
+    and of the thread that runs the step (``cpu_s``); with ``warm_steps``, the median of the
+    untimed first step of each round, right after another case's (``first_step_s``, the
+    slowest rank's). ``reference``: the plain model and its
     inputs, timed in the same rounds after the cases, without collectives; its row (plan
     ``REFERENCE``) holds what the profile predicts for it, the first case's computation and
     optimizer step: how far the machine's speed moved between the profile and the rounds."""
@@ -159,6 +161,7 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                     else torch.optim.SGD(c.parameters(), lr=1e-3))
             for label, (c, _) in cases.items()}
     times: dict[str, list[float]] = {label: [] for label in cases}
+    firsts: dict[str, list[float]] = {label: [] for label in cases}  # the untimed first steps
     cpu: dict[str, list[tuple[float, float]]] = {label: [] for label in cases}
     for r in range(rounds + 1):  # the first round warms up
         for label, (compiled, inputs) in cases.items():
@@ -174,6 +177,8 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                 if r and k >= warm_steps:
                     times[label].append(elapsed)
                     cpu[label].append(used)
+                elif r and k == 0:
+                    firsts[label].append(elapsed)
     rows = []
     for label, (compiled, inputs) in cases.items():
         opt = opts[label]
@@ -194,7 +199,7 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
         per_round = [statistics.median(times[label][i:i + steps])
                      for i in range(0, len(times[label]), steps)]
         measured = torch.tensor([statistics.median(times[label]), min(per_round),
-                                 max(per_round)])
+                                 max(per_round), statistics.median(firsts[label] or [0.0])])
         torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
         pr = compiled.plan.prediction
         rows.append({"plan": label, "predicted_s": pr.step_time_s,
@@ -204,7 +209,8 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                      "measured_bytes": peak, "figures": pr.figures,
                      "predicted_parts_s": (pr.compute_s, pr.comm_s, pr.optim_s, pr.host_s),
                      "predicted_waits_s": pr.sync_wait_s,
-                     "cpu_s": tuple(statistics.median(c) for c in zip(*cpu[label]))})
+                     "cpu_s": tuple(statistics.median(c) for c in zip(*cpu[label])),
+                     "first_step_s": float(measured[3]) if warm_steps else None})
     return rows
 
 

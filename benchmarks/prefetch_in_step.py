@@ -8,15 +8,16 @@ pretended nodes of 2) and compiles the model of ``prediction_accuracy.py`` (``--
 under ``full_shard`` in its block-sized gather buckets and in 64 KiB ones (the bucket plan of
 ``prediction_accuracy.py``: many small collectives), each at ``Schedule.prefetch`` 0, 1 and 2,
 all with one ``detect_devices()``. The six are timed round-robin together
-(``prediction_accuracy.time_round_robin``: ``--rounds`` rounds of ``--steps`` steps, the
-slowest rank's median). Prints each one's predicted step, the blocking collectives' predicted
-waits for the ranks within it, its measured step, and what prefetching 1 and 2 ahead saves
-over not prefetching, predicted and measured, and the CPU a step takes (the ranks' mean of
-each one's median): the thread that runs it, and the process's other threads (gloo's, whose
-work beside the computation takes the cores from it).
+(``prediction_accuracy.time_round_robin``: ``--rounds`` rounds of ``--steps`` steps after
+``--warm-steps`` untimed ones, the slowest rank's median). Prints each one's predicted step,
+the blocking collectives' predicted waits for the ranks within it, its measured step, and what
+prefetching 1 and 2 ahead saves over not prefetching, predicted and measured, and the CPU a
+step takes (the ranks' mean of each one's median): the thread that runs it, and the process's
+other threads (gloo's, whose work beside the computation takes the cores from it); and the
+untimed first step of each round, right after another plan's (the slowest rank's median).
 
     python benchmarks/prefetch_in_step.py [--model hf_gpt2] [--world-size 2] [--rounds 25]
-        [--steps 2]
+        [--steps 2] [--warm-steps 1]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ BUCKETS = {"block buckets": None, "64 KiB buckets": 2**16}
 
 
 def measure(rank: int, world: int, model: str, rounds: int, steps: int,
-            ) -> list[dict[str, Any]]:
+            warm_steps: int = 1) -> list[dict[str, Any]]:
     """Every (buckets, prefetch) plan's predicted step and waits and its measured step."""
     from prediction_accuracy import build, time_round_robin
 
@@ -65,10 +66,11 @@ def measure(rank: int, world: int, model: str, rounds: int, steps: int,
             cases[(buckets, prefetch)] = (compile_osdp(module, inputs, devices, plan=str(path),
                                                        optimizer="sgd", plan_cache=False),
                                           inputs)
-    rows = time_round_robin(cases, "sgd", rounds=rounds, steps=steps)
+    rows = time_round_robin(cases, "sgd", rounds=rounds, steps=steps, warm_steps=warm_steps)
     return [{"buckets": r["plan"][0], "prefetch": r["plan"][1],
              "predicted_s": r["predicted_s"], "waits_s": r["predicted_waits_s"],
-             "measured_s": r["measured_s"], "cpu_s": r["cpu_s"]} for r in rows]
+             "measured_s": r["measured_s"], "cpu_s": r["cpu_s"],
+             "first_step_s": r["first_step_s"]} for r in rows]
 
 
 def main() -> None:
@@ -77,9 +79,11 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warm-steps", type=int, default=1,
+                        help="untimed steps of a plan before its timed ones in each round")
     args = parser.parse_args()
     ranks = run_world(args.world_size, measure, args.model, args.rounds, args.steps,
-                      timeout_s=3600)
+                      args.warm_steps, timeout_s=3600)
     by = {(r["buckets"], r["prefetch"]): r for r in ranks[0]}
     cpu = {key: [statistics.mean(rows[i]["cpu_s"][k] for rows in ranks) for k in (0, 1)]
            for i, key in enumerate(by)}  # the ranks' mean: (process, the step's thread)
@@ -87,8 +91,8 @@ def main() -> None:
     print()
     print("| buckets | prefetch | predicted step, ms | of it waits for the ranks | measured | "
           "error | saved over prefetch 0: predicted | measured | CPU: the step's thread | "
-          "the process's other threads |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "the process's other threads | the first step after another plan's |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for buckets in BUCKETS:
         base = by[(buckets, 0)]
         for prefetch in PREFETCH:
@@ -100,7 +104,8 @@ def main() -> None:
                   f"{r['waits_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
                   f"{(r['predicted_s'] / r['measured_s'] - 1) * 100:+.1f} % |"
                   + (saved or " | |") + f" {cpu[(buckets, prefetch)][1] * 1e3:.1f} | "
-                  f"{(cpu[(buckets, prefetch)][0] - cpu[(buckets, prefetch)][1]) * 1e3:.1f} |")
+                  f"{(cpu[(buckets, prefetch)][0] - cpu[(buckets, prefetch)][1]) * 1e3:.1f} | "
+                  + (f"{r['first_step_s'] * 1e3:.1f} |" if r["first_step_s"] else "|"))
 
 
 if __name__ == "__main__":

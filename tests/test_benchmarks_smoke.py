@@ -471,7 +471,8 @@ def test_round_robin_noise_times_every_copy_under_every_setting() -> None:
 def test_prefetch_in_step_times_every_distance_in_both_buckets() -> None:
     """benchmarks/prefetch_in_step.py, the MLP at world 2, one round of one step: a row per
     bucket size and prefetch distance, each saving over prefetch 0 the difference of the
-    rows' steps, and the CPU of the step's thread positive."""
+    rows' steps, the CPU of the step's thread and the first step after another plan's
+    positive."""
     rows, out = benchmark_rows("prefetch_in_step.py", "--model", "mlp", "--rounds", "1",
                                "--steps", "1", timeout=600)
     rows = [[c.strip() for c in cells] for cells in rows if "buckets" in cells[0]
@@ -486,6 +487,7 @@ def test_prefetch_in_step_times_every_distance_in_both_buckets() -> None:
         assert all(float(r[2]) > 0 and float(r[4]) > 0 and float(r[3]) >= 0 for r in rows), out
         # the CPU of the step's thread, and of the process's other threads (gloo's)
         assert all(float(r[8]) > 0 and float(r[9]) >= 0 for r in rows), out
+        assert all(float(r[10]) > 0 for r in rows), out  # the first step after another's
 
 
 def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
