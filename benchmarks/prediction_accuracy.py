@@ -24,9 +24,10 @@ the column before it.
 
 Many short rounds rather than a few long ones: copies of one plan timed together measure
 closer to each other so (``benchmarks/round_robin_noise.py``; the figures in
-``docs/benchmarks.md``). A step run right after another plan's finds the caches holding that
-plan's tensors, which a training loop, stepping one plan, does not: each round first runs an
-untimed step of the plan, and times the steps after it.
+``docs/benchmarks.md``). A training loop steps one plan, and never takes a step right after
+another plan's: each round first runs an untimed step of the plan and times the steps after
+it (the plain MLP's step measured closer to its profile so; the figures in
+``docs/benchmarks.md``).
 
 Prints a Markdown table and, last, one JSON line with the worst absolute errors and how many
 plans are predicted within 15 % of their measured step (and how many at the rounds' speed). The targets: memory within 10 %, step
