@@ -8,8 +8,8 @@ side, every named plan (``replicate``, ``shard_grad_op``, ``full_shard``, ``hybr
 the full_shard and replicate peaks), with ``devices=None`` (measured by compile_osdp) and with
 ``detect_devices()``. It times the fourteen of a model round-robin (``--rounds`` rounds of
 ``--steps`` steps each after ``--warm-steps`` untimed ones, the plans of both columns in turn,
-so that the machine's load falls on all alike), measures each one's peak memory over one step with the live-tensor tracker, and
-prints the predicted against the measured median step and peak, beside how far the fastest and
+so that the machine's load falls on all alike), measures each one's peak memory over one step
+with the live-tensor tracker, and prints the predicted against the measured median step and peak, beside how far the fastest and
 the slowest round's median step lie from that median (the machine's own spread). The plain
 model, without osdp-fx or collectives, is timed in the same rounds, and a second table puts
 its step beside what the profile made of it (computation and optimizer step): where the

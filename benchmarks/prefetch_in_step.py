@@ -85,8 +85,9 @@ def main() -> None:
     ranks = run_world(args.world_size, measure, args.model, args.rounds, args.steps,
                       args.warm_steps, timeout_s=3600)
     by = {(r["buckets"], r["prefetch"]): r for r in ranks[0]}
-    cpu = {key: [statistics.mean(rows[i]["cpu_s"][k] for rows in ranks) for k in (0, 1)]
-           for i, key in enumerate(by)}  # the ranks' mean: (process, the step's thread)
+    cpu = {key: [statistics.mean(r["cpu_s"][k] for rows in ranks for r in rows
+                                 if (r["buckets"], r["prefetch"]) == key) for k in (0, 1)]
+           for key in by}  # the ranks' mean: (process, the step's thread)
     print(f"{args.model}, world {args.world_size}, `full_shard`")
     print()
     print("| buckets | prefetch | predicted step, ms | of it waits for the ranks | measured | "

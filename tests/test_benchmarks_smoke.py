@@ -553,7 +553,7 @@ def test_sync_wait_prints_each_stretch_against_the_models_charge() -> None:
     rows = [cells for cells in rows if len(cells) == 5]
     assert [float(cells[0]) for cells in rows] == [0.3, 12.0], out
     assert [float(cells[0]) for cells in before] == [0.3, 12.0], out
-    # it completes after its start, and and alone it takes some time
+    # it completes some time after its start, alone and beside the matmuls
     alone = float(re.findall(r"waited for at once: ([\d.]+)", out)[0])
     assert alone > 0 and all(float(cells[2]) > 0 for cells in before), out
     price, wait = (float(x) for x in re.findall(r"price ([\d.]+), sync_wait_s ([\d.]+)", out)[0])
