@@ -18,7 +18,9 @@ StorageTracker`` (independent of osdp-fx: every storage the process holds, at it
 what the step adds to what the process held before it, plus the plan's own parameters, buffers,
 optimizer state and input (the other plans stay alive for the timing);
 every plan that fits the limit is then timed round-robin in the same world (``--rounds``
-rounds, the order rotated each round; a step's time is the slowest rank's; the median is kept:
+rounds, the order rotated each round, each timed step after ``--warm-steps`` untimed ones of
+the same plan, as a training loop steps one plan; a step's time is the slowest rank's; the
+median is kept:
 the "screened" time). The least of some 25 noisy medians is biased low (a step here varies by
 ±15 %), so the ``--confirm`` fastest screened plans and the searched ones are timed again,
 round-robin, for ``--confirm-rounds`` more rounds, and compared on those times alone.
@@ -31,7 +33,8 @@ confirming rounds of the two plans' ratio within one round (the two steps of a r
 together, so the machine's drift between rounds cancels).
 
     python benchmarks/optimality.py [--model gpt llama] [--limit 200MiB 160MiB] [--world-size 2]
-        [--rounds 8] [--random 6] [--autotune 3] [--confirm 4] [--confirm-rounds 24] [--quick]
+        [--rounds 8] [--warm-steps 1] [--random 6] [--autotune 3] [--confirm 4]
+        [--confirm-rounds 24] [--quick]
         [--largest 1,2,4,8,12,16,24] [--out-dir benchmarks/results]
 
 ``--autotune K`` adds the row "autotuned": the search with ``compile_osdp(autotune=K)``
@@ -142,12 +145,16 @@ class _Run:
         self.opt.zero_grad()
 
 
-def _round_robin(runs: list[_Run], rounds: int) -> None:
-    """Time ``rounds`` steps of every run, in turn, the order rotated each round; a step's time
-    is the slowest rank's."""
+def _round_robin(runs: list[_Run], rounds: int, warm_steps: int = 1) -> None:
+    """Time ``rounds`` steps of every run, in turn, the order rotated each round, each after
+    ``warm_steps`` untimed steps of the same run (a training loop never steps right after
+    another plan's step); a step's time is the slowest rank's."""
     for r in range(rounds if runs else 0):  # nothing to time when no plan fits
         k = r % len(runs)
         for run in runs[k:] + runs[:k]:
+            for _ in range(warm_steps):
+                dist.barrier()
+                run.step()
             dist.barrier()
             start = time.perf_counter()
             run.step()
@@ -158,7 +165,8 @@ def _round_robin(runs: list[_Run], rounds: int) -> None:
 
 def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_random: int,
             plan_dir: str, autotune: int = 0, confirm: int = 4,
-            confirm_rounds: int = 24, largest: tuple[int, ...] = LARGEST) -> list[dict[str, Any]]:
+            confirm_rounds: int = 24, largest: tuple[int, ...] = LARGEST,
+            warm_steps: int = 1) -> list[dict[str, Any]]:
     devices = detect_devices(memory_limit=limit)
     model, vocab, seq = build(model_name)
     plans = candidate_plans(model, n_random, k_largest=largest)
@@ -216,7 +224,7 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
         if peak.item() <= limit:
             runs.append(run)
             by_hash[compiled.plan.hash()] = run
-    _round_robin(runs, rounds)
+    _round_robin(runs, rounds, warm_steps)
     screened = {run.label: statistics.median(run.times) for run in runs}
     # The least of many noisy medians is biased low (the plan that drew the luckiest rounds
     # wins), so the fastest few, with the searched and autotuned plans, are timed again,
@@ -227,7 +235,7 @@ def measure(rank: int, world: int, model_name: str, limit: int, rounds: int, n_r
                  or run in ranked[:confirm]]
     for run in finalists:
         run.times = []
-    _round_robin(finalists, confirm_rounds)
+    _round_robin(finalists, confirm_rounds, warm_steps)
     confirmed = {run.label: run.times for run in finalists}
     for row in rows:
         label = row.get("same_as", row["plan"])
@@ -346,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="fastest screened plans timed again with the searched ones")
     parser.add_argument("--confirm-rounds", type=int, default=24,
                         help="rounds of the confirming timing")
+    parser.add_argument("--warm-steps", type=int, default=1,
+                        help="untimed steps of a plan before each of its timed ones (0: time "
+                             "the step right after another plan's)")
     parser.add_argument("--autotune", type=int, default=3,
                         help="plans the autotuned row times (0: no autotuned row)")
     parser.add_argument("--quick", action="store_true",
@@ -367,10 +378,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as plan_dir:
                 rows = run_world(args.world_size, measure, model, limit, args.rounds,
                                  args.random, plan_dir, args.autotune, args.confirm,
-                                 args.confirm_rounds, largest, timeout_s=3600.0)[0]
+                                 args.confirm_rounds, largest, args.warm_steps,
+                                 timeout_s=3600.0)[0]
             title = (f"{model}, world {args.world_size}, limit {format_bytes(limit)}, AdamW, "
                      f"{args.rounds} rounds, the {args.confirm} fastest and the searched "
-                     f"{args.confirm_rounds} more" + (" (--quick)" if args.quick else ""))
+                     f"{args.confirm_rounds} more, each timed step after {args.warm_steps} untimed"
+                     + (" (--quick)" if args.quick else ""))
             text, summary = report(rows, title)
             print(text + "\n" + json.dumps(summary), flush=True)
             (out / f"optimality-{model}-{limit_text}.md").write_text(text + "\n")

@@ -6,13 +6,15 @@ Starts a gloo world of ``--world-size`` ranks (one torch thread each), compiles
 (``--model``: mlp, gpt or hf_gpt2) with one ``detect_devices()``, and times them all
 round-robin with ``prediction_accuracy.time_round_robin`` under each setting of
 ``--settings`` (``ROUNDSxSTEPS``: that many rounds of that many steps of every copy, after a
-warm-up round), each setting ``--repeats`` times, one after the other in the same world.
+warm-up round, each copy's steps in a round after ``--warm-steps`` untimed ones), each
+setting ``--repeats`` times, one after the other in the same world.
 Copies of a plan are the same computation and the same collectives, so every difference
 between their median steps is the measurement's: prints, per setting and plan, the copies'
 medians (the slowest rank's) and their spread, the largest over the smallest less one.
 
     python benchmarks/round_robin_noise.py [--model hf_gpt2] [--world-size 2]
         [--plans full_shard,replicate] [--copies 3] [--settings 4x5,10x2,20x2] [--repeats 2]
+        [--warm-steps 1]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from osdp_fx.runtime.launch import run_world  # noqa: E402
 
 
 def copies_timed(rank: int, world: int, model: str, plans: list[str], copies: int,
-                 settings: list[tuple[int, int]], repeats: int,
+                 settings: list[tuple[int, int]], repeats: int, warm_steps: int = 1,
                  ) -> list[tuple[tuple[int, int], dict[str, float]]]:
     """Each setting's (module docstring) median step of every copy, by ``plan#k`` label, in
     the order timed."""
@@ -49,7 +51,8 @@ def copies_timed(rank: int, world: int, model: str, plans: list[str], copies: in
     timed = []
     for _ in range(repeats):
         for rounds, steps in settings:
-            rows = time_round_robin(cases, "sgd", rounds=rounds, steps=steps)
+            rows = time_round_robin(cases, "sgd", rounds=rounds, steps=steps,
+                                    warm_steps=warm_steps)
             timed.append(((rounds, steps), {r["plan"]: r["measured_s"] for r in rows}))
     return timed
 
@@ -76,12 +79,15 @@ def main() -> None:
     parser.add_argument("--settings", default="4x5,10x2,20x2",
                         help="comma-separated ROUNDSxSTEPS")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warm-steps", type=int, default=1,
+                        help="untimed steps of each copy before its timed ones in a round")
     args = parser.parse_args()
     plans = args.plans.split(",")
     settings = [parse_setting(s) for s in args.settings.split(",")]
     timed = run_world(args.world_size, copies_timed, args.model, plans, args.copies, settings,
-                      args.repeats, timeout_s=3600)[0]
-    print(f"{args.model}, world {args.world_size}, {args.copies} copies of each plan")
+                      args.repeats, args.warm_steps, timeout_s=3600)[0]
+    print(f"{args.model}, world {args.world_size}, {args.copies} copies of each plan, "
+          f"{args.warm_steps} untimed steps before a copy's timed ones in a round")
     print()
     print("| rounds x steps | plan | copies' median steps, ms | spread |")
     print("|---|---|---|---|")
