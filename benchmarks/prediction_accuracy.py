@@ -17,7 +17,11 @@ machine ran faster or slower while profiling than in the rounds, every plan's pr
 moves with it. The column "error at the rounds' speed" takes that out: the plan's predicted
 computation and optimizer step scaled by the plain model's measured / profiled step, the rest
 as predicted. It tells the cost models' own error from the machine's drift; the target is
-the column before it.
+the column before it. A third table gives, for the plans compiled with ``detect_devices()``,
+rank 0's CPU per step (``where_the_step_goes``): the thread that runs the step, what it uses
+beyond the plain model's (the runtime's own work) beside the host lane the step model
+charges, the process's other threads (gloo's), and what is left of the step: the cores' idle
+time.
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--ranks-per-node 1]
         [--optimizer sgd] [--rounds 20] [--steps 2] [--warm-steps 1]
@@ -187,7 +191,8 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
             median = torch.tensor([statistics.median(times[label])])
             torch.distributed.all_reduce(median, op=torch.distributed.ReduceOp.MAX)
             rows.append({"plan": label, "predicted_s": first.compute_s + first.optim_s,
-                         "measured_s": float(median[0])})
+                         "measured_s": float(median[0]),
+                         "cpu_s": tuple(statistics.median(c) for c in zip(*cpu[label]))})
             continue
         params = list(compiled.parameters())
 
@@ -221,6 +226,30 @@ def _parts_ms(row: dict[str, Any]) -> list[str]:
     cells = [f"{x * 1e3:.1f}" for x in row["predicted_parts_s"]]
     cells[1] += f" ({row['predicted_waits_s'] * 1e3:.1f})"
     return cells
+
+
+def where_the_step_goes(rows: list[dict[str, Any]], drift: list[dict[str, Any]],
+                        world: int) -> str:
+    """A table of rank 0's CPU per step under each plan of the ``detect_devices()`` column
+    (medians, ms): the step's thread, of it what lies beyond the plain model's thread (the
+    runtime's host work, its collectives' launches and waits) beside the host lane the step
+    model charges, the process's other threads (gloo's), and the cores' idle time: the step less
+    the process's CPU times the ranks per core (every rank runs on this machine)."""
+    share = max(1.0, world / (os.cpu_count() or 1))
+    plain = {r["model"]: r["cpu_s"][1] for r in drift}
+    lines = ["| model | plan | step, ms | CPU: the step's thread | beyond the plain model's | "
+             "the host lane predicted | the other threads | the cores' idle |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["devices"] != "detect_devices()":
+            continue
+        process, thread = r["cpu_s"]
+        idle = r["measured_s"] - share * process
+        lines.append(f"| {r['model']} | {r['plan']} | {r['measured_s'] * 1e3:.1f} | "
+                     f"{thread * 1e3:.1f} | {(thread - plain[r['model']]) * 1e3:+.1f} | "
+                     f"{r['predicted_parts_s'][3] * 1e3:.1f} | {(process - thread) * 1e3:.1f} | "
+                     f"{idle * 1e3:.1f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -281,6 +310,8 @@ def main() -> None:
     for r in drift:
         print(f"| {r['model']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
               f"{r['predicted_s'] / r['measured_s']:.2f} |")
+    print()
+    print(where_the_step_goes(rows, drift, args.world_size))
     print(json.dumps({"world_size": args.world_size, "ranks_per_node": args.ranks_per_node,
                       "optimizer": args.optimizer, "cases": len(rows),
                       "within_15_percent": within,

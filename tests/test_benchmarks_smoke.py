@@ -7,6 +7,7 @@ that the files and the final JSON line are written. No assertion on any time.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -350,6 +351,18 @@ def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None
             at_speed = predicted + (compute + optim) * (measured / profiled - 1)
             assert float(cells[6].rstrip("%")) == pytest.approx(
                 (at_speed / step - 1) * 100, abs=0.3), row
+    # where the step's time goes: rank 0's CPU under each plan of the detect_devices() column
+    share = max(1.0, 2 / (os.cpu_count() or 1))
+    for plan in plans:
+        (row,) = [line for line in lines if line.startswith(f"| mlp | {plan} | ")]
+        step, thread, beyond, host, other, idle = (float(c) for c in row.strip(" |").split(
+            " | ")[2:])
+        (timed,) = [line for line in lines
+                    if line.startswith(f"| mlp | detect_devices() | {plan} |")]
+        assert step == pytest.approx(float(timed.split(" | ")[4]), abs=0.06), row
+        assert float(timed.strip(" |").split(" | ")[-1].split(" / ")[3]) == host, row
+        assert thread > 0 and other >= -0.5 and thread - beyond > 0, row
+        assert idle == pytest.approx(step - share * (thread + other), abs=0.3), row
     summary = json.loads(lines[-1])
     assert summary["cases"] == 2 * len(plans)
     assert 0 <= summary["within_15_percent_at_the_rounds_speed"] <= summary["cases"]
