@@ -19,9 +19,10 @@ computation and optimizer step scaled by the plain model's measured / profiled s
 as predicted. It tells the cost models' own error from the machine's drift; the target is
 the column before it. A third table gives, for the plans compiled with ``detect_devices()``,
 rank 0's CPU per step (``where_the_step_goes``): the thread that runs the step, what it uses
-beyond the plain model's (the runtime's own work) beside the host lane the step model
-charges, the process's other threads (gloo's), and what is left of the step: the cores' idle
-time.
+beyond the plain model's (the runtime's work: its host time, its copies, its collectives'
+launches and waits; and what a plan adds to the computation, its recomputation) beside the
+host lane the step model charges, the process's other threads (gloo's), and what is left of
+the step: the cores' idle time.
 
     python benchmarks/prediction_accuracy.py [--world-size 2] [--ranks-per-node 1]
         [--optimizer sgd] [--rounds 20] [--steps 2] [--warm-steps 1]
@@ -232,9 +233,10 @@ def where_the_step_goes(rows: list[dict[str, Any]], drift: list[dict[str, Any]],
                         world: int) -> str:
     """A table of rank 0's CPU per step under each plan of the ``detect_devices()`` column
     (medians, ms): the step's thread, of it what lies beyond the plain model's thread (the
-    runtime's host work, its collectives' launches and waits) beside the host lane the step
-    model charges, the process's other threads (gloo's), and the cores' idle time: the step less
-    the process's CPU times the ranks per core (every rank runs on this machine)."""
+    runtime's host work, copies, collectives' launches and waits, and a plan's recomputation)
+    beside the host lane the step model charges, the process's other threads (gloo's), and the
+    cores' idle time: the step less the process's CPU times the ranks per core (every rank runs
+    on this machine)."""
     share = max(1.0, world / (os.cpu_count() or 1))
     plain = {r["model"]: r["cpu_s"][1] for r in drift}
     lines = ["| model | plan | step, ms | CPU: the step's thread | beyond the plain model's | "
