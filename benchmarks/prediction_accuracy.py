@@ -9,8 +9,9 @@ the full_shard and replicate peaks), with ``devices=None`` (measured by compile_
 ``detect_devices()``. It times the fourteen of a model round-robin (``--rounds`` rounds of
 ``--steps`` steps each after ``--warm-steps`` untimed ones, the plans of both columns in turn,
 so that the machine's load falls on all alike), measures each one's peak memory over one step
-with the live-tensor tracker, and prints the predicted against the measured median step and peak, beside how far the fastest and
-the slowest round's median step lie from that median (the machine's own spread). The plain
+with the live-tensor tracker, and prints the predicted against the measured median step and
+peak, beside how far the fastest and the slowest round's median step lie from that median
+(the machine's own spread). The plain
 model, without osdp-fx or collectives, is timed in the same rounds, and a second table puts
 its step beside what the profile made of it (computation and optimizer step): where the
 machine ran faster or slower while profiling than in the rounds, every plan's prediction
@@ -35,8 +36,8 @@ it (the plain MLP's step measured closer to its profile so; the figures in
 ``docs/benchmarks.md``).
 
 Prints a Markdown table and, last, one JSON line with the worst absolute errors and how many
-plans are predicted within 15 % of their measured step (and how many at the rounds' speed). The targets: memory within 10 %, step
-time within 15 %.
+plans are predicted within 15 % of their measured step (and how many at the rounds' speed).
+The targets: memory within 10 %, step time within 15 %.
 """
 
 from __future__ import annotations
