@@ -40,7 +40,7 @@ presets predict); ``detect`` measures it on the CPU."""
 _POSITIVE_RATES = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s",
                    "intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s")
 _NON_NEGATIVE_TIMES = ("intra_node_latency_s", "inter_node_latency_s", "selective_op_time_s",
-                       "sync_wait_s", "replica_host_time_s")
+                       "full_recompute_op_time_s", "sync_wait_s", "replica_host_time_s")
 
 SYNC_STRETCH_S = 10e-3
 """The computation since the ranks last synchronised after which a blocking collective waits
@@ -172,6 +172,12 @@ class Devices:
     """Time torch's selective activation checkpointing adds per operator of a selectively
     recomputed region, in forward and in the recomputation together (its dispatch mode runs
     Python around every operator); measured by ``detect``, 0 when not measured."""
+    full_recompute_op_time_s: float = 0.0
+    """Time torch's activation checkpointing adds per operator of a fully recomputed region,
+    beyond the operators' forward run once more: the saved-tensor hooks that pack every
+    tensor the region's operators save in forward and unpack it in backward, the frame that
+    recomputes the region from the first unpack, the random number generator's state saved
+    and restored; measured by ``detect``, 0 when not measured."""
     attention_efficiency: float = 1.0
     """Share of the matmul rate (:meth:`flops_per_s`) a fused attention kernel (scaled
     dot-product attention) reaches where its time is estimated, not measured (a roofline:

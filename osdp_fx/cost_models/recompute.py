@@ -161,14 +161,15 @@ def recomputed_params(facts: GraphFacts, spans: Mapping[fx.Node, RegionSpan]) ->
 
 def recompute_time_s(facts: GraphFacts, spans: Mapping[fx.Node, RegionSpan], devices) -> float:
     """Forward time of the recomputed operators (at the profiled batch), plus, per operator of
-    a selective region, what selective checkpointing's dispatch adds
-    (``Devices.selective_op_time_s``; an operator of the graph is counted as one)."""
-    selective = sum(1 for n, span in spans.items()
-                    if span.policy == Recompute.SELECTIVE and n.op in CALL_OPS)
-    return selective * devices.selective_op_time_s + sum(
+    a recomputed region, what torch's checkpointing adds (``Devices.selective_op_time_s`` in a
+    selective region, ``Devices.full_recompute_op_time_s`` in a full one; an operator of the
+    graph is counted as one)."""
+    per_op = {Recompute.SELECTIVE: devices.selective_op_time_s,
+              Recompute.FULL: devices.full_recompute_op_time_s}
+    return sum(per_op.get(span.policy, 0.0) for n, span in spans.items()
+               if n.op in CALL_OPS) + sum(
         node_compute_time_s(facts.profile[n], devices).fwd_s
         for n, span in spans.items() if n not in span.kept)
-
 
 
 def region_costs(facts: GraphFacts, devices,

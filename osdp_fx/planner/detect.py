@@ -98,11 +98,11 @@ def detect_devices(
     Every rank of ``group`` (default: the world) must call it, since it runs collectives;
     every rank returns the same Devices (timings are reduced to the slowest rank first).
     Measured: dense matmul FLOP/s, memory bandwidth from a large copy, optimizer step
-    times, what selective activation checkpointing adds per operator, and, by a fit of the ring
-    alpha-beta model to each of all-gather, reduce-scatter and all-reduce over sizes from 4 KiB to
-    4 MiB (16 MiB on a GPU), the bandwidth and latency of each collective inside a node (ranks
-    sharing a host name) and across nodes (``collective_links``; the scope's figures are the
-    all-reduce's). What the runtime itself costs on the host is measured over the default group
+    times, what activation checkpointing adds per operator (selective and full), and, by a
+    fit of the ring alpha-beta model to each of all-gather, reduce-scatter and all-reduce over
+    sizes from 4 KiB to 4 MiB (16 MiB on a GPU), the bandwidth and latency of each collective
+    inside a node (ranks sharing a host name) and across nodes (``collective_links``; the
+    scope's figures are the all-reduce's). What the runtime itself costs on the host is measured over the default group
     (``group`` None): per parameter and per gather bucket per step by strategy, and the
     optimizer's per-tensor time over sharded parameters (``host_probe.py``). On the CPU, the
     share of hidden collective time that hiding saves: an all-gather run beside a computation
@@ -156,12 +156,13 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     )
     per_element, per_tensor = _optimizer_times(device, optimizers)
     measured = _all_reduce_floats([*per_element, *per_tensor], "max", group, device, distributed)
-    selective_s, = _all_reduce_floats([_selective_op_time_s(device)], "max", group, device,
-                                      distributed)
+    selective_s, full_s = _all_reduce_floats(list(_recompute_op_times_s(device)), "max", group,
+                                             device, distributed)
     if group is None:  # the runtime's collectives run over the default group
         figures.update(_host_figures(device, optimizers, barrier, world_size, distributed))
     figures.update(
         selective_op_time_s=selective_s,
+        full_recompute_op_time_s=full_s,
         compute_flops_per_s=flops_per_s,
         memory_bandwidth_bytes_per_s=bandwidth,
         memory_bytes=int(memory_bytes_f),
@@ -576,13 +577,14 @@ _GPU_OPTIMIZER_NUMELS = (2**21, 2**23)
 optimizer time."""
 
 
-def _selective_op_time_s(device: Any) -> float:
-    """What selective activation checkpointing (the runtime's policy) adds per operator beyond
-    recomputing the operators it does not keep: a chain of transformer operators (linear,
-    attention, layer norm, GELU on 4 x 32 tokens of width 256) run forward and backward under
-    ``checkpoint`` with the selective policy and without checkpointing, less the forward time
-    of the operators the policy recomputes (each timed), over the chain's operators (as the
-    graph has them: one per torch function called)."""
+def _recompute_op_times_s(device: Any) -> tuple[float, float]:
+    """What activation checkpointing adds per operator beyond recomputing the operators it does
+    not keep, under the runtime's selective policy and fully: a chain of transformer operators
+    (linear, attention, layer norm, GELU on 4 x 32 tokens of width 256) run forward and
+    backward under ``checkpoint`` with the selective policy, fully, and without checkpointing,
+    less the forward time of the operators each recomputes (those the selective policy does not
+    keep, each timed; the whole chain's forward), over the chain's operators (as the graph has
+    them: one per torch function called)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils.checkpoint import checkpoint
@@ -624,26 +626,40 @@ def _selective_op_time_s(device: Any) -> float:
             body(x)
         return timed.recomputed_s, timed.ops
 
-    def step(selective: bool) -> float:
+    def forward_s() -> float:
+        """The chain's forward as a full region's recomputation runs it: recording autograd's
+        graph (as the profile times a node's forward)."""
         _synchronize(device)
         start = time.perf_counter()
-        if selective:
+        body(x)
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    def step(policy: str | None) -> float:
+        _synchronize(device)
+        start = time.perf_counter()
+        if policy == "selective":
             out = checkpoint(body, x, use_reentrant=False, context_fn=selective_contexts)
+        elif policy == "full":
+            out = checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
         else:
             out = body(x)
         out.sum().backward()
         _synchronize(device)
         return time.perf_counter() - start
 
-    recomputed_s(), step(True), step(False)  # warmup
-    # paired: each round times the recomputed operators, a selective step and a plain step one
-    # after the other, so that a load on the machine that changes between rounds cancels (as
-    # medians taken apart did not)
-    rounds = []
+    recomputed_s(), forward_s(), step("selective"), step("full"), step(None)  # warmup
+    # paired: each round times the recomputed operators and the steps one after the other, so
+    # that a load on the machine that changes between rounds cancels (as medians taken apart
+    # did not)
+    selective, full = [], []
     for _ in range(2 * _REPEATS + 1):
         recomputed, ops = recomputed_s()
-        rounds.append(step(True) - step(False) - recomputed)
-    return max(statistics.median(rounds), 0.0) / ops
+        selective.append(step("selective") - step(None) - recomputed)
+        forward = forward_s()
+        full.append(step("full") - step(None) - forward)
+    return (max(statistics.median(selective), 0.0) / ops,
+            max(statistics.median(full), 0.0) / ops)
 
 
 def _all_reduce_floats(

@@ -53,9 +53,13 @@ def test_unknown_region_names_the_regions():
     with pytest.raises(PlanError, match="selective"):
         recompute_regions_pass(captured.gm, policies={"model.blocks.0": "sometimes"})
 
-def test_selective_regions_are_charged_their_dispatch_per_operator():
+@pytest.mark.parametrize("policy, field", [("selective", "selective_op_time_s"),
+                                           ("full", "full_recompute_op_time_s")])
+def test_recomputed_regions_are_charged_checkpointing_per_operator(policy: str, field: str):
     """The step model charges a selective region ``Devices.selective_op_time_s`` per operator
-    (selective checkpointing's dispatch mode wraps each); save and full are not charged it."""
+    (selective checkpointing's dispatch mode wraps each) and a full one
+    ``Devices.full_recompute_op_time_s`` (checkpointing's saved-tensor hooks); each figure is
+    charged to its own policy's regions only, and nothing to a saved region."""
     from osdp_fx.core.devices import Devices
     from osdp_fx.cost_models.recompute import region_costs
     from osdp_fx.planner.analysis import analyze
@@ -66,12 +70,13 @@ def test_selective_regions_are_charged_their_dispatch_per_operator():
     captured = capture(model, x)
     facts = analyze(captured, x, fake=True).facts
     regions = find_regions(captured.gm.graph)
-    plain, charged = (region_costs(facts, Devices(selective_op_time_s=t)) for t in (0.0, 1e-3))
+    plain, charged = (region_costs(facts, Devices(**{field: t})) for t in (0.0, 1e-3))
     assert regions and set(plain) == set(regions)
     for name, options in plain.items():
         ops = sum(n.op in ("call_function", "call_method", "call_module") for n in regions[name])
+        assert {o.policy for o in options} == {"save", "selective", "full"}
         for before, after in zip(options, charged[name]):
-            added = 1e-3 * ops if before.policy == "selective" else 0.0
+            added = 1e-3 * ops if before.policy == policy else 0.0
             assert after.recompute_s == pytest.approx(before.recompute_s + added)
 
 

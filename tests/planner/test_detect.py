@@ -25,7 +25,8 @@ from osdp_fx.planner.detect import (
     overlap_efficiency_from,
 )
 
-MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s")
+MEASURED = ("compute_flops_per_s", "memory_bandwidth_bytes_per_s", "selective_op_time_s",
+            "full_recompute_op_time_s")
 
 
 def _positive_finite(devices: Devices, names: tuple[str, ...]) -> None:
