@@ -260,7 +260,13 @@ def profile_graph_pass(
 # replicated steps were then predicted a third too slow and another's 30 % too fast,
 # ``CHANGELOG.md``),
 # and scales the nodes' forward times, and apart their backward times, so that each adds up to
-# the whole's. The nodes keep their shares, which is what the schedule and overlap models
+# its share of the whole's. The whole is the median of the runs' forward-and-backward sums, as
+# a step is timed, not the sum of the two medians: where four ranks shared two cores, a rank's
+# forward and backward were not slowed alike within a run (one ran while another rank
+# waited), and the sum of the medians fell short of the median sum, which is what the plain
+# model's step measured (``docs/benchmarks.md``, "Predicted against measured"); with a rank
+# per core the two agreed. The whole is shared between forward and backward as their
+# medians are. The nodes keep their shares, which is what the schedule and overlap models
 # read; the step model reads the sums. On a GPU a node's time is its kernels' (CUDA events,
 # [Note: timing a node on a GPU]), which the wall clock of the whole graph would mix with the
 # host's dispatch, so the scaling is not done there.
@@ -295,13 +301,13 @@ def whole_graph_runs(gm: fx.GraphModule, *, least: int) -> int:
 def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, warmup: int,
                          repeats: int, before: Callable[[], object] | None = None,
                          ) -> tuple[float, float] | None:
-    """Scale the measured node times of ``gm`` so that the forward times add up to the whole
-    graph's forward and the backward times to its backward, each the median of ``repeats``
-    runs of ``gm(*example_inputs)`` and of a backward from its floating outputs to the
-    parameters that require grad, after ``warmup``, each run after ``before`` (a barrier: the
-    ranks run each at once; [Note: the whole graph's time]). Returns
-    the two factors, or None where nothing was scaled (no timed node, or the graph did not run
-    straight through: logged)."""
+    """Scale the measured node times of ``gm`` so that the forward and backward times add up to
+    the whole graph's: the median over ``repeats`` runs (after ``warmup``) of
+    ``gm(*example_inputs)`` and a backward from its floating outputs to the parameters that
+    require grad, each run after ``before`` (a barrier: the ranks run each at once), shared
+    between forward and backward as their medians are ([Note: the whole graph's time]).
+    Returns the two factors, or None where nothing was scaled (no timed node, or the graph did
+    not run straight through: logged)."""
     timed = _timed_nodes(gm)
     if not timed or sum(osdp_meta(n).profile.fwd_time_s for n in timed) <= 0:
         return None
@@ -328,7 +334,12 @@ def scale_to_whole_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, w
         log.warning("the profile keeps its node times: running the whole graph failed with "
                     "%s: %s", type(e).__name__, e)
         return None
-    scales = scale_to_times(gm, statistics.median(forward), statistics.median(backward))
+    # a step runs its forward and then its backward: the median of the runs' sums, shared
+    # between the two by their medians ([Note: the whole graph's time])
+    whole = statistics.median(f + b for f, b in zip(forward, backward))
+    fwd_median, bwd_median = statistics.median(forward), statistics.median(backward)
+    fwd_share = fwd_median / (fwd_median + bwd_median) if fwd_median + bwd_median > 0 else 0.5
+    scales = scale_to_times(gm, whole * fwd_share, whole * (1 - fwd_share))
     log.info("profile scaled to the whole graph: forward x%.3f, backward x%.3f", *scales)
     return scales
 

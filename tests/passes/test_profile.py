@@ -4,6 +4,7 @@ fake mode equal to real mode, graph unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -435,6 +436,50 @@ def test_node_times_are_scaled_to_the_whole_graph_keeping_their_shares() -> None
         assert osdp_meta(n).profile.bwd_time_s == pytest.approx(b * bwd_scale)
     assert all(p.grad is None for p in gm.parameters())
     assert gm.code == code
+
+
+class _TimedSleep(torch.autograd.Function):
+    """Sleeps the next (forward, backward) seconds of ``_SleepLayer.runs`` in its forward and
+    its backward (none once they are used up)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        fwd_s, ctx.bwd_s = _SleepLayer.runs.pop(0) if _SleepLayer.runs else (0.0, 0.0)
+        time.sleep(fwd_s)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        time.sleep(ctx.bwd_s)
+        return grad
+
+
+class _SleepLayer(nn.Module):
+    runs: list[tuple[float, float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _TimedSleep.apply(x)
+
+
+def test_the_whole_graph_is_the_median_of_its_runs_sums() -> None:
+    """The whole graph's time is the median of the runs' forward-and-backward sums (a step's),
+    not the sum of the forward's and the backward's medians; it is shared between them as
+    their medians are. Runs of (0, 60), (60, 0) and (12, 12) ms: the median sum is 60 ms where
+    the medians add up to 24, shared half and half."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), _SleepLayer())
+    tracer = _FunctionalTracer()
+    tracer.is_leaf_module = lambda m, qualname: isinstance(m, _SleepLayer)  # type: ignore
+    gm, x = fx.GraphModule(model, tracer.trace(model)), torch.randn(4, 16)
+    profile_graph_pass(gm, (x,), **FAST)
+    _SleepLayer.runs = [(0.0, 0.0), (0.0, 0.06), (0.06, 0.0), (0.012, 0.012)]  # warmup first
+    assert profile_module.scale_to_whole_graph(gm, (x,), warmup=1, repeats=3) is not None
+    assert not _SleepLayer.runs
+    timed = [n for n in gm.graph.nodes if osdp_meta(n).profile.fwd_time_s]
+    fwd = sum(osdp_meta(n).profile.fwd_time_s for n in timed)
+    bwd = sum(osdp_meta(n).profile.bwd_time_s for n in timed)
+    assert 0.058 < fwd + bwd < 0.075
+    assert fwd == pytest.approx(bwd, rel=0.1)
 
 
 def test_node_times_are_scaled_to_given_times_keeping_their_shares() -> None:
