@@ -102,11 +102,11 @@ def detect_devices(
     fit of the ring alpha-beta model to each of all-gather, reduce-scatter and all-reduce over
     sizes from 4 KiB to 4 MiB (16 MiB on a GPU), the bandwidth and latency of each collective
     inside a node (ranks sharing a host name) and across nodes (``collective_links``; the
-    scope's figures are the all-reduce's). What the runtime itself costs on the host is measured over the default group
-    (``group`` None): per parameter and per gather bucket per step by strategy, and the
-    optimizer's per-tensor time over sharded parameters (``host_probe.py``). On the CPU, the
-    share of hidden collective time that hiding saves: an all-gather run beside a computation
-    against both alone ([Note: overlap on the CPU]).
+    scope's figures are the all-reduce's). What the runtime itself costs on the host is
+    measured over the default group (``group`` None): per parameter and per gather bucket per
+    step by strategy, and the optimizer's per-tensor time over sharded parameters
+    (``host_probe.py``). On the CPU, the share of hidden collective time that hiding saves:
+    an all-gather run beside a computation against both alone ([Note: overlap on the CPU]).
     Figures that cannot be measured (inter-node on one node, all collectives without an
     initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
     defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
