@@ -464,22 +464,23 @@ class _SleepLayer(nn.Module):
 def test_the_whole_graph_is_the_median_of_its_runs_sums() -> None:
     """The whole graph's time is the median of the runs' forward-and-backward sums (a step's),
     not the sum of the forward's and the backward's medians; it is shared between them as
-    their medians are. Runs of (0, 60), (60, 0) and (12, 12) ms: the median sum is 60 ms where
-    the medians add up to 24, shared half and half."""
+    their medians are. Runs of (0, 60), (60, 0) and (20, 10) ms: the median sum is 60 ms where
+    the medians add up to 30, shared two to one. The bounds allow a loaded machine's sleeps to
+    overrun by a few milliseconds."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), _SleepLayer())
     tracer = _FunctionalTracer()
     tracer.is_leaf_module = lambda m, qualname: isinstance(m, _SleepLayer)  # type: ignore
     gm, x = fx.GraphModule(model, tracer.trace(model)), torch.randn(4, 16)
     profile_graph_pass(gm, (x,), **FAST)
-    _SleepLayer.runs = [(0.0, 0.0), (0.0, 0.06), (0.06, 0.0), (0.012, 0.012)]  # warmup first
+    _SleepLayer.runs = [(0.0, 0.0), (0.0, 0.06), (0.06, 0.0), (0.02, 0.01)]  # warmup first
     assert profile_module.scale_to_whole_graph(gm, (x,), warmup=1, repeats=3) is not None
     assert not _SleepLayer.runs
     timed = [n for n in gm.graph.nodes if osdp_meta(n).profile.fwd_time_s]
     fwd = sum(osdp_meta(n).profile.fwd_time_s for n in timed)
     bwd = sum(osdp_meta(n).profile.bwd_time_s for n in timed)
-    assert 0.058 < fwd + bwd < 0.075
-    assert fwd == pytest.approx(bwd, rel=0.1)
+    assert 0.058 < fwd + bwd < 0.09
+    assert 1.3 < fwd / bwd < 3.0
 
 
 def test_node_times_are_scaled_to_given_times_keeping_their_shares() -> None:
