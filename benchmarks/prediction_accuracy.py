@@ -37,7 +37,10 @@ it (the plain MLP's step measured closer to its profile so; the figures in
 
 Prints a Markdown table and, last, one JSON line with the worst absolute errors and how many
 plans are predicted within 15 % of their measured step (and how many at the rounds' speed).
-The targets: memory within 10 %, step time within 15 %.
+The targets: memory within 10 %, step time within 15 %. The line also says how many plans
+compiled alike under both devices (the same ``Plan.hash()``) and so were timed twice in the
+same rounds, and the largest difference between a plan's two measured steps: how much of the
+15 % the measurement alone takes (``twin_spreads``).
 """
 
 from __future__ import annotations
@@ -210,7 +213,7 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                                  max(per_round), statistics.median(firsts[label] or [0.0])])
         torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
         pr = compiled.plan.prediction
-        rows.append({"plan": label, "predicted_s": pr.step_time_s,
+        rows.append({"plan": label, "predicted_s": pr.step_time_s, "hash": compiled.plan.hash(),
                      "measured_s": float(measured[0]),
                      "rounds_s": (float(measured[1]), float(measured[2])),
                      "predicted_bytes": pr.peak_memory_bytes,
@@ -315,12 +318,31 @@ def main() -> None:
               f"{r['predicted_s'] / r['measured_s']:.2f} |")
     print()
     print(where_the_step_goes(rows, drift, args.world_size))
+    twins = twin_spreads(rows)
     print(json.dumps({"world_size": args.world_size, "ranks_per_node": args.ranks_per_node,
                       "optimizer": args.optimizer, "cases": len(rows),
                       "within_15_percent": within,
                       "within_15_percent_at_the_rounds_speed": within_at_speed,
                       "worst_time_error": round(worst_time, 4),
-                      "worst_memory_error": round(worst_memory, 4)}))
+                      "worst_memory_error": round(worst_memory, 4),
+                      "same_plan_timed_twice": len(twins),
+                      "same_plan_worst_difference": round(max(twins, default=0.0), 4)}))
+
+
+def twin_spreads(rows: list[dict[str, Any]]) -> list[float]:
+    """For each plan compiled alike under both devices (the same strategies and schedule: the
+    same ``Plan.hash()``), and so timed twice in the same rounds, how far its two measured
+    median steps lie apart (the larger over the smaller, less 1): what the measurement alone
+    moves a plan's error by."""
+    by_plan: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_plan.setdefault((r["model"], r["plan"]), []).append(r)
+    spreads = []
+    for twins in by_plan.values():
+        if len(twins) == 2 and twins[0]["hash"] == twins[1]["hash"]:
+            a, b = sorted(t["measured_s"] for t in twins)
+            spreads.append(b / a - 1)
+    return spreads
 
 
 if __name__ == "__main__":

@@ -366,6 +366,16 @@ def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None
     summary = json.loads(lines[-1])
     assert summary["cases"] == 2 * len(plans)
     assert 0 <= summary["within_15_percent_at_the_rounds_speed"] <= summary["cases"]
+    # plans compiled alike under both devices, timed twice in the same rounds: the larger of
+    # a plan's two measured steps over the smaller, the largest such difference reported
+    spreads = []
+    for plan in plans:
+        steps = sorted(float(line.split(" | ")[4]) for line in lines for devices in
+                       ("devices=None", "detect_devices()")
+                       if line.startswith(f"| mlp | {devices} | {plan} |"))
+        spreads.append(steps[1] / steps[0] - 1)
+    assert 1 <= summary["same_plan_timed_twice"] <= len(plans)  # replicate: one schedule
+    assert any(abs(summary["same_plan_worst_difference"] - s) < 2e-3 for s in spreads)
 
 
 def test_host_time_probe_prints_a_row_per_repeat_and_the_median() -> None:
