@@ -190,6 +190,15 @@ class Timeline:
         return fixed + int(live.max())
 
 
+READY_BEFORE_SCATTERS = 0.375
+"""When a replicated group's gradient is ready after the backward of its first use ``t``:
+``t + READY_BEFORE_SCATTERS``. Its leaf's ``AccumulateGrad`` (and the reducer's hook on it)
+runs as soon as that backward has returned, before the all-gathers' backward at the same
+point starts a reduce-scatter (``t + 0.5``, which first completes the one
+``scatters_in_flight`` before it, ``t + 0.4375``): autograd runs ``AccumulateGrad`` first. A
+bucket the gradient completes is packed then, beside the reduce-scatter still in flight."""
+
+
 def replicated_buckets(tl: Timeline, params: Mapping[str, ParamState],
                         ready: Mapping[str, float], *, bucket_bytes: int, in_flight: int,
                         end: float) -> None:
@@ -222,6 +231,8 @@ def describe_time(t: float, nodes: list[fx.Node]) -> str:
         return f"all-gather before forward of {node}" if t % 1 else f"forward of {node}"
     if t < 2 * n and t % 1 == 0.25:
         return f"gradient sum after backward of {nodes[2 * n - 1 - int(t)].name}"
+    if t < 2 * n and t % 1 == READY_BEFORE_SCATTERS:
+        return f"gradient all-reduce bucket after backward of {nodes[2 * n - 1 - int(t)].name}"
     if t < 2 * n and t % 1 == 0.625:
         return f"recomputation before backward of {nodes[2 * n - 1 - math.ceil(t)].name}"
     if t < 2 * n:

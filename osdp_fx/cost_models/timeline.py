@@ -8,8 +8,10 @@ steady-state step (optimizer state already allocated, gradients set to None by t
 reports the largest live total.
 
 Time points: forward of node ``i`` is ``t = i``; backward of node ``i`` is ``t = 2N - 1 - i``
-(reverse order), and a reduce-scatter that follows it ``t + 0.5``; the second stage of a
-two-stage (hierarchical) gather before a forward or backward at ``t`` is ``t - 0.25``; the
+(reverse order), a replicated gradient it completes ``t + 0.375`` (its ``AccumulateGrad``
+runs first: ``live_bytes.READY_BEFORE_SCATTERS``), and a reduce-scatter that follows it
+``t + 0.5``; the second stage of a two-stage (hierarchical) gather before a forward or
+backward at ``t`` is ``t - 0.25``; the
 end-of-backward gradient all-reduce is ``t = 2N`` (split weights' gradients joined just after);
 the optimizer step is ``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
 
@@ -108,6 +110,7 @@ from .graph_facts import (
 )
 from .live_bytes import (
     LOCAL,
+    READY_BEFORE_SCATTERS,
     SYNC,
     Category,
     MemoryPoint,
@@ -559,8 +562,8 @@ def _add_params(tl: Timeline, step: _Step, gathers: _Gathers, base: dict[Categor
         done, piece = _add_param_gradient(tl, step, gathers, node, state, size, split)
         if piece is not None:
             bucket_grads[gathers.bucket_of[node]].append(piece)
-        elif done >= 0:
-            replicated_ready[name] = done + 0.5
+        elif done >= 0:  # its leaf's hook runs before the gathers' backward at this point
+            replicated_ready[name] = done + READY_BEFORE_SCATTERS
     return local_bytes + list(split_bytes.values()), replicated_ready, bucket_grads
 
 

@@ -187,6 +187,41 @@ def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer
             "peak_at": compiled.plan.prediction.peak_at}
 
 
+def mixed_plan_peak(rank: int, world: int, *, plan_path: str) -> dict[str, Any]:
+    """An MLP of 512-wide layers with biases (64 -> 512 -> 512 -> 512 -> 64) under the plan
+    file ``plan_path``: its predicted peak against the live-tensor tracker's, SGD, after two
+    warm-up steps."""
+    from torch import nn
+
+    from osdp_fx.runtime.memory import measure_step_peak_bytes
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            dims = (64, 512, 512, 512, 64)
+            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(self.layers):
+                x = layer(x) if i == len(self.layers) - 1 else torch.relu(layer(x))
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    compiled = compile_osdp(Net(), (x,), plan=plan_path, optimizer="sgd")
+    params = list(compiled.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+
+    def step() -> None:
+        compiled(x).backward()
+        opt.step()
+
+    measured = measure_step_peak_bytes(step, params, opt, warmup_steps=2,
+                                       zero_grad=lambda: opt.zero_grad(set_to_none=True))
+    return {"predicted": compiled.plan.peak_memory_bytes, "measured": measured,
+            "peak_at": compiled.plan.prediction.peak_at}
+
+
 def searched_plan(rank: int, world: int, *, model: str, plan_dir: str,
                   local_batch: int = 8) -> dict[str, Any]:
     """Search under a limit halfway between the peaks of all-full_shard in 64 KiB buckets (the
