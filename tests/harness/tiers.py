@@ -92,6 +92,7 @@ FAST_CASES: dict[str, Predicate] = {
     "distributed/test_gather_buckets.py": _names(
         "test_a_bucket_holds_a_large_parameter_with_small_ones"),
     "distributed/test_memory_prediction.py": _names(
+        "test_a_replicated_bucket_is_packed_before_the_reduce_scatter_of_the_same_backward",
         test_predicted_peak_memory_within_ten_percent=_is(model="mlp")),
     "distributed/test_meta_init.py": _names(
         "test_meta_errors_name_the_fix", "test_init_fn_initialises_the_meta_model",
