@@ -414,7 +414,10 @@ def test_detection_prints_a_row_per_call_and_the_spread() -> None:
 
 def test_mesh_collectives_prices_every_stage_and_strategy() -> None:
     """benchmarks/mesh_collectives.py at 16 KiB, one round, a 2 x 2 world: every stage and
-    every strategy's gather and gradient, each measured and priced in positive milliseconds."""
+    every strategy's gather and gradient, each measured and priced in milliseconds (priced
+    above 0; measured, the collective after a matmul less the matmul alone, in one round,
+    can come out below 0 by the machine's noise: -0.38 ms once, the slow tier of
+    2026-11-30)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "mesh_collectives.py"),
            "--sizes-kib", "16", "--rounds", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -427,7 +430,7 @@ def test_mesh_collectives_prices_every_stage_and_strategy() -> None:
     strategies = [f"{s} {part}" for s in ("hierarchical", "hybrid_shard", "full_shard")
                   for part in ("gather", "gradient")]
     assert sorted(rows) == sorted(stages + strategies), proc.stdout
-    assert all(float(cells[0]) > 0 and float(cells[1]) > 0 for cells in rows.values()), rows
+    assert all(abs(float(cells[0])) < 1e4 and float(cells[1]) > 0 for cells in rows.values()), rows
     # a two-stage collective is priced as its stages (printed to 0.01 ms): hierarchical
     # gathers a block across nodes, then the whole in the node; hybrid_shard reduce-scatters
     # in the node, then all-reduces the block across nodes
