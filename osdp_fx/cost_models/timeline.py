@@ -11,9 +11,9 @@ Time points: forward of node ``i`` is ``t = i``; backward of node ``i`` is ``t =
 (reverse order), a replicated gradient it completes ``t + 0.375`` (its ``AccumulateGrad``
 runs first: ``live_bytes.READY_BEFORE_SCATTERS``), and a reduce-scatter that follows it
 ``t + 0.5``; the second stage of a two-stage (hierarchical) gather before a forward or
-backward at ``t`` is ``t - 0.25``; the
-end-of-backward gradient all-reduce is ``t = 2N`` (split weights' gradients joined just after);
-the optimizer step is ``t = 2N + 1``. At each point allocations happen first (the peak is read), then frees.
+backward at ``t`` is ``t - 0.25``; the end-of-backward gradient all-reduce is ``t = 2N``
+(split weights' gradients joined just after); the optimizer step is ``t = 2N + 1``. At each
+point allocations happen first (the peak is read), then frees.
 
 What is alive, per rank (N ranks, R per node, P bytes of a parameter, Pp = N * ceil(rows / N)
 rows padded; for hybrid_shard read R for N throughout):

@@ -164,8 +164,6 @@ def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer
                       local_batch: int = 8, mixed_precision: Any = None,
                       devices: Any = None) -> dict[str, Any]:
     """Predicted peak memory of a step against the live-tensor tracker's measurement."""
-    from osdp_fx.runtime.memory import measure_step_peak_bytes
-
     from .models import with_loss
 
     net = with_loss(model)
@@ -173,6 +171,15 @@ def memory_prediction(rank: int, world: int, *, model: str, plan: str, optimizer
     compiled = compile_osdp(net, batch, devices, plan=plan, optimizer=optimizer,
                             mixed_precision=mixed_precision)
     del net
+    return _peak_against_tracker(compiled, batch, optimizer)
+
+
+def _peak_against_tracker(compiled: Any, batch: tuple[Any, ...],
+                          optimizer: str) -> dict[str, Any]:
+    """``compiled``'s predicted peak against the live-tensor tracker's over a step on
+    ``batch`` (after two warm-up steps), and where the prediction peaks."""
+    from osdp_fx.runtime.memory import measure_step_peak_bytes
+
     params = list(compiled.parameters())
     opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
            else torch.optim.SGD(params, lr=0.1))
@@ -193,8 +200,6 @@ def mixed_plan_peak(rank: int, world: int, *, plan_path: str) -> dict[str, Any]:
     warm-up steps."""
     from torch import nn
 
-    from osdp_fx.runtime.memory import measure_step_peak_bytes
-
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -208,18 +213,8 @@ def mixed_plan_peak(rank: int, world: int, *, plan_path: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
-    compiled = compile_osdp(Net(), (x,), plan=plan_path, optimizer="sgd")
-    params = list(compiled.parameters())
-    opt = torch.optim.SGD(params, lr=0.1)
-
-    def step() -> None:
-        compiled(x).backward()
-        opt.step()
-
-    measured = measure_step_peak_bytes(step, params, opt, warmup_steps=2,
-                                       zero_grad=lambda: opt.zero_grad(set_to_none=True))
-    return {"predicted": compiled.plan.peak_memory_bytes, "measured": measured,
-            "peak_at": compiled.plan.prediction.peak_at}
+    return _peak_against_tracker(compile_osdp(Net(), (x,), plan=plan_path, optimizer="sgd"),
+                                 (x,), "sgd")
 
 
 def searched_plan(rank: int, world: int, *, model: str, plan_dir: str,
