@@ -113,7 +113,8 @@ def measure(rank: int, world: int, model_name: str, rounds: int, steps: int,
 
     torch.set_num_threads(1)
     devices = detect_devices(ranks_per_node=ranks_per_node)
-    apart = dataclasses.replace(devices, concurrent_collective_ratio=1.0)
+    apart = dataclasses.replace(devices, concurrent_collective_ratio=1.0,
+                                concurrent_collective_ratios={})
 
     def compiled(plan: Any, on: Any = devices, **kw: Any) -> Any:
         model, inputs = build(model_name)

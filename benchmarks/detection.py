@@ -5,8 +5,12 @@ Each call's figures price an all-gather, a reduce-scatter and an all-reduce over
 world at 64 KiB, 1 MiB and 4 MiB (``cost_models/communication.py``'s ``collective_time_s``),
 beside the host probe's figures (``Devices.param_host_time_s`` and
 ``Devices.bucket_host_time_s`` under ``full_shard``), the ratio of two collectives in flight
-together (``Devices.concurrent_collective_ratio``), the matmul rate and the call's own seconds. The last row is each column's largest over its
-smallest: how far two calls a minute apart can disagree.
+together (``Devices.concurrent_collective_ratio``, and by size: ``Devices.
+concurrent_collective_ratios``, "together 64K" ...), the share of a collective's time hidden
+under computation that hiding saves (``Devices.overlap_efficiency``: "overlap"), the wait of a
+blocking collective after a stretch of computation (``Devices.sync_wait_s``), the matmul rate
+and the call's own seconds. The last row is each column's largest over its smallest: how far
+two calls a minute apart can disagree.
 
 A second table checks the last call against the collectives themselves: each collective of
 ``CHECKED_SIZES`` (1 to 16 MiB, past the largest size the fit saw at 4 MiB and at it) timed
@@ -61,9 +65,19 @@ def calls(rank: int, world: int, repeats: int,
         row["host/param (us)"] = devices.param_host_time_s["full_shard"] * 1e6
         row["host/bucket (us)"] = devices.bucket_host_time_s["full_shard"] * 1e6
         row["together"] = devices.concurrent_collective_ratio
+        table = devices.concurrent_collective_ratios
+        for nbytes, r in zip(table.get("total_bytes", []), table.get("ratios", [])):
+            row[f"together {_label(nbytes)}"] = r
+        row["overlap"] = devices.overlap_efficiency
+        row["sync wait (ms)"] = devices.sync_wait_s * 1e3
         row["GFLOP/s"] = devices.compute_flops_per_s / 1e9
         rows.append(row)
     return rows, checked(devices, world)
+
+
+def _label(nbytes: int) -> str:
+    """A size as the tables print it: 64K, 1M."""
+    return f"{nbytes >> 20}M" if nbytes >= 1 << 20 else f"{nbytes >> 10}K"
 
 
 def checked(devices: Any, world: int) -> list[dict[str, float]]:

@@ -409,6 +409,7 @@ def test_detection_prints_a_row_per_call_and_the_spread() -> None:
     assert len(call) == len(header) and all(float(cell) >= 0 for cell in call[1:]), call
     assert float(call[header.index(" GFLOP/s ")]) > 0, call
     assert 0.5 <= float(call[header.index(" together ")]) <= 1, call
+    assert 0 <= float(call[header.index(" overlap ")]) <= 1, call
     assert [c.strip() for c in spread[1:]] == ["1.00x"] * (len(header) - 1), spread
 
 

@@ -7,10 +7,12 @@ hardware one does not have, or measured on the running process group with
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -106,8 +108,21 @@ class Devices:
     other, in [0.5, 1]: 1 where the link runs them one at a time (the default, and presets);
     below 1 where it runs them side by side faster (gloo's threads on the CPU: a step has a
     re-gather and gradient collectives in flight together in backward). The step model's
-    communication lane runs a collective started while another is in flight at it
-    ([Note: collectives together] in ``cost_models/overlap.py``); ``detect`` measures it."""
+    communication lane runs a collective started while another is in flight at it, or at
+    :attr:`concurrent_collective_ratios`' ratio for its size where that is given ([Note:
+    collectives together] in ``cost_models/overlap.py``); ``detect`` measures it."""
+    concurrent_collective_ratios: dict[str, list[float]] = dataclasses.field(
+        default_factory=dict)
+    """The ratio of :attr:`concurrent_collective_ratio` by the size of the collectives, where
+    it changes with it: ``{"total_bytes": [n1, n2, ...], "ratios": [r1, r2, ...]}`` (sizes
+    increasing, ratios in [0.5, 1]) for an all-gather and a reduce-scatter of one size started
+    together (a re-gather beside a gradient's reduce-scatter, the pair a sharded step has in
+    flight). A collective started beside those in flight runs at the ratio of its own size:
+    on the line between the two timed sizes around it in the logarithm of the size, the
+    first's below the first, the last's above the last. ``detect`` measures it on the CPU,
+    where gloo runs two small collectives at world 2 no faster together than one after the
+    other but saves at larger sizes and with more ranks per core (``docs/cost-models.md``);
+    empty (every size at :attr:`concurrent_collective_ratio`) by default and in presets."""
     overlap_efficiency: float = OVERLAP_EFFICIENCY
     """Share of the collective time a step's schedule ideally hides under computation that
     hiding it saves, in [0, 1]: :data:`OVERLAP_EFFICIENCY` by default and in the presets. On the
@@ -233,6 +248,7 @@ class Devices:
         if not _is_number(self.attention_efficiency) or not 0 < self.attention_efficiency <= 1:
             raise InputError(f"Devices.attention_efficiency must be a share of the matmul rate "
                              f"in (0, 1], got {self.attention_efficiency!r}")
+        _check_concurrent_ratios(self.concurrent_collective_ratios)
         if (not _is_number(self.concurrent_collective_ratio)
                 or not 0.5 <= self.concurrent_collective_ratio <= 1):
             raise InputError(f"Devices.concurrent_collective_ratio must be in [0.5, 1] (the time "
@@ -290,6 +306,29 @@ class Devices:
         default = _DEFAULTS
         same = all(getattr(self, name) == getattr(default, name) for name in _FIGURES)
         return "defaults" if same else "given"
+
+    def concurrent_ratio(self, nbytes: float) -> float:
+        """The ratio a collective of ``nbytes`` runs at beside collectives in flight
+        (:attr:`concurrent_collective_ratios` at its size, else
+        :attr:`concurrent_collective_ratio`)."""
+        table = self.concurrent_collective_ratios
+        if not table:
+            return self.concurrent_collective_ratio
+        sizes, ratios = table["total_bytes"], table["ratios"]
+        if nbytes <= sizes[0]:
+            return ratios[0]
+        if nbytes >= sizes[-1]:
+            return ratios[-1]
+        i = bisect.bisect_right(sizes, nbytes)
+        x0, x1, x = math.log(sizes[i - 1]), math.log(sizes[i]), math.log(nbytes)
+        return ratios[i - 1] + (ratios[i] - ratios[i - 1]) * (x - x0) / (x1 - x0)
+
+    @property
+    def least_concurrent_ratio(self) -> float:
+        """The least ratio any collective runs at beside others in flight: the most two
+        collectives together save is ``2 (1 - this)`` of a collective's time."""
+        return min([self.concurrent_collective_ratio,
+                    *self.concurrent_collective_ratios.get("ratios", [])])
 
     @property
     def num_nodes(self) -> int:
@@ -384,6 +423,24 @@ def _check_collective_times(tables: dict[str, dict[str, Any]]) -> None:
             )
 
 
+def _check_concurrent_ratios(table: dict[str, list[float]]) -> None:
+    if not table:
+        return
+    sizes = table.get("total_bytes") if isinstance(table, dict) else None
+    ratios = table.get("ratios") if isinstance(table, dict) else None
+    if (not isinstance(table, dict) or set(table) != {"total_bytes", "ratios"}
+            or not isinstance(sizes, list) or not isinstance(ratios, list)
+            or not sizes or len(sizes) != len(ratios)
+            or not all(_is_number(v) and 0 < v < float("inf") for v in sizes)
+            or any(b <= a for a, b in zip(sizes, sizes[1:]))
+            or not all(_is_number(r) and 0.5 <= r <= 1 for r in ratios)):
+        raise InputError(
+            f"Devices.concurrent_collective_ratios must be {{}} or {{\"total_bytes\": "
+            f"[increasing positive sizes], \"ratios\": [as many ratios in [0.5, 1]]}}, got "
+            f"{table!r}"
+        )
+
+
 LINK_SCOPES = ("intra_node", "inter_node", "world")
 """Scopes of link figures: collectives inside a node, collectives that cross nodes, and (link
 figures only) a ring over every rank of every node as measured."""
@@ -406,7 +463,8 @@ def device_memory_bytes(device: Any = None) -> int:
 
 
 _FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "collective_times",
-            "concurrent_collective_ratio", "overlap_efficiency", "overlap_hides_latency",
+            "concurrent_collective_ratio", "concurrent_collective_ratios", "overlap_efficiency",
+            "overlap_hides_latency",
             "optimizer_element_time_s", "optimizer_tensor_time_s",
             "optimizer_sharded_tensor_time_s", "param_host_time_s", "bucket_host_time_s",
             "host_overlaps_device", "attention_efficiency", "compute_flops_per_s_by_dtype")

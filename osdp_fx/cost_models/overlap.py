@@ -99,6 +99,10 @@ class TimedGather:
     seconds: float
     at_wait_s: float = 0.0
     """Of ``seconds``, the stages run when it is waited for (after the first)."""
+    ratio: float = 1.0
+    """The ratio it runs at when started beside collectives in flight, where the replay runs
+    each at its own (``Devices.concurrent_ratio`` at its size; [Note: collectives
+    together])."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,8 @@ class TimedReduce:
     in flight, as the runtime keeps one per kind."""
     at_wait_s: float = 0.0
     """Of ``seconds``, the stages run when it is waited for (after the first)."""
+    ratio: float = 1.0
+    """As ``TimedGather.ratio``."""
 
 
 # [Note: collectives together]
@@ -123,10 +129,15 @@ class TimedReduce:
 # seconds) of its time, and while two run together the link does their work in r of the time:
 # it ends at free + seconds - 2 (1 - r) o. Two equal collectives started together end at r of
 # their time one after the other; what every collective saves is at most 2 (1 - r) of its
-# own seconds, the bound the exact search subtracts (``planner/exhaustive.py``). On CPU gloo
-# two collectives in flight together take about 0.8 of their time one after the other
-# (``docs/benchmarks.md``, "Collectives together"), and a sharded step has a re-gather and
-# gradient collectives in flight together in backward.
+# own seconds, the bound the exact search subtracts (``planner/exhaustive.py``, at
+# ``Devices.least_concurrent_ratio``). On CPU gloo two collectives in flight together take
+# about 0.8 of their time one after the other (``docs/benchmarks.md``, "Collectives
+# together"), and a sharded step has a re-gather and gradient collectives in flight together
+# in backward. Where the ratio changes with the size (``Devices.concurrent_collective_ratios``:
+# on the CPU at world 2 gloo runs a small all-gather and reduce-scatter no faster together
+# than one after the other, larger ones faster), each collective carries the ratio of its
+# own size (``TimedGather.ratio``, ``TimedReduce.ratio``) and runs at it when it starts
+# beside those in flight.
 
 
 # [Note: the all-reduce runs alone]
@@ -147,13 +158,14 @@ def _ends_s(now: float, free: float, seconds: float, ratio: float) -> float:
 
 
 def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather], *,
-                     ratio: float = 1.0) -> float:
+                     ratio: float | None = 1.0) -> float:
     """Seconds the computation waits for gathers, replaying ``compute_s`` (one duration per
     step, in order) with ``gathers`` in issue order. A gather issued at step ``s`` starts after
     the gathers used at ``s`` were waited for (a prefetch follows its anchor's gather); one used
     before it was issued starts at its use; one started while another is in flight runs beside
-    it at ``ratio`` ([Note: collectives together]). Waiting for a gather runs its stages after
-    the first (``TimedGather.at_wait_s``): the computation waits for all of them."""
+    it at ``ratio`` ([Note: collectives together]; None: each at its own,
+    ``TimedGather.ratio``). Waiting for a gather runs its stages after the first
+    (``TimedGather.at_wait_s``): the computation waits for all of them."""
     used, issued = defaultdict(list), defaultdict(list)
     for i, g in enumerate(gathers):
         used[g.used_at].append(i)
@@ -170,7 +182,7 @@ def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather],
                 g = gathers[i]
                 if i not in done:
                     link_free = done[i] = _ends_s(now, link_free, g.seconds - g.at_wait_s,
-                                                  ratio)
+                                                  g.ratio if ratio is None else ratio)
                 if wait:
                     end = max(now, done[i]) + g.at_wait_s
                     if end > now:
@@ -183,14 +195,15 @@ def exposed_gather_s(compute_s: Sequence[float], gathers: Sequence[TimedGather],
 
 def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather],
                        reduces: Sequence[TimedReduce], *, in_flight: int,
-                       ratio: float = 1.0) -> float:
+                       ratio: float | None = 1.0) -> float:
     """Seconds backward waits for its collectives, replaying ``compute_s`` (one duration per
     step of the backward lane, in order) with the re-gathers ``gathers`` (as
     :func:`exposed_gather_s`) and the gradient collectives ``reduces`` on one link: a gradient
     collective starts after the computation of its step (first waiting for the oldest of its
     kind when ``in_flight`` are in flight), beside those in flight at ``ratio`` ([Note:
-    collectives together]), and backward ends when every one has completed; waiting for a
-    collective runs its stages after the first (``at_wait_s``). The replicated gradients'
+    collectives together]; None: each at its own ``ratio``), and backward ends when every
+    one has completed; waiting for a collective runs its stages after the first
+    (``at_wait_s``). The replicated gradients'
     all-reduce runs after the collectives in flight, and those started while it is in flight
     after it ([Note: the all-reduce runs alone])."""
     used, issued, ready = defaultdict(list), defaultdict(list), defaultdict(list)
@@ -205,10 +218,10 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
     now = link_free = waited = 0.0
     alone_until = 0.0  # the end of the last all-reduce: what starts before it runs after it
 
-    def beside(t: float) -> float:
-        """The ratio a collective started at ``t`` runs at beside those in flight ([Note: the
-        all-reduce runs alone])."""
-        return 1.0 if t < alone_until else ratio
+    def beside(t: float, own: float) -> float:
+        """The ratio a collective of ratio ``own`` started at ``t`` runs at beside those in
+        flight ([Note: the all-reduce runs alone])."""
+        return 1.0 if t < alone_until else (own if ratio is None else ratio)
 
     def wait_until(t: float, then_s: float = 0.0) -> None:
         """Wait for a collective whose first stage ends at ``t``, then run ``then_s``."""
@@ -229,7 +242,7 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
                 g = gathers[i]
                 if i not in done:
                     link_free = done[i] = _ends_s(now, link_free, g.seconds - g.at_wait_s,
-                                                  beside(now))
+                                                  beside(now, g.ratio))
                 if wait:
                     wait_until(done[i], g.at_wait_s)
         now += compute_s[step]
@@ -240,7 +253,7 @@ def exposed_backward_s(compute_s: Sequence[float], gathers: Sequence[TimedGather
                 wait_until(*window.popleft())
             alone = r.kind == "all_reduce"
             link_free = _ends_s(now, link_free, r.seconds - r.at_wait_s,
-                                1.0 if alone else beside(now))
+                                1.0 if alone else beside(now, r.ratio))
             if alone:
                 alone_until = link_free
             window.append((link_free, r.at_wait_s))
@@ -269,6 +282,16 @@ def _stage_times_s(state: ParamState, devices: Devices, *,
     return (times([st for st in fwd if st.collective == "all_gather"]),
             times([st for st in bwd if st.collective == "all_gather"]),
             times([st for st in bwd if st.collective != "all_gather"]))
+
+
+def gathered_bytes(state: ParamState) -> int:
+    """Bytes of one group's parameter gathered whole (in the dtype it is gathered in)."""
+    return state.numel * state.compute_size
+
+
+def reduced_bytes(state: ParamState) -> int:
+    """Bytes of one group's gradient reduced whole (in the dtype it is reduced in)."""
+    return state.numel * state.reduce_size
 
 
 @functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
@@ -328,8 +351,14 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
     later = [max(0.0, sum(gather[n].forward_at_wait_s for n in b) - (len(b) - 1) * (
         gather_s(dataclasses.replace(params[facts.param_of[b[0]]], numel=0), devices,
                  regathered=False).forward_at_wait_s)) for b in buckets]
+
+    def ratio(members: Sequence[fx.Node]) -> float:
+        """The ratio the gather of ``members`` runs at beside collectives in flight."""
+        return devices.concurrent_ratio(sum(gathered_bytes(params[facts.param_of[n]])
+                                            for n in members))
+
     forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
-                           seconds[i], min(seconds[i], later[i]))
+                           seconds[i], min(seconds[i], later[i]), ratio(buckets[i]))
                for i in range(len(buckets))]
     # backward: re-gathered groups in the order forward saved them, a bucket's saved members
     # in one all-gather when the first of them is unpacked; unpacking the unit saved at index
@@ -358,7 +387,8 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
         backward.append(TimedGather(
             min([unpack[i], *later]), unpack[i],
             max(0.0, sum(gather[m].backward_s for m in unit) - latency * riders),
-            max(0.0, sum(gather[m].backward_at_wait_s for m in unit) - at_wait_latency * riders)))
+            max(0.0, sum(gather[m].backward_at_wait_s for m in unit) - at_wait_latency * riders),
+            ratio(unit)))
     backward.sort(key=lambda g: (g.issued_at, g.used_at))
     return forward, backward
 
@@ -378,14 +408,13 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
         return 0.0
     total = sum(g.seconds for g in (*forward, *backward)) + sum(r.seconds for r in reduces)
 
-    def exposed(ratio: float) -> float:
+    def exposed(ratio: float | None) -> float:
         return (exposed_gather_s(fwd_compute, forward, ratio=ratio)
                 + exposed_backward_s(bwd_compute, backward, reduces, in_flight=in_flight,
                                      ratio=ratio))
 
     one_at_a_time = exposed(1.0)
-    together = (one_at_a_time if devices.concurrent_collective_ratio >= 1.0
-                else exposed(devices.concurrent_collective_ratio))
+    together = (one_at_a_time if devices.least_concurrent_ratio >= 1.0 else exposed(None))
     fixed = latency_s("all_gather", devices)
     beyond = (sum(max(0.0, g.seconds - fixed) for g in (*forward, *backward))
               + sum(max(0.0, r.seconds - latency_s(r.kind, devices)) for r in reduces))

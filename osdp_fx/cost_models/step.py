@@ -74,6 +74,7 @@ from .overlap import (
     hidden_comm_s,
     reduce_at_wait_s,
     reduce_s,
+    reduced_bytes,
     sync_wait_s,
     timed_gathers,
 )
@@ -429,7 +430,8 @@ def predict_step_time(
         if devices.world_size > 1:
             per_byte, latency = all_reduce_parts_s(nbytes, devices)
             reduces.append(TimedReduce(max(ready.get(m, 0) for m in members),
-                                       per_byte * nbytes + latency, "all_reduce"))
+                                       per_byte * nbytes + latency, "all_reduce",
+                                       ratio=devices.concurrent_ratio(nbytes)))
     among_sharded = devices.world_size > 1 and any(traits(st.strategy).sharded
                                                    for st in params.values())
     costs = {
@@ -449,7 +451,7 @@ def predict_step_time(
                                                schedule.gather_bucket_bytes) for n in b}
     for bucket in buckets:
         scattered = False  # a trainable member before this one
-        scatter_s, scatter_ready, scatter_later_s = 0.0, 0, 0.0
+        scatter_s, scatter_ready, scatter_later_s, scatter_bytes = 0.0, 0, 0.0, 0
         for k, node in enumerate(bucket):
             name = facts.param_of[node]
             again = (node in together and name in regathered
@@ -464,6 +466,7 @@ def predict_step_time(
                     reduce_at_wait_s(dataclasses.replace(params[name], numel=0), devices)
                     if scattered else 0.0)
                 scatter_ready = max(scatter_ready, ready.get(name, 0))
+                scatter_bytes += reduced_bytes(params[name])
                 scattered = True
             if len(bucket) > 1:  # its members pass through the bucket's flat buffers on the
                 saved -= bucket_copy_s(params[name], devices, again=again)  # device (copies)
@@ -476,7 +479,8 @@ def predict_step_time(
         if scattered:
             scatter_s = max(0.0, scatter_s)
             reduces.append(TimedReduce(scatter_ready, scatter_s, "reduce_scatter",
-                                       min(scatter_s, max(0.0, scatter_later_s))))
+                                       min(scatter_s, max(0.0, scatter_later_s)),
+                                       devices.concurrent_ratio(scatter_bytes)))
     compute_s = other_s + sum(per_group.values())
     optim_s = sum(c.optim_s for c in costs.values())
     forward, backward = (timed_gathers(facts, params, devices, prefetch=schedule.prefetch,

@@ -55,6 +55,10 @@ _REPEATS = 5
 _PROBE_ROUNDS = 9
 """Rounds of the host probe (``host_probe.py``; ``_interleaved_times_s``), every chain timed
 once per round."""
+_OVERLAP_ROUNDS = 27
+"""Rounds of the overlap probe (``_overlap_figures``): its figure is a difference of three
+times, which over the host probe's 9 rounds swung from call to call far more than over 27
+(``docs/benchmarks.md``, "How steady detection is")."""
 _COLLECTIVE_REPEATS = 15
 """Rounds of the collective benchmarks (``_interleaved_times_s``): collectives between
 processes sharing cores vary the most from run to run, and more rounds steady the fitted figures
@@ -171,7 +175,7 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     )
     if world_size > 1:
         figures.update(_measure_links(group, device, world_size, ranks_per_node))
-        figures["concurrent_collective_ratio"] = _concurrent_collective_ratio(group, device)
+        figures.update(_concurrent_collective_ratios(group, device))
         links = Devices(world_size=world_size, ranks_per_node=None if ranks_per_node == world_size
                         else ranks_per_node, **figures)
         figures.update(_overlap_figures(group, device, links))
@@ -365,7 +369,7 @@ def _overlap_figures(group: Any, device: Any, links: Devices) -> dict[str, Any]:
 
     times = _interleaved_times_s([lambda: start().wait(), compute, together], device,
                                  barrier=lambda: dist.barrier(group=group),
-                                 rounds=_PROBE_ROUNDS, calls=[1, 1, 1])
+                                 rounds=_OVERLAP_ROUNDS, calls=[1, 1, 1])
     alone, computed, both = _all_reduce_floats(times, "max", group, device, True)
     latency = collective_time_s("all_gather", 0, links)
     return {"overlap_efficiency": overlap_efficiency_from(alone, computed, both, latency),
@@ -857,38 +861,48 @@ def collective_runs(numel: int, size: int, name: str,
             for collective, start in collective_starts(numel, size, name, device).items()}
 
 
-_CONCURRENT_SIZES_BYTES = (2**20, 2**22)
+_CONCURRENT_SIZES_BYTES = (2**16, 2**18, 2**20, 2**22)
 """Message sizes of the pairs of collectives timed together and one after the other
-(:func:`_concurrent_collective_ratio`): those of the parameters sharded plans gather."""
-_CONCURRENT_PAIRS = (("all_gather", "reduce_scatter"), ("all_reduce", "all_reduce"))
-"""The pairs a step has in flight together: a re-gather beside a gradient's reduce-scatter
-(sharded groups), and two gradient all-reduce buckets (replicated ones)."""
+(:func:`_concurrent_collective_ratios`): those of the gather buckets and parameters sharded
+plans gather."""
 
 
-def _concurrent_collective_ratio(group: Any, device: Any) -> float:
-    """``Devices.concurrent_collective_ratio``: the time of each pair of
-    :data:`_CONCURRENT_PAIRS` at each size of :data:`_CONCURRENT_SIZES_BYTES` started together
-    over its time one after the other, pooled (the sum of the one over the sum of the other),
-    within [1/2, 1]; timed interleaved as the collectives are (``_interleaved_times_s``, two
-    calls per run, each after the short matmul), the slowest rank's times."""
+def _concurrent_collective_ratios(group: Any, device: Any) -> dict[str, Any]:
+    """``Devices.concurrent_collective_ratios`` and ``concurrent_collective_ratio``: at each
+    size of :data:`_CONCURRENT_SIZES_BYTES`, an all-gather and a reduce-scatter (a re-gather
+    beside a gradient's reduce-scatter: the pair a sharded step has in flight together)
+    started together over the two one after the other, within [1/2, 1]; the single ratio
+    pooled over the sizes (the sum of the one over the sum of the other). Timed interleaved as
+    the collectives are (``_interleaved_times_s``, two calls per run, each after the short
+    matmul, ``_COLLECTIVE_REPEATS`` rounds), the slowest rank's times. (A step's replay runs
+    the replicated gradients' all-reduce alone, [Note: the all-reduce runs alone] in
+    ``cost_models/overlap.py``: no all-reduce pair is timed.)"""
     import torch
     import torch.distributed as dist
 
     size, name = dist.get_world_size(group), _group_name(group)
     a, b = filler_operands(device)
     runs: list[Callable[[], object]] = []
+    sizes = []
     for nbytes in _CONCURRENT_SIZES_BYTES:
         numel = max(size, nbytes // 4 // size * size)
-        for first, second in _CONCURRENT_PAIRS:
-            x = collective_starts(numel, size, name, device)[first]
-            y = collective_starts(numel, size, name, device)[second]
-            runs.append(lambda x=x, y=y: (x().wait(), y().wait()))  # one after the other
-            runs.append(lambda x=x, y=y: [w.wait() for w in (x(), y())])  # together
+        sizes.append(numel * 4)
+        x = collective_starts(numel, size, name, device)["all_gather"]
+        y = collective_starts(numel, size, name, device)["reduce_scatter"]
+        runs.append(lambda x=x, y=y: (x().wait(), y().wait()))  # one after the other
+        runs.append(lambda x=x, y=y: [w.wait() for w in (x(), y())])  # together
     times = _interleaved_times_s(runs, device, barrier=lambda: dist.barrier(group=group),
-                                 between=lambda: torch.mm(a, b), rounds=_PROBE_ROUNDS,
+                                 between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS,
                                  calls=[_LARGE_BACK_TO_BACK] * len(runs))
     times = _all_reduce_floats(times, "max", group, device, True)
-    return min(1.0, max(0.5, sum(times[1::2]) / sum(times[0::2])))
+
+    def ratio(together: float, apart: float) -> float:
+        return min(1.0, max(0.5, together / apart))
+
+    return {"concurrent_collective_ratios": {
+                "total_bytes": sizes,
+                "ratios": [ratio(t, s) for s, t in zip(times[0::2], times[1::2])]},
+            "concurrent_collective_ratio": ratio(sum(times[1::2]), sum(times[0::2]))}
 
 
 _FILLER_MATMUL_SIZE = 256

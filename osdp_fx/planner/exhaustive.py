@@ -154,7 +154,7 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     sharded parameters with one gather key, all but one may save two gathers' and a
     reduce-scatter's latency by riding in another's bucket; collectives in flight together
     save at most 2 (1 - r) of their seconds on the link (``r``:
-    ``Devices.concurrent_collective_ratio``, [Note: collectives together])."""
+    ``Devices.least_concurrent_ratio``, [Note: collectives together])."""
     devices = setting.devices
     terms, bucket_saving = _row_terms(analysis, options, regions, setting, scale)
     per_group, other_s = attributed_compute_s(analysis.facts, devices)
@@ -174,7 +174,7 @@ def step_time_bounds(analysis: Analysis, options: Mapping[str, list[str]],
     for count in small.values():
         time -= bucket_saving * np.maximum(0.0, count - 1)
     _, latency = all_reduce_parts_s(0, devices)  # the least latency of an all-reduce
-    together = 2.0 * (1.0 - devices.concurrent_collective_ratio)
+    together = 2.0 * (1.0 - devices.least_concurrent_ratio)
     return (compute * scale + time + latency * reduced
             - devices.overlap_efficiency * np.minimum(gathered + latency * reduced, compute)
             - together * (on_link + latency * reduced))

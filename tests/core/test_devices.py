@@ -83,6 +83,11 @@ def test_devices_whose_nodes_do_not_divide_the_world():
     ({"selective_op_time_s": "1ms"}, "selective_op_time_s must be a non-negative"),
     ({"concurrent_collective_ratio": 0.4}, r"concurrent_collective_ratio must be in \[0.5, 1\]"),
     ({"concurrent_collective_ratio": 1.2}, r"concurrent_collective_ratio must be in \[0.5, 1\]"),
+    ({"concurrent_collective_ratios": {"total_bytes": [1024], "ratios": [0.4]}},
+     r"concurrent_collective_ratios must be .*ratios in \[0.5, 1\]"),
+    ({"concurrent_collective_ratios": {"total_bytes": [4096, 1024], "ratios": [1.0, 0.8]}},
+     "increasing positive sizes"),
+    ({"concurrent_collective_ratios": {"total_bytes": [1024]}}, "concurrent_collective_ratios"),
     ({"overlap_efficiency": -0.1}, r"overlap_efficiency must be in \[0, 1\]"),
     ({"overlap_efficiency": 1.5}, r"overlap_efficiency must be in \[0, 1\]"),
     ({"overlap_hides_latency": 0}, "overlap_hides_latency must be True or False"),
@@ -125,3 +130,19 @@ def test_equal_figures_hash_alike_and_any_figure_changes_the_hash():
     assert hash(dataclasses.replace(a, memory_margin=0.05)) != hash(a)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.world_size = 8  # type: ignore[misc]
+
+
+def test_a_collective_runs_beside_others_at_the_ratio_of_its_size() -> None:
+    """``Devices.concurrent_ratio``: the table's ratio at a timed size, on the line in the
+    logarithm of the size between two, the end ratios outside; the single ratio without a
+    table; the least of them bounds what collectives together save."""
+    table = {"total_bytes": [2**16, 2**20, 2**22], "ratios": [1.0, 0.8, 0.9]}
+    devices = Devices(world_size=2, concurrent_collective_ratio=0.85,
+                      concurrent_collective_ratios=table)
+    assert devices.concurrent_ratio(2**16) == 1.0 and devices.concurrent_ratio(2**20) == 0.8
+    assert devices.concurrent_ratio(2**18) == pytest.approx(0.9)  # halfway in log size
+    assert devices.concurrent_ratio(2**21) == pytest.approx(0.85)
+    assert devices.concurrent_ratio(100) == 1.0 and devices.concurrent_ratio(2**30) == 0.9
+    assert devices.least_concurrent_ratio == 0.8
+    assert Devices(world_size=2, concurrent_collective_ratio=0.85).concurrent_ratio(2**16) == 0.85
+    assert Devices(concurrent_collective_ratio=0.7).least_concurrent_ratio == 0.7

@@ -120,10 +120,16 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
         assert times["group_size"] == 2 and len(times["total_bytes"]) >= 2
         for nbytes, seconds in zip(times["total_bytes"], times["seconds"]):
             assert collective_time_s(key.split(".")[1], nbytes, node) == pytest.approx(seconds)
-    # two collectives started together, timed against one after the other: a measured share
-    assert 0 < node.concurrent_collective_ratio <= 1
-    assert Devices.from_json(tmp_path / "node.0.json").concurrent_collective_ratio == (
-        node.concurrent_collective_ratio)
+    # two collectives started together, timed against one after the other: a measured share,
+    # and one per size (a re-gather beside a reduce-scatter), kept in the devices' file
+    assert 0.5 <= node.concurrent_collective_ratio <= 1
+    table = node.concurrent_collective_ratios
+    assert len(table["total_bytes"]) == 4 and all(0.5 <= r <= 1 for r in table["ratios"])
+    # the single ratio pools the sizes' times: between the least and the largest of theirs
+    assert min(table["ratios"]) <= node.concurrent_collective_ratio <= max(table["ratios"])
+    loaded = Devices.from_json(tmp_path / "node.0.json")
+    assert loaded.concurrent_collective_ratio == node.concurrent_collective_ratio
+    assert loaded.concurrent_collective_ratios == table
     # measured on the CPU: a share, applied beyond a collective's latency
     assert 0 <= node.overlap_efficiency <= 1 and not node.overlap_hides_latency
     # the wait after a stretch of computation, and the host time of a replicated parameter

@@ -5,6 +5,7 @@ runtime."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 
@@ -166,6 +167,32 @@ def test_collectives_in_flight_together_run_at_the_devices_ratio_by_hand():
     # at 1/2, two started together run in the time of one
     assert exposed_backward_s(compute, [], [rs(0, 1.5), rs(0, 1.5)], in_flight=2,
                               ratio=0.5) == 0.0
+
+
+def test_each_collective_runs_beside_others_at_the_ratio_of_its_size_by_hand():
+    """[Note: collectives together], ratios by size (``Devices.concurrent_collective_ratios``):
+    with ``ratio=None`` a collective started beside those in flight runs at its own ratio
+    (``TimedGather.ratio``, ``TimedReduce.ratio``)."""
+    compute = [1.0, 1.0, 1.0]
+
+    def rs(ready_at, seconds, ratio):
+        return TimedReduce(ready_at, seconds, "reduce_scatter", ratio=ratio)
+
+    # the second started at its own 0.75: as the devices' 0.75 for both (ends at 3.25)
+    assert exposed_backward_s(compute, [], [rs(0, 1.5, 1.0), rs(0, 1.5, 0.75)], in_flight=2,
+                              ratio=None) == 0.25
+    # the second at its own 1.0 (a small collective): one after the other, ends at 4
+    assert exposed_backward_s(compute, [], [rs(0, 1.5, 0.5), rs(0, 1.5, 1.0)], in_flight=2,
+                              ratio=None) == 1.0
+    # a forced ratio overrides each one's own
+    assert exposed_backward_s(compute, [], [rs(0, 1.5, 0.5), rs(0, 1.5, 1.0)], in_flight=2,
+                              ratio=0.75) == 0.25
+    # gathers alike: the third, started beside the second at 0.75 of its time
+    gathers = [TimedGather(0, 0, 0.5), TimedGather(0, 2, 1.5, ratio=1.0),
+               TimedGather(0, 2, 1.5, ratio=0.75)]
+    assert exposed_gather_s(compute, gathers, ratio=None) == 0.5 + 0.25
+    assert exposed_gather_s(compute, [*gathers[:2], dataclasses.replace(gathers[2], ratio=1.0)],
+                            ratio=None) == 0.5 + 1.0
 
 
 def test_the_all_reduce_runs_alone_by_hand():

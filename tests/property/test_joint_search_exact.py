@@ -9,7 +9,8 @@ operator runs). Brute force scores every combination (a strategy per trainable g
 per region, at most 3^3 x 3^3) with the models the search answers to: the timeline's peak
 (``cost_models.timeline.predict_step_memory``) and the step time
 (``cost_models.step.predict_step_time``), under the default schedule, with the link running
-collectives one at a time or side by side (``Devices.concurrent_collective_ratio`` 1 or 0.75),
+collectives one at a time or side by side (``Devices.concurrent_collective_ratio`` 1 or 0.75,
+or by size: ``Devices.concurrent_collective_ratios``, small ones one at a time, 1 MiB at 0.6),
 and hiding collectives under computation saving half of their time, none, or, as measured on
 a CPU, 0.3 of their time beyond their latencies (``Devices.overlap_efficiency`` 0.5, 0 or 0.3
 with ``overlap_hides_latency`` False).
@@ -71,9 +72,15 @@ def _analysis(depth: int, dim: int, seq: int, trainable: list[str]):
     return analyze(capture(net, (x,)), (x,), fake=True)
 
 
-def _setting(ratio: float, overlap: tuple[float, bool]) -> StepSetting:
-    return StepSetting(Devices(world_size=2, concurrent_collective_ratio=ratio,
-                               overlap_efficiency=overlap[0], overlap_hides_latency=overlap[1]),
+BY_SIZE = {"total_bytes": [2**12, 2**20], "ratios": [1.0, 0.6]}
+"""Ratios of collectives together by size: small ones one at a time, 1 MiB at 0.6."""
+
+
+def _setting(ratio: float | str, overlap: tuple[float, bool]) -> StepSetting:
+    together = ({"concurrent_collective_ratio": 0.8, "concurrent_collective_ratios": BY_SIZE}
+                if ratio == "by size" else {"concurrent_collective_ratio": ratio})
+    return StepSetting(Devices(world_size=2, **together, overlap_efficiency=overlap[0],
+                               overlap_hides_latency=overlap[1]),
                        optimizer=OPTIMIZER, schedule=SCHEDULE)
 
 
@@ -101,7 +108,8 @@ def _scores(analysis, setting):
 @seed(16)
 @settings(max_examples=15, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(case=instances(), share=st.floats(0.0, 1.0), ratio=st.sampled_from([1.0, 0.75]),
+@given(case=instances(), share=st.floats(0.0, 1.0),
+       ratio=st.sampled_from([1.0, 0.75, "by size"]),
        overlap=st.sampled_from([(0.5, True), (0.0, True), (0.3, False)]))
 def test_joint_search_equals_brute_force(case, share, ratio, overlap):
     analysis = _analysis(*case)
