@@ -528,6 +528,25 @@ def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
     assert all(float(cell) > 0 for cell in rows[0][2:]), rows
 
 
+def test_split_step_times_a_plan_split_and_whole() -> None:
+    """benchmarks/split_step.py, the MLP's shard_grad_op at world 2 with two linears split in
+    two: the plan whole, split, and each split alone, each step predicted and measured; the
+    whole plan's differences 0, the split plans predicted slower (their gradients joined)."""
+    rows, out = benchmark_rows("split_step.py", "--world-size", "2", "--rounds", "1",
+                               "--steps", "1", "--strategy", "shard_grad_op", "--splits",
+                               "mlp.layers.1.weight=2", "mlp.layers.2.weight=2", timeout=600)
+    rows = {cells[0].strip(): cells[1:] for cells in rows if cells[0].strip() != "plan"}
+    assert list(rows) == ["unsplit", "mlp.layers.1.weight x2, mlp.layers.2.weight x2",
+                          "only mlp.layers.1.weight x2", "only mlp.layers.2.weight x2"], out
+    for label, cells in rows.items():
+        assert float(cells[0]) > 0 and float(cells[1]) > 0 and float(cells[5]) > 0, cells
+        if label == "unsplit":
+            assert float(cells[3]) == 0 and float(cells[4]) == 0 and float(cells[6]) == 0
+        else:
+            assert float(cells[3]) > 0, (label, cells)
+    assert "shard_grad_op" in out
+
+
 def test_mixed_cost_times_replicate_and_two_mixed_plans_by_phase(tmp_path) -> None:
     """benchmarks/mixed_cost.py on the MLP at world 2, one round of one step: three plans,
     each with its predicted and measured step and phases, ``replicate`` first at +0, and the

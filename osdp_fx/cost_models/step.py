@@ -14,7 +14,9 @@ size ``N``, or the ranks per node ``R`` for hybrid_shard) and strategy ``s``, on
   ``Devices`` when it runs inside a node and at the inter-node figures when it crosses nodes;
   a sharded gradient reduced alone also pays its copy into the collective's buffer where the
   runtime makes one (:func:`scatter_input_copy_s`: gloo's in-place reduction, a padded or
-  cast gradient);
+  cast gradient); a part of a split weight also pays its share of assembling the weight's one
+  gradient (:func:`split_gradient_s`: 4 bytes of memory traffic per byte of its local
+  gradient);
 * optimizer time ``optim_s(g, s)``: the measured per-tensor time plus the measured per-element
   time of the optimizer kind times the local numel (``detect_devices``); without measurements
   memory-bound, ``bytes_per_element(optimizer) * local numel / memory bandwidth``;
@@ -57,7 +59,7 @@ from torch import fx
 from ..core.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from ..core.devices import Devices
 from ..core.setting import StepSetting
-from ..core.layout import shard_count
+from ..core.layout import shard_count, split_weights
 from ..core.strategies import traits
 from ..plan.plan import collective_stages
 from .communication import all_reduce_parts_s, collective_time_s
@@ -85,6 +87,12 @@ REDUCER_PASSES = 3
 """Passes the gradient reducer (``runtime/reducer.py``) makes over a replicated gradient's
 bytes in a step, each reading and writing them: packing it into its all-reduce bucket,
 dividing the sum by the world size, copying the average back."""
+
+SPLIT_GRADIENT_PASSES = 4
+"""Bytes of memory traffic per byte of a split weight's part's local gradient in a step beyond
+what the weight unsplit moves (``runtime/sharded.py``'s ``SplitGrads``): the weight's gradient
+is allocated zero-filled (one write) and every part's gradient is added into its view of it
+(two reads and a write), where an unsplit parameter's gradient becomes ``.grad`` as it is."""
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"sgd": 12, "sgd_momentum": 20, "adam": 44, "adamw": 44}
 """Bytes one optimizer step moves per fp32 element: reads and writes of the parameter, gradient
@@ -181,10 +189,11 @@ def _attributed_compute_s(facts: GraphFacts,
 def group_cost(
     state: ParamState, *, regathered: bool, compute_s: float, devices: Devices, optimizer: str,
     grad_accumulation: int = 1, reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    among_sharded: bool = False,
+    among_sharded: bool = False, split_part: bool = False,
 ) -> GroupCost:
     """Costs of one group under ``state.strategy`` (see the module docstring; replicated
-    gradients in all-reduce buckets of ``reduce_bucket_bytes``); accumulating
+    gradients in all-reduce buckets of ``reduce_bucket_bytes``; ``split_part``: the group is
+    a part of a split weight, :func:`split_gradient_s`); accumulating
     over ``grad_accumulation`` > 1 micro-batches with ``no_sync()``, a sharded group also holds
     its padded full gradient in the reduce dtype for the whole step. ``among_sharded``: the
     plan shards other groups, so a replicated one is a ``Replicate()`` DTensor too: the
@@ -218,6 +227,8 @@ def group_cost(
         # the reducer packs the gradient into its bucket, divides the sum by the world size
         # in place and copies the average back: each a read and a write of P bytes
         comm_s += REDUCER_PASSES * 2 * full / devices.memory_bandwidth_bytes_per_s
+    if split_part:
+        comm_s += split_gradient_s(state, devices)
     persistent, transient, optim_s = local, 0, 0.0
     if state.trainable:
         persistent += local + optimizer_state_bytes(local_numel, optimizer=optimizer)
@@ -324,6 +335,17 @@ def lanes_s(compute_s: Any, comm_s: Any, optim_s: Any, host_s: Any, *, dispatch_
     if isinstance(device, sympy.Expr) or isinstance(host, sympy.Expr):
         return sympy.Max(device, host) + optim_s
     return max(device, host) + optim_s
+
+
+def split_gradient_s(state: ParamState, devices: Devices) -> float:
+    """What a part of a split weight costs in a step in assembling the weight's one gradient,
+    at the device's measured copy bandwidth: ``SPLIT_GRADIENT_PASSES`` bytes per byte of its
+    local gradient (its shard's for a sharded part). 0 for a frozen part."""
+    if not state.trainable:
+        return 0.0
+    chunks = shard_count(state.strategy, devices.world_size, devices.ranks_per_node)
+    local = shard_numel(state.numel, chunks, state.row) * state.element_size
+    return SPLIT_GRADIENT_PASSES * local / devices.memory_bandwidth_bytes_per_s
 
 
 def bucket_copy_s(state: ParamState, devices: Devices, *, again: bool) -> float:
@@ -434,11 +456,12 @@ def predict_step_time(
                                        ratio=devices.concurrent_ratio(nbytes)))
     among_sharded = devices.world_size > 1 and any(traits(st.strategy).sharded
                                                    for st in params.values())
+    parts = split_weights(tuple(params))
     costs = {
         name: group_cost(state, regathered=name in regathered, compute_s=per_group.get(name, 0.0),
                          devices=devices, optimizer=setting.optimizer,
                          reduce_bucket_bytes=filled.get(name, schedule.reduce_bucket_bytes),
-                         among_sharded=among_sharded)
+                         among_sharded=among_sharded, split_part=name in parts)
         for name, state in params.items()
     }
     # A bucket pays each collective's latency once: its members after the first ride in the

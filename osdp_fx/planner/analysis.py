@@ -16,7 +16,7 @@ from torch import fx
 from ..core.buckets import DEFAULT_BUCKET_BYTES, Schedule
 from ..core.devices import Devices
 from ..core.io_spec import input_shape
-from ..core.layout import row_numel
+from ..core.layout import row_numel, split_weights
 from ..core.node_meta import NodeProfile, osdp_meta, set_osdp_meta
 from ..core.precision import MixedPrecision, dtype_name
 from ..core.setting import StepSetting
@@ -103,6 +103,12 @@ class Analysis:
         """The groups some operator saves for backward (re-gathered there when freed after
         forward, ``step.regathered_params``)."""
         return regathered_params(self.facts)
+
+    @functools.cached_property
+    def split_parts(self) -> dict[str, str]:
+        """The groups that are parts of a split weight, and the weight of each
+        (``layout.split_weights``)."""
+        return split_weights(tuple(self.captured.params))
 
     @functools.cached_property
     def seq_numels(self) -> NodeNumels | None:
@@ -312,14 +318,19 @@ def candidate_key(analysis: Analysis, strategies: Mapping[str, str],
 
 
 def search_cost(analysis: Analysis, name: str, state: ParamState, setting: StepSetting, *,
-                reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> GroupCost:
+                reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                split_part: bool | None = None) -> GroupCost:
     """Group ``name``'s communication, optimizer and memory costs in ``state`` (its strategy;
     a split part's size) under ``setting``, without its computation: what a search weighs one
-    option by (replicated gradients in all-reduce buckets of ``reduce_bucket_bytes``)."""
+    option by (replicated gradients in all-reduce buckets of ``reduce_bucket_bytes``).
+    ``split_part``: whether ``state`` is a part of a split weight (None: whether ``name`` is
+    one in the analysis)."""
+    if split_part is None:
+        split_part = name in analysis.split_parts
     return group_cost(state, regathered=name in analysis.regathered, compute_s=0.0,
                       devices=setting.devices, optimizer=setting.optimizer,
                       grad_accumulation=setting.grad_accumulation,
-                      reduce_bucket_bytes=reduce_bucket_bytes)
+                      reduce_bucket_bytes=reduce_bucket_bytes, split_part=split_part)
 
 
 def plan_step(analysis: Analysis, strategies: Mapping[str, str],

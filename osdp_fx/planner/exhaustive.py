@@ -100,7 +100,8 @@ def _row_terms(analysis: Analysis, options: Mapping[str, list[str]],
             widest = schedule.reduce_bucket_bytes * max(1.0, state.reduce_size / state.element_size)
             cost = group_cost(state, regathered=name in analysis.regathered, compute_s=0.0,
                               devices=devices, optimizer=setting.optimizer,
-                              reduce_bucket_bytes=int(math.ceil(widest)))
+                              reduce_bucket_bytes=int(math.ceil(widest)),
+                              split_part=name in analysis.split_parts)
             comm, gathered, all_reduced, key = cost.comm_s, 0.0, False, None
             on_link = 0.0
             if traits(strategy).sharded:

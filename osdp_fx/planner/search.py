@@ -128,7 +128,7 @@ def choose_splits(analysis: Analysis, setting: StepSetting,
                     break
                 part = dataclasses.replace(param_state(analysis, n, REPLICATE), numel=info.numel // k)
                 rep, full = (search_cost(analysis, n, dataclasses.replace(part, strategy=st),
-                                         setting)
+                                         setting, split_part=True)
                              for st in (REPLICATE, FULL_SHARD))
                 for j in range(k + 1):
                     options.append(_SplitOption(

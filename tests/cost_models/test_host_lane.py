@@ -192,3 +192,24 @@ def _fields(devices: Devices) -> dict:
     return {"world_size": devices.world_size, "memory_bytes": devices.memory_bytes,
             "compute_flops_per_s": devices.compute_flops_per_s,
             "memory_bandwidth_bytes_per_s": devices.memory_bandwidth_bytes_per_s}
+
+
+def test_a_plan_charges_each_split_part_its_share_of_joining_the_gradient(tmp_path) -> None:
+    """In one process the replicated plan has no communication; split in two, every part of
+    the weight and of its bias pays ``SPLIT_GRADIENT_PASSES`` bytes of memory traffic per
+    byte of its gradient (``step.split_gradient_s``), and the plan's step that much more."""
+    import json
+
+    from osdp_fx.cost_models.step import SPLIT_GRADIENT_PASSES
+
+    devices = dataclasses.replace(DEVICES, world_size=1)
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({"format": "osdp-fx-plan", "version": 1, "default": "replicate",
+                                "splits": {"layers.1.weight": 2}, "params": {}}))
+    whole, split = (_planned(plan, devices).plan for plan in ("replicate", str(path)))
+    assert whole.prediction.comm_s == 0.0
+    joined = (128 * 128 + 128) * 4  # the weight's and the bias's gradients, float32
+    assert split.prediction.comm_s == pytest.approx(
+        SPLIT_GRADIENT_PASSES * joined / devices.memory_bandwidth_bytes_per_s, rel=1e-9)
+    parts = [p for p in split.params if "_part" in p.name]
+    assert len(parts) == 4 and all(p.comm_s > 0 for p in parts)

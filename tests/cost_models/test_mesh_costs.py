@@ -10,7 +10,7 @@ from osdp_fx.cost_models.communication import all_gather_time_s, all_reduce_time
 from osdp_fx.cost_models.graph_facts import ParamState
 from osdp_fx.cost_models.memory import param_memory, persistent_bytes
 from osdp_fx.cost_models.overlap import gather_s, reduce_at_wait_s, reduce_s
-from osdp_fx.cost_models.step import REDUCER_PASSES, group_cost
+from osdp_fx.cost_models.step import REDUCER_PASSES, SPLIT_GRADIENT_PASSES, group_cost
 
 # 2 nodes x 8 ranks; intra-node links 80x faster than inter-node ones
 DEVICES = Devices(world_size=16, ranks_per_node=8, memory_bandwidth_bytes_per_s=1e12,
@@ -70,6 +70,27 @@ def test_a_replicated_gradient_pays_its_bucket_share_and_the_reducers_passes():
                 + REDUCER_PASSES * 2 * nbytes / DEVICES.memory_bandwidth_bytes_per_s)
     assert REDUCER_PASSES == 3
     assert cost.comm_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_split_weights_part_pays_its_share_of_joining_the_gradient():
+    """A part of a split weight costs what assembling the weight's one gradient moves: its
+    view of the zero-filled gradient written, and its own gradient added into it (two reads and
+    a write), per byte of its local gradient (its shard's when sharded); a frozen part
+    nothing."""
+    per_byte = SPLIT_GRADIENT_PASSES / DEVICES.memory_bandwidth_bytes_per_s
+    assert SPLIT_GRADIENT_PASSES == 4
+    for strategy, local_bytes in (("replicate", 4 * NUMEL), ("full_shard", 4 * 63),
+                                  ("hybrid_shard", 4 * 126)):
+        for trainable in (True, False):
+            state = ParamState(numel=NUMEL, element_size=4, strategy=strategy,
+                               trainable=trainable)
+            whole, part = (group_cost(state, regathered=True, compute_s=0.0, devices=DEVICES,
+                                      optimizer="sgd", split_part=split)
+                           for split in (False, True))
+            extra = per_byte * local_bytes if trainable else 0.0
+            assert part.comm_s - whole.comm_s == pytest.approx(extra, rel=1e-9)
+            assert part.host_s == whole.host_s
+            assert part.persistent_bytes == whole.persistent_bytes
 
 
 def test_the_stages_after_the_first_run_when_waited_for():
