@@ -531,7 +531,8 @@ def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
 def test_split_step_times_a_plan_split_and_whole() -> None:
     """benchmarks/split_step.py, the MLP's shard_grad_op at world 2 with two linears split in
     two: the plan whole, split, and each split alone, each step predicted and measured; the
-    whole plan's differences 0, the split plans predicted slower (their gradients joined)."""
+    whole plan's differences 0; the split plans charged for joining their gradients, and
+    predicted slower by more than that (a part's own collectives and host time)."""
     rows, out = benchmark_rows("split_step.py", "--world-size", "2", "--rounds", "1",
                                "--steps", "1", "--strategy", "shard_grad_op", "--splits",
                                "mlp.layers.1.weight=2", "mlp.layers.2.weight=2", timeout=600)
@@ -539,11 +540,12 @@ def test_split_step_times_a_plan_split_and_whole() -> None:
     assert list(rows) == ["unsplit", "mlp.layers.1.weight x2, mlp.layers.2.weight x2",
                           "only mlp.layers.1.weight x2", "only mlp.layers.2.weight x2"], out
     for label, cells in rows.items():
-        assert float(cells[0]) > 0 and float(cells[1]) > 0 and float(cells[5]) > 0, cells
+        assert float(cells[0]) > 0 and float(cells[2]) > 0 and float(cells[6]) > 0, cells
         if label == "unsplit":
-            assert float(cells[3]) == 0 and float(cells[4]) == 0 and float(cells[6]) == 0
+            assert float(cells[1]) == 0, cells
+            assert float(cells[4]) == 0 and float(cells[5]) == 0 and float(cells[7]) == 0
         else:
-            assert float(cells[3]) > 0, (label, cells)
+            assert 0 < float(cells[1]) < float(cells[4]), (label, cells)
     assert "shard_grad_op" in out
 
 
