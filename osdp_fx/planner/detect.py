@@ -149,8 +149,9 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     figures: dict[str, Any] = {}
     if barrier is not None:
         barrier()  # ranks share the machine's cores while they measure, as when training
-    flops_per_s = _matmul_flops_per_s(device)
-    bandwidth = _copy_bandwidth_bytes_per_s(device)
+    # every rank at once, as a step runs ([Note: rates with every rank at once])
+    flops_per_s = _matmul_flops_per_s(device, barrier)
+    bandwidth = _copy_bandwidth_bytes_per_s(device, barrier)
     memory_bytes = (
         parse_bytes(memory_limit) if memory_limit is not None else device_memory_bytes(device)
     )
@@ -158,7 +159,7 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     flops_per_s, bandwidth, memory_bytes_f = _all_reduce_floats(
         [flops_per_s, bandwidth, float(memory_bytes)], "min", group, device, distributed
     )
-    per_element, per_tensor = _optimizer_times(device, optimizers)
+    per_element, per_tensor = _optimizer_times(device, optimizers, barrier)
     measured = _all_reduce_floats([*per_element, *per_tensor], "max", group, device, distributed)
     selective_s, full_s = _all_reduce_floats(list(_recompute_op_times_s(device)), "max", group,
                                              device, distributed)
@@ -426,10 +427,15 @@ def _synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time_s(fn: Callable[[], object], device: Any) -> float:
-    """Median wall time of ``fn`` over ``_REPEATS`` runs after one warmup."""
+def _median_time_s(fn: Callable[[], object], device: Any,
+                   barrier: Callable[[], object] | None = None) -> float:
+    """Median wall time of ``fn`` over ``_REPEATS`` runs after one warmup; with ``barrier``,
+    each run after one, so that every rank runs it at once ([Note: rates with every rank at
+    once])."""
     times = []
     for i in range(1 + _REPEATS):
+        if barrier is not None:
+            barrier()
         _synchronize(device)
         start = time.perf_counter()
         fn()
@@ -500,24 +506,37 @@ buffer (which a step's repeated sizes find freed by the step before), slower tha
 directly (``docs/cost-models.md``)."""
 
 
-def _matmul_flops_per_s(device: Any) -> float:
-    """Dense matmul throughput in the default dtype."""
+def _matmul_flops_per_s(device: Any, barrier: Callable[[], object] | None = None) -> float:
+    """Dense matmul throughput in the default dtype, every rank timing at once (after
+    ``barrier``)."""
     import torch
 
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    return 2 * n**3 / _median_time_s(lambda: torch.mm(a, b), device)
+    return 2 * n**3 / _median_time_s(lambda: torch.mm(a, b), device, barrier)
 
 
-def _copy_bandwidth_bytes_per_s(device: Any) -> float:
-    """Bytes read plus written per second by a copy much larger than caches."""
+def _copy_bandwidth_bytes_per_s(device: Any, barrier: Callable[[], object] | None = None) -> float:
+    """Bytes read plus written per second by a copy much larger than caches, every rank
+    copying at once (after ``barrier``)."""
     import torch
 
     nbytes = (256 if device.type == "cuda" else 64) * 2**20
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time_s(lambda: dst.copy_(src), device)
+    return 2 * nbytes / _median_time_s(lambda: dst.copy_(src), device, barrier)
+
+
+# [Note: rates with every rank at once]
+# Where the ranks share a machine's cores, a rate timed on one rank depends on what the others
+# do meanwhile: four ranks on two cores, a 64 MiB copy ran at 12.6-13.0 GB/s when the ranks
+# happened to copy one after the other (they drift apart over the measurement before it) and
+# at 5.7-6.5 GB/s when they copied together, from call to call of ``detect_devices``. A step's
+# copies and optimizer updates run while every rank works, as the profile's computation is
+# timed (a barrier, then every rank at once), so the matmul rate, the copy bandwidth and the
+# optimizer's times are timed with every rank at once too: a barrier before each run (6.4-7.4
+# GB/s at world 4 in six calls; 12.3-12.7 at world 2, where two ranks have a core each).
 
 
 def _optimizer(kind: str, params: list[Any]) -> Any:
@@ -528,9 +547,12 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
     return (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=1e-3)
 
 
-def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float], list[float]]:
+def _optimizer_times(device: Any, optimizers: Sequence[str],
+                     barrier: Callable[[], object] | None = None,
+                     ) -> tuple[list[float], list[float]]:
     """Per optimizer kind, the step time per element and per tensor (a step over 64 tensors of
-    16 elements), with torch.optim's default implementation; the per-element time over
+    16 elements), with torch.optim's default implementation, every rank stepping at once
+    (after ``barrier``); the per-element time over
     tensors beyond the caches ([Note: the optimizer beyond the caches]).
 
     On the CPU the per-element time is a step over 4 tensors of 2 Mi elements less 4 tensors'
@@ -548,7 +570,7 @@ def _optimizer_times(device: Any, optimizers: Sequence[str]) -> tuple[list[float
             p.grad = torch.randn_like(p)
         optimizer = _optimizer(kind, params)
         optimizer.step()  # creates the state
-        return _median_time_s(optimizer.step, device)
+        return _median_time_s(optimizer.step, device, barrier)
 
     per_element, per_tensor = [], []
     for kind in optimizers:

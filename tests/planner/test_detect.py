@@ -244,3 +244,24 @@ def test_pooled_times_never_fall_and_keep_their_sum(times) -> None:
     assert len(pooled) == len(times)
     assert all(b >= a for a, b in zip(pooled, pooled[1:]))
     assert sum(pooled) == pytest.approx(sum(times))
+
+
+def test_rates_are_timed_with_every_rank_at_once() -> None:
+    """The matmul rate, the copy bandwidth and the optimizer's times run each timed run after
+    the barrier given ([Note: rates with every rank at once]): the warmup and every repeat."""
+    from osdp_fx.planner.detect import (
+        _REPEATS,
+        _copy_bandwidth_bytes_per_s,
+        _matmul_flops_per_s,
+        _optimizer_times,
+    )
+
+    calls = []
+    cpu = torch.device("cpu")
+    assert _matmul_flops_per_s(cpu, lambda: calls.append("mm")) > 0
+    assert _copy_bandwidth_bytes_per_s(cpu, lambda: calls.append("copy")) > 0
+    per_element, per_tensor = _optimizer_times(cpu, ("sgd",), lambda: calls.append("sgd"))
+    assert per_element[0] >= 0 and per_tensor[0] > 0
+    # the optimizer: a step over 64 small tensors, then one over 4 large ones
+    assert calls == ["mm"] * (1 + _REPEATS) + ["copy"] * (1 + _REPEATS) + ["sgd"] * (
+        2 * (1 + _REPEATS))
