@@ -810,6 +810,11 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
     import torch.distributed as dist
 
     a, b = filler_operands(device)
+    warm = torch.zeros(max(_COLLECTIVE_SIZES_BYTES) // 4, device=device)
+    for group in groups:  # [Note: a new group's first collectives]
+        for _ in range(_WARM_COLLECTIVES):
+            dist.all_reduce(warm, group=group)
+    del warm
     keys: list[tuple[int, str, int]] = []
     runs: list[Callable[[], object]] = []
     calls: list[int] = []
@@ -826,6 +831,22 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
                                  between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS,
                                  calls=calls)
     return keys, times
+
+
+_WARM_COLLECTIVES = 24
+"""All-reduces of the largest timed size run over each group before its collectives are timed
+([Note: a new group's first collectives])."""
+
+# [Note: a new group's first collectives]
+# A process group made for the measurement (a node's ranks, the ranks of one local index) starts
+# slow: in the first ``detect_devices`` call of a gloo world of 2 x 2 ranks on this CPU its
+# 16 MiB all-gathers took 44-48 ms where a second call, over groups made afresh the same way,
+# took 20-25 ms (the world's group, used since the process group started, 25-31 ms in every
+# call), and over eleven runs of ``benchmarks/prediction_accuracy.py`` the first call priced
+# the two-stage strategies' collectives 6 % higher than the second on average (up to 15 %).
+# With 24 all-reduces of 16 MiB run over each group first, the first call's took 20-36 ms in
+# three calls (the second call's 18-25 ms); 5 all-reduces were not enough (45 ms). The
+# figures: ``docs/benchmarks.md``, "How steady detection is".
 
 
 def _group_name(group: Any) -> str:
