@@ -530,7 +530,7 @@ def _copy_bandwidth_bytes_per_s(device: Any, barrier: Callable[[], object] | Non
 
 # [Note: rates with every rank at once]
 # Where the ranks share a machine's cores, a rate timed on one rank depends on what the others
-# do meanwhile: four ranks on two cores, a 64 MiB copy ran at 12.6-13.0 GB/s when the ranks
+# do meanwhile: four ranks on two cores, a 64 MiB copy ran at 12.6-12.8 GB/s when the ranks
 # happened to copy one after the other (they drift apart over the measurement before it) and
 # at 5.7-6.5 GB/s when they copied together, from call to call of ``detect_devices``. A step's
 # copies and optimizer updates run while every rank works, as the profile's computation is
