@@ -530,13 +530,13 @@ def _copy_bandwidth_bytes_per_s(device: Any, barrier: Callable[[], object] | Non
 
 # [Note: rates with every rank at once]
 # Where the ranks share a machine's cores, a rate timed on one rank depends on what the others
-# do meanwhile: four ranks on two cores, a 64 MiB copy ran at 12.6-12.8 GB/s when the ranks
-# happened to copy one after the other (they drift apart over the measurement before it) and
-# at 5.7-6.5 GB/s when they copied together, from call to call of ``detect_devices``. A step's
+# do meanwhile: four ranks on two cores, a copy timed while the other ranks happen to do
+# something else runs about twice as fast as one timed while they copy too, and the ranks drift
+# apart over the measurements before it, so the figure flipped between the two from call to
+# call of ``detect_devices`` (``docs/benchmarks.md``, "How steady detection is"). A step's
 # copies and optimizer updates run while every rank works, as the profile's computation is
 # timed (a barrier, then every rank at once), so the matmul rate, the copy bandwidth and the
-# optimizer's times are timed with every rank at once too: a barrier before each run (6.4-7.4
-# GB/s at world 4 in six calls; 12.3-12.7 at world 2, where two ranks have a core each).
+# optimizer's times are timed with every rank at once too: a barrier before each run.
 
 
 def _optimizer(kind: str, params: list[Any]) -> Any:
@@ -840,13 +840,12 @@ _WARM_COLLECTIVES = 24
 # [Note: a new group's first collectives]
 # A process group made for the measurement (a node's ranks, the ranks of one local index) starts
 # slow: in the first ``detect_devices`` call of a gloo world of 2 x 2 ranks on this CPU its
-# 16 MiB all-gathers took 44-48 ms where a second call, over groups made afresh the same way,
-# took 20-25 ms (the world's group, used since the process group started, 25-31 ms in every
-# call), and over eleven runs of ``benchmarks/prediction_accuracy.py`` the first call priced
-# the two-stage strategies' collectives 6 % higher than the second on average (up to 15 %).
-# With 24 all-reduces of 16 MiB run over each group first, the first call's took 20-36 ms in
-# three calls (the second call's 18-25 ms); 5 all-reduces were not enough (45 ms). The
-# figures: ``docs/benchmarks.md``, "How steady detection is".
+# largest collectives took about twice as long as a second call's, over groups made afresh the
+# same way, while the world's group, used since the process group started, took the same in
+# both; the first call then priced the two-stage strategies' collectives above the second.
+# All-reduces of the largest timed size run over each group first bring the first call's
+# figures down to the second's or near them; a few were not enough (``docs/benchmarks.md``,
+# "How steady detection is", gives the figures).
 
 
 def _group_name(group: Any) -> str:
