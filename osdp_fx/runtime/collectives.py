@@ -17,13 +17,26 @@ references than before the launch (it yields to the worker meanwhile, at most
 released with ``resize_(0)`` instead (``consume``, the reduce-scatter and all-reduce buffers),
 which frees them whoever still refers to them. On a GPU the caching allocator and the streams
 order reuse, and nothing waits.
+
+[Note: the collective clock]
+:func:`collective_clock` counts, while it is open, the wall seconds this process's threads spend
+in the runtime's collectives: starting one (``CollectiveClock.launch_s``: the output's
+allocation, the call into the process group, which on gloo queues the work for its thread; at
+one rank, the copy that stands for a gather or a reduce-scatter) and
+waiting for one (``wait_s``: the completion, and on the CPU gloo's last reference; a collective
+run to completion in one call, such as ``all_reduce_sum_``, counts as a wait). A step's wall
+less both is its computation, the runtime's host work, and the time its thread lost its core
+to other threads (``benchmarks/step_wall.py`` prints the three beside the step model's
+prediction). With no clock open each counted function costs one test of a module global.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +52,66 @@ _all_gather_flat_impl = getattr(dist, "all_gather_single", None) or dist.all_gat
 _reduce_scatter_flat_impl = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
+
+
+@dataclasses.dataclass
+class CollectiveClock:
+    """Wall seconds spent in the runtime's collectives while :func:`collective_clock` is open
+    ([Note: the collective clock])."""
+
+    launches: int = 0
+    """Collectives started."""
+    launch_s: float = 0.0
+    """Seconds spent starting them."""
+    waits: int = 0
+    """Waits for a collective that had not been waited for (and blocking collectives)."""
+    wait_s: float = 0.0
+    """Seconds spent in those waits."""
+
+
+_clock: CollectiveClock | None = None
+
+
+@contextlib.contextmanager
+def collective_clock() -> Iterator[CollectiveClock]:
+    """Count the seconds the runtime's collectives take to start and to wait for, until the
+    block exits ([Note: the collective clock]); yields the counts, updated as they run."""
+    global _clock
+    outer, _clock = _clock, CollectiveClock()
+    try:
+        yield _clock
+    finally:
+        _clock = outer
+
+
+def _counted(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a function whose time counts on the open clock as ``kind`` (``"launch"`` or
+    ``"wait"``)."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            clock = _clock
+            if clock is None:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                if kind == "launch":
+                    clock.launches += 1
+                    clock.launch_s += seconds
+                else:
+                    clock.waits += 1
+                    clock.wait_s += seconds
+        return counted
+    return wrap
+
+
+@_counted("wait")
+def wait_work(work: Any) -> None:
+    """Wait for a process group's ``work`` (counted on the open clock)."""
+    work.wait()
 
 
 def register_group(name: str, group: Any) -> None:
@@ -105,13 +178,17 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
-            if self._release:  # an input handed over: gloo's worker may hold it a while yet
-                _free(self._keep)
-            self._work = self._keep = None  # the input may be freed now
-            if self._held is not None:
-                _await_release(self._out, self._held)
+            self._complete()
         return self._out
+
+    @_counted("wait")
+    def _complete(self) -> None:
+        self._work.wait()
+        if self._release:  # an input handed over: gloo's worker may hold it a while yet
+            _free(self._keep)
+        self._work = self._keep = None  # the input may be freed now
+        if self._held is not None:
+            _await_release(self._out, self._held)
 
 
 def _await_release(t: torch.Tensor, held: int) -> None:
@@ -130,6 +207,7 @@ def _free(t: torch.Tensor) -> None:
         note_resized(storage)
 
 
+@_counted("launch")
 def all_gather_flat_start(shard: torch.Tensor, group: str, *, consume: bool = False) -> Pending:
     """Start concatenating every rank's flat ``shard`` (rank order) into a new flat tensor.
     ``consume``: the caller hands ``shard`` over (a buffer of its own); on the CPU its memory
@@ -166,6 +244,7 @@ def process_group_copies_input(pg: Any = None) -> bool:
     return dist.get_world_size(pg) > 1 and str(dist.get_backend(pg)) == "gloo"
 
 
+@_counted("launch")
 def reduce_scatter_flat_start(full: torch.Tensor, group: str, *,
                               consume: bool = False) -> Pending:
     """Start summing ``full`` (flat, divisible by the group size) over ranks into this rank's
@@ -199,14 +278,13 @@ class _ChunkPending(Pending):
         super().__init__(out, work)
         self._buf, self._rank = buf, rank
 
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            buf, self._buf = self._buf, None
-            self._out.copy_(buf.view(-1, self._out.numel())[self._rank])
-            _free(buf)
-        return self._out
+    @_counted("wait")
+    def _complete(self) -> None:
+        self._work.wait()
+        self._work = None
+        buf, self._buf = self._buf, None
+        self._out.copy_(buf.view(-1, self._out.numel())[self._rank])
+        _free(buf)
 
 
 def reduce_scatter_flat(full: torch.Tensor, group: str) -> torch.Tensor:
@@ -214,6 +292,7 @@ def reduce_scatter_flat(full: torch.Tensor, group: str) -> torch.Tensor:
     return reduce_scatter_flat_start(full, group).wait()
 
 
+@_counted("launch")
 def all_reduce_sum_start(tensor: torch.Tensor, group: str) -> Any:
     """Start summing ``tensor`` over ranks in place; returns the work to ``wait()`` on (None
     when there is nothing to do)."""
@@ -223,6 +302,7 @@ def all_reduce_sum_start(tensor: torch.Tensor, group: str) -> Any:
                            async_op=True)
 
 
+@_counted("wait")
 def all_reduce_sum_(tensor: torch.Tensor, group: str) -> torch.Tensor:
     """Sum ``tensor`` over ranks in place."""
     if group_size(group) > 1:
@@ -230,6 +310,7 @@ def all_reduce_sum_(tensor: torch.Tensor, group: str) -> torch.Tensor:
     return tensor
 
 
+@_counted("wait")
 def broadcast_(tensor: torch.Tensor, group: str, *, src_rank: int = 0) -> torch.Tensor:
     """Overwrite ``tensor`` with the group's rank ``src_rank``'s copy, in place."""
     if group_size(group) > 1:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..core.buckets import DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, plan_buckets
-from .collectives import all_reduce_sum_start, group_size
+from .collectives import all_reduce_sum_start, group_size, wait_work
 from .memory import note_resized
 from .sharded import grad_of, local_of
 
@@ -117,7 +117,7 @@ class GradReducer:
         self._in_flight.append((bucket, flat, all_reduce_sum_start(flat, self.group)))
 
     def _complete(self, bucket: list[nn.Parameter], flat: torch.Tensor, work: Any) -> None:
-        work.wait()
+        wait_work(work)
         flat.div_(group_size(self.group))
         offset = 0
         for p in bucket:

@@ -89,3 +89,16 @@ def test_replicated_parameters_of_a_mixed_plan_get_their_gradients_as_replicate_
             torch.testing.assert_close(mixed["twice"][n], 2 * mixed["once"][n],
                                        rtol=1e-6, atol=1e-7)
         assert all(calls == ["Tensor"] * 4 for calls in plain["hooks"].values())
+
+
+def test_the_collective_clock_counts_launches_and_waits(worlds):
+    """``collective_clock()`` counts each collective the runtime starts and each first wait for
+    one (a blocking collective as a wait), only while it is open, and a clock opened inside it
+    takes what runs inside from the outer one ([Note: the collective clock])."""
+    for rank, r in enumerate(worlds(2).run(reducer_cases.clocked_collectives)):
+        assert r["before"] == [1.0] * 8
+        assert r["after_reducer"] == (2, 2)  # the reducer's two buckets, started and awaited
+        launches, waits, launch_s, wait_s = r["counts"]
+        assert (launches, waits) == (4, 4) and launch_s > 0 and wait_s > 0
+        assert r["inner"][:2] == (0, 1) and r["inner"][2] > 0
+        assert r["gathered"] == [0.0] * 4 + [1.0] * 4 and r["chunk"] == [2.0, 2.0]

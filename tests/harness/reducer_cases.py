@@ -148,3 +148,28 @@ def replicated_in_a_mixed_plan(rank: int, world: int, *, plan: str) -> dict[str,
             "double": {n: (p.grad.dtype, type(p.grad).__name__)
                        for n, p in compiled.named_parameters()}}
     return out
+
+
+def clocked_collectives(rank: int, world: int) -> dict[str, Any]:
+    """The collective clock's counts over a reducer's step, a gather, a reduce-scatter and a
+    blocking all-reduce; and what runs outside the clock, and inside a clock opened within it,
+    leaves the outer clock as it was."""
+    from osdp_fx.runtime import collectives as c
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(2)])
+    GradReducer(list(layers.parameters()), "world", bucket_bytes=(16 * 16 + 16) * 4)  # hooks
+    before = c.all_gather_flat(torch.ones(4), c.WORLD)  # outside any clock: not counted
+    with c.collective_clock() as clock:
+        layers(torch.randn(2, 16)).sum().backward()  # two buckets: two all-reduces, awaited
+        after_reducer = (clock.launches, clock.waits)
+        pending = c.all_gather_flat_start(torch.full((4,), float(rank)), c.WORLD)
+        gathered = pending.wait()
+        pending.wait()  # waited for already: not counted again
+        chunk = c.reduce_scatter_flat(torch.ones(2 * world), c.WORLD)
+        with c.collective_clock() as inner:
+            c.all_reduce_sum_(torch.ones(3), c.WORLD)
+        counts = (clock.launches, clock.waits, clock.launch_s, clock.wait_s)
+    return {"before": before.tolist(), "after_reducer": after_reducer, "counts": counts,
+            "inner": (inner.launches, inner.waits, inner.wait_s), "gathered": gathered.tolist(),
+            "chunk": chunk.tolist()}
