@@ -96,7 +96,7 @@ def test_the_collective_clock_counts_launches_and_waits(worlds):
     one (a blocking collective as a wait), only while it is open, and a clock opened inside it
     takes what runs inside from the outer one ([Note: the collective clock])."""
     for rank, r in enumerate(worlds(2).run(reducer_cases.clocked_collectives)):
-        assert r["before"] == [1.0] * 8
+        assert r["before"] == [1.0] * 8 and r["buckets"] == 2
         assert r["after_reducer"] == (2, 2)  # the reducer's two buckets, started and awaited
         launches, waits, launch_s, wait_s = r["counts"]
         assert (launches, waits) == (4, 4) and launch_s > 0 and wait_s > 0

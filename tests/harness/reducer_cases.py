@@ -158,7 +158,7 @@ def clocked_collectives(rank: int, world: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(2)])
-    GradReducer(list(layers.parameters()), "world", bucket_bytes=(16 * 16 + 16) * 4)  # hooks
+    reducer = GradReducer(list(layers.parameters()), "world", bucket_bytes=(16 * 16 + 16) * 4)
     before = c.all_gather_flat(torch.ones(4), c.WORLD)  # outside any clock: not counted
     with c.collective_clock() as clock:
         layers(torch.randn(2, 16)).sum().backward()  # two buckets: two all-reduces, awaited
@@ -170,6 +170,7 @@ def clocked_collectives(rank: int, world: int) -> dict[str, Any]:
         with c.collective_clock() as inner:
             c.all_reduce_sum_(torch.ones(3), c.WORLD)
         counts = (clock.launches, clock.waits, clock.launch_s, clock.wait_s)
-    return {"before": before.tolist(), "after_reducer": after_reducer, "counts": counts,
+    return {"before": before.tolist(), "buckets": len(reducer.buckets),
+            "after_reducer": after_reducer, "counts": counts,
             "inner": (inner.launches, inner.waits, inner.wait_s), "gathered": gathered.tolist(),
             "chunk": chunk.tolist()}
