@@ -517,6 +517,30 @@ def test_prefetch_in_step_times_every_distance_in_both_buckets() -> None:
         assert all(float(r[10]) > 0 for r in rows), out  # the first step after another's
 
 
+def test_step_wall_splits_each_step_into_launches_waits_and_the_rest() -> None:
+    """benchmarks/step_wall.py, the MLP at world 2, one round of one step: a row per plan and
+    the plain model; a replicated plan starts and waits for its one gradient bucket, a
+    sharded plan more; the rest of a step (the ranks' mean, less its launches and waits) is
+    positive and no more than the slowest rank's step, and the plain model runs no
+    collective."""
+    rows, out = benchmark_rows("step_wall.py", "--model", "mlp", "--rounds", "1", "--steps",
+                               "1", timeout=600)
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows
+            if cells[0].strip() not in ("plan", "---")}
+    assert list(rows) == ["replicate", "full_shard, prefetch 1", "full_shard, prefetch 0",
+                          "full_shard, 64 KiB buckets, prefetch 1",
+                          "full_shard, 64 KiB buckets, prefetch 0", "plain model"], out
+    launches = {name: int(r[5].split(",")[0]) for name, r in rows.items() if r[5]}
+    assert launches["replicate"] == 1 and launches["full_shard, prefetch 1"] > 1, out
+    for name, r in rows.items():
+        step, rest, off = float(r[1]), float(r[8]), float(r[9])
+        assert step > 0 and 0 < rest <= step and off >= 0, out
+        if r[5]:
+            waits = float(r[6].split(",")[1])
+            assert float(r[5].split(",")[1]) > 0 and waits > 0, out
+    assert rows["plain model"][4:8] == ["", "", "", ""], out
+
+
 def test_split_cost_times_the_split_and_unsplit_graphs() -> None:
     """benchmarks/split_cost.py, the MLP at world 2 with a linear split in two: the split and
     unsplit graphs profiled apart and timed together, six positive figures."""
