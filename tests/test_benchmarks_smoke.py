@@ -349,8 +349,11 @@ def test_prediction_accuracy_times_every_plan_with_and_without_devices() -> None
             assert float(comm.split(" (")[0]) >= float(comm.split(" (")[1].rstrip(")")), row
             compute, optim = float(compute), float(optim)
             at_speed = predicted + (compute + optim) * (measured / profiled - 1)
+            # the parts are printed to 0.1 ms: their rounding moves the figure by up to
+            # 0.1 ms times the speed's change, beside the 0.05 % of the printed errors
+            rounding = 100 * 0.1 * abs(measured / profiled - 1) / step
             assert float(cells[6].rstrip("%")) == pytest.approx(
-                (at_speed / step - 1) * 100, abs=0.3), row
+                (at_speed / step - 1) * 100, abs=0.3 + rounding), row
     # where the step's time goes: rank 0's CPU under each plan of the detect_devices() column
     share = max(1.0, 2 / (os.cpu_count() or 1))
     for plan in plans:
