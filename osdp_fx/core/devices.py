@@ -183,6 +183,14 @@ class Devices:
     of computation] in ``cost_models/overlap.py``). ``detect`` measures it
     (a small all-gather after a stretch of matmuls against the matmuls alone); 0 when not
     measured (presets)."""
+    prefetch_waits_for_ranks: bool = False
+    """Whether a gather started ahead of its use (prefetched) still waits for the ranks as one
+    started at its use: true where a rank's computation holds a core of its own while an
+    asynchronous collective's threads wait for one, so the gather runs when the computation
+    blocks at its wait, after the ranks drifted apart since it was started ([Note: the wait
+    after a stretch of computation] in ``cost_models/overlap.py``). ``detect`` sets it on the
+    CPU where the ranks do not outnumber the cores they share; False by default and in the
+    presets (a GPU's collectives run on their own stream)."""
     selective_op_time_s: float = 0.0
     """Time torch's selective activation checkpointing adds per operator of a selectively
     recomputed region, in forward and in the recomputation together (its dispatch mode runs
@@ -276,9 +284,10 @@ class Devices:
         if not isinstance(self.host_overlaps_device, bool):
             raise InputError(f"Devices.host_overlaps_device must be True or False, got "
                              f"{self.host_overlaps_device!r}")
-        if not isinstance(self.overlap_hides_latency, bool):
-            raise InputError(f"Devices.overlap_hides_latency must be True or False, got "
-                             f"{self.overlap_hides_latency!r}")
+        for name in ("overlap_hides_latency", "prefetch_waits_for_ranks"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"Devices.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
 
     def __hash__(self) -> int:
         return self._fingerprint_hash
@@ -464,7 +473,7 @@ def device_memory_bytes(device: Any = None) -> int:
 
 _FIGURES = (*_POSITIVE_RATES, *_NON_NEGATIVE_TIMES, "collective_links", "collective_times",
             "concurrent_collective_ratio", "concurrent_collective_ratios", "overlap_efficiency",
-            "overlap_hides_latency",
+            "overlap_hides_latency", "prefetch_waits_for_ranks",
             "optimizer_element_time_s", "optimizer_tensor_time_s",
             "optimizer_sharded_tensor_time_s", "param_host_time_s", "bucket_host_time_s",
             "host_overlaps_device", "attention_efficiency", "compute_flops_per_s_by_dtype")

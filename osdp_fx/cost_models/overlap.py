@@ -444,14 +444,24 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 # the first gather of forward (after the optimizer step and the forward before it), the
 # first re-gather of backward, a gather of a plan that shards a few groups far apart, and the
 # last gradient collective of backward (issued after the computation since the last wait)
-# each pay their share. A step's wait at its end follows a whole forward and backward under
+# each pay their share. That holds where the ranks share the cores (more ranks than cores:
+# the scheduler switches between them often, and gloo's threads run the gather in between).
+# Where each rank's computation holds a core of its own, an asynchronous collective's threads
+# wait for that core until the computation blocks or the kernel's tick preempts it: a 64 KiB
+# all-gather started before a stretch of matmuls at world 2 completes some milliseconds later,
+# where alone it takes one. The gather then runs at its wait, after the ranks drifted apart
+# since it was issued, and pays as one issued at its use (``Devices.prefetch_waits_for_ranks``,
+# which ``detect`` sets on the CPU where the ranks do not outnumber the cores). Timed inside
+# steps at world 2, prefetching one ahead saved next to nothing over prefetch 0, where this
+# wait was its credit (``docs/benchmarks.md``, "Where a step's wall time goes"). A step's wait at its end follows a whole forward and backward under
 # ``replicate`` and pays ``sync_wait_s`` whole; the same wait under ``full_shard`` follows its
 # last re-gather. The share is charged at the profiled batch and does not scale with it.
 
 
 def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[float],
                      forward: Sequence[TimedGather], backward: Sequence[TimedGather],
-                     reduces: Sequence[TimedReduce], *, between_steps_s: float) -> list[float]:
+                     reduces: Sequence[TimedReduce], *, between_steps_s: float,
+                     prefetch_waits: bool = False) -> list[float]:
     """For each collective of one step the ranks block on (the gathers ``forward`` on the
     forward lane ``fwd_compute_s`` and ``backward`` on the backward lane ``bwd_compute_s``, in
     the order they are issued, and the last of the gradient collectives ``reduces``, waited
@@ -461,7 +471,8 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
     issued first if it was not, then waited for; then those issued there; a gradient
     collective after its position's computation. The ranks synchronise at each gather's wait
     and at the end of backward; ``between_steps_s`` separates one step's end from the next
-    one's forward (the optimizer step)."""
+    one's forward (the optimizer step). With ``prefetch_waits``
+    (``Devices.prefetch_waits_for_ranks``) a gather runs at its use wherever it was issued."""
     events: list[tuple[float, bool]] = []  # (time, whether the ranks synchronise there)
 
     def lane(at: Sequence[float], gathers: Sequence[TimedGather],
@@ -477,7 +488,7 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
                     started.add(i)
                     events.append((at[step], False))
                 events.append((at[step], True))
-            for i in issued.get(step, ()):
+            for i in () if prefetch_waits else issued.get(step, ()):
                 if i not in started:
                     started.add(i)
                     events.append((at[step], False))
@@ -526,7 +537,8 @@ def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedG
         return 0.0
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
     stretches = sync_stretches_s(fwd_compute, bwd_compute, forward, backward, reduces,
-                                 between_steps_s=between_steps_s)
+                                 between_steps_s=between_steps_s,
+                                 prefetch_waits=devices.prefetch_waits_for_ranks)
     return devices.sync_wait_s * sum(sync_wait_share(c) for c in stretches)
 
 

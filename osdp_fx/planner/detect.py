@@ -163,8 +163,11 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
     measured = _all_reduce_floats([*per_element, *per_tensor], "max", group, device, distributed)
     selective_s, full_s = _all_reduce_floats(list(_recompute_op_times_s(device)), "max", group,
                                              device, distributed)
+    # the wall seconds a second of a rank's work takes while every rank works at once
+    share = _wall_per_cpu_second(barrier) if device.type == "cpu" else 1.0
     if group is None:  # the runtime's collectives run over the default group
-        figures.update(_host_figures(device, optimizers, barrier, world_size, distributed))
+        figures.update(_host_figures(device, optimizers, barrier, world_size, distributed,
+                                     share))
     figures.update(
         selective_op_time_s=selective_s,
         full_recompute_op_time_s=full_s,
@@ -181,6 +184,8 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
                         else ranks_per_node, **figures)
         figures.update(_overlap_figures(group, device, links))
         figures["sync_wait_s"] = _sync_wait_s(group, device, links)
+        most, = _all_reduce_floats([share], "max", group, device, True)
+        figures["prefetch_waits_for_ranks"] = device.type == "cpu" and most < _SHARED_CORES
     devices = Devices(
         world_size=world_size,
         ranks_per_node=None if ranks_per_node == world_size else ranks_per_node,
@@ -195,10 +200,11 @@ def _detect(*, memory_limit: int | str | None, group: Any, ranks_per_node: int |
 
 
 def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], object] | None,
-                  world_size: int, distributed: bool) -> dict[str, Any]:
+                  world_size: int, distributed: bool, share: float) -> dict[str, Any]:
     """What the runtime costs on the host (``host_probe.py``): per parameter and per gather
     bucket per step by strategy, per replicated parameter of a plan that shards others, and
-    the optimizer's per-tensor time over sharded parameters; the slowest rank's."""
+    the optimizer's per-tensor time over sharded parameters; the slowest rank's. On the CPU the
+    thread's times are scaled by ``share`` (``_wall_per_cpu_second``)."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if distributed else 0
@@ -216,7 +222,6 @@ def _host_figures(device: Any, optimizers: Sequence[str], barrier: Callable[[], 
     param_s, bucket_s = host.param_s, host.bucket_s
     optimizer_s = sharded_optimizer_tensor_times(times, tuple(optimizers), _optimizer,
                                                  world_size=world_size, rank=rank, device=device)
-    share = _wall_per_cpu_second(barrier) if device.type == "cpu" else 1.0
     # a bucket's work is not scaled by the share: [Note: a bucket's work in the waits]
     slowest = iter(_all_reduce_floats(
         [*(share * t for t in param_s.values()), *bucket_s.values(),
@@ -249,6 +254,11 @@ def _wall_per_cpu_second(barrier: Callable[[], object] | None) -> float:
     return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
+_SHARED_CORES = 1.5
+"""The wall seconds per second of a rank's work (``_wall_per_cpu_second``) from which the ranks
+share cores: halfway between a core each (1) and two ranks on a core (2). Below it, a gather
+prefetched on the CPU waits for the ranks as one started at its use
+(``Devices.prefetch_waits_for_ranks``)."""
 _SHARE_MATMULS = 256
 """128x128 matmuls in one run of ``_wall_per_cpu_second``: some tens of milliseconds, longer
 than the scheduler's time slices, so that ranks sharing a core take turns within it."""

@@ -4,10 +4,13 @@ much computation, worked by hand, and what a plan's prediction charges for it.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from osdp_fx import Devices
+from osdp_fx.core.buckets import Schedule
 from osdp_fx.core.devices import SYNC_STRETCH_S
 from osdp_fx.core.setting import StepSetting
 from osdp_fx.cost_models.overlap import (
@@ -43,6 +46,27 @@ def test_each_blocking_collective_pays_for_the_computation_since_the_last_wait()
     ])
 
 
+def test_where_the_ranks_hold_their_cores_a_prefetched_gather_waits_at_its_use() -> None:
+    """The step of the first test with ``prefetch_waits`` (``Devices.prefetch_waits_for_ranks``:
+    the CPU where each rank's computation holds a core, and gloo's threads run the gather at
+    its wait): the second gather, issued at the first one's wait, pays for the 3 ms of forward
+    steps 0 and 1 computed before its use; the rest as before."""
+    forward = [TimedGather(0, 0, 1.0), TimedGather(0, 2, 1.0)]
+    backward = [TimedGather(1, 1, 1.0)]
+    reduces = [TimedReduce(3, 1.0, "reduce_scatter"), TimedReduce(1, 1.0, "all_reduce")]
+    lanes = ([1 * MS, 2 * MS, 3 * MS, 4 * MS], [4 * MS, 3 * MS, 2 * MS, 1 * MS])
+    stretches = sync_stretches_s(*lanes, forward, backward, reduces, between_steps_s=0.5 * MS,
+                                 prefetch_waits=True)
+    assert stretches == pytest.approx([0.5 * MS, 3 * MS, 11 * MS, 6 * MS])
+    # a re-gather prefetched in backward (issued at backward step 0, used at step 2) too
+    early = [TimedGather(0, 2, 1.0)]
+    assert sync_stretches_s(*lanes, forward, early, reduces, between_steps_s=0.5 * MS,
+                            prefetch_waits=True) == pytest.approx(
+        [0.5 * MS, 3 * MS, 14 * MS, 3 * MS])
+    assert sync_stretches_s(*lanes, forward, early, reduces, between_steps_s=0.5 * MS) == (
+        pytest.approx([0.5 * MS, 0.0, 7 * MS, 3 * MS]))
+
+
 def test_gathers_used_at_one_operator_wait_in_turn() -> None:
     """A linear's weight and bias in two gather buckets, both first used by its operator at
     forward step 0 (the bias's prefetched there): the weight's is issued after the step
@@ -64,8 +88,12 @@ def test_without_gathers_the_step_end_follows_a_whole_step() -> None:
     assert sync_stretches_s(*lanes, [], [], [], between_steps_s=1 * MS) == []
 
 
-def _predicted(plan: str, devices: Devices, tmp_path):
-    if plan.endswith(".json"):
+def _predicted(plan, devices: Devices, tmp_path):
+    return _planned(plan, devices, tmp_path).prediction
+
+
+def _planned(plan, devices: Devices, tmp_path):
+    if isinstance(plan, str) and plan.endswith(".json"):
         path = tmp_path / plan
         path.write_text('{"format": "osdp-fx-plan", "version": 1, "default": "replicate", '
                         '"params": {"layers.2.weight": "full_shard"}}')
@@ -73,7 +101,7 @@ def _predicted(plan: str, devices: Devices, tmp_path):
     torch.manual_seed(0)
     model, x = MLP((64, 128, 128, 64)), torch.randn(8, 64)
     planned = plan_model(capture(model, (x,)), (x,), plan, StepSetting(devices, optimizer="sgd"))
-    return planned.plan.prediction
+    return planned.plan
 
 
 DEVICES = dict(world_size=2, memory_bytes=2**30, compute_flops_per_s=1e9,
@@ -100,6 +128,27 @@ def test_a_plan_pays_the_wait_once_per_collective_after_computation(plan, waits,
     assert charged.comm_s == pytest.approx(base.comm_s + waits * wait)
     assert charged.step_time_s == pytest.approx(base.step_time_s + waits * wait)
     assert charged.compute_s == pytest.approx(base.compute_s)
+
+
+def test_where_the_ranks_hold_their_cores_prefetching_saves_no_wait(tmp_path) -> None:
+    """``full_shard`` in 4 KiB gather buckets (a bucket per parameter), each gather prefetched
+    one ahead: with ``Devices.prefetch_waits_for_ranks`` its gathers wait for the ranks as at
+    prefetch 0, without it the prefetched ones wait for nothing, and the step grows by the
+    difference alone."""
+    devices = Devices(**DEVICES, sync_wait_s=2 * MS)
+    held_devices = dataclasses.replace(devices, prefetch_waits_for_ranks=True)
+    small = dataclasses.replace(_planned("full_shard", devices, tmp_path),
+                                schedule=Schedule(gather_bucket_bytes=4096))
+    apart = _predicted(small, devices, tmp_path)
+    held = _predicted(small, held_devices, tmp_path)
+    unfetched = _predicted(dataclasses.replace(small, schedule=Schedule(
+        prefetch=0, gather_bucket_bytes=4096)), devices, tmp_path)
+    assert held.sync_wait_s == pytest.approx(unfetched.sync_wait_s)
+    assert held.sync_wait_s > apart.sync_wait_s > 0
+    assert held.step_time_s - apart.step_time_s == pytest.approx(
+        held.sync_wait_s - apart.sync_wait_s)
+    with pytest.raises(InputError, match="prefetch_waits_for_ranks"):
+        Devices(prefetch_waits_for_ranks=1)
 
 
 def test_the_share_grows_with_the_square_root_of_the_stretch() -> None:

@@ -133,6 +133,10 @@ def test_detect_on_two_rank_gloo_world(worlds, tmp_path: Path) -> None:
     assert loaded.concurrent_collective_ratios == table
     # measured on the CPU: a share, applied beyond a collective's latency
     assert 0 <= node.overlap_efficiency <= 1 and not node.overlap_hides_latency
+    # whether the ranks hold their cores: from the ranks' share of them, which other tests
+    # running beside this one move; one answer for every rank, kept in the devices' file
+    assert isinstance(node.prefetch_waits_for_ranks, bool)
+    assert loaded.prefetch_waits_for_ranks == node.prefetch_waits_for_ranks
     # the wait after a stretch of computation, and the host time of a replicated parameter
     # among sharded ones: measured, and within what a step on this CPU could hold
     assert 0 <= node.sync_wait_s < 0.05 and 0 <= node.replica_host_time_s < 0.005
