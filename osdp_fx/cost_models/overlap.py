@@ -444,18 +444,18 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 # the first gather of forward (after the optimizer step and the forward before it), the
 # first re-gather of backward, a gather of a plan that shards a few groups far apart, and the
 # last gradient collective of backward (issued after the computation since the last wait)
-# each pay their share. That holds where the ranks share the cores (more ranks than cores:
-# the scheduler switches between them often, and gloo's threads run the gather in between).
-# Where each rank's computation holds a core of its own, an asynchronous collective's threads
-# wait for that core until the computation blocks or the kernel's tick preempts it: a 64 KiB
-# all-gather started before a stretch of matmuls at world 2 completes some milliseconds later,
-# where alone it takes one. The gather then runs at its wait, after the ranks drifted apart
-# since it was issued, and pays as one issued at its use (``Devices.prefetch_waits_for_ranks``,
-# which ``detect`` sets on the CPU where the ranks do not outnumber the cores). Timed inside
-# steps at world 2, prefetching one ahead saved next to nothing over prefetch 0, where this
-# wait was its credit (``docs/benchmarks.md``, "Where a step's wall time goes"). A step's wait at its end follows a whole forward and backward under
-# ``replicate`` and pays ``sync_wait_s`` whole; the same wait under ``full_shard`` follows its
-# last re-gather. The share is charged at the profiled batch and does not scale with it.
+# each pay their share. That holds where the ranks outnumber the cores: they take turns on
+# the cores anyway, and prefetching one ahead saves about what this credits, measured inside
+# steps. Where each rank's computation holds a core of its own, gloo's threads wait for that
+# core until the computation blocks (or the kernel's tick preempts it), so a prefetched gather
+# runs at its wait, after the ranks drifted apart since it was issued, and pays as one issued
+# at its use (``Devices.prefetch_waits_for_ranks``, which ``detect`` sets on the CPU where the
+# ranks do not outnumber the cores): timed inside steps there, prefetching one ahead saved
+# next to nothing where this wait was most of its credit (``docs/benchmarks.md``, "Where a
+# step's wall time goes"). A step's wait at its end follows a whole forward and backward
+# under ``replicate`` and pays ``sync_wait_s`` whole; the same wait under ``full_shard``
+# follows its last re-gather. The share is charged at the profiled batch and does not scale
+# with it.
 
 
 def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[float],

@@ -110,7 +110,8 @@ def detect_devices(
     measured over the default group (``group`` None): per parameter and per gather bucket per
     step by strategy, and the optimizer's per-tensor time over sharded parameters
     (``host_probe.py``). On the CPU, the share of hidden collective time that hiding saves:
-    an all-gather run beside a computation against both alone ([Note: overlap on the CPU]).
+    an all-gather run beside a computation against both alone ([Note: overlap on the CPU]),
+    and whether each rank holds a core of its own (``Devices.prefetch_waits_for_ranks``).
     Figures that cannot be measured (inter-node on one node, all collectives without an
     initialized process group) keep their defaults. ``memory_limit`` (bytes or "8GiB")
     defaults to the device's memory on GPU and to ``DEFAULT_CPU_MEMORY_BYTES`` on CPU.
