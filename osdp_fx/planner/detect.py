@@ -815,8 +815,10 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
     of a buffer handed over, its wait for gloo to release the output), started asynchronously
     and waited for, each after some compute (a matmul, whose time is subtracted), every
     group's in the same rounds, as a step of two-stage collectives moves from one group to the
-    other ([Note: timing the groups together]). Timed back to back instead, with nothing in
-    between, small collectives on CPU gloo cost about half as much as they do inside a step."""
+    other ([Note: timing the groups together]), the sizes above ``_APART_FROM_BYTES`` in rounds
+    of their own after the others ([Note: the largest sizes in rounds of their own]). Timed
+    back to back instead, with nothing in between, small collectives on CPU gloo cost about
+    half as much as they do inside a step."""
     import torch
     import torch.distributed as dist
 
@@ -827,21 +829,43 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
             dist.all_reduce(warm, group=group)
     del warm
     keys: list[tuple[int, str, int]] = []
-    runs: list[Callable[[], object]] = []
-    calls: list[int] = []
-    for index, group in enumerate(groups):
-        size, name = dist.get_world_size(group), _group_name(group)
-        for nbytes in _COLLECTIVE_SIZES_BYTES:
-            numel = max(size, nbytes // 4 // size * size)
-            for collective, run in collective_runs(numel, size, name, device).items():
-                keys.append((index, collective, numel * 4))
-                runs.append(run)
-                calls.append(_BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES
-                             else _LARGE_BACK_TO_BACK)
-    times = _interleaved_times_s(runs, device, barrier=barrier,
-                                 between=lambda: torch.mm(a, b), rounds=_COLLECTIVE_REPEATS,
-                                 calls=calls)
+    times: list[float] = []
+    # [Note: the largest sizes in rounds of their own]
+    for sizes in ([n for n in _COLLECTIVE_SIZES_BYTES if n <= _APART_FROM_BYTES],
+                  [n for n in _COLLECTIVE_SIZES_BYTES if n > _APART_FROM_BYTES]):
+        runs: list[Callable[[], object]] = []
+        calls: list[int] = []
+        for index, group in enumerate(groups):
+            size, name = dist.get_world_size(group), _group_name(group)
+            for nbytes in sizes:
+                numel = max(size, nbytes // 4 // size * size)
+                for collective, run in collective_runs(numel, size, name, device).items():
+                    keys.append((index, collective, numel * 4))
+                    runs.append(run)
+                    calls.append(_BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES
+                                 else _LARGE_BACK_TO_BACK)
+        if runs:
+            times += _interleaved_times_s(runs, device, barrier=barrier,
+                                          between=lambda: torch.mm(a, b),
+                                          rounds=_COLLECTIVE_REPEATS, calls=calls)
     return keys, times
+
+
+_APART_FROM_BYTES = 2**22
+"""Collectives of more bytes than this are timed in rounds of their own, after the others
+([Note: the largest sizes in rounds of their own])."""
+
+# [Note: the largest sizes in rounds of their own]
+# On the CPU each collective's output (and a reduce-scatter's input) is a fresh allocation, as
+# in a step. Timed in the same rounds as the 8 and 16 MiB ones, whose buffers the C allocator
+# hands back to the system and takes again, the smaller sizes met an allocator that had just
+# given their memory back too: the ranks took hundreds of times as many page faults over the
+# rounds as without the two largest sizes, and the 1 and 4 MiB collectives timed slower than
+# alone among the smaller sizes, and slower than in a loop of computation and one collective
+# of that size, as a step that moves those sizes runs them (``docs/benchmarks.md``, "How
+# steady detection is"). A step repeats its own sizes, so the sizes up to
+# ``_APART_FROM_BYTES`` are timed among themselves, and the larger ones after them, among
+# themselves.
 
 
 _WARM_COLLECTIVES = 24
