@@ -460,9 +460,9 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
                          barrier: Callable[[], object], rounds: int,
                          between: Callable[[], object] | None = None,
                          clock: Callable[[], float] = time.perf_counter,
-                         calls: Sequence[int] | None = None) -> list[float]:
+                         calls: Sequence[int] | None = None, warmup: int = 1) -> list[float]:
     """Each of ``runs``' time by ``clock`` as a step pays it, timed in ``rounds`` rounds that
-    each time every run once (after one warmup round): a run is ``calls`` calls (per run;
+    each time every run once (after ``warmup`` untimed rounds): a run is ``calls`` calls (per run;
     default ``_BACK_TO_BACK`` each) after one barrier, each call preceded by ``between`` when
     given, whose own time (timed alone in each round) is subtracted.
 
@@ -491,14 +491,14 @@ def _interleaved_times_s(runs: Sequence[Callable[[], object]], device: Any, *,
     samples: list[list[float]] = [[] for _ in bodies]
     alone: list[float] = []
     per_run = list(calls) if calls is not None else [_BACK_TO_BACK] * len(bodies)
-    for i in range(1 + rounds):
+    for i in range(warmup + rounds):
         for j, body in enumerate(bodies):
             t = timed(body, per_run[j])
-            if i:
+            if i >= warmup:
                 samples[j].append(t)
         if between is not None:
             t = timed(between)
-            if i:
+            if i >= warmup:
                 alone.append(t)
     between_s = statistics.median(alone) if alone else 0.0
     return [max(statistics.mean(sorted(ts)[1:-1]) - between_s, 1e-7) for ts in samples]
@@ -816,7 +816,7 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
     and waited for, each after some compute (a matmul, whose time is subtracted), every
     group's in the same rounds, as a step of two-stage collectives moves from one group to the
     other ([Note: timing the groups together]), the sizes above ``_APART_FROM_BYTES`` in rounds
-    of their own after the others ([Note: the largest sizes in rounds of their own]). Timed
+    of their own before the others ([Note: the largest sizes in rounds of their own]). Timed
     back to back instead, with nothing in between, small collectives on CPU gloo cost about
     half as much as they do inside a step."""
     import torch
@@ -831,8 +831,8 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
     keys: list[tuple[int, str, int]] = []
     times: list[float] = []
     # [Note: the largest sizes in rounds of their own]
-    for sizes in ([n for n in _COLLECTIVE_SIZES_BYTES if n <= _APART_FROM_BYTES],
-                  [n for n in _COLLECTIVE_SIZES_BYTES if n > _APART_FROM_BYTES]):
+    for sizes in ([n for n in _COLLECTIVE_SIZES_BYTES if n > _APART_FROM_BYTES],
+                  [n for n in _COLLECTIVE_SIZES_BYTES if n <= _APART_FROM_BYTES]):
         runs: list[Callable[[], object]] = []
         calls: list[int] = []
         for index, group in enumerate(groups):
@@ -847,13 +847,17 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
         if runs:
             times += _interleaved_times_s(runs, device, barrier=barrier,
                                           between=lambda: torch.mm(a, b),
-                                          rounds=_COLLECTIVE_REPEATS, calls=calls)
+                                          rounds=_COLLECTIVE_REPEATS, calls=calls,
+                                          warmup=_COLLECTIVE_WARMUP_ROUNDS)
     return keys, times
 
 
 _APART_FROM_BYTES = 2**22
-"""Collectives of more bytes than this are timed in rounds of their own, after the others
+"""Collectives of more bytes than this are timed in rounds of their own, before the others
 ([Note: the largest sizes in rounds of their own])."""
+_COLLECTIVE_WARMUP_ROUNDS = 5
+"""Untimed rounds before each set of sizes' timed rounds ([Note: the largest sizes in rounds of
+their own])."""
 
 # [Note: the largest sizes in rounds of their own]
 # On the CPU each collective's output (and a reduce-scatter's input) is a fresh allocation, as
@@ -863,9 +867,12 @@ _APART_FROM_BYTES = 2**22
 # rounds as without the two largest sizes, and the 1 and 4 MiB collectives timed slower than
 # alone among the smaller sizes, and slower than in a loop of computation and one collective
 # of that size, as a step that moves those sizes runs them (``docs/benchmarks.md``, "How
-# steady detection is"). A step repeats its own sizes, so the sizes up to
-# ``_APART_FROM_BYTES`` are timed among themselves, and the larger ones after them, among
-# themselves.
+# steady detection is"). A step repeats its own sizes, so the sizes above
+# ``_APART_FROM_BYTES`` are timed among themselves, and the others after them, among
+# themselves. Each set of sizes runs ``_COLLECTIVE_WARMUP_ROUNDS`` untimed rounds first: with
+# one, the first call of a process in a gloo world of 2 x 2 priced the 1-4 MiB collectives
+# above the second call, as the calls did not when the smaller sizes shared the largest
+# ones' rounds (which made every call's allocations fault alike).
 
 
 _WARM_COLLECTIVES = 24
