@@ -18,6 +18,13 @@ directly through the runtime's collective functions, the median of ``CHECK_RUNS`
 after a barrier and a short matmul (as ``detect_devices()`` times them), against its price
 (``collective_time_s``: on the polyline through the call's timed sizes).
 
+A third table checks it against the collectives as a step of their size runs them: for each of
+``LOOPED_SIZES``, an all-gather and a reduce-scatter each run ``LOOP_LINKS`` times in a loop,
+each time after about ``LOOP_COMPUTE_S`` of matmuls, less the matmuls alone, timed
+interleaved (as ``detect_devices()`` times its collectives, ``LOOP_ROUNDS`` rounds, the
+slowest rank's), per collective; beside its price and its price plus the wait for the ranks
+the step model charges after that much computation (``overlap.sync_wait_share``).
+
     python benchmarks/detection.py [--world-size 2] [--ranks-per-node N] [--repeats 5]
 
 gloo on the CPU, NCCL on a GPU; run it with nothing else running.
@@ -43,12 +50,18 @@ COLLECTIVES = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "A
 CHECKED_SIZES = (1, 4, 8, 12, 16)
 """MiB of the collectives timed directly against the last call's prediction."""
 CHECK_RUNS = 10
+LOOPED_SIZES = (1, 4)
+"""MiB of the collectives timed in a loop of computation (the third table)."""
+LOOP_LINKS = 10
+LOOP_COMPUTE_S = 1e-3
+LOOP_ROUNDS = 9
 
 
-def calls(rank: int, world: int, repeats: int,
-          ranks_per_node: int) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+def calls(rank: int, world: int, repeats: int, ranks_per_node: int,
+          ) -> tuple[list[dict[str, float]], list[dict[str, float]], list[dict[str, float]]]:
     """``repeats`` calls of ``detect_devices()`` on this rank, each as a row of figures, and
-    the last call's predictions against collectives timed directly (:func:`checked`)."""
+    the last call's predictions against collectives timed directly (:func:`checked`) and in a
+    loop of computation (:func:`looped`)."""
     from osdp_fx import detect_devices
     from osdp_fx.cost_models.communication import collective_time_s
 
@@ -72,7 +85,7 @@ def calls(rank: int, world: int, repeats: int,
         row["sync wait (ms)"] = devices.sync_wait_s * 1e3
         row["GFLOP/s"] = devices.compute_flops_per_s / 1e9
         rows.append(row)
-    return rows, checked(devices, world)
+    return rows, checked(devices, world), looped(devices, world)
 
 
 def _label(nbytes: int) -> str:
@@ -110,6 +123,72 @@ def checked(devices: Any, world: int) -> list[dict[str, float]]:
     return rows
 
 
+def looped(devices: Any, world: int) -> list[dict[str, float]]:
+    """Per size of :data:`LOOPED_SIZES` and collective, its time in a loop of computation
+    (module docstring) against what ``devices`` predicts, in milliseconds."""
+    import torch.distributed as dist
+
+    from osdp_fx.cost_models.communication import collective_time_s
+    from osdp_fx.cost_models.overlap import sync_wait_share
+    from osdp_fx.planner.detect import (
+        _all_reduce_floats,
+        _interleaved_times_s,
+        collective_starts,
+        filler_operands,
+    )
+    from osdp_fx.runtime.collectives import WORLD
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    a, b = filler_operands(device)
+    matmul_s = median_s(lambda: torch.mm(a, b), device, runs=CHECK_RUNS, warmup=2)
+    count = max(1, round(_all_reduce_floats([LOOP_COMPUTE_S / matmul_s], "max", None, device,
+                                            True)[0]))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def loop(start: Any) -> Any:
+        def run() -> None:
+            for _ in range(LOOP_LINKS):
+                compute()
+                start().wait()
+        return run
+
+    def computes() -> None:
+        for _ in range(LOOP_LINKS):
+            compute()
+
+    keys, runs = [], []
+    for mib in LOOPED_SIZES:
+        numel = mib * 2**20 // 4 // world * world
+        starts = collective_starts(numel, world, WORLD, device)
+        for collective, short in COLLECTIVES[:2]:
+            keys.append((collective, short, mib, numel * 4))
+            runs.append(loop(starts[collective]))
+    times = _interleaved_times_s([*runs, computes], device, barrier=dist.barrier,
+                                 rounds=LOOP_ROUNDS, calls=[1] * (len(runs) + 1))
+    *times, alone = _all_reduce_floats(times, "max", None, device, True)
+    wait = devices.sync_wait_s * sync_wait_share(LOOP_COMPUTE_S)
+    rows = []
+    for (collective, short, mib, nbytes), t in zip(keys, times):
+        price = collective_time_s(collective, nbytes, devices)
+        rows.append({"collective": short, "MiB": float(mib),
+                     "in a loop (ms)": (t - alone) / LOOP_LINKS * 1e3,
+                     "predicted (ms)": price * 1e3,
+                     "predicted with the wait (ms)": (price + wait) * 1e3})
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    columns = list(rows[0])
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(row[c] if isinstance(row[c], str) else f"{row[c]:.2f}"
+                                for c in columns) + " |")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The calls as a markdown table, and each column's largest over its smallest."""
     def spread(column: str) -> float:
@@ -132,16 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    rows, check = run_world(args.world_size, calls, args.repeats,
-                            args.ranks_per_node or args.world_size, backend=backend,
-                            timeout_s=1800)[0]
+    rows, check, loop = run_world(args.world_size, calls, args.repeats,
+                                  args.ranks_per_node or args.world_size, backend=backend,
+                                  timeout_s=1800)[0]
     print(table(rows))
     print()
-    columns = list(check[0])
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in check:
-        print("| " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
+    _print_rows(check)
+    print()
+    _print_rows(loop)
     return 0
 
 

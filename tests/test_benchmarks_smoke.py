@@ -397,15 +397,20 @@ def test_host_time_probe_prints_a_row_per_repeat_and_the_median() -> None:
 def test_detection_prints_a_row_per_call_and_the_spread() -> None:
     """benchmarks/detection.py, one call in a world of 2: the call's figures, none negative,
     and each column's spread (1 over one call); then a row per checked size, timed and
-    predicted."""
+    predicted; then a row per collective and size timed in a loop of computation, its price
+    and its price with the wait for the ranks (no less)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "detection.py"), "--repeats", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    calls, check = proc.stdout.split("\n\n")
+    calls, check, loop = proc.stdout.strip().split("\n\n")
     sizes = [line.split("|")[1:-1] for line in check.splitlines() if line.startswith("| ")]
     assert [float(row[0]) for row in sizes[1:]] == [1, 4, 8, 12, 16], check
     assert all(float(cell) >= 0 for row in sizes[1:] for cell in row), check
+    looped = [line.split("|")[1:-1] for line in loop.splitlines() if line.startswith("| ")]
+    assert [(row[0].strip(), float(row[1])) for row in looped[1:]] == [
+        ("AG", 1), ("RS", 1), ("AG", 4), ("RS", 4)], loop
+    assert all(0 < float(row[3]) <= float(row[4]) for row in looped[1:]), loop
     lines = [line.split("|")[1:-1] for line in calls.splitlines() if line.startswith("| ")]
     header, call, spread = lines
     assert call[0].strip() == "1", proc.stdout
