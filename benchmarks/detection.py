@@ -53,8 +53,11 @@ CHECK_RUNS = 10
 LOOPED_SIZES = (1, 4)
 """MiB of the collectives timed in a loop of computation (the third table)."""
 LOOP_LINKS = 10
+"""Collectives (each after its computation) in one run of the loop."""
 LOOP_COMPUTE_S = 1e-3
+"""Seconds of matmuls before each collective of the loop."""
 LOOP_ROUNDS = 9
+"""Timed rounds of the loops, interleaved with the matmuls alone."""
 
 
 def calls(rank: int, world: int, repeats: int, ranks_per_node: int,
@@ -181,6 +184,7 @@ def looped(devices: Any, world: int) -> list[dict[str, float]]:
 
 
 def _print_rows(rows: list[dict[str, Any]]) -> None:
+    """``rows`` as a markdown table, numbers to two decimals."""
     columns = list(rows[0])
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
