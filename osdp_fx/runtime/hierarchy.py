@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -52,12 +51,10 @@ from ..errors import InputError
 from .collectives import (
     WORLD,
     Pending,
-    all_gather_flat,
     all_gather_flat_start,
     all_reduce_sum_,
     forget_named_groups,
     group_size,
-    reduce_scatter_flat,
     reduce_scatter_flat_start,
     register_group,
 )
@@ -168,18 +165,20 @@ class StagedPending(Pending):
         return self._result
 
 
-def _staged(t: torch.Tensor, groups: list[str | None], start: Callable[..., Pending],
-            then: Callable[..., torch.Tensor]) -> Pending:
-    """``start(t, group)`` over the first group that has several ranks (None: a single rank,
-    skipped), then ``then(output, group)`` over the second when waited for; always a new
-    tensor."""
+def _staged(t: torch.Tensor, groups: list[str | None], start: Callable[..., Pending], *,
+            consume: bool) -> Pending:
+    """``start(t, group, consume=consume)`` over the first group that has several ranks (None:
+    a single rank, skipped), then, when waited for, ``start`` over the second on the first's
+    output, handed over (it is this function's own buffer, released once the second stage
+    has read it: on gloo a reduce-scatter then sums it in place instead of a copy of it);
+    always a new tensor."""
     stages = [g for g in groups if g is not None]
     if not stages:
         return Pending(t.reshape(-1).clone())
-    first = start(t, stages[0])
+    first = start(t, stages[0], consume=consume)
     if len(stages) == 1:
         return first
-    return StagedPending(first, lambda out: then(out, stages[1]))
+    return StagedPending(first, lambda out: start(out, stages[1], consume=True).wait())
 
 
 def gather_shards_start(shard: torch.Tensor, group: str, *, consume: bool = False) -> Pending:
@@ -192,7 +191,7 @@ def gather_shards_start(shard: torch.Tensor, group: str, *, consume: bool = Fals
     if two is None:
         return all_gather_flat_start(shard, group, consume=consume)
     stages = [getattr(two, scope) for scope, _ in traits(two.strategy).gather_stages]
-    return _staged(shard, stages, all_gather_flat_start, all_gather_flat)
+    return _staged(shard, stages, all_gather_flat_start, consume=consume)
 
 
 def reduce_scatter_shards_start(full: torch.Tensor, group: str, *,
@@ -205,8 +204,7 @@ def reduce_scatter_shards_start(full: torch.Tensor, group: str, *,
         return reduce_scatter_flat_start(full, group, consume=consume)
     stages = traits(two.strategy).reduce_stages
     scatters = [getattr(two, scope) for c, scope, _ in stages if c == "reduce_scatter"]
-    pending = _staged(full, scatters, functools.partial(reduce_scatter_flat_start,
-                                                         consume=consume), reduce_scatter_flat)
+    pending = _staged(full, scatters, reduce_scatter_flat_start, consume=consume)
     for group in (getattr(two, scope) for c, scope, _ in stages if c == "all_reduce"):
         if group is not None:  # the shard, summed over the nodes
             pending = StagedPending(pending, lambda out, g=group: all_reduce_sum_(out, g))

@@ -36,6 +36,12 @@ def test_two_level_collectives_reassemble_the_flat_order(worlds, numel):
             i = strategy["layout"].index
             expected = 10 * torch.arange(float(padded))[i * n:(i + 1) * n]
             torch.testing.assert_close(strategy["reduced"], expected, rtol=0, atol=0, msg=name)
+            # handed over, the same results, and both buffers released on the CPU
+            torch.testing.assert_close(strategy["gathered_given"], strategy["gathered"],
+                                       rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(strategy["reduced_given"], expected, rtol=0, atol=0,
+                                       msg=name)
+            assert strategy["given_released"] == (0, 0), name
         # hierarchical's inter-node stage brings a contiguous block of the parameter: the chunks
         # of every node at this local index, so each byte crosses to a node once
         n = hier["shard"].numel()

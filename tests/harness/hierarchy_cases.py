@@ -29,7 +29,9 @@ from .models import batches, build, local
 def two_level_collectives(rank: int, world: int, *, ranks_per_node: int,
                           numel: int) -> dict[str, Any]:
     """Gather ``arange(numel)`` from its shards, and reduce-scatter ``(rank + 1) * arange``,
-    under each mesh strategy; for hierarchical also what its first (inter-node) stage gathers."""
+    under each mesh strategy, on buffers kept and on buffers handed over (``consume``, with
+    the bytes those hold afterwards); for hierarchical also what its first (inter-node) stage
+    gathers."""
     init_mesh(world, ranks_per_node)
     nodes, per_node = mesh_shape(world, ranks_per_node)
     out: dict[str, Any] = {}
@@ -46,6 +48,15 @@ def two_level_collectives(rank: int, world: int, *, ranks_per_node: int,
             "reduced": reduce_scatter_shards_start((rank + 1) * torch.arange(float(padded)),
                                                    layout.group).wait(),
         }
+        # the same collectives on buffers handed over (consume): each is released once read
+        given_shard = shard.clone()
+        given_full = (rank + 1) * torch.arange(float(padded))
+        out[strategy]["gathered_given"] = gather_shards_start(given_shard, layout.group,
+                                                              consume=True).wait()
+        out[strategy]["reduced_given"] = reduce_scatter_shards_start(given_full, layout.group,
+                                                                     consume=True).wait()
+        out[strategy]["given_released"] = (given_shard.untyped_storage().nbytes(),
+                                           given_full.untyped_storage().nbytes())
         if strategy == "hierarchical":
             out[strategy]["inter_block"] = all_gather_flat(shard, f"inter/{nodes}x{per_node}")
     return out
