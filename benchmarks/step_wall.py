@@ -5,7 +5,8 @@ Starts a gloo world on the CPU (``--world-size`` ranks, one thread each; at worl
 pretended nodes of 2) and compiles the model of ``prediction_accuracy.py`` (``--model``) with one
 ``detect_devices()`` under ``replicate`` and ``full_shard``, and ``full_shard`` in 64 KiB gather
 buckets (many small collectives), each ``full_shard`` at ``Schedule.prefetch`` 1 (its default)
-and 0. The plans and the plain model (no osdp-fx, no collectives) are timed round-robin
+and 0; at world 4 also ``hierarchical`` at prefetch 1 and 0 and ``hybrid_shard`` (the
+two-stage collectives of ``runtime/hierarchy.py``). The plans and the plain model (no osdp-fx, no collectives) are timed round-robin
 together: ``--rounds`` rounds of ``--steps`` steps after a warm-up round, each step after a
 barrier, under the runtime's collective clock (``runtime/collectives.py``, [Note: the
 collective clock]). Per step, on each rank: the forward, the backward and the optimizer step;
@@ -48,6 +49,8 @@ PLANS = (("replicate", None, None), ("full_shard", None, 1), ("full_shard", None
          ("full_shard", 2**16, 1), ("full_shard", 2**16, 0))
 """(strategy, gather bucket bytes or None for the plan's own, prefetch or None for the
 plan's own) of each plan timed."""
+MESH_PLANS = (("hierarchical", None, 1), ("hierarchical", None, 0), ("hybrid_shard", None, 1))
+"""The plans timed besides on several nodes (world 4: 2 nodes x 2), as :data:`PLANS`."""
 PLAIN = "plain model"
 PARTS = ("step", "forward", "backward", "optimizer", "launches", "launch_s", "waits", "wait_s",
          "cpu")
@@ -62,12 +65,14 @@ def label(strategy: str, nbytes: int | None, prefetch: int | None) -> str:
 
 
 def compile_plans(model: str, ranks_per_node: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
-    """Every plan of :data:`PLANS`, compiled with one ``detect_devices()``, and its inputs."""
+    """Every plan of :data:`PLANS` (and on several nodes of :data:`MESH_PLANS`), compiled with
+    one ``detect_devices()``, and its inputs."""
     from prediction_accuracy import build
 
     devices = detect_devices(ranks_per_node=ranks_per_node)
     cases: dict[str, tuple[Any, tuple[Any, ...]]] = {}
-    for strategy, nbytes, prefetch in PLANS:
+    several_nodes = devices.num_nodes > 1
+    for strategy, nbytes, prefetch in PLANS + (MESH_PLANS if several_nodes else ()):
         module, inputs = build(model)
         compiled = compile_osdp(module, inputs, devices, plan=strategy, optimizer="sgd",
                                 plan_cache=False)
