@@ -8,8 +8,9 @@ buckets (many small collectives), each ``full_shard`` at ``Schedule.prefetch`` 1
 and 0; at world 4 also ``hierarchical`` at prefetch 1 and 0 and ``hybrid_shard`` (the
 two-stage collectives of ``runtime/hierarchy.py``). The plans and the plain model (no
 osdp-fx, no collectives) are timed round-robin together: ``--rounds`` rounds of ``--steps``
-steps after a warm-up round, each step after a barrier, under the runtime's collective clock (``runtime/collectives.py``, [Note: the
-collective clock]). Per step, on each rank: the forward, the backward and the optimizer step;
+steps after a warm-up round, each step after a barrier, under the runtime's collective clock
+(``runtime/collectives.py``, [Note: the collective clock]). Per step, on each rank: the
+forward, the backward and the optimizer step;
 the seconds spent starting collectives ("launches") and waiting for them ("waits"); the rest of
 the step (its computation, the runtime's host work, and the time its thread lost its core);
 and the thread's CPU time, from which "off its core" is the rest less the thread's CPU outside
