@@ -99,6 +99,9 @@ class TimedGather:
     seconds: float
     at_wait_s: float = 0.0
     """Of ``seconds``, the stages run when it is waited for (after the first)."""
+    at_wait_ranks: int = 0
+    """Ranks of the group its second stage runs over (0: one stage), which a prefetched
+    gather starts at its wait ([Note: the wait after a stretch of computation])."""
     ratio: float = 1.0
     """The ratio it runs at when started beside collectives in flight, where the replay runs
     each at its own (``Devices.concurrent_ratio`` at its size; [Note: collectives
@@ -312,6 +315,18 @@ def reduce_at_wait_s(state: ParamState, devices: Devices) -> float:
     return sum(_stage_times_s(state, devices, regathered=False)[2][1:])
 
 
+@functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
+def at_wait_ranks(state: ParamState, devices: Devices) -> int:
+    """Ranks of the group a gather of one group runs its second stage over, started when the
+    gather is waited for (``hierarchical``'s all-gather within the node); 0 for a gather of
+    one stage."""
+    fwd, _ = collective_stages(state.strategy, state.numel, state.element_size,
+                               world_size=devices.world_size,
+                               ranks_per_node=devices.ranks_per_node)
+    gathers = [st for st in fwd if st.collective == "all_gather"]
+    return gathers[1].ranks if len(gathers) > 1 else 0
+
+
 def _lane_compute_s(facts: GraphFacts, devices: Devices) -> tuple[list[float], list[float]]:
     """The computation lane's steps: each operator's forward in graph order, and each one's
     backward in reverse order (derived once per facts and devices)."""
@@ -357,8 +372,13 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
         return devices.concurrent_ratio(sum(gathered_bytes(params[facts.param_of[n]])
                                             for n in members))
 
+    def stage_ranks(members: Sequence[fx.Node]) -> int:
+        """The ranks of the second stage of the gather of ``members`` (one strategy)."""
+        return at_wait_ranks(params[facts.param_of[members[0]]], devices)
+
     forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
-                           seconds[i], min(seconds[i], later[i]), ratio(buckets[i]))
+                           seconds[i], min(seconds[i], later[i]), stage_ranks(buckets[i]),
+                           ratio(buckets[i]))
                for i in range(len(buckets))]
     # backward: re-gathered groups in the order forward saved them, a bucket's saved members
     # in one all-gather when the first of them is unpacked; unpacking the unit saved at index
@@ -388,7 +408,7 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
             min([unpack[i], *later]), unpack[i],
             max(0.0, sum(gather[m].backward_s for m in unit) - latency * riders),
             max(0.0, sum(gather[m].backward_at_wait_s for m in unit) - at_wait_latency * riders),
-            ratio(unit)))
+            stage_ranks(unit), ratio(unit)))
     backward.sort(key=lambda g: (g.issued_at, g.used_at))
     return forward, backward
 
@@ -452,28 +472,39 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 # at its use (``Devices.prefetch_waits_for_ranks``, which ``detect`` sets on the CPU where the
 # ranks do not outnumber the cores): timed inside steps there, prefetching one ahead saved
 # next to nothing where this wait was most of its credit (``docs/benchmarks.md``, "Where a
-# step's wall time goes"). A step's wait at its end follows a whole forward and backward
-# under ``replicate`` and pays ``sync_wait_s`` whole; the same wait under ``full_shard``
-# follows its last re-gather. The share is charged at the profiled batch and does not scale
-# with it.
+# step's wall time goes"). A two-stage gather (``hierarchical``'s) starts its second stage at
+# its wait (``runtime/hierarchy.py``): issued at its use, its first stage waits for the ranks
+# of its group and the second for the rest, once for every rank in all; prefetched, its first
+# stage runs after a synchronisation and its second, at the use, waits for the ranks of that
+# stage's group, who drifted apart since. Drifting as independent random walks, ranks arrive
+# spread as normal variables, and that stage waits for the last of its group's: it is charged
+# ``group_wait_ratio`` of ``sync_wait_s`` (which is measured over all the ranks), the expected
+# largest of its group's arrivals over the expected largest of all (0.55 for 2 ranks of 4).
+# A step's wait at its end follows a whole forward and backward under ``replicate`` and pays
+# ``sync_wait_s`` whole; the same wait under ``full_shard`` follows its last re-gather. The share
+# is charged at the profiled batch and does not scale with it.
 
 
 def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[float],
                      forward: Sequence[TimedGather], backward: Sequence[TimedGather],
                      reduces: Sequence[TimedReduce], *, between_steps_s: float,
-                     prefetch_waits: bool = False) -> list[float]:
+                     prefetch_waits: bool = False,
+                     world_size: int = 1) -> list[tuple[float, float]]:
     """For each collective of one step the ranks block on (the gathers ``forward`` on the
     forward lane ``fwd_compute_s`` and ``backward`` on the backward lane ``bwd_compute_s``, in
     the order they are issued, and the last of the gradient collectives ``reduces``, waited
     for at the end of backward), the computation between the ranks' last synchronisation and
-    its issue ([Note: the wait after a stretch of computation]). Events at one position of a
-    lane run as the replay runs them (:func:`exposed_gather_s`): the gathers used there, each
-    issued first if it was not, then waited for; then those issued there; a gradient
-    collective after its position's computation. The ranks synchronise at each gather's wait
-    and at the end of backward; ``between_steps_s`` separates one step's end from the next
-    one's forward (the optimizer step). With ``prefetch_waits``
+    its issue, and the share of the ranks it waits for (:func:`group_wait_ratio`: 1 for all
+    ``world_size`` of them; [Note: the wait after a stretch of computation]). Events at one
+    position of a lane run as the replay runs them (:func:`exposed_gather_s`): the gathers
+    used there, each issued first if it was not, then waited for; then those issued there; a
+    gradient collective after its position's computation. A gather issued before its use
+    whose later stages start at its wait (``TimedGather.at_wait_ranks``) issues its second
+    stage there, over that stage's ranks. The ranks synchronise at each gather's wait and at
+    the end of backward; ``between_steps_s`` separates one step's end from the next one's
+    forward (the optimizer step). With ``prefetch_waits``
     (``Devices.prefetch_waits_for_ranks``) a gather runs at its use wherever it was issued."""
-    events: list[tuple[float, bool]] = []  # (time, whether the ranks synchronise there)
+    events: list[tuple[float, float | None]] = []  # (time, the share it waits; None: a sync)
 
     def lane(at: Sequence[float], gathers: Sequence[TimedGather],
              ready: dict[int, float] | None = None) -> None:
@@ -486,14 +517,17 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
             for i in used.get(step, ()):
                 if i not in started:
                     started.add(i)
-                    events.append((at[step], False))
-                events.append((at[step], True))
+                    events.append((at[step], 1.0))
+                elif gathers[i].at_wait_ranks:  # its second stage, started at the wait
+                    events.append((at[step],
+                                   group_wait_ratio(gathers[i].at_wait_ranks, world_size)))
+                events.append((at[step], None))
             for i in () if prefetch_waits else issued.get(step, ()):
                 if i not in started:
                     started.add(i)
-                    events.append((at[step], False))
+                    events.append((at[step], 1.0))
             if ready and step in ready:
-                events.append((ready[step], False))
+                events.append((ready[step], 1.0))
 
     fwd_at = [0.0, *itertools.accumulate(fwd_compute_s)]
     bwd_at = [fwd_at[-1] + t for t in (0.0, *itertools.accumulate(bwd_compute_s))]
@@ -503,17 +537,17 @@ def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[flo
     issue = max((min(max(r.ready_at, 0), last) for r in reduces), default=None)
     lane(bwd_at, backward, None if issue is None else {issue: bwd_at[issue + 1]})
     if issue is not None:
-        events.append((bwd_at[-1], True))
-    syncs = [t for t, sync in events if sync]
+        events.append((bwd_at[-1], None))
+    syncs = [t for t, share in events if share is None]
     if not syncs:
         return []
     since = syncs[-1] - (bwd_at[-1] + between_steps_s)  # the last one, a step before
     stretches = []
-    for t, sync in events:
-        if sync:
+    for t, share in events:
+        if share is None:
             since = t
         else:
-            stretches.append(max(0.0, t - since))
+            stretches.append((max(0.0, t - since), share))
     return stretches
 
 
@@ -525,6 +559,33 @@ def sync_wait_share(stretch_s: float) -> float:
     return math.sqrt(max(stretch_s, 0.0) / SYNC_STRETCH_S)
 
 
+@functools.lru_cache(maxsize=64)
+def expected_max_normal(n: int) -> float:
+    """The expected largest of ``n`` independent standard normal variables (0 for one),
+    integrated numerically: ``n`` times the integral of ``x phi(x) Phi(x)^(n-1)``."""
+    if n <= 1:
+        return 0.0
+    steps, lo, hi = 4000, -12.0, 12.0
+    h = (hi - lo) / steps
+    total = 0.0
+    for k in range(steps + 1):
+        x = lo + k * h
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += (0.5 if k in (0, steps) else 1.0) * x * pdf * cdf ** (n - 1)
+    return n * total * h
+
+
+def group_wait_ratio(ranks: int, world_size: int) -> float:
+    """How long a collective over ``ranks`` of the ranks waits for the last of them, against
+    one over all ``world_size`` (``Devices.sync_wait_s`` is measured over all): ranks that
+    drift apart as independent random walks arrive spread as normal variables, and the wait
+    follows the expected largest of the group's arrivals ([Note: the wait after a stretch of
+    computation])."""
+    world = expected_max_normal(world_size)
+    return min(1.0, expected_max_normal(ranks) / world) if world > 0 else 0.0
+
+
 def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedGather],
                 backward: Sequence[TimedGather], reduces: Sequence[TimedReduce],
                 between_steps_s: float) -> float:
@@ -532,14 +593,16 @@ def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedG
     :func:`timed_gathers` gives them, and the gradient collectives ``reduces``) wait for the
     ranks to arrive beyond their price: ``Devices.sync_wait_s`` for each, at the share
     :func:`sync_wait_share` gives the computation before it since the ranks last synchronised
-    (:func:`sync_stretches_s`, [Note: the wait after a stretch of computation])."""
+    and :func:`group_wait_ratio` the ranks it waits for (:func:`sync_stretches_s`, [Note: the
+    wait after a stretch of computation])."""
     if devices.world_size <= 1 or not devices.sync_wait_s:
         return 0.0
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
     stretches = sync_stretches_s(fwd_compute, bwd_compute, forward, backward, reduces,
                                  between_steps_s=between_steps_s,
-                                 prefetch_waits=devices.prefetch_waits_for_ranks)
-    return devices.sync_wait_s * sum(sync_wait_share(c) for c in stretches)
+                                 prefetch_waits=devices.prefetch_waits_for_ranks,
+                                 world_size=devices.world_size)
+    return devices.sync_wait_s * sum(share * sync_wait_share(c) for c, share in stretches)
 
 
 def latency_s(collective: str, devices: Devices) -> float:

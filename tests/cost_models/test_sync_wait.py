@@ -16,6 +16,8 @@ from osdp_fx.core.setting import StepSetting
 from osdp_fx.cost_models.overlap import (
     TimedGather,
     TimedReduce,
+    expected_max_normal,
+    group_wait_ratio,
     sync_stretches_s,
     sync_wait_share,
 )
@@ -27,6 +29,13 @@ from osdp_fx.planner.make import plan_model
 MS = 1e-3
 
 
+def _stretches(*args, **kw) -> list[float]:
+    """``sync_stretches_s``' stretches, each collective waiting for every rank (share 1)."""
+    pairs = sync_stretches_s(*args, **kw)
+    assert all(share == 1.0 for _, share in pairs)
+    return [stretch for stretch, _ in pairs]
+
+
 def test_each_blocking_collective_pays_for_the_computation_since_the_last_wait() -> None:
     """Forward lane 1, 2, 3, 4 ms and backward lane 4, 3, 2, 1 ms (a step of 20 ms), the
     optimizer step 0.5 ms between steps. The ranks wait at the first gather (forward step 0),
@@ -35,7 +44,7 @@ def test_each_blocking_collective_pays_for_the_computation_since_the_last_wait()
     forward = [TimedGather(0, 0, 1.0), TimedGather(0, 2, 1.0)]  # the second prefetched at 0
     backward = [TimedGather(1, 1, 1.0)]
     reduces = [TimedReduce(3, 1.0, "reduce_scatter"), TimedReduce(1, 1.0, "all_reduce")]
-    stretches = sync_stretches_s([1 * MS, 2 * MS, 3 * MS, 4 * MS],
+    stretches = _stretches([1 * MS, 2 * MS, 3 * MS, 4 * MS],
                                  [4 * MS, 3 * MS, 2 * MS, 1 * MS],
                                  forward, backward, reduces, between_steps_s=0.5 * MS)
     assert stretches == pytest.approx([
@@ -55,15 +64,15 @@ def test_where_the_ranks_hold_their_cores_a_prefetched_gather_waits_at_its_use()
     backward = [TimedGather(1, 1, 1.0)]
     reduces = [TimedReduce(3, 1.0, "reduce_scatter"), TimedReduce(1, 1.0, "all_reduce")]
     lanes = ([1 * MS, 2 * MS, 3 * MS, 4 * MS], [4 * MS, 3 * MS, 2 * MS, 1 * MS])
-    stretches = sync_stretches_s(*lanes, forward, backward, reduces, between_steps_s=0.5 * MS,
+    stretches = _stretches(*lanes, forward, backward, reduces, between_steps_s=0.5 * MS,
                                  prefetch_waits=True)
     assert stretches == pytest.approx([0.5 * MS, 3 * MS, 11 * MS, 6 * MS])
     # a re-gather prefetched in backward (issued at backward step 0, used at step 2) too
     early = [TimedGather(0, 2, 1.0)]
-    assert sync_stretches_s(*lanes, forward, early, reduces, between_steps_s=0.5 * MS,
+    assert _stretches(*lanes, forward, early, reduces, between_steps_s=0.5 * MS,
                             prefetch_waits=True) == pytest.approx(
         [0.5 * MS, 3 * MS, 14 * MS, 3 * MS])
-    assert sync_stretches_s(*lanes, forward, early, reduces, between_steps_s=0.5 * MS) == (
+    assert _stretches(*lanes, forward, early, reduces, between_steps_s=0.5 * MS) == (
         pytest.approx([0.5 * MS, 0.0, 7 * MS, 3 * MS]))
 
 
@@ -72,10 +81,47 @@ def test_gathers_used_at_one_operator_wait_in_turn() -> None:
     forward step 0 (the bias's prefetched there): the weight's is issued after the step
     before (and its optimizer step) and waited for, then the bias's follows that wait."""
     forward = [TimedGather(0, 0, 1.0), TimedGather(0, 0, 1.0), TimedGather(0, 1, 1.0)]
-    stretches = sync_stretches_s([2 * MS, 3 * MS], [3 * MS, 2 * MS], forward, [],
+    stretches = _stretches([2 * MS, 3 * MS], [3 * MS, 2 * MS], forward, [],
                                  [TimedReduce(1, 1.0, "reduce_scatter")],
                                  between_steps_s=1 * MS)
     assert stretches == pytest.approx([1 * MS, 0.0, 0.0, 8 * MS])
+
+
+def test_a_prefetched_two_stage_gather_waits_again_at_its_use_for_its_stage_ranks() -> None:
+    """The first test's step with two-stage gathers (``hierarchical`` on 2 nodes x 2: the
+    second stage over a node's 2 ranks, started at the gather's wait). The first gather,
+    issued at its use, waits once for every rank (its second stage follows the first, whose
+    ranks already waited); the second, prefetched at the first one's wait, issues its second
+    stage at its use, 3 ms later, and waits there for the 2 ranks of that stage only; the
+    re-gather, issued at its use, waits once."""
+    forward = [TimedGather(0, 0, 1.0, 0.5, 2), TimedGather(0, 2, 1.0, 0.5, 2)]
+    backward = [TimedGather(1, 1, 1.0, 0.5, 2)]
+    reduces = [TimedReduce(3, 1.0, "reduce_scatter")]
+    pair = group_wait_ratio(2, 4)
+    stretches = sync_stretches_s([1 * MS, 2 * MS, 3 * MS, 4 * MS],
+                                 [4 * MS, 3 * MS, 2 * MS, 1 * MS],
+                                 forward, backward, reduces, between_steps_s=0.5 * MS,
+                                 world_size=4)
+    assert [c for c, _ in stretches] == pytest.approx([
+        0.5 * MS, 0.0,  # the first gather; the second's first stage, issued at the first's wait
+        3 * MS,  # the second's second stage, at its use
+        11 * MS, 6 * MS])  # the re-gather; the last gradient collective
+    assert [share for _, share in stretches] == pytest.approx([1.0, 1.0, pair, 1.0, 1.0])
+    # where a gather runs at its use wherever it was issued, it waits once, for every rank
+    assert _stretches([1 * MS, 2 * MS, 3 * MS, 4 * MS], [4 * MS, 3 * MS, 2 * MS, 1 * MS],
+                      forward, backward, reduces, between_steps_s=0.5 * MS,
+                      prefetch_waits=True, world_size=4) == pytest.approx(
+        [0.5 * MS, 3 * MS, 11 * MS, 6 * MS])
+
+
+def test_a_group_waits_for_the_expected_last_of_its_ranks() -> None:
+    """The expected largest of n standard normals (tabulated: 0.5642 for 2, 0.8463 for 3,
+    1.0294 for 4, 1.4236 for 8), and the wait of a group of ranks against all of them."""
+    assert [expected_max_normal(n) for n in (1, 2, 3, 4, 8)] == pytest.approx(
+        [0.0, 0.5642, 0.8463, 1.0294, 1.4236], abs=1e-4)
+    assert group_wait_ratio(2, 4) == pytest.approx(0.5642 / 1.0294, abs=1e-4)
+    assert group_wait_ratio(4, 4) == 1.0
+    assert group_wait_ratio(2, 1) == 0.0
 
 
 def test_without_gathers_the_step_end_follows_a_whole_step() -> None:
@@ -83,9 +129,9 @@ def test_without_gathers_the_step_end_follows_a_whole_step() -> None:
     optimizer step; without gradient collectives nothing waits."""
     lanes = ([2 * MS, 3 * MS], [3 * MS, 2 * MS])
     reduces = [TimedReduce(0, 1.0, "all_reduce"), TimedReduce(1, 1.0, "all_reduce")]
-    assert sync_stretches_s(*lanes, [], [], reduces, between_steps_s=1 * MS) == (
+    assert _stretches(*lanes, [], [], reduces, between_steps_s=1 * MS) == (
         pytest.approx([11 * MS]))
-    assert sync_stretches_s(*lanes, [], [], [], between_steps_s=1 * MS) == []
+    assert _stretches(*lanes, [], [], [], between_steps_s=1 * MS) == []
 
 
 def _predicted(plan, devices: Devices, tmp_path):
