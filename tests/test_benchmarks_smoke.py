@@ -649,3 +649,26 @@ def test_sync_wait_prints_each_stretch_against_the_models_charge() -> None:
 
     assert long == pytest.approx(price + 1.2 ** 0.5 * wait, abs=rounding(1.2)), out  # 12 of 10
     assert short == pytest.approx(price + 0.03 ** 0.5 * wait, abs=rounding(0.03)), out  # 0.3
+
+
+def test_sync_wait_times_a_prefetched_two_stage_gather_on_several_nodes() -> None:
+    """benchmarks/sync_wait.py at world 4 as 2 nodes x 2, one stretch of 2 rounds: its third
+    table has the flat and the two-stage gather started before the stretch, their difference,
+    and the model's charge for the second stage: its price and ``group_wait_ratio(2, 4)`` of
+    the square root of the stretch's share of 10 ms of ``sync_wait_s``."""
+    from osdp_fx.cost_models.overlap import group_wait_ratio
+
+    rows, out = benchmark_rows("sync_wait.py", "--world-size", "4", "--ranks-per-node", "2",
+                               "--compute-ms", "12", "--runs", "2", timeout=600)
+    staged = [cells for cells in rows if len(cells) == 5 and cells[0].strip() == "12"
+              and not cells[0].strip().startswith("computation")][-1]
+    flat, two, apart, charge = (float(c) for c in staged[1:])
+    assert apart == pytest.approx(two - flat, abs=0.011), staged
+    wait = float(re.findall(r"sync_wait_s ([\d.]+)", out)[0])
+    prices = re.findall(r"its stages' prices, ([\d.]+), and ([\d.]+) of the wait", out)
+    assert prices, out
+    ratio = float(prices[0][1])
+    assert ratio == pytest.approx(group_wait_ratio(2, 4), abs=0.005)
+    # the second stage's price is what the charge holds beyond its share of the wait
+    later = charge - ratio * 1.2 ** 0.5 * wait
+    assert 0 < later < float(prices[0][0]) + 0.02, (later, out)

@@ -120,6 +120,8 @@ class TimedReduce:
     in flight, as the runtime keeps one per kind."""
     at_wait_s: float = 0.0
     """Of ``seconds``, the stages run when it is waited for (after the first)."""
+    at_wait_ranks: int = 0
+    """Ranks of the group its second stage runs over (0: one stage), started at its wait."""
     ratio: float = 1.0
     """As ``TimedGather.ratio``."""
 
@@ -316,15 +318,18 @@ def reduce_at_wait_s(state: ParamState, devices: Devices) -> float:
 
 
 @functools.lru_cache(maxsize=1 << 16)  # [Note: cost caches]
-def at_wait_ranks(state: ParamState, devices: Devices) -> int:
-    """Ranks of the group a gather of one group runs its second stage over, started when the
-    gather is waited for (``hierarchical``'s all-gather within the node); 0 for a gather of
+def at_wait_ranks(state: ParamState, devices: Devices) -> tuple[int, int]:
+    """Ranks of the groups one group's gather and its gradient collective run their second
+    stage over, started when each is waited for (``hierarchical``'s all-gather within the node
+    and reduce-scatter across nodes, ``hybrid_shard``'s all-reduce across nodes); 0 for one of
     one stage."""
-    fwd, _ = collective_stages(state.strategy, state.numel, state.element_size,
-                               world_size=devices.world_size,
-                               ranks_per_node=devices.ranks_per_node)
+    fwd, bwd = collective_stages(state.strategy, state.numel, state.element_size,
+                                 world_size=devices.world_size,
+                                 ranks_per_node=devices.ranks_per_node)
     gathers = [st for st in fwd if st.collective == "all_gather"]
-    return gathers[1].ranks if len(gathers) > 1 else 0
+    reduces = [st for st in bwd if st.collective != "all_gather"]
+    return (gathers[1].ranks if len(gathers) > 1 else 0,
+            reduces[1].ranks if len(reduces) > 1 else 0)
 
 
 def _lane_compute_s(facts: GraphFacts, devices: Devices) -> tuple[list[float], list[float]]:
@@ -374,7 +379,7 @@ def timed_gathers(facts: GraphFacts, params: Mapping[str, ParamState], devices: 
 
     def stage_ranks(members: Sequence[fx.Node]) -> int:
         """The ranks of the second stage of the gather of ``members`` (one strategy)."""
-        return at_wait_ranks(params[facts.param_of[members[0]]], devices)
+        return at_wait_ranks(params[facts.param_of[members[0]]], devices)[0]
 
     forward = [TimedGather(use[i - prefetch] if i >= prefetch else use[i], use[i],
                            seconds[i], min(seconds[i], later[i]), stage_ranks(buckets[i]),
@@ -488,54 +493,68 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 def sync_stretches_s(fwd_compute_s: Sequence[float], bwd_compute_s: Sequence[float],
                      forward: Sequence[TimedGather], backward: Sequence[TimedGather],
                      reduces: Sequence[TimedReduce], *, between_steps_s: float,
-                     prefetch_waits: bool = False,
-                     world_size: int = 1) -> list[tuple[float, float]]:
+                     prefetch_waits: bool = False, world_size: int = 1,
+                     in_flight: int = 1) -> list[tuple[float, float]]:
     """For each collective of one step the ranks block on (the gathers ``forward`` on the
     forward lane ``fwd_compute_s`` and ``backward`` on the backward lane ``bwd_compute_s``, in
     the order they are issued, and the last of the gradient collectives ``reduces``, waited
     for at the end of backward), the computation between the ranks' last synchronisation and
     its issue, and the share of the ranks it waits for (:func:`group_wait_ratio`: 1 for all
     ``world_size`` of them; [Note: the wait after a stretch of computation]). Events at one
-    position of a lane run as the replay runs them (:func:`exposed_gather_s`): the gathers
-    used there, each issued first if it was not, then waited for; then those issued there; a
-    gradient collective after its position's computation. A gather issued before its use
-    whose later stages start at its wait (``TimedGather.at_wait_ranks``) issues its second
-    stage there, over that stage's ranks. The ranks synchronise at each gather's wait and at
-    the end of backward; ``between_steps_s`` separates one step's end from the next one's
-    forward (the optimizer step). With ``prefetch_waits``
-    (``Devices.prefetch_waits_for_ranks``) a gather runs at its use wherever it was issued."""
+    position of a lane run as the replay runs them (:func:`exposed_gather_s`,
+    :func:`exposed_backward_s`): the gathers used there, each issued first if it was not, then
+    waited for; then those issued there; the gradient collectives ready after its computation,
+    each first waiting for the oldest of its kind when ``in_flight`` are in flight. A gather
+    issued before its use, or a gradient collective waited for in backward, whose later stages
+    start at its wait (``at_wait_ranks``) issues its second stage there, over that stage's
+    ranks. The ranks synchronise at each gather's wait and at the end of backward (not at a
+    gradient collective's wait in backward: only its second stage's ranks meet there);
+    ``between_steps_s`` separates one step's end from the next one's forward (the optimizer
+    step). With ``prefetch_waits`` (``Devices.prefetch_waits_for_ranks``) a gather runs at its
+    use wherever it was issued."""
     events: list[tuple[float, float | None]] = []  # (time, the share it waits; None: a sync)
 
-    def lane(at: Sequence[float], gathers: Sequence[TimedGather],
-             ready: dict[int, float] | None = None) -> None:
+    def second_stage(t: float, ranks: int) -> None:
+        """A collective's second stage over ``ranks`` ranks, started at its wait at ``t``."""
+        events.append((t, group_wait_ratio(ranks, world_size)))
+
+    last = len(bwd_compute_s) - 1
+    ready: dict[int, list[TimedReduce]] = defaultdict(list)
+    for r in reduces:
+        ready[min(max(r.ready_at, 0), last)].append(r)
+    issue = max(ready, default=None)  # the last gradient collective's step
+    windows: dict[str, deque[TimedReduce]] = defaultdict(deque)
+
+    def lane(at: Sequence[float], gathers: Sequence[TimedGather], backward: bool) -> None:
         used, issued = defaultdict(list), defaultdict(list)
         for i, g in enumerate(gathers):
             used[g.used_at].append(i)
             issued[g.issued_at].append(i)
         started: set[int] = set()
-        for step in sorted(used.keys() | issued.keys() | (ready or {}).keys()):
+        for step in sorted(used.keys() | issued.keys() | (ready.keys() if backward else set())):
             for i in used.get(step, ()):
                 if i not in started:
                     started.add(i)
                     events.append((at[step], 1.0))
-                elif gathers[i].at_wait_ranks:  # its second stage, started at the wait
-                    events.append((at[step],
-                                   group_wait_ratio(gathers[i].at_wait_ranks, world_size)))
+                elif gathers[i].at_wait_ranks:
+                    second_stage(at[step], gathers[i].at_wait_ranks)
                 events.append((at[step], None))
             for i in () if prefetch_waits else issued.get(step, ()):
                 if i not in started:
                     started.add(i)
                     events.append((at[step], 1.0))
-            if ready and step in ready:
-                events.append((ready[step], 1.0))
+            for r in ready.get(step, ()) if backward else ():
+                window = windows[r.kind]
+                if len(window) >= in_flight and (oldest := window.popleft()).at_wait_ranks:
+                    second_stage(at[step + 1], oldest.at_wait_ranks)
+                window.append(r)
+            if backward and step == issue:  # issued after its position's computation
+                events.append((at[step + 1], 1.0))
 
     fwd_at = [0.0, *itertools.accumulate(fwd_compute_s)]
     bwd_at = [fwd_at[-1] + t for t in (0.0, *itertools.accumulate(bwd_compute_s))]
-    lane(fwd_at, forward)
-    last = len(bwd_compute_s) - 1
-    # the last gradient collective: issued after its position's computation
-    issue = max((min(max(r.ready_at, 0), last) for r in reduces), default=None)
-    lane(bwd_at, backward, None if issue is None else {issue: bwd_at[issue + 1]})
+    lane(fwd_at, forward, False)
+    lane(bwd_at, backward, True)
     if issue is not None:
         events.append((bwd_at[-1], None))
     syncs = [t for t, share in events if share is None]
@@ -588,9 +607,10 @@ def group_wait_ratio(ranks: int, world_size: int) -> float:
 
 def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedGather],
                 backward: Sequence[TimedGather], reduces: Sequence[TimedReduce],
-                between_steps_s: float) -> float:
+                between_steps_s: float, in_flight: int = 1) -> float:
     """Seconds one step's blocking collectives (the gathers ``forward`` and ``backward`` as
-    :func:`timed_gathers` gives them, and the gradient collectives ``reduces``) wait for the
+    :func:`timed_gathers` gives them, and the gradient collectives ``reduces``, at most
+    ``in_flight`` of a kind at once) wait for the
     ranks to arrive beyond their price: ``Devices.sync_wait_s`` for each, at the share
     :func:`sync_wait_share` gives the computation before it since the ranks last synchronised
     and :func:`group_wait_ratio` the ranks it waits for (:func:`sync_stretches_s`, [Note: the
@@ -601,7 +621,7 @@ def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedG
     stretches = sync_stretches_s(fwd_compute, bwd_compute, forward, backward, reduces,
                                  between_steps_s=between_steps_s,
                                  prefetch_waits=devices.prefetch_waits_for_ranks,
-                                 world_size=devices.world_size)
+                                 world_size=devices.world_size, in_flight=in_flight)
     return devices.sync_wait_s * sum(share * sync_wait_share(c) for c, share in stretches)
 
 

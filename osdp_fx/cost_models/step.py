@@ -73,6 +73,7 @@ from .graph_facts import (
 from .memory import gathered_param_bytes, optimizer_state_bytes, shard_numel
 from .overlap import (
     TimedReduce,
+    at_wait_ranks,
     hidden_comm_s,
     reduce_at_wait_s,
     reduce_s,
@@ -501,8 +502,10 @@ def predict_step_time(
                                               host_s=costs[name].host_s + bucket_host)
         if scattered:
             scatter_s = max(0.0, scatter_s)
+            first = params[facts.param_of[bucket[0]]]
             reduces.append(TimedReduce(scatter_ready, scatter_s, "reduce_scatter",
                                        min(scatter_s, max(0.0, scatter_later_s)),
+                                       at_wait_ranks(first, devices)[1],
                                        devices.concurrent_ratio(scatter_bytes)))
     compute_s = other_s + sum(per_group.values())
     optim_s = sum(c.optim_s for c in costs.values())
@@ -511,7 +514,7 @@ def predict_step_time(
                                        regathered=regathered)
                          if devices.world_size > 1 else ([], []))
     waits_s = sync_wait_s(facts, devices, forward=forward, backward=backward, reduces=reduces,
-                          between_steps_s=optim_s)
+                          between_steps_s=optim_s, in_flight=schedule.scatters_in_flight)
     # without prefetching every gather starts at its use and hides nothing
     prefetched = ((forward, backward) if schedule.prefetch > 0 else ([], []))
     comm_s = sum(c.comm_s for c in costs.values()) + waits_s - hidden_comm_s(

@@ -114,6 +114,33 @@ def test_a_prefetched_two_stage_gather_waits_again_at_its_use_for_its_stage_rank
         [0.5 * MS, 3 * MS, 11 * MS, 6 * MS])
 
 
+def test_a_two_stage_gradient_collective_waited_for_in_backward_waits_for_its_stage_ranks(
+) -> None:
+    """Forward lane 1, 2 ms, backward lane 4, 3, 2, 1 ms (backward from 3 to 13 ms), the
+    optimizer step 0.5 ms; three two-stage reduce-scatters (``hierarchical`` on 2 x 2: the
+    second stage across the nodes' 2 ranks) ready after backward steps 0, 1 and 3, one in
+    flight at a time. Issuing the second (at 10 ms) first waits for the first, whose second
+    stage starts then, 10.5 ms after the last synchronisation (the step before's end); issuing
+    the third (at 13 ms) waits for the second, 13.5 ms after it (a stage's ranks meeting do
+    not synchronise the rest), and the third's issue follows as long a stretch. With two in
+    flight, only the third's issue waits for one."""
+    pair = group_wait_ratio(2, 4)
+    reduces = [TimedReduce(step, 1.0, "reduce_scatter", 0.5, 2) for step in (0, 1, 3)]
+    lanes = ([1 * MS, 2 * MS], [4 * MS, 3 * MS, 2 * MS, 1 * MS])
+    stretches = sync_stretches_s(*lanes, [], [], reduces, between_steps_s=0.5 * MS,
+                                 world_size=4, in_flight=1)
+    assert [c for c, _ in stretches] == pytest.approx([10.5 * MS, 13.5 * MS, 13.5 * MS])
+    assert [share for _, share in stretches] == pytest.approx([pair, pair, 1.0])
+    stretches = sync_stretches_s(*lanes, [], [], reduces, between_steps_s=0.5 * MS,
+                                 world_size=4, in_flight=2)
+    assert [c for c, _ in stretches] == pytest.approx([13.5 * MS, 13.5 * MS])
+    assert [share for _, share in stretches] == pytest.approx([pair, 1.0])
+    # one-stage collectives waited for in backward: only the last one's issue waits
+    flat = [dataclasses.replace(r, at_wait_s=0.0, at_wait_ranks=0) for r in reduces]
+    assert _stretches(*lanes, [], [], flat, between_steps_s=0.5 * MS, world_size=4,
+                      in_flight=1) == pytest.approx([13.5 * MS])
+
+
 def test_a_group_waits_for_the_expected_last_of_its_ranks() -> None:
     """The expected largest of n standard normals (tabulated: 0.5642 for 2, 0.8463 for 3,
     1.0294 for 4, 1.4236 for 8), and the wait of a group of ranks against all of them."""
