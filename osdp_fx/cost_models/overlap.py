@@ -485,6 +485,8 @@ def hidden_comm_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[Time
 # spread as normal variables, and that stage waits for the last of its group's: it is charged
 # ``group_wait_ratio`` of ``sync_wait_s`` (which is measured over all the ranks), the expected
 # largest of its group's arrivals over the expected largest of all (0.55 for 2 ranks of 4).
+# So does a two-stage gradient collective that backward waits for mid-way, to start another
+# beyond ``Schedule.scatters_in_flight``: its second stage starts at that wait.
 # A step's wait at its end follows a whole forward and backward under ``replicate`` and pays
 # ``sync_wait_s`` whole; the same wait under ``full_shard`` follows its last re-gather. The share
 # is charged at the profiled batch and does not scale with it.
