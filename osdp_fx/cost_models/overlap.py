@@ -612,11 +612,11 @@ def sync_wait_s(facts: GraphFacts, devices: Devices, *, forward: Sequence[TimedG
                 between_steps_s: float, in_flight: int = 1) -> float:
     """Seconds one step's blocking collectives (the gathers ``forward`` and ``backward`` as
     :func:`timed_gathers` gives them, and the gradient collectives ``reduces``, at most
-    ``in_flight`` of a kind at once) wait for the
-    ranks to arrive beyond their price: ``Devices.sync_wait_s`` for each, at the share
-    :func:`sync_wait_share` gives the computation before it since the ranks last synchronised
-    and :func:`group_wait_ratio` the ranks it waits for (:func:`sync_stretches_s`, [Note: the
-    wait after a stretch of computation])."""
+    ``in_flight`` of a kind at once) wait for the ranks to arrive beyond their price:
+    ``Devices.sync_wait_s`` for each, at the share :func:`sync_wait_share` gives the
+    computation before it since the ranks last synchronised and :func:`group_wait_ratio` the
+    ranks it waits for (:func:`sync_stretches_s`, [Note: the wait after a stretch of
+    computation])."""
     if devices.world_size <= 1 or not devices.sync_wait_s:
         return 0.0
     fwd_compute, bwd_compute = facts.derive(_lane_compute_s, devices)
