@@ -855,21 +855,9 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
 _APART_FROM_BYTES = 2**22
 """Collectives of more bytes than this are timed in rounds of their own, before the others
 ([Note: the largest sizes in rounds of their own])."""
-_COLLECTIVE_WARMUP_ROUNDS = 20
+_COLLECTIVE_WARMUP_ROUNDS = 5
 """Untimed rounds before each set of sizes' timed rounds ([Note: the largest sizes in rounds of
-their own], [Note: a process's first collectives])."""
-
-# [Note: a process's first collectives]
-# Where the ranks share cores (a gloo world of 2 x 2 ranks on 2 cores), the collectives of a
-# process's first measurement run slower than the same process runs them later, over the world's
-# group as over the groups made for it, at every size, and the later measurements get faster
-# still, less and less: untimed, the first one priced the plans' communication above the second
-# (the compile's own, ``devices=None``, after ``detect_devices()``), which priced the same steps
-# near their measured time. Neither idle time before it nor tens of seconds of the world's large
-# collectives warmed it; rounds of the timed mix itself did. ``_COLLECTIVE_WARMUP_ROUNDS`` untimed
-# rounds bring a first measurement to about where a second one timed after five
-# (``docs/benchmarks.md``, "How steady detection is"). Where each rank holds a core the first
-# measurement is timed like the later ones, and the rounds cost a few seconds.
+their own])."""
 
 # [Note: the largest sizes in rounds of their own]
 # On the CPU each collective's output (and a reduce-scatter's input) is a fresh allocation, as
