@@ -252,7 +252,7 @@ def profile_graph_pass(
 # engine walking the backward, and on a CPU whose cores the other ranks' steps share. The sum
 # of the nodes' medians missed a step's computation both ways: a few per cent to 15 % short on
 # one rank per core, and half of it where four ranks shared two cores, the medians being the
-# runs no other rank interrupted (``docs/benchmarks.md``, "Predicted against measured").
+# runs no other rank interrupted (``CHANGELOG.md``, "Prediction-accuracy runs of earlier code").
 # So on the CPU the profile also times the whole graph, forward and then backward over the
 # parameters that train, as a step runs it (every rank at once, a barrier before each run:
 # after one barrier only, the ranks drifted apart over the runs, and where four ranks shared
@@ -264,7 +264,7 @@ def profile_graph_pass(
 # a step is timed, not the sum of the two medians: where four ranks shared two cores, a rank's
 # forward and backward were not slowed alike within a run (one ran while another rank
 # waited), and the sum of the medians fell short of the median sum, which is what the plain
-# model's step measured (``docs/benchmarks.md``, "Predicted against measured"); with a rank
+# model's step measured (``CHANGELOG.md``, "Prediction-accuracy runs of earlier code"); with a rank
 # per core the two agreed. The whole is shared between forward and backward as their
 # medians are. The nodes keep their shares, which is what the schedule and overlap models
 # read; the step model reads the sums. On a GPU a node's time is its kernels' (CUDA events,
@@ -275,14 +275,14 @@ def profile_graph_pass(
 WHOLE_GRAPH_REPEATS = 5
 """The least number of timed runs of the whole graph (their median is kept): with the
 profile's 3, a run the other ranks slowed could set a small model's computation
-(``docs/benchmarks.md``, "Predicted against measured")."""
+(``CHANGELOG.md``, "Prediction-accuracy runs of earlier code")."""
 WHOLE_GRAPH_SECONDS = 2.0
 """Seconds of whole-graph runs the profile aims at, by its nodes' summed times, between
 :data:`WHOLE_GRAPH_REPEATS` and :data:`WHOLE_GRAPH_MAX_REPEATS` runs. Where ranks share a
 machine's cores its speed moves from one second to the next, and the whole graph's time sets
 the computation of every plan made from the profile: the median of runs spread over seconds
-lies nearer a step's than that of the runs of a fraction of one (``docs/benchmarks.md``,
-"Predicted against measured")."""
+lies nearer a step's than that of the runs of a fraction of one (``CHANGELOG.md``,
+"Prediction-accuracy runs of earlier code")."""
 WHOLE_GRAPH_MAX_REPEATS = 40
 """The most timed runs of the whole graph."""
 
