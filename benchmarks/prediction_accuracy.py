@@ -64,7 +64,9 @@ from torch import nn  # noqa: E402
 
 from osdp_fx import Devices, compile_osdp, detect_devices  # noqa: E402
 from osdp_fx.core.buckets import Schedule  # noqa: E402
+from osdp_fx.core.layout import WORLD  # noqa: E402
 from osdp_fx.examples import MLP, GPTWithLoss, TinyGPT  # noqa: E402
+from osdp_fx.planner import detect  # noqa: E402
 from osdp_fx.runtime.launch import run_world  # noqa: E402
 from osdp_fx.runtime.memory import measure_step_peak_bytes  # noqa: E402
 
@@ -105,6 +107,14 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 REFERENCE = ("plain model", "no collectives")
 """The label of the plain model's row (:func:`time_round_robin`'s ``reference``)."""
+PROBE = "the world's collectives"
+"""The plan label of the rows that put the collectives timed in the rounds beside the
+detection a column planned with (:func:`probe_rows`)."""
+PROBE_BYTES = (2**20, 2**22)
+"""Sizes of the world's all-gather and reduce-scatter timed in every round, as ``detect`` times
+them: the sizes of the gathers and gradients the sharded plans here move."""
+PROBE_ROUNDS = 3
+"""Times each probe is timed per round (the trimmed mean of them is the round's figure)."""
 
 
 def measure(rank: int, world: int, models: list[str], optimizer: str, rounds: int,
@@ -118,11 +128,63 @@ def measure(rank: int, world: int, models: list[str], optimizer: str, rounds: in
                                                  ranks_per_node=ranks_per_node,
                                                  world=world).items()}
         plain, inputs = build(name)  # the model itself, no collectives: the computation
+        probe: dict[tuple[str, int], list[float]] = {}
         timed = time_round_robin(cases, optimizer, rounds=rounds, steps=steps,
-                                 reference=(plain, inputs), warm_steps=warm_steps)
+                                 reference=(plain, inputs), warm_steps=warm_steps,
+                                 probe=probe)
         rows += [dict(r, model=name, devices=r["plan"][0], plan=r["plan"][1]) for r in timed]
+        measured = {**given, "devices=None": compile_measurement()}
+        rows += [dict(r, model=name) for r in probe_rows(measured, probe, world)]
         del cases
         gc.collect()  # the next model starts (and profiles) without this one's memory
+    return rows
+
+
+def compile_measurement() -> Devices:
+    """The devices ``compile_osdp`` measured itself (``devices=None``): the one measurement
+    ``detect`` keeps for the process group."""
+    measured, = detect._detected_devices.values()
+    return measured
+
+
+def probe_runs(world: int) -> dict[tuple[str, int], Any]:
+    """One call of the world's all-gather and reduce-scatter at each of :data:`PROBE_BYTES`,
+    through the runtime's collectives, by (collective, total bytes) as ``detect`` keys them."""
+    runs = {}
+    for nbytes in PROBE_BYTES:
+        numel = max(world, nbytes // 4 // world * world)
+        for collective, run in detect.collective_runs(numel, world, WORLD,
+                                                      torch.device("cpu")).items():
+            if collective != "all_reduce":
+                runs[(collective, numel * 4)] = run
+    return runs
+
+
+def timed_price_s(devices: Devices, collective: str, total_bytes: int, world: int) -> float:
+    """What ``devices`` measured ``collective`` of ``total_bytes`` at over the whole world."""
+    for scope in ("world", "inter_node", "intra_node"):
+        entry = devices.collective_times.get(f"{scope}.{collective}")
+        if entry and entry["group_size"] == world and total_bytes in entry["total_bytes"]:
+            return entry["seconds"][entry["total_bytes"].index(total_bytes)]
+    raise KeyError(f"no {collective} of {total_bytes} bytes over {world} ranks in the devices")
+
+
+def probe_rows(given: dict[str, Devices], probe: dict[tuple[str, int], list[float]],
+               world: int) -> list[dict[str, Any]]:
+    """Per column (its devices), each probed collective's time in the rounds (the slowest
+    rank's median over the rounds) beside what the column's detection measured it at, and
+    their ratio pooled over the probes (the geometric mean): how far the measured devices'
+    collective prices lay from what the collectives took while the plans were timed."""
+    keys = sorted(probe)
+    medians = torch.tensor([statistics.median(probe[k]) for k in keys])
+    torch.distributed.all_reduce(medians, op=torch.distributed.ReduceOp.MAX)
+    rounds = dict(zip(keys, medians.tolist()))
+    rows = []
+    for label, devices in given.items():
+        detected = {k: timed_price_s(devices, k[0], k[1], world) for k in keys}
+        ratio = statistics.geometric_mean([rounds[k] / detected[k] for k in keys])
+        rows.append({"devices": label, "plan": PROBE, "rounds_s": rounds,
+                     "detected_s": detected, "ratio": ratio})
     return rows
 
 
@@ -153,7 +215,9 @@ def compile_cases(name: str, devices: Devices | None, optimizer: str, *, ranks_p
 
 def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, steps: int,
                      reference: tuple[nn.Module, tuple[Any, ...]] | None = None,
-                     warm_steps: int = 0) -> list[dict[str, Any]]:
+                     warm_steps: int = 0,
+                     probe: dict[tuple[str, int], list[float]] | None = None,
+                     ) -> list[dict[str, Any]]:
     """Each case's median step (the slowest rank's: every rank times the same steps) over
     ``rounds`` rounds of ``steps`` steps (after ``warm_steps`` untimed ones), the cases in turn
     within a round, the fastest and the slowest of its rounds' medians, and its peak; and this
@@ -163,7 +227,9 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
     slowest rank's). ``reference``: the plain model and its
     inputs, timed in the same rounds after the cases, without collectives; its row (plan
     ``REFERENCE``) holds what the profile predicts for it, the first case's computation and
-    optimizer step: how far the machine's speed moved between the profile and the rounds."""
+    optimizer step: how far the machine's speed moved between the profile and the rounds.
+    ``probe``: filled with the time of each of :func:`probe_runs`' collectives in every round
+    (this rank's), timed after the cases as ``detect`` times collectives."""
     if reference is not None:
         first = next(iter(cases.values()))[0].plan.prediction
         cases = {**cases, REFERENCE: reference}
@@ -173,6 +239,8 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
     times: dict[str, list[float]] = {label: [] for label in cases}
     firsts: dict[str, list[float]] = {label: [] for label in cases}  # the untimed first steps
     cpu: dict[str, list[tuple[float, float]]] = {label: [] for label in cases}
+    runs = probe_runs(torch.distributed.get_world_size()) if probe is not None else {}
+    a, b = detect.filler_operands(torch.device("cpu"))
     for r in range(rounds + 1):  # the first round warms up
         for label, (compiled, inputs) in cases.items():
             for k in range(warm_steps + steps):
@@ -189,6 +257,14 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
                     cpu[label].append(used)
                 elif r and k == 0:
                     firsts[label].append(elapsed)
+        if runs and r:
+            timed = detect._interleaved_times_s(
+                list(runs.values()), torch.device("cpu"), barrier=torch.distributed.barrier,
+                rounds=PROBE_ROUNDS, between=lambda: torch.mm(a, b), warmup=0,
+                calls=[detect._BACK_TO_BACK if n <= detect._BACK_TO_BACK_BYTES
+                       else detect._LARGE_BACK_TO_BACK for _, n in runs])
+            for key, t in zip(runs, timed):
+                probe.setdefault(key, []).append(t)
     rows = []
     for label, (compiled, inputs) in cases.items():
         opt = opts[label]
@@ -285,26 +361,33 @@ def main() -> None:
                      args.ranks_per_node or args.world_size, args.warm_steps,
                      timeout_s=1800)[0]
     print("| model | devices | plan | step ms predicted | measured | error | error at the "
-          "rounds' speed | rounds | peak MiB predicted | measured | error | predicted compute "
-          "/ comm (of it waits for the ranks) / optimizer / host ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "rounds' speed | and the collectives' | rounds | peak MiB predicted | measured | error "
+          "| predicted compute / comm (of it waits for the ranks) / optimizer / host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst_time = worst_memory = 0.0
-    within = within_at_speed = 0
+    within = within_at_speed = within_at_links = 0
     drift = [r for r in rows if (r["devices"], r["plan"]) == REFERENCE]
     speed = {r["model"]: r["measured_s"] / r["predicted_s"] for r in drift}
-    rows = [r for r in rows if (r["devices"], r["plan"]) != REFERENCE]
+    probes = [r for r in rows if r["plan"] == PROBE]
+    links = {(r["model"], r["devices"]): r["ratio"] for r in probes}
+    rows = [r for r in rows if (r["devices"], r["plan"]) != REFERENCE and r["plan"] != PROBE]
     for r in rows:
         measured = r["measured_s"]
         t_err = r["predicted_s"] / measured - 1
-        compute, _, optim, _ = r["predicted_parts_s"]
+        compute, comm, optim, _ = r["predicted_parts_s"]
         at_speed = r["predicted_s"] + (compute + optim) * (speed[r["model"]] - 1)
         s_err = at_speed / measured - 1
+        # the collectives at the rounds' speed too: their time, less the waits for the ranks
+        at_links = at_speed + (comm - r["predicted_waits_s"]) * (
+            links[r["model"], r["devices"]] - 1)
+        l_err = at_links / measured - 1
         m_err = r["predicted_bytes"] / r["measured_bytes"] - 1
         worst_time, worst_memory = max(worst_time, abs(t_err)), max(worst_memory, abs(m_err))
         within += abs(t_err) <= 0.15
         within_at_speed += abs(s_err) <= 0.15
+        within_at_links += abs(l_err) <= 0.15
         print(f"| {r['model']} | {r['devices']} | {r['plan']} | {r['predicted_s'] * 1e3:.2f} | "
-              f"{r['measured_s'] * 1e3:.2f} | {t_err:+.1%} | {s_err:+.1%} | "
+              f"{r['measured_s'] * 1e3:.2f} | {t_err:+.1%} | {s_err:+.1%} | {l_err:+.1%} | "
               f"{' to '.join(f'{x / measured - 1:+.0%}' for x in r['rounds_s'])} | "
               f"{r['predicted_bytes'] / 2**20:.2f} | "
               f"{r['measured_bytes'] / 2**20:.2f} | {m_err:+.1%} | "
@@ -317,16 +400,34 @@ def main() -> None:
         print(f"| {r['model']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
               f"{r['predicted_s'] / r['measured_s']:.2f} |")
     print()
+    print(probe_table(probes))
+    print()
     print(where_the_step_goes(rows, drift, args.world_size))
     twins = twin_spreads(rows)
     print(json.dumps({"world_size": args.world_size, "ranks_per_node": args.ranks_per_node,
                       "optimizer": args.optimizer, "cases": len(rows),
                       "within_15_percent": within,
                       "within_15_percent_at_the_rounds_speed": within_at_speed,
+                      "within_15_percent_at_the_rounds_collective_speed_too": within_at_links,
                       "worst_time_error": round(worst_time, 4),
                       "worst_memory_error": round(worst_memory, 4),
                       "same_plan_timed_twice": len(twins),
                       "same_plan_worst_difference": round(max(twins, default=0.0), 4)}))
+
+
+def probe_table(probes: list[dict[str, Any]]) -> str:
+    """A table of each column's detected price of the world's collectives beside their time in
+    the rounds (ms), and the ratio the column "and the collectives'" scales the predicted
+    collectives by (rounds / detected, pooled)."""
+    keys = sorted(probes[0]["rounds_s"]) if probes else []
+    names = [f"{c.replace('_', '-')} {n // 2**20} MiB" for c, n in keys]
+    lines = ["| model | devices | " + " | ".join(f"{n}: detected / rounds" for n in names)
+             + " | rounds / detected |", "|---|---|" + "---|" * (len(keys) + 1)]
+    for r in probes:
+        cells = [f"{r['detected_s'][k] * 1e3:.2f} / {r['rounds_s'][k] * 1e3:.2f}" for k in keys]
+        lines.append(f"| {r['model']} | {r['devices']} | " + " | ".join(cells)
+                     + f" | {r['ratio']:.2f} |")
+    return "\n".join(lines)
 
 
 def twin_spreads(rows: list[dict[str, Any]]) -> list[float]:
