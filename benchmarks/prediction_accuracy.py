@@ -18,7 +18,13 @@ machine ran faster or slower while profiling than in the rounds, every plan's pr
 moves with it. The column "error at the rounds' speed" takes that out: the plan's predicted
 computation and optimizer step scaled by the plain model's measured / profiled step, the rest
 as predicted. It tells the cost models' own error from the machine's drift; the target is
-the column before it. A third table gives, for the plans compiled with ``detect_devices()``,
+the column before it. In every round, after the plans, the world's all-gather and
+reduce-scatter of 1 and 4 MiB are timed as ``detect`` times them, and a table puts their times
+in the rounds beside what each column's measurement priced them at; the column "and the
+collectives'" scales, beyond that, each plan's predicted collectives (less the waits for the
+ranks) by their rounds / detected ratio: what is left once the machine's drift in the
+collectives, between the measurement of the devices and the rounds, is taken out too. A
+further table gives, for the plans compiled with ``detect_devices()``,
 rank 0's CPU per step (``where_the_step_goes``): the thread that runs the step, what it uses
 beyond the plain model's (the runtime's work: its host time, its copies, its collectives'
 launches and waits; and what a plan adds to the computation, its recomputation) beside the
@@ -35,8 +41,9 @@ another plan's: each round first runs an untimed step of the plan and times the 
 it (the plain MLP's step measured closer to its profile so; the figures in
 ``docs/benchmarks.md``).
 
-Prints a Markdown table and, last, one JSON line with the worst absolute errors and how many
-plans are predicted within 15 % of their measured step (and how many at the rounds' speed).
+Prints Markdown tables and, last, one JSON line with the worst absolute errors and how many
+plans are predicted within 15 % of their measured step (and how many at the rounds' speed, and
+at the rounds' speed of the collectives too).
 The targets: memory within 10 %, step time within 15 %. The line also says how many plans
 compiled alike under both devices (the same ``Plan.hash()``) and so were timed twice in the
 same rounds, and the largest difference between a plan's two measured steps: how much of the
