@@ -268,8 +268,7 @@ def time_round_robin(cases: dict[str, Any], optimizer: str, *, rounds: int, step
             timed = detect._interleaved_times_s(
                 list(runs.values()), torch.device("cpu"), barrier=torch.distributed.barrier,
                 rounds=PROBE_ROUNDS, between=lambda: torch.mm(a, b), warmup=0,
-                calls=[detect._BACK_TO_BACK if n <= detect._BACK_TO_BACK_BYTES
-                       else detect._LARGE_BACK_TO_BACK for _, n in runs])
+                calls=[detect.calls_per_run(n) for _, n in runs])
             for key, t in zip(runs, timed):
                 probe.setdefault(key, []).append(t)
     rows = []

@@ -517,6 +517,12 @@ buffer (which a step's repeated sizes find freed by the step before), slower tha
 directly (``docs/cost-models.md``)."""
 
 
+def calls_per_run(nbytes: int) -> int:
+    """Calls of a collective of ``nbytes`` timed back to back after one barrier:
+    ``_BACK_TO_BACK`` up to ``_BACK_TO_BACK_BYTES``, ``_LARGE_BACK_TO_BACK`` above."""
+    return _BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES else _LARGE_BACK_TO_BACK
+
+
 def _matmul_flops_per_s(device: Any, barrier: Callable[[], object] | None = None) -> float:
     """Dense matmul throughput in the default dtype, every rank timing at once (after
     ``barrier``)."""
@@ -842,8 +848,7 @@ def _time_collectives(groups: Sequence[Any], device: Any, *, barrier: Callable[[
                 for collective, run in collective_runs(numel, size, name, device).items():
                     keys.append((index, collective, numel * 4))
                     runs.append(run)
-                    calls.append(_BACK_TO_BACK if nbytes <= _BACK_TO_BACK_BYTES
-                                 else _LARGE_BACK_TO_BACK)
+                    calls.append(calls_per_run(nbytes))
         if runs:
             times += _interleaved_times_s(runs, device, barrier=barrier,
                                           between=lambda: torch.mm(a, b),
