@@ -38,8 +38,11 @@ DIR``, within ``--budget-s``) measures three things:
    by category (collectives, copies and casts, views, optimizer, autograd, compute, other ops,
    and Python and dispatch outside ops), from ``torch.profiler``'s CPU self times over 3
    steps (``host_profile``). Then the same four under ``torch.compile`` (DDP and osdp-fx whole,
-   FSDP2 per block as torchtitan does), round-robin after 20 warm-up steps (osdp-fx's regions
-   choose compiled or eager in their first 19).
+   FSDP2 per block as torchtitan does), round-robin after 21 warm-up steps (osdp-fx's regions
+   choose compiled or eager in their first 19). Each system is built and warmed up in turn,
+   the ``full_shard`` pair first, and its row has both durations (torch.compile compiles in
+   the warm-up); a system whose turn comes when the budget is spent is left out, and the table
+   names it.
 
 Each part writes its rows as soon as it ends: ``DIR/gpu-check.md`` (the tables) and
 ``DIR/gpu-check.json``; a part that fails or runs out of ``--budget-s`` is recorded as such and
@@ -284,15 +287,16 @@ def compare(results: list[dict[str, Any]], ref: dict[str, Any], tol: dict[str, t
         loss_diff = (mean - expected).abs().max().item()
         (la, lr_), (pa, pr) = tol["loss"], tol["param"]
         loss_ok = bool(((mean - expected).abs() <= la + lr_ * expected.abs()).all())
-        param_diff, param_ok, worst = 0.0, True, ""
+        param_diff, param_ok, worst, where = 0.0, True, "", ()
         for r in per_rank:
             for key, value in ref["state"].items():
                 d = (r["state"][key].float() - value.float()).abs()
-                if d.max().item() > param_diff:
+                if d.numel() and d.max().item() > param_diff:
                     param_diff, worst = d.max().item(), key
+                    where = tuple(int(i) for i in torch.unravel_index(d.argmax(), d.shape))
                 param_ok &= bool((d <= pa + pr * value.float().abs()).all())
         rows[plan] = {"ok": loss_ok and param_ok, "loss_diff": loss_diff,
-                      "param_diff": param_diff, "worst_param": worst,
+                      "param_diff": param_diff, "worst_param": worst, "worst_index": where,
                       "strategies": per_rank[0]["strategies"]}
     return rows
 
@@ -554,8 +558,12 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
                  compiled_too: bool, deadline: float, partial: str) -> dict[str, Any]:
     """DDP, FSDP2, osdp-fx replicate and full_shard, eager, then under torch.compile; each
     eager system's row also has its host time per step by category (``"host_s"``,
-    :func:`host_profile`). What is measured so far is also written to ``partial`` (JSON) as
-    each half ends."""
+    :func:`host_profile`). Each system is built and warmed up in turn (``"build_s"`` and
+    ``"warmup_s"`` in its row: compile_osdp's seconds, and the warm-up steps', in which
+    torch.compile compiles), in the order of :func:`_system_builders`; a system whose turn
+    comes after ``deadline`` is left out (``"left_out"``), and the ones built are timed
+    round-robin. What is measured so far is also written to ``partial`` (JSON) as each half
+    ends."""
     import compare as bench
 
     device = _device_for(rank)
@@ -572,14 +580,30 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
         "memory_margin": devices.memory_margin}}
     for compiled in (False, True) if compiled_too else (False,):
         key = "compiled" if compiled else "eager"
-        if time.time() > deadline:  # wall clock: the deadline comes from the parent process
-            out[key] = {"error": "skipped: out of --budget-s"}
-            continue
+        half_start = time.perf_counter()
+        systems: list[Any] = []
         try:
-            systems = _systems(cfg, world, device, x, devices, compiled)
-            bench.time_round_robin(systems, rounds, warmup + (19 if compiled else 0))
+            left_out = []
+            for label, make in _system_builders(cfg, world, device, x, devices, compiled):
+                if _past(deadline):
+                    left_out.append(label)
+                    continue
+                t0 = time.perf_counter()
+                s = make()
+                t1 = time.perf_counter()
+                for _ in range(warmup + (19 if compiled else 0)):
+                    dist.barrier()
+                    s.timed_step()
+                s.info.update(build_s=t1 - t0, warmup_s=time.perf_counter() - t1)
+                systems.append(s)
+            if not systems:
+                out[key] = {"error": "skipped: out of --budget-s"}
+                continue
+            bench.time_round_robin(systems, rounds, 0)
             out[key] = [dict(s.row(world, cfg.batch), system=s.system, plan=s.plan)
                         for s in systems]
+            if left_out:
+                out[f"{key}_left_out"] = left_out
             if not compiled:  # after the timed rounds: the profiler slows the steps it sees
                 for s, row in zip(systems, out[key]):
                     try:
@@ -590,6 +614,8 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
                         row["host_s"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         except Exception as exc:  # noqa: BLE001 - the part's row says what failed
             out[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+        finally:
+            out[f"{key}_s"] = time.perf_counter() - half_start
         systems = []
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -597,8 +623,19 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
     return out
 
 
-def _systems(cfg: Any, world: int, device: torch.device, x: torch.Tensor, devices: Devices,
-             compiled: bool) -> list[Any]:
+def _past(deadline: float) -> bool:
+    """Whether the wall clock is past ``deadline`` (it comes from the parent process), as rank
+    0 sees it: every rank takes its answer, so that they build the same systems."""
+    answer = [time.time() > deadline]
+    dist.broadcast_object_list(answer, src=0)
+    return bool(answer[0])
+
+
+def _system_builders(cfg: Any, world: int, device: torch.device, x: torch.Tensor,
+                     devices: Devices, compiled: bool) -> list[tuple[str, Callable[[], Any]]]:
+    """Each system's label and a function that builds it, in the order they are built: the
+    ``full_shard`` pair first, then the ``replicate`` pair, then the block buckets (a half that
+    runs out of time keeps whole pairs where it can)."""
     import compare as bench
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -606,32 +643,46 @@ def _systems(cfg: Any, world: int, device: torch.device, x: torch.Tensor, device
 
     wrap: Callable[[torch.nn.Module], torch.nn.Module] = torch.compile if compiled else (
         lambda m: m)
-    ddp = DDP(bench.build_model(cfg, device),
-              device_ids=[device.index] if device.type == "cuda" else None)
-    systems = [bench.System("DDP (autocast bf16)", "-", wrap(Autocast(ddp)), x, device)]
-    fsdp = bench.build_model(cfg, device)
-    mesh = init_device_mesh(device.type, (world,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in fsdp.model.blocks:
-        if compiled:
-            block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(fsdp, mesh=mesh, mp_policy=policy)
-    systems.append(bench.System("FSDP2 (bf16)", "-", fsdp, x, device))
-    block_buckets = Path(tempfile.mkdtemp()) / "full_shard_blocks.json"
-    block_buckets.write_text(json.dumps(BLOCK_BUCKETS_PLAN))
-    for label, plan in (("replicate", "replicate"), ("full_shard", "full_shard"),
-                        (BLOCK_BUCKETS, str(block_buckets))):
-        osdp = compile_osdp(bench.build_model(cfg, device), (x,), devices, plan=plan,
-                            mixed_precision="bf16", optimizer="adamw")
-        s = bench.System("osdp-fx (bf16)", label, wrap(osdp), x, device)
-        pred = osdp.plan.prediction
-        s.info.update(predicted_step_s=osdp.plan.step_time_s,
-                      predicted_peak_bytes=osdp.plan.peak_memory_bytes,
-                      predicted_phases_s=[pred.compute_s, pred.comm_s, pred.optim_s, pred.host_s],
-                      gather_bucket_bytes=osdp.plan.schedule.gather_bucket_bytes)
-        systems.append(s)
-    return systems
+
+    def ddp() -> Any:
+        model = DDP(bench.build_model(cfg, device),
+                    device_ids=[device.index] if device.type == "cuda" else None)
+        return bench.System("DDP (autocast bf16)", "-", wrap(Autocast(model)), x, device)
+
+    def fsdp2() -> Any:
+        model = bench.build_model(cfg, device)
+        mesh = init_device_mesh(device.type, (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.model.blocks:
+            if compiled:
+                block.compile()
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return bench.System("FSDP2 (bf16)", "-", model, x, device)
+
+    def osdp(label: str, plan: str) -> Callable[[], Any]:
+        def make() -> Any:
+            if plan == BLOCK_BUCKETS:
+                path = Path(tempfile.mkdtemp()) / "full_shard_blocks.json"
+                path.write_text(json.dumps(BLOCK_BUCKETS_PLAN))
+                named: str = str(path)
+            else:
+                named = plan
+            model = compile_osdp(bench.build_model(cfg, device), (x,), devices, plan=named,
+                                 mixed_precision="bf16", optimizer="adamw")
+            s = bench.System("osdp-fx (bf16)", label, wrap(model), x, device)
+            pred = model.plan.prediction
+            s.info.update(predicted_step_s=model.plan.step_time_s,
+                          predicted_peak_bytes=model.plan.peak_memory_bytes,
+                          predicted_phases_s=[pred.compute_s, pred.comm_s, pred.optim_s,
+                                              pred.host_s],
+                          gather_bucket_bytes=model.plan.schedule.gather_bucket_bytes)
+            return s
+        return make
+
+    return [("FSDP2 (bf16)", fsdp2), ("osdp-fx full_shard", osdp("full_shard", "full_shard")),
+            ("DDP (autocast bf16)", ddp), ("osdp-fx replicate", osdp("replicate", "replicate")),
+            (f"osdp-fx {BLOCK_BUCKETS}", osdp(BLOCK_BUCKETS, BLOCK_BUCKETS))]
 
 
 BLOCK_BUCKETS = "full_shard, block buckets"
@@ -758,8 +809,11 @@ def parity_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _worst(row: dict[str, Any]) -> str:
-    """The parameter of the largest difference, where a parity row fails."""
-    return f" ({row['worst_param']})" if not row["ok"] and row.get("worst_param") else ""
+    """The parameter and element of the largest difference, where a parity row fails."""
+    if row["ok"] or not row.get("worst_param"):
+        return ""
+    index = row.get("worst_index")
+    return f" ({row['worst_param']}{list(index) if index else ''})"
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -809,8 +863,9 @@ def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
     """Median step times; each osdp-fx plan against its baseline (``baseline[plan]``)."""
     by_name = {r["system"]: r for r in rows}
     lines = ["| system | plan | step (ms) | fwd / bwd / opt (ms) | predicted (ms): compute / "
-             "comm / optimizer / runtime host | predicted / measured | vs baseline |",
-             "|---|---|---|---|---|---|---|"]
+             "comm / optimizer / runtime host | predicted / measured | vs baseline | build / "
+             "warm-up (s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = by_name.get(baseline.get(r["plan"], ""))
         ratio = f"{r['step_s'] / base['step_s']:.3f}x {base['system'].split()[0]}" if (
@@ -822,7 +877,8 @@ def time_table(rows: list[dict[str, Any]], baseline: dict[str, str]) -> str:
                     else "")
         lines.append(f"| {r['system']} | {r['plan']} | {r['step_s'] * 1e3:.1f} | "
                      f"{r['forward_s'] * 1e3:.1f} / {r['backward_s'] * 1e3:.1f} / "
-                     f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {accuracy} | {ratio} |")
+                     f"{r['optimizer_s'] * 1e3:.1f} | {pred} | {accuracy} | {ratio} | "
+                     f"{r.get('build_s', 0):.0f} / {r.get('warmup_s', 0):.0f} |")
     return "\n".join(lines)
 
 
@@ -875,7 +931,11 @@ def markdown(data: dict[str, Any]) -> str:
             text += [f"detect_devices ({value['detect_s']:.0f} s): {value['devices']}", ""]
             for key in ("eager", "compiled"):
                 if key in value:
-                    text += [f"### {key}", ""]
+                    took = f" ({value[key + '_s']:.0f} s)" if key + "_s" in value else ""
+                    text += [f"### {key}{took}", ""]
+                    if value.get(f"{key}_left_out"):
+                        text += ["Left out, out of the budget: "
+                                 f"{', '.join(value[key + '_left_out'])}.", ""]
                     text += [f"failed: {_part(value[key])}" if _part(value[key]) else time_table(
                         value[key], {"replicate": "DDP (autocast bf16)",
                                      "full_shard": "FSDP2 (bf16)",

@@ -35,6 +35,19 @@ def test_compare_flags_loss_and_parameter_differences():
         "ok": False, "error": "no plan fits"}
 
 
+def test_a_failed_parity_row_names_its_worst_element():
+    ref = {"losses": [2.0], "state": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}}
+    off = torch.zeros(2, 3)
+    off[1, 2] = 1e-2
+    runs = [{plan: {"losses": [2.0], "state": {"w": off, "b": torch.zeros(3)},
+                    "strategies": {"replicate": 2}} for plan in gpu_check.PLANS}]
+    row = gpu_check.compare(runs, ref, gpu_check.BF16_TOL)["replicate"]
+    assert not row["ok"] and row["worst_param"] == "w" and row["worst_index"] == (1, 2)
+    table = gpu_check.parity_table([{**row, "model": "phi3", "precision": "bf16", "world": 1,
+                                     "backend": "nccl", "plan": "replicate"}])
+    assert "1.0e-02 (w[1, 2])" in table
+
+
 def _memory_row(predicted: int, measured: int, first: tuple[int, int] | None = None, *,
                 reserved: int | None = None, limit: int | None = None,
                 allocator: str = "default") -> dict:
