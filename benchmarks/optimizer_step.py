@@ -1,20 +1,26 @@
 """What an optimizer step costs over a compiled module's parameters, by the optimizer's
 implementation: torch's AdamW over the parameters as the module presents them (``DTensor``
-parameters under a plan that shards some, as FSDP2's), and over their local tensors.
+parameters under a plan that shards some, as FSDP2's), stepped as the module steps them and
+through DTensor's dispatch, and over their local tensors.
 
-A sharded plan's parameters are DTensors, so every operation of the optimizer's step goes
-through DTensor's dispatch; a plan that replicates every parameter presents plain tensors.
-This times ``optimizer.step()`` alone, with the gradients of one step in place, under each of
-torch's implementations (``foreach=False``, the default on the CPU; ``foreach=True``, the
-default on a GPU; ``fused=True``), over the parameters and over the same parameters' local
-tensors (``p.to_local()``, their gradients' local tensors as gradients: what an elementwise
-optimizer computes on each rank either way). Round-robin, the median of the rounds.
+A sharded plan's parameters are DTensors; torch's elementwise optimizers step them over their
+local tensors ([Note: local optimizer steps] in ``osdp_fx/runtime/local_step.py``), and
+``over_dtensors()`` makes every operation of the step go through DTensor's dispatch instead, as
+it would without that (as FSDP2's parameters step). A plan that replicates every parameter
+presents plain tensors. This times ``optimizer.step()`` alone, with the gradients of one step
+in place, under each of torch's implementations (``foreach=False``, the default on the CPU;
+``foreach=True``, the default on a GPU; ``fused=True``): over the parameters as the module
+steps them, over them through DTensor's dispatch, and over the same parameters' local tensors
+as plain parameters (``p.to_local()``, their gradients' local tensors as gradients: what an
+elementwise optimizer computes on each rank either way). Round-robin, the median of the
+rounds.
 
     python benchmarks/optimizer_step.py [--plan full_shard] [--depth 8] [--dim 64]
         [--rounds 30] [--world-size 1]
 
-Prints one row per implementation: milliseconds per step over the parameters and over their
-local tensors, and the difference per parameter in microseconds.
+Prints one row per implementation: milliseconds per step each way, and per parameter in
+microseconds what the module's step and the step through DTensor's dispatch take beyond the
+plain local tensors'.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from osdp_fx.runtime.launch import run_world  # noqa: E402
+from osdp_fx.runtime.local_step import over_dtensors  # noqa: E402
 
+WAYS = ("as the module steps", "through DTensor's dispatch", "over local tensors")
+"""The ways each implementation is timed (:func:`time_steps`)."""
 IMPLEMENTATIONS = {"foreach=False": {"foreach": False}, "foreach=True": {"foreach": True},
                    "fused=True": {"fused": True}}
 """The AdamW implementations timed, and the arguments that choose each."""
@@ -56,8 +65,8 @@ def _locals(params: list[torch.Tensor]) -> list[torch.Tensor]:
 def time_steps(rank: int, world: int, plan: str, depth: int, dim: int,
                rounds: int) -> dict[str, Any]:
     """On each rank: the compare.py GPT compiled under ``plan``, one step for its gradients,
-    then each implementation's step over the parameters and over their local tensors,
-    round-robin; the medians in seconds (rank 0's)."""
+    then each implementation's step each way of :data:`WAYS`, round-robin; the medians in
+    seconds (rank 0's)."""
     import compare as bench
 
     from osdp_fx import compile_osdp
@@ -70,7 +79,7 @@ def time_steps(rank: int, world: int, plan: str, depth: int, dim: int,
     params = [p for p in model.parameters() if p.grad is not None]
     steps = {}
     for name, kwargs in IMPLEMENTATIONS.items():
-        for where, tensors in (("parameters", params), ("local tensors", _locals(params))):
+        for where, tensors in zip(WAYS, (params, params, _locals(params))):
             try:
                 steps[(name, where)] = torch.optim.AdamW(tensors, lr=1e-4, **kwargs)
             except RuntimeError as exc:  # an implementation this device lacks
@@ -83,7 +92,11 @@ def time_steps(rank: int, world: int, plan: str, depth: int, dim: int,
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            steps[key].step()
+            if key[1] == WAYS[1]:
+                with over_dtensors():
+                    steps[key].step()
+            else:
+                steps[key].step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if r >= 2:  # the first two create the state
@@ -108,16 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     n = out["params"]
     print(f"{args.plan}, {n} parameters ({'DTensor' if out['dtensor'] else 'plain tensors'}), "
           f"world {args.world_size}, median of {args.rounds} rounds")
-    print("| AdamW | over the parameters (ms) | over their local tensors (ms) | "
-          "difference per parameter (us) |")
-    print("|---|---|---|---|")
+    print("| AdamW | " + " | ".join(f"{w} (ms)" for w in WAYS) + " | beyond the local "
+          "tensors, per parameter (us): as the module steps / through DTensor's dispatch |")
+    print("|---|---|---|---|---|")
     for name in IMPLEMENTATIONS:
-        a = out["medians"].get(f"{name} / parameters")
-        b = out["medians"].get(f"{name} / local tensors")
-        if a is None or b is None:
-            print(f"| {name} | {out['failed'].get(f'{name} / parameters', 'not run')} | | |")
+        t = [out["medians"].get(f"{name} / {w}") for w in WAYS]
+        if None in t:
+            failed = next((v for k, v in out["failed"].items() if k.startswith(name)), "")
+            print(f"| {name} | {failed or 'not run'} | | | |")
             continue
-        print(f"| {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {(a - b) / n * 1e6:.1f} |")
+        beyond = " / ".join(f"{(x - t[2]) / n * 1e6:.1f}" for x in t[:2])
+        print(f"| {name} | " + " | ".join(f"{x * 1e3:.2f}" for x in t) + f" | {beyond} |")
     return 0
 
 

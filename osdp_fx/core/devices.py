@@ -144,8 +144,10 @@ class Devices:
     Python), by optimizer kind; 0 for a kind missing here."""
     optimizer_sharded_tensor_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured fixed time per parameter tensor of an optimizer step over a sharded parameter
-    (a ``DTensor``, as the compiled module hands it to the optimizer: its dispatch runs Python
-    per operator), by optimizer kind; a kind missing here takes ``optimizer_tensor_time_s``."""
+    (a ``DTensor``, as the compiled module hands it to the optimizer: stepped over its local
+    tensor by torch's elementwise optimizers, [Note: local optimizer steps] in
+    ``runtime/local_step.py``, through DTensor's dispatch by others), by optimizer kind; a kind
+    missing here takes ``optimizer_tensor_time_s``."""
     param_host_time_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Measured host time the runtime spends per parameter group per step, beyond the time of
     its collectives and of the operators that read it, by strategy (``"replicate"``,

@@ -262,7 +262,8 @@ def group_cost(
 # strategy) and charged to the group (``GroupCost.host_s``), and so is what it spends per gather
 # bucket (``Devices.bucket_host_time_s``: its collectives' launch and completion), once per
 # bucket (its first member's); the optimizer's per-tensor time
-# over sharded parameters (DTensors) is measured apart (``optimizer_sharded_tensor_time_s``),
+# over sharded parameters (DTensors, stepped over their local tensors where [Note: local
+# optimizer steps] applies) is measured apart (``optimizer_sharded_tensor_time_s``),
 # and charged to a replicated group too where the plan shards others: the compiled module then
 # hands it to the optimizer as a ``Replicate()`` DTensor (``runtime/sharded.py``), and what
 # the runtime spends on such a group besides (the hook that makes its gradient a DTensor,

@@ -112,8 +112,9 @@ def sharded_optimizer_tensor_times(
     device: Any = "cpu",
 ) -> list[float]:
     """Per optimizer kind, the step time per tensor over 64 small sharded parameters (DTensors
-    on ``device``, as the compiled module hands them to the optimizer: on a GPU its default
-    foreach step); ``times`` as in :func:`runtime_host_times`."""
+    on ``device``, as the compiled module hands them to the optimizer, stepped as it steps
+    them: [Note: local optimizer steps]; on a GPU its default foreach step); ``times`` as in
+    :func:`runtime_host_times`."""
     import torch
 
     from ..runtime.params import make_shard

@@ -32,6 +32,7 @@ from ..core.layout import ShardLayout, SplitSpec, shard_layout
 from ..core.strategies import traits
 from ..plan.plan import Plan
 from .hierarchy import checkpoint_mesh
+from .local_step import adopt
 from .params import make_shard
 from .regather import gather_full
 from .sharded import (
@@ -189,9 +190,9 @@ class ParamTable:
                 first.strategy, world_size=self.plan.world_size,
                 ranks_per_node=self.plan.ranks_per_node, device_type=local.device.type)
             strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-            param = nn.Parameter(DTensor.from_local(
+            param = adopt(nn.Parameter(DTensor.from_local(
                 local, mesh, placements, shape=torch.Size(shape), stride=strides,
-                run_check=False), requires_grad=requires_grad)
+                run_check=False), requires_grad=requires_grad))
         elif replicas:
             param = as_replicated(nn.Parameter(local, requires_grad=requires_grad),
                                   world_size=self.plan.world_size)

@@ -64,6 +64,7 @@ from torch import nn
 from ..core.layout import row_numel, shard_layout, shard_numel
 from .collectives import pad_flat
 from .hierarchy import checkpoint_mesh
+from .local_step import adopt
 from .memory import note_resized
 
 
@@ -153,7 +154,7 @@ def as_dtensor(flat: torch.Tensor, shape: tuple[int, ...], strategy: str, *, wor
                                             stride=strides, run_check=False),
                          requires_grad=requires_grad)
     setattr(param, _PADDED, data.numel())
-    return param
+    return adopt(param)
 
 
 _PADDED = "_osdp_padded_numel"
@@ -168,9 +169,9 @@ def as_replicated(param: nn.Parameter, *, world_size: int) -> nn.Parameter:
     data = param.detach()
     mesh, placements = checkpoint_mesh("replicate", world_size=world_size, ranks_per_node=None,
                                        device_type=data.device.type)
-    return nn.Parameter(DTensor.from_local(data, mesh, placements, shape=data.shape,
-                                           stride=data.stride(), run_check=False),
-                        requires_grad=param.requires_grad)
+    return adopt(nn.Parameter(DTensor.from_local(data, mesh, placements, shape=data.shape,
+                                                 stride=data.stride(), run_check=False),
+                              requires_grad=param.requires_grad))
 
 
 def local_param(param: torch.Tensor) -> torch.Tensor:
