@@ -180,7 +180,8 @@ def compile_osdp(
     world_size = _world_size(devices)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     with progress.stage("capture", log, times):
-        captured, inputs, device = _capture(target, inputs, on_meta=on_meta, model=model)
+        captured, inputs, device = _capture(target, inputs, on_meta=on_meta, model=model,
+                                            precision=setting.precision)
     given = devices
     devices = devices_for(given, world_size=world_size, memory_limit_bytes=limit,
                           ranks_per_node=ranks_per_node_for(given, world_size), device=device)
@@ -259,16 +260,20 @@ def _world_size(devices: Devices | None) -> int:
     return size
 
 
-def _capture(target: nn.Module, inputs: tuple[Any, ...], *, on_meta: bool,
-             model: nn.Module) -> tuple[Captured, tuple[Any, ...], torch.device]:
+def _capture(target: nn.Module, inputs: tuple[Any, ...], *, on_meta: bool, model: nn.Module,
+             precision: MixedPrecision | None,
+             ) -> tuple[Captured, tuple[Any, ...], torch.device]:
     """The captured graph, the inputs it was captured with, and the device the model runs on.
     A model on the meta device is captured and planned there; its values come after
-    sharding (``training/materialize.py``)."""
+    sharding (``training/materialize.py``). Under mixed ``precision`` capture learns what its
+    conversions mean in the compute dtype."""
+    dtype = precision.param_dtype if precision is not None else None
     if on_meta:
         device = materialize_device(inputs)
         inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-        return capture(target, inputs, device=device), inputs, device
-    return capture(target, inputs, device="cpu"), inputs, model_device(model, inputs)
+        return capture(target, inputs, device=device, compute_dtype=dtype), inputs, device
+    return (capture(target, inputs, device="cpu", compute_dtype=dtype), inputs,
+            model_device(model, inputs))
 
 
 def _cached_plan(plan_cache: Any, request: PlanRequest, captured: Captured,

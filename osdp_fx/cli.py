@@ -163,11 +163,12 @@ def plan_command(args: argparse.Namespace) -> int:
         print("note: no --devices: planning for Devices() defaults (1e11 FLOP/s, CPU-like); "
               "describe the GPUs with --devices NAME (python -m osdp_fx devices) or a Devices "
               "JSON", file=sys.stderr)
+    precision = resolve_mixed_precision(args.mixed_precision)
     with progress.task("capture"):
-        captured = capture(model, inputs)
+        captured = capture(model, inputs,
+                           compute_dtype=precision.param_dtype if precision else None)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
-    setting = StepSetting(devices, optimizer=args.optimizer,
-                          precision=resolve_mixed_precision(args.mixed_precision))
+    setting = StepSetting(devices, optimizer=args.optimizer, precision=precision)
     with progress.task("plan (profile, search)"):
         planned = plan_model(captured, inputs, None, setting, SearchOptions(
             fake=fake, batch_sizes=tuple(batch_sizes) if batch_sizes else None,

@@ -69,3 +69,18 @@ def cast_input(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.to(dtype)
     return value
+
+
+CONVERSIONS = frozenset({torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
+                         torch.ops.aten.to.device, torch.ops.aten._to_copy.default})
+"""The ATen conversions a graph captured by torch.export holds (``x.to(...)``, ``x.float()``)."""
+
+
+def conversion_dtype(node: Any) -> torch.dtype | None:
+    """The dtype a conversion node of :data:`CONVERSIONS` converts to, if it names one."""
+    if node.target in (torch.ops.aten.to.dtype, torch.ops.aten.to.device):
+        index = 1 if node.target is torch.ops.aten.to.dtype else 2
+        if len(node.args) > index and isinstance(node.args[index], torch.dtype):
+            return node.args[index]
+        return node.kwargs.get("dtype")
+    return node.kwargs.get("dtype")

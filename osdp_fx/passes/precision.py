@@ -33,7 +33,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..core.node_meta import NodeRole, osdp_meta, set_osdp_meta
-from ..core.precision import cast_input, cast_param
+from ..core.precision import CONVERSIONS, cast_input, cast_param, conversion_dtype
 from .pipeline import GraphPass
 from .quantized import reads_stored_dtype
 
@@ -94,12 +94,22 @@ def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
     """Make the traced conversions of ``gm`` and its nested regions that meant the compute dtype
     convert to ``dtype`` ([Note: conversions in low precision]); returns how many there were."""
     flow = _LowPrecisionFlow(gm)
-    retarget = [(owner, node) for owner, node in flow.nodes()
-                if _converts_to_its_params_dtype(gm, node)
-                or (_traced_as_same_dtype_conversion(node) and flow.meant_compute_dtype(node))]
+    decided = [(owner, node) for owner, node in flow.nodes()
+               if osdp_meta(node).converts_to_compute_dtype is not None]
+    if decided:  # capture's second trace, in the compute dtype, decided each conversion
+        retarget = [(owner, node) for owner, node in decided
+                    if osdp_meta(node).converts_to_compute_dtype
+                    and conversion_dtype(node) != dtype]
+    else:
+        retarget = [(owner, node) for owner, node in flow.nodes()
+                    if _converts_to_its_params_dtype(gm, node)
+                    or (_traced_as_same_dtype_conversion(node)
+                        and flow.meant_compute_dtype(node))]
     for _, node in retarget:
         if node.target is torch.ops.aten.to.dtype:
             node.args = (node.args[0], dtype, *node.args[2:])
+        elif node.target is torch.ops.aten.to.device and len(node.args) > 2:
+            node.args = (*node.args[:2], dtype, *node.args[3:])
         else:
             node.kwargs = {**node.kwargs, "dtype": dtype}
     for owner in {owner for owner, _ in retarget}:
@@ -111,9 +121,28 @@ def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
 # Note [conversions in low precision]
 # torch.export traces in float32, where ``x.to(x.dtype)`` and an explicit ``x.float()`` are
 # traced alike, as ``to(x, float32)`` of a float32 ``x``. Under mixed precision the parameters and
-# floating inputs arrive in the compute dtype, and such a conversion is given the dtype it meant:
-# - of a value computed from them (in the compute dtype): the compute dtype (a Hugging Face
-#   RMSNorm's ``.to(input_dtype)``, its rotary embedding's ``cos.to(x.dtype)`` where ``x`` is);
+# floating inputs arrive in the compute dtype, and each such conversion must convert to the
+# dtype it meant: a Hugging Face RMSNorm's ``hidden_states.to(torch.float32)`` and its loss's
+# ``logits.float()`` to float32 (the norm's statistics and the cross-entropy computed in float32,
+# as the model computes them under FSDP2's mixed precision), its ``.to(input_dtype)`` and its
+# rotary embedding's ``cos.to(x.dtype)`` to the compute dtype.
+#
+# Where compile_osdp captures for mixed precision, capture traces the model a second time with
+# its floating parameters and inputs in the compute dtype (buffers as they are, as FSDP2 leaves
+# them) and marks each conversion with whether it converted to the compute dtype there
+# (``OSDPNodeMeta.converts_to_compute_dtype``); this pass retargets the marked ones. That trace
+# is the model's own answer, whatever its code. The two traces are matched node by node
+# (``passes/capture.py``), and each node reads what it reads in the second: in float32
+# ``x.float()`` returns ``x`` itself, so the first trace's later reads of ``x`` read the
+# conversion (a Gemma RMSNorm's ``output.type_as(x)``). A conversion the second trace has not
+# (peft casts a LoRA layer's input to its adapters' dtype only where the two differ) converts
+# to its input's dtype there.
+#
+# Where there is no such mark (a graph captured without a compute dtype, or a second trace that
+# failed or differs from the first), the conversion is given a dtype by where its value comes
+# from. This misses explicit upcasts of computed values (an RMSNorm's statistics then run in
+# the compute dtype):
+# - of a value computed from them (in the compute dtype): the compute dtype;
 # - inside an autocast-disabled region (``torch.autocast(..., enabled=False)``, traced as
 #   ``wrap_with_autocast``): float32 as traced, the region asks for it;
 # - of a value computed from neither (a buffer such as a rotary embedding's ``inv_freq``, float
@@ -124,10 +153,6 @@ def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
 # ``wrap_with_autocast``): a region's operands are its body's placeholders and its body's outputs
 # the region's ``getitem``s. Which values are in the compute dtype is decided once, in graph
 # order, before any conversion of the third kind is retargeted.
-
-_CONVERSIONS = frozenset({torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
-                          torch.ops.aten.to.device, torch.ops.aten._to_copy.default})
-
 
 class _LowPrecisionFlow:
     """The values of a captured graph and of its nested regions that are in the compute dtype
@@ -177,8 +202,8 @@ class _LowPrecisionFlow:
             return _floating(node.args[0])
         if node.op != "call_function" or not _floating(node):
             return False
-        if node.target in _CONVERSIONS:
-            dtype = _conversion_dtype(node)
+        if node.target in CONVERSIONS:
+            dtype = conversion_dtype(node)
             if dtype is not None and dtype.is_floating_point and dtype.itemsize < 4:
                 return True
             return (not autocast_off and _traced_as_same_dtype_conversion(node)
@@ -216,7 +241,7 @@ class _LowPrecisionFlow:
         while frontier:
             for consumer in self._consumers(frontier.pop()):
                 if consumer in seen or (consumer.op == "call_function"
-                                        and consumer.target in _CONVERSIONS):
+                                        and consumer.target in CONVERSIONS):
                     continue
                 if any(a in self.low for a in consumer.all_input_nodes):
                     return True
@@ -262,16 +287,6 @@ def _floating(node: Any) -> bool:
         return True
     values = val if isinstance(val, (tuple, list)) else (val,)
     return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values)
-
-
-def _conversion_dtype(node: fx.Node) -> torch.dtype | None:
-    """The dtype a conversion node converts to, if it names one."""
-    if node.target in (torch.ops.aten.to.dtype, torch.ops.aten.to.device):
-        index = 1 if node.target is torch.ops.aten.to.dtype else 2
-        if len(node.args) > index and isinstance(node.args[index], torch.dtype):
-            return node.args[index]
-        return node.kwargs.get("dtype")
-    return node.kwargs.get("dtype")
 
 
 def _traced_as_same_dtype_conversion(node: fx.Node) -> bool:
