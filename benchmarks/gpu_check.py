@@ -38,8 +38,9 @@ DIR``, within ``--budget-s``) measures three things:
    by category (collectives, copies and casts, views, optimizer, autograd, compute, other ops,
    and Python and dispatch outside ops), from ``torch.profiler``'s CPU self times over 3
    steps (``host_profile``). Then the same four under ``torch.compile`` (DDP and osdp-fx whole,
-   FSDP2 per block as torchtitan does), round-robin after 21 warm-up steps (osdp-fx's regions
-   choose compiled or eager in their first 19). Each system is built and warmed up in turn,
+   FSDP2 per block as torchtitan does; ``--compiled full_shard``, the default with ``--quick``:
+   FSDP2 and osdp-fx ``full_shard`` alone), round-robin after 21 warm-up steps (osdp-fx's
+   regions choose compiled or eager in their first 19). Each system is built and warmed up in turn,
    the ``full_shard`` pair first, and its row has both durations (torch.compile compiles in
    the warm-up); a system whose turn comes when the budget is spent is left out, and the table
    names it.
@@ -48,8 +49,8 @@ Each part writes its rows as soon as it ends: ``DIR/gpu-check.md`` (the tables) 
 ``DIR/gpu-check.json``; a part that fails or runs out of ``--budget-s`` is recorded as such and
 the others still run. The time part waits for the others until ``--time-reserve-s`` of the
 budget is left; if some still run then, its table says it is not comparable. ``--quick`` keeps
-to one short budget: the memory part at world 1 only, and at world 2 the parity of the GPT and
-the Llama (:data:`QUICK_WORLD2_MODELS`). Exits non-zero when a parity check fails, a predicted
+to one short budget: the memory part at world 1 only, at world 2 the parity of the GPT and
+the Llama (:data:`QUICK_WORLD2_MODELS`), and under torch.compile the ``full_shard`` pair alone. Exits non-zero when a parity check fails, a predicted
 peak is off ``max_memory_allocated`` by more than +5 % / -10 %, or ``max_memory_reserved`` is
 above a plan's memory limit.
 
@@ -57,7 +58,7 @@ Without a GPU it prints that it has nothing to check; ``--cpu`` runs everything 
 tiny sizes (gloo for NCCL), which checks the script itself.
 
     python benchmarks/gpu_check.py [--quick] [--out-dir DIR] [--budget-s 450] [--cpu]
-        [--skip-parity] [--skip-memory] [--skip-time] [--skip-compile]
+        [--skip-parity] [--skip-memory] [--skip-time] [--skip-compile] [--compiled all]
         [--memory-models gpt,lora] [--parity-worlds 1,2] [--memory-worlds 1,2]
         [--parity-models ...] [--expandable-models gpt,lora] [--time-reserve-s 220]
 """
@@ -555,8 +556,9 @@ def host_profile(step: Callable[[], None], steps: int = 3,
 
 
 def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmup: int,
-                 compiled_too: bool, deadline: float, partial: str) -> dict[str, Any]:
-    """DDP, FSDP2, osdp-fx replicate and full_shard, eager, then under torch.compile; each
+                 compiled: str, deadline: float, partial: str) -> dict[str, Any]:
+    """DDP, FSDP2, osdp-fx replicate and full_shard, eager, then under torch.compile
+    (``compiled``: ``"all"`` of them, the ``"full_shard"`` pair alone, or ``"none"``); each
     eager system's row also has its host time per step by category (``"host_s"``,
     :func:`host_profile`). Each system is built and warmed up in turn (``"build_s"`` and
     ``"warmup_s"`` in its row: compile_osdp's seconds, and the warm-up steps', in which
@@ -578,20 +580,23 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
         "bf16_flops_per_s": devices.compute_flops_per_s_by_dtype.get("bfloat16"),
         "memory_bandwidth_bytes_per_s": devices.memory_bandwidth_bytes_per_s,
         "memory_margin": devices.memory_margin}}
-    for compiled in (False, True) if compiled_too else (False,):
-        key = "compiled" if compiled else "eager"
+    for under_compile in (False, True) if compiled != "none" else (False,):
+        key = "compiled" if under_compile else "eager"
         half_start = time.perf_counter()
         systems: list[Any] = []
         try:
             left_out = []
-            for label, make in _system_builders(cfg, world, device, x, devices, compiled):
+            builders = _system_builders(cfg, world, device, x, devices, under_compile)
+            if under_compile and compiled == "full_shard":
+                builders = builders[:2]
+            for label, make in builders:
                 if _past(deadline):
                     left_out.append(label)
                     continue
                 t0 = time.perf_counter()
                 s = make()
                 t1 = time.perf_counter()
-                for _ in range(warmup + (19 if compiled else 0)):
+                for _ in range(warmup + (19 if under_compile else 0)):
                     dist.barrier()
                     s.timed_step()
                 s.info.update(build_s=t1 - t0, warmup_s=time.perf_counter() - t1)
@@ -604,7 +609,7 @@ def time_systems(rank: int, world: int, size: dict[str, int], rounds: int, warmu
                         for s in systems]
             if left_out:
                 out[f"{key}_left_out"] = left_out
-            if not compiled:  # after the timed rounds: the profiler slows the steps it sees
+            if not under_compile:  # after the timed rounds: the profiler slows the steps
                 for s, row in zip(systems, out[key]):
                     try:
                         row["host_events"] = []
@@ -780,7 +785,8 @@ def run(args: argparse.Namespace) -> Report:
         partial = args.out_dir / "time-partial.json"
         try:
             value = run_world(1, time_systems, sizes["gpt"], args.rounds, 2,
-                              not args.skip_compile, time.time() + left() - 40.0,
+                              "none" if args.skip_compile else args.compiled,
+                              time.time() + left() - 40.0,
                               str(partial), backend=nccl(), timeout_s=left(),
                               collective_timeout_s=300.0)[0]
         except Exception as exc:  # noqa: BLE001 - keep what the world measured before it failed
@@ -963,6 +969,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--compiled", choices=("all", "full_shard"), default=None,
+                        help="the systems timed under torch.compile: all five, or the "
+                             "full_shard pair (FSDP2 and osdp-fx full_shard; the default "
+                             "with --quick)")
     parser.add_argument("--memory-steps", type=int, default=5)
     parser.add_argument("--parity-worlds", default="1,2",
                         help="the parity part's world sizes (comma-separated)")
@@ -981,6 +991,8 @@ def main(argv: list[str] | None = None) -> int:
         args.budget_s = 450.0 if args.quick else 1800.0
     if args.memory_worlds is None:
         args.memory_worlds = "1" if args.quick else "1,2"
+    if args.compiled is None:
+        args.compiled = "full_shard" if args.quick else "all"
     if not torch.cuda.is_available() and not args.cpu:
         print("gpu_check: no CUDA device (--cpu: a dry run of the script on the CPU)")
         return 0

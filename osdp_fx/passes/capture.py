@@ -421,9 +421,12 @@ def _reads_as(first: Any, second: Any, same_as: dict[fx.Node, set[fx.Node]]) -> 
 
 @contextlib.contextmanager
 def _parameters_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """``model``'s floating parameters as uninitialised tensors of ``dtype`` (their pages are
-    never written: tracing reads shapes and dtypes), restored on exit. A 4-bit layer's
-    parameters, read in their stored dtypes, stay."""
+    """``model``'s floating parameters holding uninitialised data of ``dtype`` on their device
+    (tracing reads shapes and dtypes alone: on the CPU those pages are never touched, on a GPU
+    they are held until the trace ends), their own data put back on exit. The parameters stay
+    the same objects, so ties and references hold; the device stays too, as a model's code may
+    take other paths on another. A 4-bit layer's parameters, read in their stored dtypes,
+    stay."""
     kept = {id(p) for m in model.modules() if isinstance(m, (BnbLinear4bit, AONF4Linear))
             for p in m.parameters()}
     swapped = [(p, p.data) for p in model.parameters()
