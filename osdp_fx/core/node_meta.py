@@ -119,10 +119,9 @@ class OSDPNodeMeta:
     profile: NodeProfile | None = None
     """Measured costs of this node, written by the profile pass (``passes/profile.py``)."""
     converts_to_compute_dtype: bool | None = None
-    """For a dtype conversion of a graph torch.export captured for mixed precision: whether it
-    converts to the compute dtype when the model runs with its floating parameters and inputs
-    in that dtype (capture's second trace, [Note: conversions in low precision] in
-    ``passes/precision.py``); None where that trace did not decide."""
+    """For a dtype conversion of a graph torch.export captured for mixed precision, traced with
+    the floating parameters and inputs in the compute dtype: whether it converts to that dtype
+    ([Note: conversions in low precision] in ``passes/precision.py``); None elsewhere."""
 
 
 def osdp_meta(node: fx.Node) -> OSDPNodeMeta:

@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from ..core.node_meta import NodeRole, set_osdp_meta
@@ -148,9 +147,9 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     ``NF4Tensor`` by an ``AONF4Linear`` (``passes/quantized.py``): the user's model holds them
     afterwards, and still runs eagerly with the same outputs.
 
-    ``compute_dtype``: the dtype mixed precision will compute in, if any. A graph captured by
-    torch.export is then traced a second time in that dtype, which marks what each of its dtype
-    conversions means ([Note: conversions in low precision], ``passes/precision.py``).
+    ``compute_dtype``: the dtype mixed precision will compute in, if any. torch.export then
+    traces the model with its floating parameters and inputs in that dtype, as it will compute
+    ([Note: conversions in low precision], ``passes/precision.py``).
     """
     if not isinstance(model, nn.Module):
         raise InputError(
@@ -163,13 +162,11 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     on_meta = is_on_meta(model)
     rejection = _rejection(model, example_inputs)
     if rejection is None:
-        gm, method = _trace(model, example_inputs)
+        gm, method = _trace(model, example_inputs, compute_dtype)
     elif on_meta:
-        gm, method = _export(model, example_inputs, rejection), "export"
+        gm, method = _export(model, example_inputs, rejection, compute_dtype), "export"
     else:
         raise rejection
-    if compute_dtype is not None and method == "export":
-        _mark_conversions(gm, model, example_inputs, compute_dtype)
     if on_meta and method == "export":
         _retarget_meta_device(gm, torch.device(device))
     captured = _normalize(model, gm, method)
@@ -261,7 +258,8 @@ def _describe(inputs: tuple[Any, ...]) -> str:
     return ", ".join(parts) or "no inputs"
 
 
-def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> tuple[fx.GraphModule, str]:
+def _trace(model: nn.Module, example_inputs: tuple[Any, ...],
+           compute_dtype: torch.dtype | None) -> tuple[fx.GraphModule, str]:
     try:
         tracer = _ParamTracer()
         graph = tracer.trace(model)
@@ -271,7 +269,7 @@ def _trace(model: nn.Module, example_inputs: tuple[Any, ...]) -> tuple[fx.GraphM
         fx_reason = _reason(exc)
         log.info("symbolic_trace failed (%s); trying torch.export", fx_reason)
     try:
-        return _export_module(model, example_inputs), "export"
+        return _export_in(model, example_inputs, compute_dtype), "export"
     except Exception as exc:
         raise CaptureError(
             f"could not capture {type(model).__name__} as a graph.\n"
@@ -289,12 +287,12 @@ _CACHE_FIX = (
     "compile_osdp (or pass use_cache=False in example_kwargs and in every call).")
 
 
-def _export(model: nn.Module, example_inputs: tuple[Any, ...],
-            rejection: InputError) -> fx.GraphModule:
+def _export(model: nn.Module, example_inputs: tuple[Any, ...], rejection: InputError,
+            compute_dtype: torch.dtype | None) -> fx.GraphModule:
     """Capture a meta-device model that cannot run eagerly with torch.export; if export fails
     too, the inputs (or the model's use of values) are the problem: raise ``rejection``."""
     try:
-        return _export_module(model, example_inputs)
+        return _export_in(model, example_inputs, compute_dtype)
     except Exception as exc:
         raise InputError(f"{rejection}; torch.export failed too: {_reason(exc)}") from exc
 
@@ -317,106 +315,31 @@ def _export_module(model: nn.Module, example_inputs: tuple[Any, ...]) -> fx.Grap
     return gm
 
 
-def _mark_conversions(gm: fx.GraphModule, model: nn.Module, example_inputs: tuple[Any, ...],
-                      dtype: torch.dtype) -> int:
-    """Mark each dtype conversion of ``gm`` (torch.export's graph of ``model``, nested regions
-    included) with whether it converts to ``dtype`` when ``model`` runs with its floating
-    parameters and inputs in ``dtype``, and let the nodes read the values they read there: a
-    second export in that dtype, matched to ``gm`` node by node ([Note: conversions in low
-    precision], ``passes/precision.py``). Returns how many conversions were marked: none, and
-    ``gm`` unchanged, where the second export fails or differs from ``gm`` by more than the
-    conversions it did not need."""
-    inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                   for x in example_inputs)
-    try:
-        with _parameters_in(model, dtype):
-            second = _export_module(model, inputs)
-    except Exception as exc:  # the conversions keep the pass's other rules
-        log.info("the second trace in %s failed (%s)", dtype, _reason(exc))
-        return 0
-    graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
-    seconds = [m for m in second.modules() if isinstance(m, fx.GraphModule)]
-    matched = _match(graphs, seconds) if len(graphs) == len(seconds) else None
-    if matched is None:
-        log.info("the second trace in %s differs from the first: its conversions are not "
-                 "marked", dtype)
-        return 0
-    rewired, marks = matched
-    for node, args, kwargs in rewired:
-        node.args, node.kwargs = args, kwargs
-    for node, mark in marks.items():
-        set_osdp_meta(node, converts_to_compute_dtype=mark == dtype)
-    for module in graphs:
-        module.graph.lint()
-        module.recompile()
-    return len(marks)
-
-
-def _match(graphs: list[fx.GraphModule], seconds: list[fx.GraphModule],
-           ) -> tuple[list[tuple[fx.Node, Any, Any]], dict[fx.Node, torch.dtype]] | None:
-    """The first trace's nodes (``graphs``) matched in order to the second's (``seconds``):
-    each matched node's arguments read as the second trace's do (:func:`_reads_as`), and the
-    dtype each conversion converts to in the second trace. A conversion the second trace has
-    not (its value was in the dtype asked for already: peft casts a LoRA layer's input to its
-    weights' dtype only where they differ) converts to its input's dtype there, and reading it
-    counts as reading its input. None where the traces differ otherwise."""
-    same_as: dict[fx.Node, set[fx.Node]] = {}  # a second-trace node -> its first-trace nodes
-    second_of: dict[fx.Node, fx.Node] = {}
-    rewired: list[tuple[fx.Node, Any, Any]] = []
-    marks: dict[fx.Node, torch.dtype | None] = {}
-    for first_graph, second_graph in zip(graphs, seconds):
-        others = list(second_graph.graph.nodes)
-        i = 0
-        for node in first_graph.graph.nodes:
-            traced = others[i] if i < len(others) else None
-            if traced is None or (node.op, node.target) != (traced.op, traced.target):
-                skipped = node.op == "call_function" and (
-                    node.target in CONVERSIONS
-                    or node.target is torch.ops.aten._assert_tensor_metadata.default)
-                if not skipped:
-                    return None
-                if node.target in CONVERSIONS:
-                    source = second_of.get(node.args[0])
-                    if source is None:
-                        return None
-                    same_as[source].add(node)
-                    second_of[node] = source
-                    val = source.meta.get("val")
-                    marks[node] = val.dtype if isinstance(val, torch.Tensor) else None
-                continue
-            i += 1
-            args = _reads_as(node.args, traced.args, same_as)
-            kwargs = _reads_as(node.kwargs, traced.kwargs, same_as)
-            if args is None or kwargs is None:
-                return None
-            same_as[traced], second_of[node] = {node}, traced
-            rewired.append((node, args, kwargs))
-            if node.op == "call_function" and node.target in CONVERSIONS:
-                marks[node] = conversion_dtype(traced)
-        if i != len(others):
-            return None
-    return rewired, marks
-
-
-def _reads_as(first: Any, second: Any, same_as: dict[fx.Node, set[fx.Node]]) -> Any:
-    """``first`` (a node's arguments in the first trace) reading, at each place, what ``second``
-    (the same node's arguments in the second trace) reads there; its other values stay. None
-    where the two differ in structure. In float32 ``x.float()`` returns ``x`` itself, so the
-    first trace's later reads of ``x`` read the conversion: a Gemma RMSNorm's
-    ``output.type_as(x)`` after ``x.float()``."""
-    first_leaves, first_spec = pytree.tree_flatten(first)
-    second_leaves, second_spec = pytree.tree_flatten(second)
-    if first_spec != second_spec:
-        return None
-    leaves = []
-    for a, b in zip(first_leaves, second_leaves):
-        if isinstance(a, fx.Node) != isinstance(b, fx.Node):
-            return None
-        if isinstance(b, fx.Node):
-            firsts = same_as[b]
-            a = a if a in firsts else next(iter(firsts))
-        leaves.append(a)
-    return pytree.tree_unflatten(leaves, first_spec)
+def _export_in(model: nn.Module, example_inputs: tuple[Any, ...],
+               compute_dtype: torch.dtype | None) -> fx.GraphModule:
+    """torch.export's graph of ``model``. Under mixed precision (``compute_dtype``) the model is
+    traced with its floating parameters and inputs in that dtype, as it will compute, and each
+    dtype conversion of the graph is marked with whether it converts to that dtype ([Note:
+    conversions in low precision], ``passes/precision.py``); where that trace fails, the model
+    is traced as it is, and the conversions take the precision pass's other rules."""
+    if compute_dtype is not None:
+        inputs = tuple(x.to(compute_dtype) if isinstance(x, torch.Tensor)
+                       and x.is_floating_point() else x for x in example_inputs)
+        try:
+            with _parameters_in(model, compute_dtype):
+                gm = _export_module(model, inputs)
+        except Exception as exc:  # noqa: BLE001 - traced as it is below
+            log.info("tracing in %s failed (%s); tracing the model as it is", compute_dtype,
+                     _reason(exc))
+        else:
+            for module in gm.modules():
+                if isinstance(module, fx.GraphModule):
+                    for node in module.graph.nodes:
+                        if node.op == "call_function" and node.target in CONVERSIONS:
+                            set_osdp_meta(node, converts_to_compute_dtype=(
+                                conversion_dtype(node) == compute_dtype))
+            return gm
+    return _export_module(model, example_inputs)
 
 
 @contextlib.contextmanager

@@ -3,11 +3,12 @@
 After every floating parameter's ``get_attr`` a ``cast_param`` node (role ``"cast"``) gives the
 parameter in the compute dtype to all its users; after every placeholder a ``cast_input`` node
 casts a floating input; the dtype assertions torch.export leaves in a graph
-(``aten._assert_tensor_metadata``) are removed. Run on the captured graph before profiling, so that the profile measures
-the low-precision computation. A parameter read only by a quantized op in its stored dtype (an
-NF4 weight's float32 scales, ``passes/quantized.py``'s ``reads_stored_dtype``) is not cast. The
-shard pass later folds a sharded parameter's cast into its
-all-gather (the shard is cast before it is gathered).
+(``aten._assert_tensor_metadata``) are removed; the graph's own dtype conversions convert to
+what they meant ([Note: conversions in low precision]). Run on the captured graph before
+profiling, so that the profile measures the low-precision computation. A parameter read only by
+a quantized op in its stored dtype (an NF4 weight's float32 scales, ``passes/quantized.py``'s
+``reads_stored_dtype``) is not cast. The shard pass later folds a sharded parameter's cast into
+its all-gather (the shard is cast before it is gathered).
 
 Before::
 
@@ -96,7 +97,7 @@ def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
     flow = _LowPrecisionFlow(gm)
     decided = [(owner, node) for owner, node in flow.nodes()
                if osdp_meta(node).converts_to_compute_dtype is not None]
-    if decided:  # capture's second trace, in the compute dtype, decided each conversion
+    if decided:  # traced in the compute dtype: each conversion is the model's own
         retarget = [(owner, node) for owner, node in decided
                     if osdp_meta(node).converts_to_compute_dtype
                     and conversion_dtype(node) != dtype]
@@ -119,36 +120,36 @@ def _retarget_traced_conversions(gm: fx.GraphModule, dtype: torch.dtype) -> int:
 
 
 # Note [conversions in low precision]
-# torch.export traces in float32, where ``x.to(x.dtype)`` and an explicit ``x.float()`` are
-# traced alike, as ``to(x, float32)`` of a float32 ``x``. Under mixed precision the parameters and
-# floating inputs arrive in the compute dtype, and each such conversion must convert to the
-# dtype it meant: a Hugging Face RMSNorm's ``hidden_states.to(torch.float32)`` and its loss's
-# ``logits.float()`` to float32 (the norm's statistics and the cross-entropy computed in float32,
-# as the model computes them under FSDP2's mixed precision), its ``.to(input_dtype)`` and its
-# rotary embedding's ``cos.to(x.dtype)`` to the compute dtype.
+# torch.export traces in the dtypes the model holds, float32, where ``x.to(x.dtype)`` and an
+# explicit ``x.float()`` are traced alike, as ``to(x, float32)`` of a float32 ``x``, and where
+# ``x.float()`` returns ``x`` itself, so that later reads of ``x`` read the conversion (a Gemma
+# RMSNorm's ``output.type_as(x)``). Under mixed precision the parameters and floating inputs
+# arrive in the compute dtype, and each conversion must convert to the dtype it meant: a Hugging
+# Face RMSNorm's ``hidden_states.to(torch.float32)`` and its loss's ``logits.float()`` to
+# float32 (the norm's statistics and the cross-entropy computed in float32, as the model
+# computes them under FSDP2's mixed precision), its ``.to(input_dtype)`` and its rotary
+# embedding's ``cos.to(x.dtype)`` to the compute dtype.
 #
-# Where compile_osdp captures for mixed precision, capture traces the model a second time with
-# its floating parameters and inputs in the compute dtype (buffers as they are, as FSDP2 leaves
-# them) and marks each conversion with whether it converted to the compute dtype there
-# (``OSDPNodeMeta.converts_to_compute_dtype``); this pass retargets the marked ones. That trace
-# is the model's own answer, whatever its code. The two traces are matched node by node
-# (``passes/capture.py``), and each node reads what it reads in the second: in float32
-# ``x.float()`` returns ``x`` itself, so the first trace's later reads of ``x`` read the
-# conversion (a Gemma RMSNorm's ``output.type_as(x)``). A conversion the second trace has not
-# (peft casts a LoRA layer's input to its adapters' dtype only where the two differ) converts
-# to its input's dtype there.
+# So where compile_osdp captures for mixed precision, torch.export traces the model with its
+# floating parameters and inputs in the compute dtype and its buffers as they are (as FSDP2
+# leaves them): the graph is the model's own in that dtype, whatever its code, and capture marks
+# each conversion with whether it converts to the compute dtype
+# (``OSDPNodeMeta.converts_to_compute_dtype``, ``passes/capture.py``). This pass retargets a
+# marked one only where the pass's dtype is another.
 #
-# Where there is no such mark (a graph captured without a compute dtype, or a second trace that
-# failed or differs from the first), the conversion is given a dtype by where its value comes
-# from. This misses explicit upcasts of computed values (an RMSNorm's statistics then run in
-# the compute dtype):
+# Where there is no such mark (a graph captured without a compute dtype, or a model whose trace
+# in the compute dtype failed, so that it was traced as it is), a float32 conversion traced as
+# float32 -> float32 is given a dtype by where its value comes from. This misses explicit
+# upcasts of computed values (an RMSNorm's statistics then run in the compute dtype):
 # - of a value computed from them (in the compute dtype): the compute dtype;
 # - inside an autocast-disabled region (``torch.autocast(..., enabled=False)``, traced as
 #   ``wrap_with_autocast``): float32 as traced, the region asks for it;
 # - of a value computed from neither (a buffer such as a rotary embedding's ``inv_freq``, float
 #   positions): float32 as traced, unless its result meets a value in the compute dtype before
 #   the next conversion (the rotary's cosines multiplied with the queries), when it meant the
-#   compute dtype.
+#   compute dtype;
+# and a conversion to the dtype of the parameters its users compute with (peft's LoRA layer
+# converts its input to ``lora_A.weight.dtype``) converts to the compute dtype.
 # Values flow through the regions export nests (``wrap_with_set_grad_enabled``,
 # ``wrap_with_autocast``): a region's operands are its body's placeholders and its body's outputs
 # the region's ``getitem``s. Which values are in the compute dtype is decided once, in graph
@@ -299,7 +300,8 @@ def _traced_as_same_dtype_conversion(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target not in (*_DTYPE_KWARG_CONVERSIONS,
                                                          torch.ops.aten.to.dtype):
         return False
-    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    first = node.args[0] if node.args else None
+    source = first.meta.get("val") if isinstance(first, fx.Node) else None
     dtype = (node.args[1] if node.target is torch.ops.aten.to.dtype and len(node.args) > 1
              else node.kwargs.get("dtype"))
     return (isinstance(source, torch.Tensor) and dtype is not None and source.dtype == dtype
