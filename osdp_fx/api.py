@@ -265,8 +265,8 @@ def _capture(target: nn.Module, inputs: tuple[Any, ...], *, on_meta: bool, model
              ) -> tuple[Captured, tuple[Any, ...], torch.device]:
     """The captured graph, the inputs it was captured with, and the device the model runs on.
     A model on the meta device is captured and planned there; its values come after
-    sharding (``training/materialize.py``). Under mixed ``precision`` capture learns what its
-    conversions mean in the compute dtype."""
+    sharding (``training/materialize.py``). Under mixed ``precision`` a model torch.export
+    captures is traced in the compute dtype."""
     dtype = precision.param_dtype if precision is not None else None
     if on_meta:
         device = materialize_device(inputs)

@@ -39,7 +39,7 @@ import torch
 from torch import fx, nn
 
 from ..core.node_meta import NodeRole, set_osdp_meta
-from ..core.precision import CONVERSIONS, conversion_dtype
+from ..core.precision import CONVERSIONS, cast_input, conversion_dtype
 from ..errors import CaptureError, InputError
 from .pipeline import properties
 from .quantized import (AONF4Linear, BnbLinear4bit, replace_ao_nf4_linears,
@@ -323,8 +323,7 @@ def _export_in(model: nn.Module, example_inputs: tuple[Any, ...],
     conversions in low precision], ``passes/precision.py``); where that trace fails, the model
     is traced as it is, and the conversions take the precision pass's other rules."""
     if compute_dtype is not None:
-        inputs = tuple(x.to(compute_dtype) if isinstance(x, torch.Tensor)
-                       and x.is_floating_point() else x for x in example_inputs)
+        inputs = tuple(cast_input(x, compute_dtype) for x in example_inputs)
         try:
             with _parameters_in(model, compute_dtype):
                 gm = _export_module(model, inputs)
